@@ -1,0 +1,36 @@
+# k3 — the two commands a new machine needs are `make demo` and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+K3 := $(VENV)/bin/k3
+DEMO_DIR ?= models/demo-tiny
+
+.PHONY: setup demo test test-long lint typecheck bench clean
+
+$(VENV)/.installed: pyproject.toml setup.py
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test]'
+	touch $@
+
+setup: $(VENV)/.installed
+
+## demo: set up, write the embedded default model (random weights) and generate from it
+demo: setup
+	$(K3) synth $(DEMO_DIR) --size tiny --seed 0
+	$(K3) run $(DEMO_DIR) --ids 3,7,11,5,9 --gen 8 --incremental
+
+## test: set up and run the default suite (under ~10 minutes on 2 cores)
+test: setup
+	$(PY) -m pytest -q
+
+## test-long: the slow tests and long fuzz runs
+test-long: setup
+	$(PY) -m pytest -q -m slow
+
+lint: setup
+	$(PY) -m ruff check k3core backends storage caches tests
+	$(PY) -m mypy k3core
+
+clean:
+	rm -rf $(VENV) build *.egg-info models

@@ -1,0 +1,1 @@
+"""Built-in expert-cache policies (import name ``k3_caches``)."""

@@ -1,0 +1,84 @@
+"""The one error type k3 raises on purpose, and the exit codes it maps to.
+
+Every refusal in k3 is a :class:`K3Error` (or a subclass) carrying a message meant for a
+person and an exit code from :class:`Exit`. The command line catches these and prints one
+line; anything else escaping is a bug. ``docs/exit-codes.md`` lists the families.
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+
+class Exit(IntEnum):
+    """Process exit codes (the reference engine's, kept so scripts can swap engines)."""
+
+    OK = 0
+    RUNTIME = 1  # a read, bind, allocation, memory-plan or forward-pass failure
+    USAGE = 2  # bad flags, untrusted config, impossible request, unavailable backend
+    OUTPUT = 3  # the run finished but an output file could not be written
+    DROPS = 4  # the run finished but at least one routed expert was dropped
+
+
+class K3Error(Exception):
+    """A refusal with a message for a person and an exit code."""
+
+    exit_code: Exit = Exit.RUNTIME
+
+    def __init__(self, message: str, *, exit_code: Exit | None = None, hint: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.hint = hint
+        if exit_code is not None:
+            self.exit_code = exit_code
+
+    def __str__(self) -> str:
+        return self.message if not self.hint else f"{self.message}\n  fix: {self.hint}"
+
+
+class UsageError(K3Error):
+    """Bad command-line input or an impossible request (exit 2)."""
+
+    exit_code = Exit.USAGE
+
+
+class ConfigError(K3Error):
+    """A config.json that cannot be read with confidence (exit 2)."""
+
+    exit_code = Exit.USAGE
+
+
+class PluginError(K3Error):
+    """Unknown, unavailable or conflicting plugin (exit 2)."""
+
+    exit_code = Exit.USAGE
+
+
+class CheckpointError(K3Error):
+    """A malformed, truncated or inconsistent checkpoint file (exit 1)."""
+
+    exit_code = Exit.RUNTIME
+
+
+class StorageError(K3Error):
+    """A failed, short or refused read (exit 1). A failed read is never handed on."""
+
+    exit_code = Exit.RUNTIME
+
+
+class MemoryPlanError(K3Error):
+    """The memory plan exceeds what the machine has (exit 1)."""
+
+    exit_code = Exit.RUNTIME
+
+
+class OutputError(K3Error):
+    """An output file could not be written (exit 3)."""
+
+    exit_code = Exit.OUTPUT
+
+
+class ExpertDropError(K3Error):
+    """A routed expert could not be loaded; the result would be corrupt (exit 4)."""
+
+    exit_code = Exit.DROPS

@@ -1,0 +1,215 @@
+"""The plugin registry: finds kernel, storage and cache plugins and resolves names.
+
+Rules (design section 2):
+
+* plugins come from the ``k3`` entry-point group; built-ins use the same group;
+* an unknown name is an error listing the registered names and a close match;
+* a registered but unavailable implementation is an error with the reason and the fix;
+* an explicit choice never falls back; only ``auto`` picks (highest available priority)
+  and says what it picked;
+* two plugins claiming one name is an error naming both;
+* ``K3_DISABLE_PLUGINS=1`` loads only the plugins shipped with k3 itself;
+  ``K3_DISABLE_BACKENDS=a,b`` marks those implementations unavailable (tests use it to
+  force the fallback paths).
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from dataclasses import dataclass, field
+from importlib import metadata
+from typing import Any
+
+import pluggy
+
+from k3core import hookspecs
+from k3core.errors import PluginError
+from k3core.specs import Availability, Kind, PluginSpec
+
+K3_DIST = "k3"
+HOOKS: dict[Kind, str] = {
+    "kernel": "k3_kernel_backends",
+    "storage": "k3_storage_backends",
+    "cache": "k3_cache_policies",
+}
+KIND_WORDS: dict[Kind, str] = {
+    "kernel": "kernel backend",
+    "storage": "storage backend",
+    "cache": "cache policy",
+}
+
+
+@dataclass
+class Entry:
+    """One registered implementation and where it came from."""
+
+    spec: PluginSpec
+    origin: str  # "dist==version (module)"
+    conflict_with: str | None = None
+
+
+@dataclass
+class BrokenPlugin:
+    """An entry point that failed to load or whose hook failed."""
+
+    name: str
+    origin: str
+    reason: str
+
+
+@dataclass
+class Registry:
+    """All specs by kind and name, plus plugins that failed to load."""
+
+    entries: dict[Kind, dict[str, Entry]] = field(default_factory=dict)
+    broken: list[BrokenPlugin] = field(default_factory=list)
+    _probes: dict[tuple[Kind, str], Availability] = field(default_factory=dict)
+
+    # ---- construction -------------------------------------------------------------
+    @classmethod
+    def discover(cls) -> Registry:
+        """Load every entry point of the ``k3`` group and collect the specs."""
+        reg = cls(entries={k: {} for k in HOOKS})
+        only_builtin = os.environ.get("K3_DISABLE_PLUGINS", "") not in ("", "0")
+        for ep in sorted(_entry_points(), key=lambda e: e.name):
+            dist = ep.dist.name if ep.dist is not None else "?"
+            version = ep.dist.version if ep.dist is not None else "?"
+            origin = f"{dist}=={version} ({ep.value})"
+            if only_builtin and _norm(dist) != K3_DIST:
+                continue
+            try:
+                plugin = ep.load()
+            except Exception as exc:  # a third-party plugin may raise anything at import
+                reg.broken.append(BrokenPlugin(ep.name, origin, f"failed to import: {exc!r}"))
+                continue
+            reg.add_plugin(plugin, origin, ep.name)
+        return reg
+
+    def add_plugin(self, plugin: Any, origin: str, name: str = "") -> None:
+        """Register one plugin object (module or instance with hook implementations)."""
+        pm = pluggy.PluginManager(hookspecs.PROJECT)
+        pm.add_hookspecs(hookspecs)
+        try:
+            pm.register(plugin, name=name or origin)
+        except Exception as exc:
+            self.broken.append(BrokenPlugin(name, origin, f"not a valid k3 plugin: {exc}"))
+            return
+        for kind, hook in HOOKS.items():
+            try:
+                results = getattr(pm.hook, hook)()
+            except Exception as exc:
+                self.broken.append(BrokenPlugin(name, origin, f"{hook}() raised {exc!r}"))
+                continue
+            for specs in results:
+                for spec in specs or []:
+                    self._add(kind, spec, origin, name)
+
+    def _add(self, kind: Kind, spec: Any, origin: str, plugin_name: str) -> None:
+        if not isinstance(spec, PluginSpec) or not getattr(spec, "name", ""):
+            self.broken.append(
+                BrokenPlugin(plugin_name, origin, f"returned something that is not a spec: {spec!r}")
+            )
+            return
+        table = self.entries.setdefault(kind, {})
+        existing = table.get(spec.name)
+        if existing is not None:
+            existing.conflict_with = origin
+            return
+        table[spec.name] = Entry(spec, origin)
+
+    # ---- queries ---------------------------------------------------------------------
+    def names(self, kind: Kind) -> list[str]:
+        return sorted(self.entries.get(kind, {}))
+
+    def probe(self, kind: Kind, name: str) -> Availability:
+        """Cached availability of one implementation (a raising probe counts as unavailable)."""
+        key = (kind, name)
+        if key not in self._probes:
+            self._probes[key] = self._probe_uncached(kind, name)
+        return self._probes[key]
+
+    def _probe_uncached(self, kind: Kind, name: str) -> Availability:
+        disabled = {s.strip() for s in os.environ.get("K3_DISABLE_BACKENDS", "").split(",")}
+        if name in disabled:
+            return Availability.no(
+                f"disabled by K3_DISABLE_BACKENDS={os.environ['K3_DISABLE_BACKENDS']}",
+                "unset K3_DISABLE_BACKENDS",
+            )
+        entry = self.entries[kind][name]
+        try:
+            result = entry.spec.probe()
+        except Exception as exc:
+            return Availability.no(f"its probe raised {exc!r}", entry.spec.install_hint)
+        if not isinstance(result, Availability):
+            return Availability.no(f"its probe returned {result!r}, not an Availability")
+        return result
+
+    def resolve(self, kind: Kind, name: str) -> tuple[PluginSpec, str]:
+        """Return ``(spec, note)`` for ``name`` (or ``auto``); never falls back."""
+        word = KIND_WORDS[kind]
+        table = self.entries.get(kind, {})
+        if name == "auto":
+            ranked = sorted(table.values(), key=lambda e: (-e.spec.priority, e.spec.name))
+            for entry in ranked:
+                if entry.conflict_with is None and self.probe(kind, entry.spec.name).ok:
+                    return entry.spec, f"auto picked {word} '{entry.spec.name}'"
+            raise PluginError(f"no {word} is available on this machine", hint="run `k3 backends`")
+        entry = table.get(name)
+        if entry is None:
+            choices = ", ".join(self.names(kind)) or "(none)"
+            close = difflib.get_close_matches(name, self.names(kind), n=1)
+            broken = [b for b in self.broken if b.name == name]
+            msg = f"unknown {word} '{name}'; registered: {choices}"
+            if close:
+                msg += f" (did you mean '{close[0]}'?)"
+            if broken:
+                msg += f"; plugin '{name}' from {broken[0].origin} {broken[0].reason}"
+            raise PluginError(msg)
+        if entry.conflict_with is not None:
+            raise PluginError(
+                f"{word} '{name}' is claimed by two plugins: {entry.origin} and "
+                f"{entry.conflict_with}",
+                hint="uninstall one of them, or set K3_DISABLE_PLUGINS=1 to use only built-ins",
+            )
+        avail = self.probe(kind, name)
+        if not avail.ok:
+            raise PluginError(
+                f"{word} '{name}' is not available here: {avail.reason}",
+                hint=avail.hint or entry.spec.install_hint or None,
+            )
+        return entry.spec, ""
+
+    def create(self, kind: Kind, name: str, **kwargs: Any) -> tuple[Any, str, str]:
+        """Resolve and instantiate; returns ``(instance, resolved_name, note)``."""
+        spec, note = self.resolve(kind, name)
+        try:
+            factory = spec.load()
+            instance = factory(**kwargs)
+        except PluginError:
+            raise
+        except Exception as exc:
+            raise PluginError(
+                f"{KIND_WORDS[kind]} '{spec.name}' failed to start: {exc!r}",
+                hint=spec.install_hint or None,
+            ) from exc
+        return instance, spec.name, note
+
+
+def _norm(dist: str) -> str:
+    return dist.lower().replace("_", "-")
+
+
+def _entry_points() -> list[metadata.EntryPoint]:
+    return list(metadata.entry_points(group=hookspecs.PROJECT))
+
+
+_CACHED: Registry | None = None
+
+
+def get_registry(refresh: bool = False) -> Registry:
+    """The process-wide registry (discovered once)."""
+    global _CACHED
+    if _CACHED is None or refresh:
+        _CACHED = Registry.discover()
+    return _CACHED

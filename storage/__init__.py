@@ -1,0 +1,1 @@
+"""Built-in storage backends (import name ``k3_storage``): mmap, direct, unbuffered."""
