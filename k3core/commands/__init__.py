@@ -1,0 +1,1 @@
+"""One module per ``k3`` subcommand; each exposes ``register(app)``."""

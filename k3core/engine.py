@@ -1,0 +1,106 @@
+"""Assemble a runnable model from a checkpoint directory and the chosen plugins.
+
+``open_engine`` resolves the kernel backend, the storage backend and the expert source
+through the registry (an explicit choice never falls back), reads the config, indexes the
+shards and binds the trunk. The decode loop (``k3core.generate``) then runs on
+``Engine.model``; nothing below asks which plugins were chosen.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from k3core.checkpoint import CheckpointIndex
+from k3core.config import ModelConfig, load_config
+from k3core.errors import UsageError
+from k3core.experts import ExpertSource, InMemoryExperts
+from k3core.kernels import KernelBackend
+from k3core.model import Model
+from k3core.registry import get_registry
+from k3core.storage import StorageBackend
+from k3core.weights import ModelTables, ResidentTrunk, expert_from_reader
+
+
+@dataclass
+class EngineOptions:
+    model_dir: Path
+    config_path: Path | None = None
+    layers: int | None = None
+    backend: str = "auto"
+    storage: str = "auto"
+    cache_policy: str = "resident"
+    threads: int | None = None
+
+
+@dataclass
+class Engine:
+    cfg: ModelConfig
+    model: Model
+    index: CheckpointIndex
+    kernels: KernelBackend
+    storage: StorageBackend
+    experts: ExpertSource
+    names: dict[str, str]
+    notes: list[str] = field(default_factory=list)
+    timings: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def settings_line(self) -> str:
+        n = self.names
+        return f"k3: kernel={n['kernel']} storage={n['storage']} cache={n['cache']}"
+
+    def close(self) -> None:
+        self.experts.close()
+        self.model.trunk.close()
+        self.index.close()
+
+
+def read_model_config(opts: EngineOptions) -> ModelConfig:
+    path = opts.config_path or opts.model_dir / "config.json"
+    if not path.is_file():
+        raise UsageError(f"no config at {path}; pass --config PATH")
+    cfg = load_config(path)
+    if opts.layers is not None and not 1 <= opts.layers <= cfg.n_layers:
+        raise UsageError(f"--layers must be in 1..{cfg.n_layers}, got {opts.layers}")
+    return cfg
+
+
+def open_engine(
+    opts: EngineOptions,
+    cfg: ModelConfig | None = None,
+    on_layer_bound: Callable[[int], None] | None = None,
+) -> Engine:
+    """Resolve plugins, index the checkpoint and bind the trunk (resident)."""
+    if not opts.model_dir.is_dir():
+        raise UsageError(f"model directory {opts.model_dir} does not exist")
+    cfg = cfg or read_model_config(opts)
+    reg = get_registry()
+    notes: list[str] = []
+    kernels, kname, note = reg.create("kernel", opts.backend)
+    if note:
+        notes.append(note)
+    if opts.threads is not None:
+        kernels.set_threads(opts.threads)
+    storage, sname, note = reg.create("storage", opts.storage)
+    if note:
+        notes.append(note)
+    timings: dict[str, float] = {}
+    t0 = time.perf_counter()
+    index = CheckpointIndex.open(opts.model_dir, storage)
+    timings["index"] = time.perf_counter() - t0
+    n_layers = opts.layers or cfg.n_layers
+    t0 = time.perf_counter()
+    try:
+        trunk = ResidentTrunk(cfg, index, n_layers, progress=on_layer_bound)
+        tables = ModelTables(cfg, index)
+    except BaseException:
+        index.close()
+        raise
+    timings["bind"] = time.perf_counter() - t0
+    experts = InMemoryExperts(lambda L, e: expert_from_reader(cfg, index, L, e))
+    model = Model(cfg, kernels, trunk, tables, experts, n_layers=n_layers)
+    names = {"kernel": kname, "storage": sname, "cache": "resident"}
+    return Engine(cfg, model, index, kernels, storage, experts, names, notes, timings)
