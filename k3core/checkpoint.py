@@ -287,6 +287,7 @@ def _check_weight_map(root: Path, weight_map: dict[str, str],
         t = tensors.get(tensor)
         want = root / shard
         if t is None or t.path != want:
-            held = f"it is in {t.path.name}" if t is not None else "no shard holds it"
+            held = (f"it is in {t.path.name}" if t is not None
+                    else "none of the shards the index names holds it")
             raise CheckpointError(f"{root / INDEX_NAME}: weight_map puts tensor {show(tensor)} "
                                   f"in {show(shard)}, but {held}")
