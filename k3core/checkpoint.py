@@ -157,6 +157,10 @@ class CheckpointIndex:
             self._read(p, offset, out, what=f"{nbytes} bytes at offset {offset}")
         return out
 
+    def read_at(self, path: Path, offset: int, out: np.ndarray | memoryview, what: str) -> None:
+        """Fill ``out`` from shard ``path`` at absolute ``offset`` (the expert cache's reads)."""
+        self._read(path, offset, out, what)
+
     def _read(self, path: Path, offset: int, out: np.ndarray | memoryview, what: str) -> None:
         f = self._files.get(path)
         if f is None:

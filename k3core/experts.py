@@ -56,8 +56,20 @@ class ExpertSource(ABC):
         Raises ``K3Error`` when an expert cannot be served; never returns partial bytes.
         """
 
-    def prefetch(self, layer: int, experts: Sequence[int]) -> None:  # noqa: B027
-        """Start reading ``experts`` of ``layer`` without waiting (optional)."""
+    def prefetch(self, layer: int, requests: Sequence[int]) -> None:  # noqa: B027
+        """Start reading the experts of ``requests`` without waiting (optional)."""
+
+    def run_layer(
+        self, layer: int, requests: Sequence[int], use: Callable[[int, ExpertWeights], None]
+    ) -> None:
+        """Serve one MoE layer visit: ``requests`` is every routed request of the visit in
+        order (duplicates included); ``use(expert, weights)`` is called once per distinct
+        expert while its weights are valid. A source may call ``use`` in any order and in
+        several batches (results never depend on it: each call fills independent outputs).
+        """
+        distinct = list(dict.fromkeys(int(e) for e in requests))
+        for e, w in zip(distinct, self.get_many(layer, distinct), strict=True):
+            use(e, w)
 
     def begin_step(self) -> None:  # noqa: B027
         """Called at the start of every generation step."""

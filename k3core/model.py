@@ -15,7 +15,7 @@ import numpy as np
 
 from k3core.config import ModelConfig
 from k3core.errors import K3Error
-from k3core.experts import ExpertSource
+from k3core.experts import ExpertSource, ExpertWeights
 from k3core.kernels import KernelBackend
 from k3core.layer_params import LayerParams
 from k3core.state import SequenceState
@@ -54,6 +54,7 @@ class Model:
         T = ids.shape[0]
         state.check_room(T)
         self.layers_completed = 0
+        self.experts.begin_step()
         h = self.tables.embed(ids)
         blocks: list[np.ndarray] = []
         for L in range(self.n_layers):
@@ -144,8 +145,8 @@ class Model:
         pre = "block_sparse_moe."
         logits = k.matmul(p[pre + "gate.weight"], x)
         idx, w = k.router(logits, p[pre + "gate.e_score_correction_bias"], c.topk, c.moe_renorm, c.routed_scale)
-        wanted = list(dict.fromkeys(int(e) for e in idx.reshape(-1)))
-        self.experts.prefetch(p.layer, wanted)
+        requests = [int(e) for e in idx.reshape(-1)]
+        self.experts.prefetch(p.layer, requests)
         z = k.matmul(p[pre + "routed_expert_down_proj.weight"], x)
         shared = None
         if c.n_shared > 0:
@@ -155,14 +156,16 @@ class Model:
                 p[pre + "shared_experts.down_proj.weight"],
                 x,
             )
-        weights = dict(zip(wanted, self.experts.get_many(p.layer, wanted), strict=True))
         T = x.shape[0]
         outs = np.empty((T, c.topk, c.latent), dtype=np.float32)
-        for e, ew in weights.items():
+
+        def use(e: int, ew: ExpertWeights) -> None:
             rows, slots = np.nonzero(idx == e)
             zz = np.ascontiguousarray(z[rows])
             a = k.situ_glu(k.matmul(ew.w1, zz), k.matmul(ew.w3, zz), c.situ_b1, c.situ_b2)
             outs[rows, slots] = k.matmul(ew.w2, a)
+
+        self.experts.run_layer(p.layer, requests, use)
         acc = np.zeros((T, c.latent), dtype=np.float32)
         for j in range(c.topk):
             acc = acc + w[:, j : j + 1] * outs[:, j]
