@@ -24,6 +24,11 @@ from k3core.hookspecs import hookimpl
 from k3core.specs import Availability, StorageBackendSpec
 from k3core.storage import Buffer, IOStats, StorageBackend, StorageFile, _Timer, byte_view
 
+#: reads at least this large first tell the kernel the whole range is wanted
+#: (``MADV_WILLNEED``), so it is read in large requests instead of fault by fault
+WILLNEED_BYTES = 1 << 20
+_WILLNEED: int | None = getattr(mmap, "MADV_WILLNEED", None)
+
 
 class MmapFile(StorageFile):
     """One file mapped read-only for its whole size at open."""
@@ -59,6 +64,12 @@ class MmapFile(StorageFile):
                 f"from {self.size} to {now} bytes after it was opened"
             )
         assert self._mm is not None  # size > 0 here
+        if dst.size >= WILLNEED_BYTES and _WILLNEED is not None:
+            start = offset - offset % mmap.PAGESIZE  # ask for the whole range up front
+            try:
+                self._mm.madvise(_WILLNEED, start, offset + dst.size - start)
+            except OSError:
+                pass  # advisory only
         src = np.frombuffer(self._mm, dtype=np.uint8, count=dst.size, offset=offset)
         try:
             np.copyto(dst, src)
