@@ -282,6 +282,9 @@ def probe_disk(
     read_sizes, depths, raw = list(read_sizes), list(depths), list(raw)
     with probe_file(Path(target), probe_bytes, seed) as (path, notes):
         result = DiskBenchResult(path, _file_size(path), notes=list(notes))
+        if raw and not hasattr(os, "preadv"):
+            result.notes.append("raw probe skipped: it needs POSIX preadv; backends only")
+            raw = []
         for read_size in read_sizes:
             for method in raw:
                 try:

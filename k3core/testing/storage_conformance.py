@@ -197,7 +197,10 @@ class StorageConformance:
         keep = SIZE // 2
         expected = python_read(data_file, 0, 4096)
         with storage_backend.open(data_file) as f:
-            os.truncate(data_file, keep)
+            try:
+                os.truncate(data_file, keep)
+            except OSError as exc:  # Windows refuses to truncate a mapped file: safe too
+                pytest.skip(f"the OS refuses to truncate the open file: {exc}")
             for offset, n in [(keep + 100, 1000), (keep - 100, 200), (keep & ~4095, 8192)]:
                 with pytest.raises(StorageError):
                     f.read_into(offset, aligned_empty(n, 4096))
