@@ -147,8 +147,9 @@ def measure(
             state["next"] = i + 1
             return offsets[i % len(offsets)]
 
-    def worker() -> None:
-        buf = aligned_empty(read_size, ALIGN)
+    buffers = [aligned_empty(read_size, ALIGN) for _ in range(depth)]  # before any thread waits
+
+    def worker(buf: np.ndarray) -> None:
         start.wait()
         try:
             while (off := take()) is not None:
@@ -158,7 +159,7 @@ def measure(
         except BaseException as exc:  # reported below, after the other threads end
             errors.append(exc)
 
-    threads = [threading.Thread(target=worker, daemon=True) for _ in range(depth)]
+    threads = [threading.Thread(target=worker, args=(b,), daemon=True) for b in buffers]
     for t in threads:
         t.start()
     t0 = time.perf_counter()
