@@ -63,16 +63,17 @@ def test_probe_existing_file_kept() -> None:
 def test_direct_refusal_becomes_a_note(monkeypatch: pytest.MonkeyPatch) -> None:
     real = os.open
 
-    def refuse(path: Any, flags: int, *a: Any) -> int:
+    def refuse(path: Any, flags: int, *a: Any, **kw: Any) -> int:
         if flags & os.O_DIRECT:
             raise OSError(errno.EINVAL, "Invalid argument")
-        return real(path, flags, *a)
+        return real(path, flags, *a, **kw)
 
     with disk_tmpdir("k3-bench-") as d:
         path = d / "model.bin"
         write_random_file(path, 1 << 20)
-        monkeypatch.setattr(diskbench.os, "open", refuse)
-        r = probe_disk(path, read_sizes=[64 * KIB], depths=[1], reads=2)
+        with monkeypatch.context() as m:
+            m.setattr(diskbench.os, "open", refuse)
+            r = probe_disk(path, read_sizes=[64 * KIB], depths=[1], reads=2)
     assert [s.method for s in r.samples] == [RAW_BUFFERED]
     assert any("O_DIRECT skipped" in n for n in r.notes)
 
