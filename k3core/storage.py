@@ -11,10 +11,16 @@ from __future__ import annotations
 import threading
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+
+from k3core.errors import StorageError
+
+Buffer = np.ndarray | memoryview
 
 
 @dataclass
@@ -56,7 +62,46 @@ class StorageFile(ABC):
         """
 
     @abstractmethod
-    def close(self) -> None: ...
+    def close(self) -> None:
+        """Release the file. Idempotent; a later ``read_into`` raises ``StorageError``.
+
+        Must not race reads in flight on other threads.
+        """
+
+    def read_many(self, reads: Sequence[tuple[int, Buffer]], depth: int = 4) -> list[StorageError | None]:
+        """Do several ``read_into(offset, out)`` with up to ``depth`` reads in flight.
+
+        This is the queue-depth-N read (one thread per slot, each a blocking read that
+        releases the GIL). Reads are issued in file-offset order. Returns, in request order,
+        ``None`` for a read that filled its buffer and the ``StorageError`` for one that did
+        not (its buffer is garbage), so a caller can publish exactly what arrived. Anything
+        other than a ``StorageError`` is a bug and is re-raised after every read has ended.
+        Backends may override this with a native batch (io_uring, overlapped I/O).
+        """
+        if depth < 1:
+            raise StorageError(f"read queue depth must be >= 1, got {depth}")
+        order = sorted(range(len(reads)), key=lambda i: reads[i][0])
+        results: list[StorageError | None] = [None] * len(reads)
+        bugs: list[BaseException] = []
+
+        def one(i: int) -> None:
+            offset, out = reads[i]
+            try:
+                self.read_into(offset, out)
+            except StorageError as exc:
+                results[i] = exc
+            except BaseException as exc:  # re-raised below, after the other reads end
+                bugs.append(exc)
+
+        if depth == 1 or len(reads) <= 1:
+            for i in order:
+                one(i)
+        else:
+            with ThreadPoolExecutor(max_workers=min(depth, len(reads))) as pool:
+                list(pool.map(one, order))
+        if bugs:
+            raise bugs[0]
+        return results
 
     def __enter__(self) -> StorageFile:
         return self
@@ -101,3 +146,23 @@ def aligned_empty(nbytes: int, align: int = 4096) -> np.ndarray:
     raw = np.empty(nbytes + align, dtype=np.uint8)
     start = (-raw.ctypes.data) % align
     return raw[start : start + nbytes]
+
+
+def byte_view(out: Buffer) -> np.ndarray:
+    """``out`` as a writable 1-D ``uint8`` array over the same memory.
+
+    Accepts a C-contiguous numpy array of any dtype, a memoryview or anything else with
+    the buffer protocol; raises ``StorageError`` for a read-only or non-contiguous buffer.
+    """
+    if isinstance(out, np.ndarray):
+        arr = out
+    else:
+        try:
+            arr = np.frombuffer(out, dtype=np.uint8)
+        except (TypeError, ValueError, BufferError) as exc:
+            raise StorageError(f"read destination is not a contiguous byte buffer: {exc}") from exc
+    if not arr.flags.c_contiguous:
+        raise StorageError("read destination is not C-contiguous")
+    if not arr.flags.writeable:
+        raise StorageError("read destination is read-only")
+    return arr.reshape(-1).view(np.uint8)
