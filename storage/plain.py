@@ -11,6 +11,7 @@ has no ``pread`` (Windows) the file offset is moved under a lock instead.
 from __future__ import annotations
 
 import os
+import stat
 import threading
 from pathlib import Path
 
@@ -37,10 +38,14 @@ class PlainFile(StorageFile):
         except OSError as exc:
             raise StorageError(f"{path}: cannot open: {exc.strerror or exc}") from None
         try:
-            self.size = os.fstat(self._fd).st_size
+            st = os.fstat(self._fd)
         except OSError as exc:
             os.close(self._fd)
             raise StorageError(f"{path}: cannot stat: {exc.strerror or exc}") from None
+        if not stat.S_ISREG(st.st_mode):
+            os.close(self._fd)
+            raise StorageError(f"{path}: not a regular file")
+        self.size = st.st_size
 
     def read_into(self, offset: int, out: np.ndarray | memoryview) -> None:
         view = _byte_view(out, self.path)
