@@ -45,7 +45,7 @@ def synth(
     with Progress(TextColumn("synth"), BarColumn(), TextColumn("{task.completed}/{task.total} shards"), TimeElapsedColumn()) as bar:
         task = bar.add_task("synth", total=cfg.n_layers + 1)
         path = synthesize(out_dir, cfg, seed, force=force, progress=lambda d, t: bar.update(task, completed=d))
-    print(f"wrote {path}: {cfg.describe()} (random weights, seed {seed})")
+    print(f"wrote {path} ({cfg.describe().removeprefix('config: ')}); its weights are random (seed {seed})")
 
 
 def register(app: typer.Typer) -> None:
