@@ -5,8 +5,8 @@
 2. Select files (``--allow-pattern``, fnmatch, repeatable; default everything).
 3. Check free space first: the bytes still to fetch (files already complete are not
    counted) against ``shutil.disk_usage``; refuse with the shortfall before downloading.
-4. Fetch each file into ``DIR`` (resumable: re-running skips finished files and resumes a
-   partial one).
+4. Fetch each file into ``DIR`` (resumable: re-running skips finished files, resumes a
+   partial one and fetches again a file left with the wrong size by an earlier run).
 5. Verify (:mod:`k3core.download_verify`), list every bad file, and record the commit in
    ``DIR/.k3-download.json``.
 
@@ -105,6 +105,8 @@ def download(repo_id: str, local_dir: str | Path, *, revision: str | None = None
     manifest = hub.manifest(repo_id, rev)
     log(f"{repo_id}@{rev} -> commit {manifest.commit} ({len(manifest.files)} files)")
     files = select(manifest.files, allow_patterns)
+    if not manifest.files:
+        raise DownloadError(f"{repo_id}@{manifest.commit} lists no files")
     if not files:
         raise UsageError(f"no file of {repo_id}@{manifest.commit[:12]} matches "
                          f"{', '.join(allow_patterns or [])}")
@@ -122,6 +124,7 @@ def download(repo_id: str, local_dir: str | Path, *, revision: str | None = None
             skipped += 1
             continue
         log(f"[{i}/{len(files)}] {f.name} ({human(f.size or 0)})")
+        _discard_wrong_size(root, f, log)
         hub.fetch(repo_id, manifest.commit, f.name, root)
         fetched += 1
     log("verifying" + (" sizes (checksums skipped)" if skip_checksum else
@@ -137,6 +140,14 @@ def download(repo_id: str, local_dir: str | Path, *, revision: str | None = None
                             hint="delete the bad files and re-run the same command")
     _write_record(root, manifest, files, skip_checksum)
     return DownloadResult(manifest, files, fetched, skipped, report)
+
+
+def _discard_wrong_size(root: Path, f: RemoteFile, log: Callable[[str], None]) -> None:
+    """A finished file of the wrong size (a failed earlier run) is fetched again."""
+    path = root / f.name
+    if f.size is not None and path.is_file() and path.stat().st_size != f.size:
+        log(f"  {f.name}: {path.stat().st_size} bytes on disk, {f.size} expected; fetching again")
+        path.unlink()
 
 
 def _recorded(root: Path, commit: str) -> bool:

@@ -132,6 +132,11 @@ def test_truncated_file_is_named(hub, tmp_path):
     assert f"{name}: {len(repo.served[name])} bytes, the Hub says " in res.output
     assert "(-100)" in res.output
     assert not (tmp_path / "m" / RECORD).exists()
+    del repo.served[name]  # the network recovers: re-running fetches only the bad file again
+    res = runner.invoke(app, ["download", REPO, str(tmp_path / "m")])
+    assert res.exit_code == 0, res.output
+    assert "fetching again" in res.output
+    assert (tmp_path / "m" / name).read_bytes() == repo.commits[NEW][name]
 
 
 def test_checksum_mismatch_is_named_and_skippable(hub, tmp_path):
