@@ -65,9 +65,9 @@ def _root(
 
 
 def _register() -> None:
-    from k3core.commands import backends, run, synth
+    from k3core.commands import backends, budget, cmp_logits, doctor, download, presets, run, synth
 
-    for module in (run, synth, backends):
+    for module in (run, synth, backends, presets, doctor, download, budget, cmp_logits):
         module.register(app)
 
 
