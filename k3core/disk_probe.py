@@ -15,7 +15,6 @@ Linux; elsewhere the figure may be memory's), so the figure is the device's. It 
 
 from __future__ import annotations
 
-import inspect
 import os
 import random
 import time
@@ -31,21 +30,32 @@ DEFAULT_PROBE_BYTES = 256 << 20
 
 
 def default_measure(max_bytes: int = DEFAULT_PROBE_BYTES) -> tuple[DiskMeasure, str]:
-    """``(measure, description)``: diskbench if importable, else the QD1 pread fallback."""
-    try:
-        from k3core import diskbench  # type: ignore[attr-defined]
+    """``(measure, description)``: the diskbench probe (O_DIRECT and buffered, QD 1/4/16)."""
+    return (lambda p: diskbench_measure(p, max_bytes=max_bytes),
+            "random expert-sized reads, O_DIRECT vs buffered (page cache dropped), QD 1/4/16")
 
-        fn = diskbench.measure
-    except (ImportError, AttributeError):
-        return (lambda p: pread_qd1(p, max_bytes=max_bytes),
-                "buffered pread, queue depth 1 (k3core.diskbench not installed)")
-    try:
-        takes_size = "max_bytes" in inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        takes_size = False
-    if takes_size:
-        return (lambda p: list(fn(p, max_bytes=max_bytes)), "k3core.diskbench")
-    return (lambda p: list(fn(p)), "k3core.diskbench")
+
+def diskbench_measure(path: str | Path, *, max_bytes: int = DEFAULT_PROBE_BYTES) -> list[DiskResult]:
+    """Rows ``(mode, depth, MB/s)`` from :func:`k3core.diskbench.raw_bandwidth`."""
+    from k3core.diskbench import raw_bandwidth
+    from k3core.errors import StorageError
+
+    size = Path(path).stat().st_size
+    read_size = max(4096, min(EXPERT_READ, size // 4) // 4096 * 4096)
+    if size < read_size:
+        return []
+    reads = max(1, min(40, max_bytes // read_size))
+    out: list[DiskResult] = []
+    for mode, direct in (("O_DIRECT", True), ("buffered", False)):
+        for depth in (1, 4, 16):
+            try:
+                s = raw_bandwidth(path, read_size, depth, direct=direct, reads=reads)
+            except StorageError:
+                if direct:
+                    break
+                raise
+            out.append((mode, depth, s.mb_per_s))
+    return out
 
 
 def pread_qd1(path: str | Path, *, max_bytes: int = DEFAULT_PROBE_BYTES,
