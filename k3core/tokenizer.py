@@ -20,6 +20,13 @@ span between is encoded by tiktoken with no special handling. Without ``allow_sp
 the whole text is ordinary text. No BOS or EOS is ever added here. Reserved names are not
 recognised in text: they are what unnamed ids decode to, not tokens one can type.
 
+Long text. Text longer than :data:`MAX_ENCODE_CHARS` code points, or holding a run of more
+than :data:`MAX_RUN_CHARS` whitespace or non-whitespace characters, is first cut the way the
+first-party wrapper is described to cut it (:func:`_chunks`; before the added-token scan,
+as there). Below those limits, which covers every ordinary prompt, the result is exactly
+tiktoken's; past them tiktoken alone fails (a run of a million spaces overflows its regex
+engine's backtracking stack), so its answer is not defined there anyway.
+
 Bytes. :meth:`Tokenizer.encode_bytes` takes a prompt file's bytes verbatim. Valid UTF-8
 is encoded exactly as :meth:`encode` encodes the decoded text. Bytes that are not valid
 UTF-8 cannot go through tiktoken (it encodes ``str``, and lone surrogates would be replaced),
@@ -95,6 +102,7 @@ class Tokenizer:
         *,
         vocab_size: int | None = None,
         source: str = "tokenizer",
+        config_source: str | None = None,
     ):
         n_ranks = len(ranks)
         rank_bytes: list[bytes] = [b""] * n_ranks
@@ -108,12 +116,15 @@ class Tokenizer:
                 f"{source}: {len(missing)} of the 256 single bytes have no rank (first: "
                 f"{missing[0]:#04x}); a byte-level BPE needs them all"
             )
+        where = config_source or source
         for tid, tok in added.items():
             if tid < n_ranks:
                 raise TokenizerError(
-                    f"{source}: added token {tok.content!r} has id {tid}, which is a BPE rank "
-                    f"(ranks are 0..{n_ranks - 1})"
+                    f"{where}: added token {tok.content!r} has id {tid}, which is a BPE rank "
+                    f"(the {n_ranks} ranks are 0..{n_ranks - 1})"
                 )
+        if len({tok.content for tok in added.values()}) != len(added):
+            raise TokenizerError(f"{where}: two added tokens share one content")
         top = max([n_ranks - 1, *added])
         if vocab_size is None:
             vocab_size = top + 1
@@ -162,7 +173,7 @@ class Tokenizer:
         mp, cp = Path(model_path), Path(config_path)
         ranks = parse_tiktoken_model(read_capped(mp, MAX_TIKTOKEN_MODEL_BYTES), str(mp))
         added = parse_tokenizer_config(read_capped(cp, MAX_TOKENIZER_CONFIG_BYTES), str(cp))
-        return cls(ranks, added, vocab_size=vocab_size, source=f"{mp.parent}")
+        return cls(ranks, added, vocab_size=vocab_size, source=str(mp), config_source=str(cp))
 
     # ---- facts -------------------------------------------------------------------------
 

@@ -462,7 +462,7 @@ def test_tokenizer_config_refusals(tmp_path, name):
 
 def test_added_id_colliding_with_a_rank_refused(tmp_path):
     cfg = {"added_tokens_decoder": {"97": {"content": "[BOS]", "special": True}}}
-    _refused(_write(tmp_path, config=cfg), "id 97", "is a BPE rank")
+    _refused(_write(tmp_path, config=cfg), "tokenizer_config.json", "id 97", "is a BPE rank")
 
 
 def test_oversized_files_refused_before_reading(tmp_path):
@@ -494,3 +494,32 @@ def test_crlf_and_blank_lines_tolerated_like_tiktoken(tmp_path):
     data = ("\r\n".join(lines[:100]) + "\r\n\r\n" + "\n".join(lines[100:]) + "\n").encode()
     t = Tokenizer.from_dir(_write(tmp_path, model_bytes=data, config={"added_tokens_decoder": {}}))
     assert t.encode("ab") == [256]
+
+
+# ---- the split pattern itself, as tiktoken's engine runs it -------------------------------
+
+SPLITS = {
+    "中文abc中文DEF": ["中文", "abc", "中文", "DEF"],
+    "Hello 中文": ["Hello", " ", "中文"],
+    "日本語のテキスト": ["日本語", "のテキスト"],
+    "don't DON'T they're": ["don't", " DON'T", " they're"],
+    "123456 7": ["123", "456", " ", "7"],
+    "a/b": ["a", "/b"],
+    "x  \n\n  y": ["x", "  \n\n", " ", " y"],
+    "HelloWorld": ["Hello", "World"],
+}
+
+
+@pytest.mark.parametrize("text", sorted(SPLITS))
+def test_kimi_pattern_splits_as_specified(text):
+    """With every expected piece made a rank, tiktoken must emit exactly those pieces."""
+    import tiktoken
+
+    from k3core.tokenizer import KIMI_PAT_STR
+
+    ranks = {bytes([b]): b for b in range(256)}
+    for p in SPLITS[text]:
+        ranks.setdefault(p.encode(), len(ranks))
+    enc = tiktoken.Encoding("split", pat_str=KIMI_PAT_STR, mergeable_ranks=ranks, special_tokens={})
+    got = [enc.decode_single_token_bytes(t).decode() for t in enc.encode_ordinary(text)]
+    assert got == SPLITS[text]
