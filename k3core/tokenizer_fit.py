@@ -21,8 +21,9 @@ Layout for a model ``vocab_size`` V (refused below 256):
   block (e.g. V = 300: S = 44, ``[BOS]`` 256 ... ``<|media_pad|>`` 277, ``[UNK]`` 298,
   ``[PAD]`` 299). Every other id of the block is an unnamed reserved id.
 
-Both files are written under temporary names in the target directory, flushed, then
-renamed, so neither ever exists half-written.
+Both files are written in full under temporary names in the target directory and flushed,
+then renamed into place, so neither ever exists half-written (a failure before the renames
+leaves the directory as it was).
 """
 
 from __future__ import annotations
@@ -135,8 +136,12 @@ def write_tokenizer(
         raise OutputError(
             f"{d}: cannot create the tokenizer directory: {e.strerror or e}"
         ) from None
-    _write_atomic(d / MODEL_FILE, model_text.encode("ascii"))
-    _write_atomic(d / CONFIG_FILE, (json.dumps(config, indent=2) + "\n").encode("utf-8"))
+    _write_atomic(
+        {
+            d / MODEL_FILE: model_text.encode("ascii"),
+            d / CONFIG_FILE: (json.dumps(config, indent=2) + "\n").encode("utf-8"),
+        }
+    )
     return TokenizerLayout(
         vocab_size=vocab_size,
         n_ranks=len(tokens),
@@ -181,20 +186,27 @@ def _check_vocab(vocab_size: object) -> None:
         )
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
-    tmp: str | None = None
+def _write_atomic(files: dict[Path, bytes]) -> None:
+    """Write every file under a temporary name first, then rename them all into place."""
+    temps: dict[Path, str] = {}
+    current: Path | None = None
     try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        tmp = None
+        for path, data in files.items():
+            current = path
+            fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+            temps[path] = tmp
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+        for path, tmp in list(temps.items()):
+            current = path
+            os.replace(tmp, path)
+            del temps[path]
     except OSError as e:
-        raise OutputError(f"{path}: cannot write: {e.strerror or e}") from None
+        raise OutputError(f"{current}: cannot write: {e.strerror or e}") from None
     finally:
-        if tmp is not None:
+        for tmp in temps.values():
             try:
                 os.unlink(tmp)
             except OSError:
