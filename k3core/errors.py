@@ -54,6 +54,12 @@ class PluginError(K3Error):
     exit_code = Exit.USAGE
 
 
+class TokenizerError(K3Error):
+    """A tokenizer file (tiktoken.model, tokenizer_config.json) that cannot be trusted (exit 2)."""
+
+    exit_code = Exit.USAGE
+
+
 class CheckpointError(K3Error):
     """A malformed, truncated or inconsistent checkpoint file (exit 1)."""
 
