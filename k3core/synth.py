@@ -3,7 +3,8 @@
 The weights are random (seeded), so the text it produces is meaningless; the layout is
 the real one: sharded safetensors with ``model.safetensors.index.json``, a nested
 ``config.json`` (with ``kda_layers``), bf16 trunk matrices, float32 small tensors, MXFP4
-experts with sane scales, ``A_log`` padded to ``head_dim``. Layer ``L`` lives in shard
+experts with sane scales, ``A_log`` padded to ``head_dim``, and a tokenizer (``tiktoken.model`` and
+``tokenizer_config.json``) fitted to the vocabulary. Layer ``L`` lives in shard
 ``L + 1`` with its trunk tensors first (one contiguous run) and each expert's six tensors
 contiguous after them, as in the released checkpoint; the model tables take the last shard.
 Everything is written under a temporary name and renamed into place only when complete.
@@ -25,6 +26,7 @@ from k3core import names
 from k3core.config import ModelConfig
 from k3core.errors import OutputError, UsageError
 from k3core.layer_params import expected_shapes
+from k3core.tokenizer_fit import write_tokenizer
 
 _ST_DTYPE = {np.dtype(np.uint16): "bfloat16", np.dtype(np.float32): "float32", np.dtype(np.uint8): "uint8"}
 
@@ -163,6 +165,8 @@ def synthesize(
         conf = cfg.to_nested_dict()
         conf["k3_synthetic"] = {"seed": seed, "note": "random weights written by k3 synth"}
         (tmp / "config.json").write_text(json.dumps(conf, indent=1))
+        if cfg.vocab >= 256:
+            write_tokenizer(tmp, cfg.vocab, seed=seed)
         if extra:
             extra(tmp)
         if out.exists():
