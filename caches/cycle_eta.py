@@ -124,7 +124,7 @@ class CycleETAPolicy(CachePolicy):
         self._cnt: dict[int, np.ndarray] = {}  # requests so far (one per visit)
         self._klv: dict[int, int] = {}  # the same two facts per key, for scalar reads
         self._kcnt: dict[int, int] = {}
-        self._res_layer: dict[int, set[int]] = {}
+        self._res_layer: dict[int, dict[int, None]] = {}  # insertion-ordered sets
         # the current visit: its layer and the requests still to come
         self._layer = -1
         self._remaining: dict[int, int] = {}
@@ -132,6 +132,7 @@ class CycleETAPolicy(CachePolicy):
         self._eta: dict[int, float] = {}
         self._ver: dict[int, int] = {}
         self._heap: list[tuple[float, int, int]] = []
+        self._heap_live = False  # built at the first victim search (never, if nothing evicts)
         self._seq = 0
         self._pending: tuple[int, float] | None = None  # (key, ETA) between admit and insert
 
@@ -199,12 +200,19 @@ class CycleETAPolicy(CachePolicy):
         self._eta[key] = eta
         self._seq += 1
         self._ver[key] = self._seq
-        heapq.heappush(self._heap, (-eta, self._seq, key))
-        if len(self._heap) > 4 * self.capacity + 64:
-            self._heap = [(-e, self._ver[k], k) for k, e in self._eta.items()]
-            heapq.heapify(self._heap)
+        if self._heap_live:
+            heapq.heappush(self._heap, (-eta, self._seq, key))
+            if len(self._heap) > 4 * self.capacity + 64:
+                self._build_heap()
+
+    def _build_heap(self) -> None:
+        self._heap = [(-e, self._ver[k], k) for k, e in self._eta.items()]
+        heapq.heapify(self._heap)
+        self._heap_live = True
 
     def _peek_victim(self, protected: Container[int]) -> int | None:
+        if not self._heap_live:
+            self._build_heap()
         heap, aside, found = self._heap, [], None
         while heap:
             _, ver, key = heap[0]
@@ -236,12 +244,12 @@ class CycleETAPolicy(CachePolicy):
             # the same layer again without a new pass: more requests of the same visit
             for k in keys:
                 self._remaining[k] = self._remaining.get(k, 0) + 1
+            for k in self._remaining:
+                self._request(k)
         else:
             self._new_visit(layer, keys)
-        for k in self._remaining:
-            self._request(k)
         tick = float(self._tick)
-        for k in sorted(self._res_layer.get(layer, ())):
+        for k in self._res_layer.get(layer, ()):
             self._set_eta(k, tick if k in self._remaining else self._predict(k))
 
     def _new_visit(self, layer: int, keys: Sequence[int]) -> None:
@@ -255,13 +263,31 @@ class CycleETAPolicy(CachePolicy):
         for k in keys:
             remaining[k] = remaining.get(k, 0) + 1
         self._remaining = remaining
-        lv, cnt = self._arrays(layer, 0)
+        own = [k for k in remaining if k >> KEY_SHIFT == layer]
+        idx = np.fromiter((k & EXPERT_MASK for k in own), dtype=np.int64, count=len(own))
+        lv, cnt = self._arrays(layer, int(idx.max(initial=0)))
+        width, size = self.max_age + 1, N_CLASSES * (self.max_age + 1)
         seen = lv >= 0
         if seen.any():  # every expert of this layer seen before has an opportunity now
-            width = self.max_age + 1
             cell = _CLASS_OF[np.minimum(cnt[seen], 32)] * width
             cell += np.minimum(visit - 1 - lv[seen], self.max_age)
-            self._opp += np.bincount(cell, minlength=N_CLASSES * width)
+            self._opp += np.bincount(cell, minlength=size)
+        if own:  # ... and it is a hit for those requested now
+            prev = lv[idx]
+            back = prev >= 0
+            if back.any():
+                cell = _CLASS_OF[np.minimum(cnt[idx[back]], 32)] * width
+                cell += np.minimum(visit - 1 - prev[back], self.max_age)
+                self._hits += np.bincount(cell, minlength=size)
+            lv[idx] = visit
+            cnt[idx] += 1
+            klv, kcnt = self._klv, self._kcnt
+            for k in own:
+                klv[k] = visit
+                kcnt[k] = kcnt.get(k, 0) + 1
+        for k in remaining:
+            if k >> KEY_SHIFT != layer:
+                self._request(k)  # announced under another layer: noted, no statistics
 
     def _request(self, key: int) -> None:
         """Note a request of ``key`` in its layer's current visit (once per visit)."""
@@ -307,7 +333,7 @@ class CycleETAPolicy(CachePolicy):
         return self._peek_victim(protected)
 
     def on_insert(self, key: int) -> None:
-        self._res_layer.setdefault(key_layer(key), set()).add(key)
+        self._res_layer.setdefault(key_layer(key), {})[key] = None
         pending, self._pending = self._pending, None
         if pending is not None and pending[0] == key:
             self._set_eta(key, pending[1])
@@ -315,7 +341,7 @@ class CycleETAPolicy(CachePolicy):
             self._set_eta(key, self._predict(key))
 
     def on_evict(self, key: int) -> None:
-        self._res_layer[key_layer(key)].discard(key)
+        self._res_layer[key_layer(key)].pop(key, None)
         del self._eta[key]
 
     def describe(self) -> str:

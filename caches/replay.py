@@ -85,7 +85,10 @@ class ReplayPolicy(CachePolicy):
         keys = _load_keys(trace, self.n_layers, self.n_experts)
         self._tkeys: list[int] = keys.tolist()
         self._n = len(self._tkeys)
-        self._inf = self._n + 1  # "never used again" (larger than any index)
+        self._inf = self._n  # "never used again" (larger than any index)
+        from k3core.sim_cache import next_use
+
+        self._nxt: list[int] = next_use(keys).tolist()  # next index of the same key
         order = np.argsort(keys, kind="stable")
         sorted_keys = keys[order]
         cut = np.flatnonzero(np.diff(sorted_keys)) + 1
@@ -103,6 +106,7 @@ class ReplayPolicy(CachePolicy):
         self._rate = 1.0 / max(int(sync_window), 1)
         self._nu: dict[int, int] = {}  # resident -> next use index
         self._heap: list[tuple[int, int, int]] = []  # (-next_use, seq, key)
+        self._heap_live = False  # built at the first victim search
         self._seq = 0
         self._lru: OrderedDict[int, None] = OrderedDict()
         self._pending: tuple[int, int] | None = None
@@ -126,7 +130,7 @@ class ReplayPolicy(CachePolicy):
             self._cursor = c + 1
             self.synced += 1
             self._health += (1.0 - self._health) * self._rate
-            return self._next_after(key, c)
+            return self._nxt[c]
         occ = self._occ.get(key)
         j = bisect_left(occ, c) if occ else 0
         if occ and j < len(occ) and occ[j] - c <= self.window:
@@ -150,13 +154,21 @@ class ReplayPolicy(CachePolicy):
     # ---- heap --------------------------------------------------------------------------
     def _set_nu(self, key: int, nu: int) -> None:
         self._nu[key] = nu
-        self._seq += 1
-        heapq.heappush(self._heap, (-nu, self._seq, key))
-        if len(self._heap) > 4 * self.capacity + 64:
-            self._heap = [(-v, i, k) for i, (k, v) in enumerate(self._nu.items())]
-            heapq.heapify(self._heap)
+        if self._heap_live:
+            self._seq += 1
+            heapq.heappush(self._heap, (-nu, self._seq, key))
+            if len(self._heap) > 4 * self.capacity + 64:
+                self._build_heap()
+
+    def _build_heap(self) -> None:
+        base, self._seq = self._seq, self._seq + len(self._nu)
+        self._heap = [(-v, base + i + 1, k) for i, (k, v) in enumerate(self._nu.items())]
+        heapq.heapify(self._heap)
+        self._heap_live = True
 
     def _belady_victim(self, protected: Container[int]) -> int | None:
+        if not self._heap_live:
+            self._build_heap()
         heap, aside, found = self._heap, [], None
         while heap:
             neg, _, key = heap[0]

@@ -43,8 +43,9 @@ Events, in the order the cache issues them
     ``key`` was requested and is not resident: this is the policy's miss notification, issued
     exactly once per missed request, before any victim is chosen. Return ``True`` to keep the
     expert in a slot, ``False`` to serve it from a transient buffer that is dropped after use
-    (the request still succeeds; the expert is simply not retained). A policy should admit
-    while the cache has a free slot.
+    (the request still succeeds; the expert is simply not retained). A policy must admit while
+    the cache has a free slot (it knows: it sees every insert and evict); the simulator relies
+    on it to skip replays at sizes that hold every key.
 ``choose_victim(protected) -> key | None``
     Called only after ``admit`` returned ``True`` and every slot is taken. Return a resident key
     to evict. It must not be in ``protected`` (keys of the batch being served and keys whose

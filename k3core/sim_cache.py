@@ -17,6 +17,11 @@ How a trace is replayed (:func:`replay_policy`)
   raises :class:`~k3core.errors.PluginError`.
 * A hit is a request whose key was resident. A declined admission (or no evictable slot) is
   a miss whose expert is not retained.
+* With at least as many slots as the trace has distinct keys nothing needs evicting. A
+  policy is replayed at the first such size; if it reached the compulsory ceiling there, it
+  never lacked a free slot, so every larger size gives the same result and is not replayed
+  again (a policy must not decline a free slot; the conformance suite checks it). Belady is
+  the ceiling at those sizes by definition.
 
 ``belady`` is computed separately and exactly (:func:`belady_hits`): evict the resident whose
 next use is furthest; do not retain a missed key whose next use is later than every
@@ -43,7 +48,7 @@ import numpy as np
 
 from k3core.cache_policy import CachePolicy
 from k3core.errors import OutputError, PluginError, UsageError
-from k3core.trace import trace_keys, validate_pairs
+from k3core.trace import read_trace, trace_keys, validate_pairs
 
 EXPERT_BYTES = 17_547_264  # one released K3 expert, packed MXFP4 (gate, up, down + scales)
 DEFAULT_CACHE_GB = (8, 16, 32, 64, 128, 192, 256, 384, 512, 768, 1024, 1450)
@@ -418,7 +423,8 @@ def simulate(
 ) -> SimResult:
     """Replay ``trace`` under each policy and exact Belady at each size.
 
-    ``trace``: an ``(N, 2)`` int array of ``(layer, expert)`` (see :func:`k3core.trace.read_trace`).
+    ``trace``: an ``(N, 2)`` int array of ``(layer, expert)``, or the path of an
+    ``expert_trace.bin`` (read with :func:`k3core.trace.read_trace`).
     Sizes: ``slots_list``, or ``cache_gb`` budgets, or by default :data:`DEFAULT_CACHE_GB`
     converted with ``expert_bytes``; sizes under ``topk + 1`` slots are skipped (the engine
     refuses them). ``policies``: registry names (default: every registered cache policy) or a
@@ -427,7 +433,10 @@ def simulate(
     else to what the trace shows. ``options`` are passed to every policy (``trace`` is always
     passed, so ``replay`` replays this very trace). Returns a :class:`SimResult`.
     """
-    pairs = validate_pairs(np.asarray(trace, dtype=np.int64).reshape(-1), None, None)
+    if isinstance(trace, (str, os.PathLike)):
+        pairs = read_trace(trace, n_layers=n_layers, n_experts=n_experts)
+    else:
+        pairs = validate_pairs(np.asarray(trace).reshape(-1), None, None)
     max_layer, max_expert = int(pairs[:, 0].max()), int(pairs[:, 1].max())
     if n_layers is None:
         n_layers = MODEL_LAYERS if max_layer <= MODEL_LAYERS else max_layer
@@ -476,20 +485,32 @@ def simulate(
     nxt = next_use(keys)
     opts = {"n_layers": n_layers, "n_experts": n_experts, "trace": pairs, **(options or {})}
     n = len(keys)
+    ceiling_hits = n - result.distinct
+    at_ceiling: set[str] = set()  # reached the ceiling with room for every key: done
     for slots, gb in zip(sizes, gbs, strict=True):
         if slots < topk + 1:
             result.skipped_slots.append(slots)
             continue
         rates: dict[str, float] = {}
+        roomy = slots >= result.distinct
         for name, factory in factories.items():
+            if roomy and name in at_ceiling:
+                # it never ran out of free slots at a smaller size, so with more it makes
+                # the same decisions (the contract: a free slot is never declined)
+                rates[name] = ceiling_hits / n
+                continue
             if progress:
                 progress(name, slots)
             t0 = time.perf_counter()
             policy = factory(capacity=slots, **opts)
-            rates[name] = replay_policy(policy, view, slots, topk) / n
+            hits = replay_policy(policy, view, slots, topk)
+            rates[name] = hits / n
             result.seconds[name] += time.perf_counter() - t0
+            if roomy and hits == ceiling_hits:
+                at_ceiling.add(name)
         t0 = time.perf_counter()
-        rates[BELADY] = belady_hits(keys, slots, nxt) / n
+        # with room for every key Belady never evicts: exactly the compulsory ceiling
+        rates[BELADY] = (ceiling_hits if roomy else belady_hits(keys, slots, nxt)) / n
         result.seconds[BELADY] += time.perf_counter() - t0
         result.rows.append(_row(result, slots, gb, rates))
     return result

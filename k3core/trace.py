@@ -98,14 +98,17 @@ def parse_trace_bytes(
 def validate_pairs(
     raw: np.ndarray, n_layers: int | None, n_experts: int | None, *, where: str = "trace"
 ) -> np.ndarray:
-    """Check a flat int32 array of pairs and return it as ``(N, 2)`` native int32."""
+    """Check a flat integer array of pairs and return it as ``(N, 2)`` native int32."""
     if raw.size == 0:
         raise TraceError(f"{where}: no requests")
     if raw.size % 2:
         raise TraceError(
             f"{where}: {raw.size} int32 values is an odd count; a trace holds (layer, expert) pairs"
         )
-    pairs = raw.reshape(-1, 2).astype(np.int32, copy=True)
+    flat = np.asarray(raw)
+    if not np.issubdtype(flat.dtype, np.integer):
+        raise TraceError(f"{where}: expected integers, got {flat.dtype}")
+    pairs = flat.reshape(-1, 2)
     layers, experts = pairs[:, 0], pairs[:, 1]
     max_layer = (1 << (31 - KEY_SHIFT)) - 1 if n_layers is None else int(n_layers)
     max_expert = (1 << KEY_SHIFT) - 1 if n_experts is None else int(n_experts) - 1
@@ -117,6 +120,7 @@ def validate_pairs(
                 f"{where}: request {i} has {name} {int(col[i])}, outside 0..{hi} "
                 f"({bad.size} such request(s)); is this a trace of this model?"
             )
+    pairs = pairs.astype(np.int32, copy=True)
     return pairs
 
 

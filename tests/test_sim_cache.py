@@ -164,3 +164,18 @@ def test_cycle_eta_parameters_are_not_fitted_to_the_trace(shipped: np.ndarray) -
     for opts in ({"max_age": 8, "horizon": 128}, {"shrink": 2.0, "horizon": 16}):
         assert replay_policy(CycleETAPolicy(911, **opts), view, 911) == pytest.approx(base, abs=10)
     assert EXPERT_BYTES == 17_547_264
+
+
+def test_simulate_takes_a_path_and_refuses_bad_arrays(tmp_path) -> None:
+    from k3core.trace import TraceError, write_trace
+
+    pairs = incremental_trace(4, 16, 2, 10, seed=1)
+    write_trace(tmp_path, pairs)
+    r = simulate(tmp_path / "expert_trace.bin", slots_list=[8], policies=["lru"], topk=2)
+    assert r.requests == len(pairs)
+    with pytest.raises(TraceError, match="integers"):
+        simulate(pairs.astype(float), slots_list=[8])
+    with pytest.raises(TraceError, match="outside"):
+        simulate(np.array([[1, 1 << 33]]), slots_list=[8])
+    with pytest.raises(TraceError, match="odd count"):
+        simulate(np.array([1, 2, 3]), slots_list=[8])
