@@ -27,7 +27,9 @@ a trace of another model costs hits, never correctness. Keys outside the trace s
 no known next use.
 
 Cost: O(log C) per event in sync (a max-heap of next-use indices with lazy invalidation), plus
-O(skipped requests) for a resync and O(log occurrences) per unsynced lookup.
+O(skipped requests) for a resync and O(log occurrences) per unsynced lookup. Memory: about
+100 bytes per traced request (the trace, its next-use index and each key's occurrences as
+Python lists), e.g. ~150 MB for a 1,000-token run of the full model.
 """
 
 from __future__ import annotations

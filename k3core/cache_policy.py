@@ -60,6 +60,20 @@ Events, in the order the cache issues them
 
 ``protected`` is a read-only container the cache owns (a ``set``); test membership only.
 
+Driving a policy from a real cache
+----------------------------------
+A policy is not thread-safe: call it under the cache's lock, from the serial reserve phase
+of a batch (``get_many``), never from the parallel read workers. For one layer's batch:
+``begin_layer`` once per visit (all of the visit's keys; calling it again for the same layer
+before the next ``begin_token`` adds keys to the same visit), then for each requested key in
+order: resident or already in flight -> ``on_hit``; otherwise ``admit``; if admitted and no
+slot is free -> ``choose_victim`` (the victim's slot becomes INFLIGHT for the new key) ->
+``on_evict(victim)``; then ``on_insert(key)`` when the slot is reserved. ``protected`` holds
+the batch's keys and every key in flight. A read that fails or comes back short leaves its
+slot EMPTY: report it with ``on_evict(key)``. A prefetch (an expert read without a request)
+may be placed with ``on_insert`` alone, into a free slot or after ``choose_victim``; it is
+not a request and is not announced.
+
 Cost
 ----
 The real model makes 1,472 requests per token (92 layers x top-16) and the simulator replays
@@ -109,6 +123,9 @@ class CachePolicy(ABC):
 
     #: short name shown in reports (the registry name is authoritative)
     name: str = "policy"
+    #: True for a policy that uses a recording of the future (``replay``): the simulator
+    #: reports it as a ceiling and never picks it as the best online policy
+    offline: bool = False
 
     def __init__(self, capacity: int, *, n_layers: int = 92, n_experts: int = 896, **options: Any):
         if int(capacity) < 1:
