@@ -36,8 +36,13 @@ at its current ``(class, age)``; it is a *hit* of that cell if the visit request
 ``0..max_age-1`` are kept apart and older ones lumped at ``max_age``; counts are multiplied
 by ``1 - 1/horizon`` at every pass so the table follows drifting routing. The hazard
 ``h(c, a)`` is the cell's hit ratio shrunk toward the all-class ratio at that age, which is
-shrunk toward the all-class ratio one age younger (pseudo-count ``shrink`` at each level;
-Beta(1, 1) at the root), so a sparse cell never looks like a coin flip.
+shrunk toward a prior built from the all-class ratio one age younger (pseudo-count
+``shrink`` at each level; Beta(1, 1) at the root), so a sparse cell never looks like a coin
+flip. That prior carries the *shape* of the hazard over ages measured between the positions
+of the first pass (the prompt's prefill, ``topk`` requests per position): how often an
+expert used at one position returns 1, 2, ... positions later. A run thus prefers recently
+used experts from its first decoded token instead of waiting passes for evidence at every
+age; in full-recompute decode no key ever ages, so the shape never matters there.
 
 ``C(c, a)`` is the occupancy per hit of the best holding horizon: holding a key for at most
 ``m`` more visits costs ``sum_{j<m} S_j`` visits of a slot (``S_j`` = P(no request in the
@@ -49,9 +54,9 @@ can always drop the fresh one a pass later if it does not return. This is the hi
 of LHD (Beckmann et al., NSDI 2018) measured in layer cycles; for a constant hazard both
 are ``1/p``.
 
-Defaults (``max_age`` 16 passes, ``horizon`` 32 passes, ``shrink`` 8 pseudo-observations)
-are resolution and memory choices, not fits: the results on the shipped trace move by
-hundredths of a point across 8..32, 16..128 and 2..32 (see the tests). The table is rebuilt
+Defaults (``max_age`` 16 passes, ``horizon`` 32 passes, ``shrink`` 8 pseudo-observations;
+``topk`` 16, the model's) are resolution and memory choices, not fits: the hit counts on the
+shipped trace do not change across max_age 8..32, horizon 16..128 and shrink 2..32. The table is rebuilt
 at each ``begin_token``; a resident's ETA is refreshed at each visit of its layer.
 
 Look-ahead the engine really has
@@ -98,6 +103,7 @@ class CycleETAPolicy(CachePolicy):
         horizon: int = 32,
         max_age: int = 16,
         shrink: float = 8.0,
+        topk: int = 16,
         **options: Any,
     ):
         super().__init__(capacity, **options)
@@ -110,8 +116,13 @@ class CycleETAPolicy(CachePolicy):
         self.max_age = int(max_age)
         cells = N_CLASSES * (self.max_age + 1)
         self.shrink = float(shrink)
+        self.topk = max(int(topk), 1)
         self._opp = np.zeros(cells)
         self._hits = np.zeros(cells)
+        # the same statistics between the positions of the first pass (the prompt), by age
+        self._pos_opp = np.zeros(self.max_age + 1)
+        self._pos_hits = np.zeros(self.max_age + 1)
+        self._passes = 0
         self._C: list[list[float]] = []
         self._rebuild()
         self._period = float(max(self.n_layers, 1))  # ticks per pass, measured
@@ -149,10 +160,15 @@ class CycleETAPolicy(CachePolicy):
         hits, opp = self._hits.reshape(shape), self._opp.reshape(shape)
         all_hits, all_opp = hits.sum(axis=0), opp.sum(axis=0)
         k = self.shrink
+        shape = np.empty(self.max_age + 1)  # hazard between prompt positions, by age
+        shape[0] = (self._pos_hits[0] + 1.0) / (self._pos_opp[0] + 2.0)
+        for a in range(1, self.max_age + 1):
+            shape[a] = (self._pos_hits[a] + k * shape[a - 1]) / (self._pos_opp[a] + k)
         pooled = np.empty(self.max_age + 1)
         pooled[0] = (all_hits[0] + 1.0) / (all_opp[0] + 2.0)
         for a in range(1, self.max_age + 1):
-            pooled[a] = (all_hits[a] + k * pooled[a - 1]) / (all_opp[a] + k)
+            prior = min(pooled[a - 1] * shape[a] / shape[a - 1], 1.0)
+            pooled[a] = (all_hits[a] + k * prior) / (all_opp[a] + k)
         return (hits + k * pooled) / (opp + k)
 
     def _rebuild(self) -> None:
@@ -230,6 +246,7 @@ class CycleETAPolicy(CachePolicy):
 
     # ---- events ------------------------------------------------------------------------
     def begin_token(self) -> None:
+        self._passes += 1
         if self._ticks_this_pass:
             self._period = float(self._ticks_this_pass)
         self._ticks_this_pass = 0
@@ -288,6 +305,27 @@ class CycleETAPolicy(CachePolicy):
         for k in remaining:
             if k >> KEY_SHIFT != layer:
                 self._request(k)  # announced under another layer: noted, no statistics
+        if self._passes <= 1 and len(keys) >= 2 * self.topk and len(keys) % self.topk == 0:
+            self._learn_positions(keys)
+
+    def _learn_positions(self, keys: Sequence[int]) -> None:
+        """Hazard by age between the positions of a batched visit of the first pass."""
+        positions = len(keys) // self.topk
+        seen_at: dict[int, list[int]] = {}
+        for i, k in enumerate(keys):
+            at = seen_at.setdefault(k, [])
+            if not at or at[-1] != i // self.topk:
+                at.append(i // self.topk)
+        top = self.max_age
+        for at in seen_at.values():
+            for here, there in zip(at, [*at[1:], None], strict=True):
+                # positions after `here`: `gap` opportunities, the last one a hit if `there`
+                gap = (positions - 1 - here) if there is None else (there - here)
+                self._pos_opp[: min(gap, top)] += 1.0
+                if gap > top:
+                    self._pos_opp[top] += gap - top
+                if there is not None:
+                    self._pos_hits[min(gap - 1, top)] += 1.0
 
     def _request(self, key: int) -> None:
         """Note a request of ``key`` in its layer's current visit (once per visit)."""

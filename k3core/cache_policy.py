@@ -20,7 +20,8 @@ A policy is built by its plugin factory with keyword arguments only::
     policy = Factory(capacity=C, n_layers=92, n_experts=896, **options)
 
 ``capacity`` is the number of slots (>= 1). ``n_layers``/``n_experts`` bound the keys and let a
-policy size per-key tables. Further options are policy specific (``trace=`` for ``replay``: a
+policy size per-key tables; ``topk`` (experts per position, 16 for the real model) is passed
+by the cache and the simulator too. Further options are policy specific (``trace=`` for ``replay``: a
 path to an ``expert_trace.bin`` or an ``(N, 2)`` int array); a policy must accept and ignore
 options it does not know, so a caller can pass one option set to any policy. A bad option is a
 :class:`~k3core.errors.PluginError` or :class:`~k3core.errors.UsageError` (exit 2).

@@ -247,8 +247,8 @@ def simulate(
     refuses them). ``policies``: registry names (default: every registered cache policy) or a
     ``{name: factory}`` map. ``requests_per_token`` defaults to ``topk * n_layers``.
     ``n_layers``/``n_experts`` default to the real model's 92/896 when the trace fits them,
-    else to what the trace shows. ``options`` are passed to every policy (``trace`` is always
-    passed, so ``replay`` replays this very trace). Returns a :class:`SimResult`.
+    else to what the trace shows. ``options`` are passed to every policy, after ``n_layers``,
+    ``n_experts``, ``topk`` and ``trace`` (so ``replay`` replays this very trace). Returns a :class:`SimResult`.
     """
     if isinstance(trace, (str, os.PathLike)):
         pairs = read_trace(trace, n_layers=n_layers, n_experts=n_experts)
@@ -300,7 +300,13 @@ def simulate(
         seconds={n: 0.0 for n in names},
     )
     nxt = next_use(keys)
-    opts = {"n_layers": n_layers, "n_experts": n_experts, "trace": pairs, **(options or {})}
+    opts = {
+        "n_layers": n_layers,
+        "n_experts": n_experts,
+        "topk": topk,
+        "trace": pairs,
+        **(options or {}),
+    }
     n = len(keys)
     ceiling_hits = n - result.distinct
     at_ceiling: set[str] = set()  # reached the ceiling with room for every key: done

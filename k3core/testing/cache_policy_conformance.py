@@ -154,7 +154,7 @@ class CachePolicyConformance:
 
             assert self.policy_name, "set factory or policy_name on the conformance subclass"
             factory = get_registry().resolve("cache", self.policy_name)[0].load()
-        opts = {"n_layers": N_LAYERS, "n_experts": N_EXPERTS, **self.options, **extra}
+        opts = {"n_layers": N_LAYERS, "n_experts": N_EXPERTS, "topk": TOPK, **self.options, **extra}
         if opts.get("trace") is None:
             opts["trace"] = small_traces()["full-recompute"]
         return factory(capacity=capacity, **opts)

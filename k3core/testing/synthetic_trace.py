@@ -11,6 +11,8 @@ Two shapes, both in the ``expert_trace.bin`` layout (an ``(N, 2)`` int32 array o
   (temporal locality). Sampling without replacement uses the Gumbel-top-k trick.
 * :func:`full_recompute_trace`: what full-recompute decode asks for given per-position
   routing: pass ``t`` re-runs positions ``0 .. start+t-1`` through every layer.
+* :func:`routing_of_recompute`: the inverse, the per-position routing a full-recompute trace
+  shows (so a real recorded run can be replayed as incremental decode).
 
 All randomness comes from ``numpy.random.default_rng(seed)``.
 """
@@ -91,4 +93,37 @@ def full_recompute_trace(route: np.ndarray, start: int) -> np.ndarray:
         for layer in range(n_layers):
             e = route[:t, layer, :].reshape(-1)
             parts.append(np.stack([np.full_like(e, layer + 1), e], axis=1))
+    return np.concatenate(parts).astype(np.int32)
+
+
+def routing_of_recompute(pairs: np.ndarray, topk: int = 16) -> tuple[np.ndarray, int]:
+    """Per-position routing ``[positions, layers, topk]`` and the first pass's position count.
+
+    ``pairs`` must be a full-recompute trace with layers ``1..L`` visited in order and
+    ``topk`` requests per position; each position's routing is taken from the last pass that
+    ran it (they agree: the computation is deterministic).
+    """
+    layers = pairs[:, 0]
+    cuts = np.r_[0, np.flatnonzero(np.diff(layers)) + 1, len(layers)]
+    n_layers = int(layers.max())
+    positions = int(max(cuts[i + 1] - cuts[i] for i in range(len(cuts) - 1))) // topk
+    first = int(cuts[1] - cuts[0]) // topk
+    route = np.zeros((positions, n_layers, topk), dtype=np.int32)
+    for s, e in zip(cuts[:-1], cuts[1:], strict=True):
+        layer = int(layers[s])
+        block = pairs[s:e, 1].reshape(-1, topk)
+        route[: len(block), layer - 1] = block
+    return route, first
+
+
+def incremental_from_routing(route: np.ndarray, prompt: int) -> np.ndarray:
+    """Incremental decode of ``route``: a prefill of ``prompt`` positions, then one by one."""
+    positions, n_layers, topk = route.shape
+    parts = []
+    for layer in range(n_layers):
+        e = route[:prompt, layer, :].reshape(-1)
+        parts.append(np.stack([np.full_like(e, layer + 1), e], axis=1))
+    for t in range(prompt, positions):
+        la = np.repeat(np.arange(1, n_layers + 1, dtype=np.int32), topk)
+        parts.append(np.stack([la, route[t].reshape(-1)], axis=1))
     return np.concatenate(parts).astype(np.int32)
