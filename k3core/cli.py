@@ -65,9 +65,9 @@ def _root(
 
 
 def _register() -> None:
-    from k3core.commands import backends, run, synth
+    from k3core.commands import backends, bench_ladder, pack_trunk, run, synth
 
-    for module in (run, synth, backends):
+    for module in (run, synth, backends, pack_trunk, bench_ladder):
         module.register(app)
 
 
