@@ -41,6 +41,8 @@ CGROUP_HEADROOM = 2_000_000_000
 #: extra virtual address space allowed over the plan under RLIMIT_AS
 AS_HEADROOM = 8_000_000_000
 CGROUP_ROOT = Path("/sys/fs/cgroup")
+#: how a child runs the k3 command line with this interpreter
+K3_CMD = [sys.executable, "-c", "from k3core.cli import main; main()"]
 
 
 @dataclass

@@ -6,6 +6,7 @@ one aligned read (O_DIRECT needs no fix-up). ``trunk.json`` describes it::
 
     {"format": "k3-trunk", "version": 1, "align": 4096, "n_layers": N,
      "total_bytes": size of trunk.bin, "source_fingerprint": CheckpointIndex.fingerprint(),
+     "source_sample": "sha256:..." (k3core.trunk_sample: sampled bytes of every run),
      "config_fingerprint": ModelConfig.fingerprint(),
      "layers": [{"layer": L, "file_off": ..., "nbytes": padded run, "span": unpadded run,
                  "checksum": "crc32:xxxxxxxx" (of the span bytes),
@@ -17,8 +18,9 @@ A manifest is untrusted input. :func:`open_trunk` refuses, with one ``Checkpoint
 the wrong type or out of range, layers other than ``0..n-1`` each once, runs that are
 unaligned, overlap or leave ``trunk.bin`` (whose size must equal ``total_bytes``), tensors
 that escape their run or overlap, or whose dtype/shape/size/relative position disagree with
-the checkpoint, a trunk packed from another checkpoint or for another model shape, and a
-trunk with fewer layers than the run needs. ``verify=True`` re-checksums every layer.
+the checkpoint, a trunk packed from another checkpoint (other headers, or the same headers
+but other weights: the sampled bytes differ) or for another model shape, and a trunk with
+fewer layers than the run needs. ``verify=True`` re-checksums every layer.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from k3core.layer_params import trunk_suffixes
 from k3core.safejson import JSONRejected, parse_json, show
 from k3core.safetensors_header import DTYPES
 from k3core.storage import StorageBackend, aligned_empty
+from k3core.trunk_sample import check_samples
 
 FORMAT = "k3-trunk"
 VERSION = 1
@@ -99,6 +102,7 @@ class TrunkManifest:
     align: int
     layers: tuple[TrunkLayer, ...]
     source_fingerprint: str
+    source_sample: str
     config_fingerprint: tuple[int, ...]
     total_bytes: int
 
@@ -115,6 +119,7 @@ class TrunkManifest:
             "format": FORMAT, "version": VERSION, "align": self.align,
             "n_layers": self.n_layers, "total_bytes": self.total_bytes,
             "source_fingerprint": self.source_fingerprint,
+            "source_sample": self.source_sample,
             "config_fingerprint": list(self.config_fingerprint),
             "layers": [lay.to_json() for lay in self.layers],
         }
@@ -147,6 +152,8 @@ def open_trunk(
     doc = _load(root / MANIFEST_NAME)
     man = parse_manifest(doc, root, index, cfg, n_layers or cfg.n_layers)
     _check_bin(man)
+    layers = [(lay.layer, *run_source(lay, index), lay.span, lay.file_off) for lay in man.layers]
+    check_samples(root, man.bin_path, index, storage or index.storage, layers, man.source_sample)
     if verify:
         verify_trunk(man, storage or index.storage, progress)
     return man
@@ -232,6 +239,10 @@ def _parse_root(doc: Any, root: Path) -> TrunkManifest:
     fp = doc.get("source_fingerprint")
     if not isinstance(fp, str) or not _HEX64.match(fp):
         raise _Bad("source_fingerprint must be 64 lowercase hex digits")
+    sample = doc.get("source_sample")
+    if not isinstance(sample, str) or not sample.startswith("sha256:") or not _HEX64.match(
+            sample[7:]):
+        raise _Bad("source_sample must be 'sha256:' and 64 lowercase hex digits")
     cfp = doc.get("config_fingerprint")
     if (not isinstance(cfp, list) or len(cfp) > 64
             or not all(isinstance(x, int) and not isinstance(x, bool) for x in cfp)):
@@ -255,7 +266,7 @@ def _parse_root(doc: Any, root: Path) -> TrunkManifest:
     for a, b in pairwise(runs):
         if a.file_off + a.nbytes > b.file_off:
             raise _Bad(f"layer {a.layer}'s run overlaps layer {b.layer}'s in {DATA_NAME}")
-    return TrunkManifest(root, align, tuple(done), fp, tuple(cfp), total)
+    return TrunkManifest(root, align, tuple(done), fp, sample, tuple(cfp), total)
 
 
 def _parse_layer(raw: Any, n: int, total: int) -> TrunkLayer:
@@ -335,6 +346,13 @@ def _check_against_index(lay: TrunkLayer, index: CheckpointIndex, cfg: ModelConf
             base = rel
         elif rel != base:
             raise _Bad(f"tensor {show(t.name)} is not where the verbatim copy puts it")
+
+
+def run_source(lay: TrunkLayer, index: CheckpointIndex) -> tuple[Path, int]:
+    """The shard and absolute start of a checked layer's run in the checkpoint."""
+    t = next(iter(lay.tensors.values()))
+    info = index.info(t.name)
+    return info.path, info.offset - t.off
 
 
 def _check_bin(man: TrunkManifest) -> None:

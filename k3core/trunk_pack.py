@@ -44,6 +44,7 @@ from k3core.trunk_manifest import (
     crc_tag,
     round_up,
 )
+from k3core.trunk_sample import source_sample
 
 #: bytes copied per read (bounds the packer's memory whatever the layer size)
 COPY_CHUNK = 64 * 1024 * 1024
@@ -118,7 +119,8 @@ def pack_trunk(
     tmp_json = out / f".{MANIFEST_NAME}.partial-{os.getpid()}"
     try:
         layers = _write_bin(tmp_bin, runs, storage, progress)
-        man = TrunkManifest(out, ALIGN, tuple(layers), index.fingerprint(),
+        sample = source_sample(index, ((r.path, r.start, r.span) for r in runs))
+        man = TrunkManifest(out, ALIGN, tuple(layers), index.fingerprint(), sample,
                             tuple(cfg.fingerprint()), sum(r.nbytes for r in runs))
         _write_file(tmp_json, json.dumps(man.to_json(), indent=1).encode() + b"\n")
         with contextlib.suppress(FileNotFoundError):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import typer
@@ -13,6 +12,7 @@ from k3core.config import load_config
 from k3core.errors import OutputError, UsageError
 from k3core.idparse import check_vocab, parse_ids
 from k3core.ladder import (
+    K3_CMD,
     MIN_RUNGS,
     bound_lines,
     check_same_ids,
@@ -60,7 +60,7 @@ def bench_ladder(
         out_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise OutputError(f"cannot create {out_dir}: {exc.strerror or exc}") from None
-    base = [sys.executable, "-m", "k3core.cli", "run", str(model_dir), "--ids", ids,
+    base = [*K3_CMD, "run", str(model_dir), "--ids", ids,
             "--gen", str(gen), "--incremental", "--trunk", str(trunk_dir),
             "--storage", storage, "--backend", backend]
     if threads is not None:
