@@ -6,13 +6,14 @@ group with ``memory.max`` (and ``memory.swap.max`` 0) when ``/sys/fs/cgroup`` of
 memory controller to us, otherwise ``RLIMIT_AS`` set in the child with generous headroom
 for virtual address space (a Python process maps far more than it touches). Per rung it
 records the budget, the pinned layers and ring, the steady-state seconds per token (step 0
-excluded), the trunk bytes read per token, the measured peak RSS (the child's own
+excluded; median, with the mean beside it), the trunk bytes read per token, the measured peak RSS (the child's own
 ``ru_maxrss``), the memory plan and the generated ids; it writes ``ladder.tsv`` and
 ``ladder.png`` atomically and fails (exit 1) unless every rung produced the same ids.
 
 For each streaming rung it also says what bounds the time per token: the larger of the
 trunk read time per token (device seconds on the reader) and the compute time per token
-(wall time minus the time ``acquire`` was left waiting for a read).
+(wall time minus the time ``acquire`` was left waiting for a read), all over the same
+steady-state steps (the child's ``--out`` carries per-step trunk figures).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import json
 import math
 import os
 import resource
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -38,8 +40,9 @@ from k3core.state import kv_bytes_per_position, recurrent_bytes_per_layer
 MIN_RUNGS = 6
 #: extra RSS allowed over the plan under a cgroup (interpreter, numpy, experts, index)
 CGROUP_HEADROOM = 2_000_000_000
-#: extra virtual address space allowed over the plan under RLIMIT_AS
-AS_HEADROOM = 8_000_000_000
+#: extra virtual address space allowed over the plan under RLIMIT_AS (thread stacks, malloc
+#: arenas and BLAS buffers are reserved address space that is never touched)
+AS_HEADROOM = 4_000_000_000
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 #: how a child runs the k3 command line with this interpreter
 K3_CMD = [sys.executable, "-c", "from k3core.cli import main; main()"]
@@ -55,8 +58,9 @@ class Rung:
     ring: int = 0
     slot_bytes: int = 0
     steps: int = 0
-    s_per_token: float = 0.0  # steady state: steps after the first
-    mean_s_per_token: float = 0.0  # every step
+    step0_s: float = 0.0  # prefill step (prompt + pin load effects), excluded below
+    s_per_token: float = 0.0  # steady state: median of the steps after the first
+    mean_s_per_token: float = 0.0  # steady state: mean of the steps after the first
     trunk_bytes_per_token: float = 0.0
     read_s_per_token: float = 0.0
     wait_s_per_token: float = 0.0
@@ -78,15 +82,15 @@ class Rung:
 
 
 def default_budgets(sizes: Sequence[int], n: int = 8) -> list[float]:
-    """``n`` budgets (decimal GB, rounded up to the MB) from the floor to everything pinned."""
+    """``n`` budgets (decimal GB, rounded up to the KB) from the floor (one slot, nothing
+    pinned) and two slots of the floor, evenly on to everything pinned."""
     floor, total = max(sizes), sum(sizes)
     points: list[float] = [floor, 2 * floor]
     lo, hi = 2 * floor, total
     for k in range(1, n - 2):
         points.append(lo + (hi - lo) * k / (n - 2))
     points.append(total)
-    gbs = sorted({math.ceil(p / 1e6) / 1e3 for p in points if p <= total})
-    return gbs
+    return sorted({math.ceil(p / 1e3) / 1e6 for p in points if p <= total})
 
 
 def parse_budgets(text: str) -> list[float]:
@@ -169,15 +173,17 @@ class _Limit:
                 self.cgroup.rmdir()
 
 
-def make_limit(nbytes: int, tag: str, enforce: bool = True) -> _Limit:
+def make_limit(nbytes: int, tag: str, enforce: bool = True,
+               headroom: int | None = None) -> _Limit:
     """A cgroup v2 memory group if we may create one, else RLIMIT_AS with headroom."""
     if not enforce:
         return _Limit("none", 0)
-    cg = _cgroup_v2(nbytes + CGROUP_HEADROOM, tag)
+    cap = nbytes + (CGROUP_HEADROOM if headroom is None else headroom)
+    cg = _cgroup_v2(cap, tag)
     if cg is not None:
-        return _Limit("cgroup-v2", nbytes + CGROUP_HEADROOM, cg)
+        return _Limit("cgroup-v2", cap, cg)
     if hasattr(resource, "RLIMIT_AS") and sys.platform.startswith("linux"):
-        return _Limit("rlimit-as", nbytes + AS_HEADROOM)
+        return _Limit("rlimit-as", nbytes + (AS_HEADROOM if headroom is None else headroom))
     return _Limit("none", 0)
 
 
@@ -218,6 +224,7 @@ def run_rung(
     limit_bytes: int,
     enforce: bool,
     timeout: float | None,
+    headroom: int | None = None,
 ) -> Rung:
     rung = Rung(budget_gb)
     out_json = out_dir / f"rung-{i:02d}.json"
@@ -225,7 +232,7 @@ def run_rung(
     cmd = base_cmd + ["--trunk-gb", f"{budget_gb:.6f}", "--out", str(out_json)]
     with contextlib.suppress(FileNotFoundError):
         out_json.unlink()
-    limit = make_limit(limit_bytes, f"{i}", enforce)
+    limit = make_limit(limit_bytes, f"{i}", enforce, headroom)
     rung.limit_kind, rung.limit_bytes = limit.kind, limit.nbytes
     try:
         with open(log, "wb") as fh:
@@ -244,28 +251,31 @@ def run_rung(
         rung.error = f"exit {proc.returncode}: {' '.join(tail)}"
         return rung
     doc = json.loads(out_json.read_text())
-    steps = [float(s) for s in doc.get("step_seconds", [])]
-    n = len(steps)
+    steps = [float(x) for x in doc.get("step_seconds", [])]
+    per = doc.get("step_trunk") or [{} for _ in steps]
+    steady = slice(1, None) if len(steps) > 1 else slice(0, None)
+    n = len(steps[steady])
     rung.ok = True
-    rung.steps = n
+    rung.steps = len(steps)
     rung.ids = [int(t) for t in doc["generated_ids"]]
-    rung.s_per_token = sum(steps[1:]) / (n - 1) if n > 1 else (steps[0] if steps else 0.0)
-    rung.mean_s_per_token = sum(steps) / n if n else 0.0
+    rung.step0_s = steps[0] if steps else 0.0
+    if n:
+        rung.s_per_token = statistics.median(steps[steady])
+        rung.mean_s_per_token = sum(steps[steady]) / n
+        rung.trunk_bytes_per_token = sum(p.get("bytes", 0) for p in per[steady]) / n
+        rung.read_s_per_token = sum(p.get("read_seconds", 0.0) for p in per[steady]) / n
+        rung.wait_s_per_token = sum(p.get("wait_seconds", 0.0) for p in per[steady]) / n
     rung.pinned = int(doc.get("trunk_pinned_layers", 0))
     rung.n_layers = int(doc.get("trunk_layers", doc.get("layers", 0)))
     rung.ring = int(doc.get("trunk_ring_slots", 0))
     rung.slot_bytes = int(doc.get("trunk_slot_bytes", 0))
-    if n:
-        rung.trunk_bytes_per_token = int(doc.get("trunk_ring_bytes_read", 0)) / n
-        rung.read_s_per_token = float(doc.get("trunk_read_seconds", 0.0)) / n
-        rung.wait_s_per_token = float(doc.get("trunk_exposed_wait_seconds", 0.0)) / n
     rung.peak_rss = max(int(doc.get("peak_rss_bytes", 0)), cg_peak)
     rung.plan_total = plan_total(cfg, doc, positions)
     return rung
 
 
-TSV_COLUMNS = ("budget_gb", "pinned_layers", "n_layers", "ring_slots", "slot_gb", "s_per_token",
-               "mean_s_per_token", "trunk_gb_read_per_token", "trunk_read_s_per_token",
+TSV_COLUMNS = ("budget_gb", "pinned_layers", "n_layers", "ring_slots", "slot_gb", "step0_s",
+               "s_per_token", "mean_s_per_token", "trunk_gb_read_per_token", "trunk_read_s_per_token",
                "exposed_wait_s_per_token", "compute_s_per_token", "bound", "peak_rss_gb",
                "plan_total_gb", "limit_kind", "limit_gb", "ok", "generated_ids")
 
@@ -274,8 +284,9 @@ def tsv_text(rungs: Sequence[Rung]) -> str:
     rows = ["\t".join(TSV_COLUMNS)]
     for r in rungs:
         rows.append("\t".join([
-            f"{r.budget_gb:.3f}", str(r.pinned), str(r.n_layers), str(r.ring),
-            f"{r.slot_bytes / 1e9:.4f}", f"{r.s_per_token:.3f}", f"{r.mean_s_per_token:.3f}",
+            f"{r.budget_gb:.6f}", str(r.pinned), str(r.n_layers), str(r.ring),
+            f"{r.slot_bytes / 1e9:.4f}", f"{r.step0_s:.3f}", f"{r.s_per_token:.3f}",
+            f"{r.mean_s_per_token:.3f}",
             f"{r.trunk_bytes_per_token / 1e9:.4f}", f"{r.read_s_per_token:.3f}",
             f"{r.wait_s_per_token:.3f}", f"{r.compute_s_per_token:.3f}", r.bound,
             f"{r.peak_rss / 1e9:.3f}", f"{r.plan_total / 1e9:.3f}", r.limit_kind,
@@ -293,26 +304,30 @@ def write_plot(path: Path, rungs: Sequence[Rung], title: str) -> None:
     import matplotlib.pyplot as plt
 
     ok = [r for r in rungs if r.ok]
-    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)
+    fig, ax = plt.subplots(figsize=(7.5, 4.6), dpi=120)
     x = [r.budget_gb for r in ok]
-    ax.plot(x, [r.s_per_token for r in ok], "o-", color="tab:blue", label="s/token (steady)")
+    ax.plot(x, [r.s_per_token for r in ok], "o-", color="tab:blue", label="s/token (median, steady)")
     ax.plot(x, [max(r.read_s_per_token, r.compute_s_per_token) for r in ok], "x--",
-            color="tab:gray", label="max(trunk read, compute) per token")
+            color="tab:gray", label="max(trunk read, compute) per token (mean)")
+    ax.plot(x, [r.read_s_per_token for r in ok], "v:", color="tab:green",
+            label="trunk read s/token (reader thread)")
     ax.set_xlabel("--trunk-gb (GB)")
     ax.set_ylabel("seconds per token")
     ax.set_ylim(bottom=0)
     ax2 = ax.twinx()
     ax2.plot(x, [r.peak_rss / 1e9 for r in ok], "s:", color="tab:red", label="peak RSS (GB)")
-    ax2.set_ylabel("peak RSS (GB)")
+    ax2.plot(x, [r.plan_total / 1e9 for r in ok], "d-.", color="tab:orange",
+             label="memory plan (GB)")
+    ax2.set_ylabel("GB")
     ax2.set_ylim(bottom=0)
     for r in ok:
         ax.annotate(f"{r.pinned}p/{r.ring}r", (r.budget_gb, r.s_per_token), fontsize=7,
                     textcoords="offset points", xytext=(0, 6), ha="center")
     h1, l1 = ax.get_legend_handles_labels()
     h2, l2 = ax2.get_legend_handles_labels()
-    ax.legend(h1 + h2, l1 + l2, fontsize=8, loc="upper right")
+    fig.legend(h1 + h2, l1 + l2, fontsize=7, loc="lower center", ncol=3)
+    fig.subplots_adjust(bottom=0.25)
     ax.set_title(title, fontsize=9)
-    fig.tight_layout()
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".png", dir=path.parent)
     os.close(fd)
     try:
@@ -333,7 +348,7 @@ def bound_lines(rungs: Sequence[Rung]) -> list[str]:
             continue
         ideal = max(r.read_s_per_token, r.compute_s_per_token)
         out.append(f"  {r.budget_gb:g} GB ({r.pinned}/{r.n_layers} pinned, ring {r.ring}): "
-                   f"{r.mean_s_per_token:.3f} s/token vs max(trunk read "
+                   f"{r.mean_s_per_token:.3f} s/token (mean) vs max(trunk read "
                    f"{r.read_s_per_token:.3f}, compute {r.compute_s_per_token:.3f}) = "
                    f"{ideal:.3f}: bound by {r.bound}; {r.wait_s_per_token:.3f} s/token "
                    "exposed waiting for the trunk")

@@ -122,3 +122,25 @@ def report_json(trunk: object, tables: object) -> dict[str, object]:
         out["tables_resident_bytes"] = (tables.embed_w.nbytes + tables.head_w.nbytes
                                         + 3 * 4 * tables.cfg.hidden)
     return out
+
+
+class StepTrunkLog:
+    """Per-step trunk figures (bytes, read seconds, exposed wait) for ``--out``: the ladder
+    uses them to compare steady-state steps with their own read and compute time."""
+
+    def __init__(self, trunk: object):
+        self.trunk = trunk if isinstance(trunk, StreamedTrunk) else None
+        self.steps: list[dict[str, float]] = []
+        self._last = (0, 0.0, 0.0)
+
+    def record(self) -> None:
+        if self.trunk is None:
+            return
+        st = self.trunk.stats
+        now = (st.bytes_read, st.read_seconds, st.exposed_wait_seconds)
+        self.steps.append({"bytes": now[0] - self._last[0], "read_seconds": now[1] - self._last[1],
+                           "wait_seconds": now[2] - self._last[2]})
+        self._last = now
+
+    def to_json(self) -> dict[str, object]:
+        return {"step_trunk": self.steps} if self.trunk is not None else {}

@@ -324,7 +324,7 @@ class StreamedTrunk(TrunkSource):
             if f is None:
                 raise StorageError(f"trunk layer {layer}: the trunk is closed")
             self._read(f, lay, slot.buf)
-        except Exception as exc:
+        except BaseException as exc:  # anything: the slot must never stay READING
             err = exc if isinstance(exc, K3Error) else StorageError(
                 f"trunk layer {layer}: read failed: {exc!r}")
             with self._cond:
@@ -332,6 +332,8 @@ class StreamedTrunk(TrunkSource):
                 self._errors[layer] = err
                 self.stats.failed_reads += 1
                 self._cond.notify_all()
+            if not isinstance(exc, Exception):
+                raise  # KeyboardInterrupt / SystemExit in the caller's thread
             return
         dt = time.perf_counter() - t0
         with self._cond:

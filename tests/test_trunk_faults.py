@@ -24,7 +24,13 @@ from k3core.errors import CheckpointError, K3Error, StorageError
 from k3core.generate import generate
 from k3core.synth import synthesize
 from k3core.synth_sizes import size_config
-from k3core.testing.faults import available_storage, disk_backed_dir, env, register_faulty
+from k3core.testing.faults import (
+    available_storage,
+    disk_backed_dir,
+    env,
+    register_faulty,
+    unregister_faulty,
+)
 from k3core.trunk_manifest import ALIGN, DATA_NAME, MANIFEST_NAME, open_trunk, parse_manifest
 from k3core.trunk_sample import windows
 
@@ -61,6 +67,14 @@ def _variant(trunk: Path, work: Path, tag: str, manifest: bytes | None = None,
                                     else (trunk / MANIFEST_NAME).read_bytes())
     (d / DATA_NAME).write_bytes(blob if blob is not None else (trunk / DATA_NAME).read_bytes())
     return d
+
+
+@pytest.fixture
+def faulty():
+    """``--storage faulty`` for one test (removed again so the registry stays as found)."""
+    register_faulty()
+    yield
+    unregister_faulty()
 
 
 def _run(model: Path, trunk: Path, *extra: str):
@@ -184,12 +198,11 @@ def test_bad_trunk_values(model, trunk, args, message) -> None:
 
 @pytest.mark.parametrize("after", [0, 5, 20])
 @pytest.mark.parametrize("ring_gb_factor", [1, 2])
-def test_read_failure_mid_run_fails_the_run(model, trunk, work, doc, monkeypatch, after,
+def test_read_failure_mid_run_fails_the_run(model, trunk, work, doc, monkeypatch, faulty, after,
                                             ring_gb_factor) -> None:
     """The faulty backend fails every trunk.bin read after the open-time sample reads and
     ``after`` good layer reads: exit 1, no --out written, never a token computed from a
     partial layer."""
-    register_faulty()
     at_open = sum(len(windows(lay["span"])) for lay in doc["layers"])
     for k, v in env(after=at_open + after, match=DATA_NAME, inner="plain").items():
         monkeypatch.setenv(k, v)
@@ -203,8 +216,7 @@ def test_read_failure_mid_run_fails_the_run(model, trunk, work, doc, monkeypatch
     assert not out.exists()
 
 
-def test_read_failure_at_open_is_refused(model, trunk, work, monkeypatch) -> None:
-    register_faulty()
+def test_read_failure_at_open_is_refused(model, trunk, work, monkeypatch, faulty) -> None:
     for k, v in env(after=0, match=DATA_NAME, inner="plain").items():
         monkeypatch.setenv(k, v)
     res = _run(model, trunk, "--storage", "faulty")

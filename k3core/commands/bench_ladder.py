@@ -25,6 +25,7 @@ from k3core.ladder import (
 )
 from k3core.registry import get_registry
 from k3core.trunk_manifest import open_trunk
+from k3core.trunk_plan import human
 
 
 @guarded
@@ -40,9 +41,12 @@ def bench_ladder(
     threads: int = typer.Option(None, "--threads", help="Kernel threads."),
     ring: int = typer.Option(None, "--trunk-ring", help="Ring slots wanted (1..8)."),
     no_limit: bool = typer.Option(False, "--no-limit", help="Do not cap each rung's memory."),
+    headroom_gb: float = typer.Option(None, "--headroom-gb", help="Allowance over budget + tables + experts + state (default 2 GB cgroup / 4 GB RLIMIT_AS)."),
     timeout: float = typer.Option(None, "--timeout", help="Seconds allowed per rung."),
 ) -> None:
     """Run the same request at trunk budgets from nothing pinned to everything pinned."""
+    if headroom_gb is not None and not headroom_gb >= 0:
+        raise UsageError(f"--headroom-gb must be >= 0, got {headroom_gb}")
     if gen < 2:
         raise UsageError(f"--gen must be >= 2 (step 0 is excluded from s/token), got {gen}")
     prompt = parse_ids(ids)
@@ -68,12 +72,12 @@ def bench_ladder(
     if ring is not None:
         base += ["--trunk-ring", str(ring)]
     positions = len(prompt) + gen + 1
-    print(f"ladder: {len(rung_budgets)} rungs over {man.total_bytes / 1e9:.3f} GB packed "
-          f"(floor {max(sizes) / 1e9:.3f} GB), {gen} tokens each, incremental")
+    print(f"ladder: {len(rung_budgets)} rungs over {human(man.total_bytes)} packed "
+          f"(floor {human(max(sizes))}), {gen} tokens each, incremental")
     rungs = []
     for i, b in enumerate(rung_budgets):
         r = run_rung(i, b, cfg, base, out_dir, positions, int(b * 1e9) + rest, not no_limit,
-                     timeout)
+                     timeout, None if headroom_gb is None else int(headroom_gb * 1e9))
         rungs.append(r)
         status = (f"{r.s_per_token:.3f} s/token, {r.pinned}/{r.n_layers} pinned, ring {r.ring}, "
                   f"{r.trunk_bytes_per_token / 1e9:.3f} GB trunk/token, peak RSS "
@@ -88,7 +92,7 @@ def bench_ladder(
                    f"k3 memory ladder: {cfg.hidden} hidden x {cfg.n_layers} layers, "
                    f"{gen} tokens, ids {'same' if len({tuple(r.ids) for r in ok}) == 1 else 'DIFFER'}")
         print(f"wrote {out_dir / 'ladder.png'}")
-    print("what bounds time per token (whole-run means):")
+    print("what bounds time per token (steady-state means, step 0 excluded):")
     for line in bound_lines(rungs):
         print(line)
     check_same_ids(rungs)

@@ -15,7 +15,13 @@ from k3core.errors import UsageError
 from k3core.generate import Step, generate
 from k3core.idparse import check_vocab, parse_ids
 from k3core.outputs import check_writable, write_json_atomic, write_logits
-from k3core.trunk_setup import check_trunk_options, report_json, report_lines, ultra_lines
+from k3core.trunk_setup import (
+    StepTrunkLog,
+    check_trunk_options,
+    report_json,
+    report_lines,
+    ultra_lines,
+)
 
 MAX_GEN = 4096
 
@@ -79,14 +85,17 @@ def run(
         print(f"prompt : {len(prompt)} tokens, generating {gen}" + (" (incremental)" if incremental else ""))
         print(f"{'STEP':>5} {'TOKEN':>8} {'SECONDS':>9} {'TOK/S':>8}")
 
+        trunk_steps = StepTrunkLog(engine.model.trunk)
+
         def on_step(s: Step) -> None:
+            trunk_steps.record()
             print(f"{s.index:>5} {s.token:>8} {s.seconds:>9.3f} {1 / max(s.seconds, 1e-9):>8.2f}", flush=True)
 
         res = generate(engine.model, prompt, gen, incremental=incremental, on_step=on_step)
     finally:
         engine.close()
     trunk_report = report_lines(engine.model.trunk, engine.model.tables)
-    trunk_json = report_json(engine.model.trunk, engine.model.tables)
+    trunk_json = report_json(engine.model.trunk, engine.model.tables) | trunk_steps.to_json()
     wall = time.perf_counter() - t0
     rss = peak_rss_bytes()
     print(f"generated ids: {','.join(map(str, res.generated_ids))}")

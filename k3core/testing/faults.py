@@ -68,7 +68,7 @@ class _FaultyFile(StorageFile):
 
     def read_into(self, offset: int, out: np.ndarray | memoryview) -> None:
         o = self.owner
-        view = memoryview(out).cast("B")
+        view = (out if isinstance(out, memoryview) else out.data).cast("B")
         matched = self.path.name == o.match
         with o._lock:
             o.log.append((self.path.name, offset, view.nbytes))
@@ -110,6 +110,13 @@ def register_faulty(reg: Registry | None = None) -> None:
     reg = reg or get_registry()
     if "faulty" not in reg.names("storage"):
         reg.add_plugin(_FaultyPlugin(), "k3 tests (k3core.testing.faults)", "faulty")
+
+
+def unregister_faulty(reg: Registry | None = None) -> None:
+    """Undo :func:`register_faulty` (keeps the process-wide registry as other tests expect)."""
+    reg = reg or get_registry()
+    reg.entries.get("storage", {}).pop("faulty", None)
+    reg._probes.pop(("storage", "faulty"), None)
 
 
 def available_storage() -> list[str]:
