@@ -247,8 +247,10 @@ def run_rung(
     finally:
         limit.close()
     if proc.returncode != 0 or not out_json.is_file():
-        tail = log.read_text(errors="replace").strip().splitlines()[-1:] if log.is_file() else []
-        rung.error = f"exit {proc.returncode}: {' '.join(tail)}"
+        lines = log.read_text(errors="replace").strip().splitlines() if log.is_file() else []
+        first = max((k for k, line in enumerate(lines) if line.startswith("k3: error:")),
+                    default=max(len(lines) - 1, 0))
+        rung.error = f"exit {proc.returncode}: {' '.join(x.strip() for x in lines[first:])}"
         return rung
     doc = json.loads(out_json.read_text())
     steps = [float(x) for x in doc.get("step_seconds", [])]
