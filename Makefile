@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 K3 := $(VENV)/bin/k3
 DEMO_DIR ?= models/demo-tiny
 
-.PHONY: setup demo test test-long lint typecheck bench clean
+.PHONY: setup demo test test-long lint typecheck bench bench-ladder clean
 
 $(VENV)/.installed: pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +27,14 @@ test: setup
 ## test-long: the slow tests and long fuzz runs
 test-long: setup
 	$(PY) -m pytest -q -m slow
+
+## bench-ladder: the memory ladder (trunk budgets from nothing pinned to all pinned) on a
+## synthetic medium model, about 2.4 GB written under build/ (git-ignored)
+LADDER_MODEL ?= build/medium
+bench-ladder: setup
+	test -f $(LADDER_MODEL)/config.json || $(K3) synth $(LADDER_MODEL) --size medium --seed 0
+	test -f $(LADDER_MODEL)-trunk/trunk.json || $(K3) pack-trunk $(LADDER_MODEL) $(LADDER_MODEL)-trunk
+	$(K3) bench-ladder $(LADDER_MODEL) $(LADDER_MODEL)-trunk --gen 6 --out-dir build/ladder
 
 lint: setup
 	$(PY) -m ruff check k3core backends storage caches tests

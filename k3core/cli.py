@@ -65,9 +65,20 @@ def _root(
 
 
 def _register() -> None:
-    from k3core.commands import backends, budget, cmp_logits, doctor, download, presets, run, synth
+    from k3core.commands import (
+        backends,
+        bench_ladder,
+        budget,
+        cmp_logits,
+        doctor,
+        download,
+        pack_trunk,
+        presets,
+        run,
+        synth,
+    )
 
-    for module in (run, synth, backends, presets, doctor, download, budget, cmp_logits):
+    for module in (run, synth, pack_trunk, backends, presets, doctor, download, budget, cmp_logits, bench_ladder):
         module.register(app)
 
 

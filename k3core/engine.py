@@ -21,7 +21,9 @@ from k3core.kernels import KernelBackend
 from k3core.model import Model
 from k3core.registry import get_registry
 from k3core.storage import StorageBackend
-from k3core.weights import ModelTables, ResidentTrunk, expert_from_reader
+from k3core.tables_stream import StreamedTables
+from k3core.trunk_setup import check_trunk_options, open_streamed_trunk
+from k3core.weights import ModelTables, ResidentTrunk, TrunkSource, expert_from_reader
 
 
 @dataclass
@@ -33,6 +35,12 @@ class EngineOptions:
     storage: str = "auto"
     cache_policy: str = "resident"
     threads: int | None = None
+    # packed trunk (k3core.trunk_setup): stream from trunk_dir within trunk_gb (decimal GB)
+    trunk_dir: Path | None = None
+    trunk_gb: float | None = None
+    ring: int | None = None
+    ultra_low_memory: bool = False
+    verify_trunk: bool = False
 
 
 @dataclass
@@ -46,6 +54,7 @@ class Engine:
     names: dict[str, str]
     notes: list[str] = field(default_factory=list)
     timings: dict[str, float] = field(default_factory=dict)
+    trunk_lines: list[str] = field(default_factory=list)
 
     @property
     def settings_line(self) -> str:
@@ -77,6 +86,7 @@ def open_engine(
     if not opts.model_dir.is_dir():
         raise UsageError(f"model directory {opts.model_dir} does not exist")
     cfg = cfg or read_model_config(opts)
+    check_trunk_options(opts.trunk_dir, opts.trunk_gb, opts.ring, opts.ultra_low_memory)
     reg = get_registry()
     notes: list[str] = []
     kernels, kname, note = reg.create("kernel", opts.backend)
@@ -93,14 +103,26 @@ def open_engine(
     timings["index"] = time.perf_counter() - t0
     n_layers = opts.layers or cfg.n_layers
     t0 = time.perf_counter()
+    trunk: TrunkSource | None = None
+    trunk_lines: list[str] = []
     try:
-        trunk = ResidentTrunk(cfg, index, n_layers, progress=on_layer_bound)
-        tables = ModelTables(cfg, index)
+        if opts.trunk_dir is not None:
+            trunk, trunk_lines = open_streamed_trunk(
+                opts.trunk_dir, cfg, index, storage, n_layers, opts.trunk_gb, opts.ring,
+                storage_name=sname, verify=opts.verify_trunk, progress=on_layer_bound)
+        else:
+            trunk = ResidentTrunk(cfg, index, n_layers, progress=on_layer_bound)
+        tables = StreamedTables(cfg, index) if opts.ultra_low_memory else ModelTables(cfg, index)
     except BaseException:
+        if trunk is not None:
+            trunk.close()
         index.close()
         raise
     timings["bind"] = time.perf_counter() - t0
     experts = InMemoryExperts(lambda L, e: expert_from_reader(cfg, index, L, e))
     model = Model(cfg, kernels, trunk, tables, experts, n_layers=n_layers)
-    names = {"kernel": kname, "storage": sname, "cache": "resident"}
-    return Engine(cfg, model, index, kernels, storage, experts, names, notes, timings)
+    model.shared_kda_slot = opts.ultra_low_memory
+    names = {"kernel": kname, "storage": sname, "cache": "resident",
+             "trunk": "streamed" if opts.trunk_dir is not None else "resident"}
+    return Engine(cfg, model, index, kernels, storage, experts, names, notes, timings,
+                  trunk_lines)

@@ -66,7 +66,7 @@ def generate(
     state = SequenceState(model.cfg, len(ids) + max(n_gen, 1)) if incremental else None
     if n_gen == 0:  # prefill only (warms the state; --dump-logits still has its vector)
         t0 = time.perf_counter()
-        st = state or SequenceState(model.cfg, len(ids))
+        st = state or SequenceState(model.cfg, len(ids), shared_kda_slot=model.shared_kda_slot)
         res.first_logits = model.forward(np.array(ids), st)[-1]
         res.prefill_seconds = time.perf_counter() - t0
         return res
@@ -80,7 +80,8 @@ def generate(
             feed = ids if g == 0 else ids[-1:]
             logits = model.forward(np.array(feed), state)[-1]
         else:
-            logits = model.forward(np.array(ids), SequenceState(model.cfg, len(ids)))[-1]
+            fresh = SequenceState(model.cfg, len(ids), shared_kda_slot=model.shared_kda_slot)
+            logits = model.forward(np.array(ids), fresh)[-1]
         if g == 0:
             res.first_logits = logits
         if keep_logits:

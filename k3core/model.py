@@ -46,6 +46,8 @@ class Model:
         self.q_scale = np.float32(1.0 / math.sqrt(cfg.kda_head_dim))
         self.layers_completed = 0
         self.on_layer: LayerHook | None = None
+        #: full recompute reuses one KDA state slot across layers (ultra-low-memory)
+        self.shared_kda_slot = False
 
     # ---- top level ------------------------------------------------------------------------
     def forward(self, ids: np.ndarray, state: SequenceState, all_logits: bool = False) -> np.ndarray:

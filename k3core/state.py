@@ -4,6 +4,11 @@ One :class:`SequenceState` per sequence, so full recompute (a fresh state every 
 incremental decoding (one state carried across steps) and any later saved session share
 the same object. The KV cache is allocated once for the whole request (its size is part
 of the memory plan) and refuses to overflow rather than silently reuse rows.
+
+``shared_kda_slot=True`` (ultra-low-memory, full recompute only) keeps one KDA slot and
+clears it for each layer: in a single pass from position 0 a layer's recurrent state is
+dead once the layer returns. Incremental decoding carries every layer's state to the next
+step, so it still needs one slot per layer; a shared-slot state refuses a second pass.
 """
 
 from __future__ import annotations
@@ -42,17 +47,29 @@ class SequenceState:
     pos: int = 0
     kda: dict[int, KDAState] = field(default_factory=dict)
     kv: dict[int, KVCache] = field(default_factory=dict)
+    shared_kda_slot: bool = False
+    _shared_layer: int | None = field(default=None, repr=False)
 
     def kda_state(self, layer: int) -> KDAState:
+        if self.shared_kda_slot:
+            return self._shared_kda(layer)
         st = self.kda.get(layer)
         if st is None:
-            c = self.cfg
-            H, D, K = c.kda_heads, c.kda_head_dim, c.conv_k
-            st = KDAState(
-                np.zeros((H, D, D), dtype=np.float32),
-                {x: np.zeros((H * D, K - 1), dtype=np.float32) for x in "qkv"},
-            )
-            self.kda[layer] = st
+            st = self.kda[layer] = _new_kda(self.cfg)
+        return st
+
+    def _shared_kda(self, layer: int) -> KDAState:
+        if self.pos != 0:
+            raise K3Error("a shared KDA slot serves one full-recompute pass from position 0; "
+                          "incremental decoding needs one slot per layer")
+        st = self.kda.get(-1)  # the one shared slot
+        if st is None:
+            st = self.kda[-1] = _new_kda(self.cfg)
+        elif self._shared_layer != layer:
+            st.S.fill(0)
+            for h in st.conv.values():
+                h.fill(0)
+        self._shared_layer = layer
         return st
 
     def kv_cache(self, layer: int) -> KVCache:
@@ -74,6 +91,14 @@ class SequenceState:
                 f"KV cache overflow: {self.pos} positions cached + {n_new} new > capacity "
                 f"{self.capacity}; refusing rather than overwriting cached positions"
             )
+
+
+def _new_kda(c: ModelConfig) -> KDAState:
+    H, D, K = c.kda_heads, c.kda_head_dim, c.conv_k
+    return KDAState(
+        np.zeros((H, D, D), dtype=np.float32),
+        {x: np.zeros((H * D, K - 1), dtype=np.float32) for x in "qkv"},
+    )
 
 
 def kv_bytes_per_position(cfg: ModelConfig) -> int:
