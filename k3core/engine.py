@@ -16,6 +16,7 @@ from pathlib import Path
 from k3core.checkpoint import CheckpointIndex
 from k3core.config import ModelConfig, load_config
 from k3core.errors import UsageError
+from k3core.expert_setup import CacheOptions, build_expert_cache
 from k3core.experts import ExpertSource, InMemoryExperts
 from k3core.kernels import KernelBackend
 from k3core.model import Model
@@ -33,7 +34,7 @@ class EngineOptions:
     layers: int | None = None
     backend: str = "auto"
     storage: str = "auto"
-    cache_policy: str = "resident"
+    cache_policy: str = "auto"
     threads: int | None = None
     # packed trunk (k3core.trunk_setup): stream from trunk_dir within trunk_gb (decimal GB)
     trunk_dir: Path | None = None
@@ -41,6 +42,7 @@ class EngineOptions:
     ring: int | None = None
     ultra_low_memory: bool = False
     verify_trunk: bool = False
+    cache: CacheOptions = field(default_factory=CacheOptions)
 
 
 @dataclass
@@ -119,10 +121,19 @@ def open_engine(
         index.close()
         raise
     timings["bind"] = time.perf_counter() - t0
-    experts = InMemoryExperts(lambda L, e: expert_from_reader(cfg, index, L, e))
+    opts.cache.policy = opts.cache_policy
+    try:
+        cache, pname, note = build_expert_cache(cfg, index, n_layers, reg, opts.cache)
+    except BaseException:
+        trunk.close()
+        index.close()
+        raise
+    if note:
+        notes.append(note)
+    experts: ExpertSource = cache or InMemoryExperts(lambda L, e: expert_from_reader(cfg, index, L, e))
     model = Model(cfg, kernels, trunk, tables, experts, n_layers=n_layers)
     model.shared_kda_slot = opts.ultra_low_memory
-    names = {"kernel": kname, "storage": sname, "cache": "resident",
+    names = {"kernel": kname, "storage": sname, "cache": pname,
              "trunk": "streamed" if opts.trunk_dir is not None else "resident"}
     return Engine(cfg, model, index, kernels, storage, experts, names, notes, timings,
                   trunk_lines)
