@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from k3core.checkpoint import CheckpointIndex
 from k3core.config import ModelConfig, load_config
@@ -57,6 +58,7 @@ class Engine:
     notes: list[str] = field(default_factory=list)
     timings: dict[str, float] = field(default_factory=dict)
     trunk_lines: list[str] = field(default_factory=list)
+    step_log: Any = None
 
     @property
     def settings_line(self) -> str:

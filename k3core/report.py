@@ -49,7 +49,7 @@ class RunReport:
     def table(self, title: str, rows: Iterable[tuple[str, str]]) -> None:
         t = Table(title=title, show_header=False, title_justify="left", box=None, pad_edge=False)
         t.add_column(style="bold")
-        t.add_column(justify="right")
+        t.add_column()
         for a, b in rows:
             t.add_row(a, b)
         self.console.print(t)

@@ -1,137 +1,67 @@
-"""``k3 run MODEL_DIR``: generate tokens and report what it cost."""
+"""``k3 run MODEL_DIR``: generate tokens and report what it cost (see ``k3core.runner``)."""
 
 from __future__ import annotations
 
-import resource
-import sys
-import time
 from pathlib import Path
 
 import typer
 
 from k3core.cli import guarded
-from k3core.engine import EngineOptions, open_engine, read_model_config
-from k3core.errors import UsageError
-from k3core.generate import Step, generate
-from k3core.idparse import check_vocab, parse_ids
-from k3core.outputs import check_writable, write_json_atomic, write_logits
-from k3core.trunk_setup import (
-    StepTrunkLog,
-    check_trunk_options,
-    report_json,
-    report_lines,
-    ultra_lines,
-)
+from k3core.prompt import PromptSpec
+from k3core.runner import RunRequest, execute
 
-MAX_GEN = 4096
-
-
-def peak_rss_bytes() -> int:
-    kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return int(kb) * (1 if sys.platform == "darwin" else 1024)
+_P = "Prompt"
+_M = "Memory"
+_G = "Generation"
+_X = "Plugins"
+_O = "Outputs and diagnostics"
 
 
 @guarded
 def run(
-    model_dir: Path = typer.Argument(..., help="Directory with the safetensors shards."),
-    ids: str = typer.Option(None, "--ids", help="Prompt token ids, e.g. 3,7,11."),
-    gen: int = typer.Option(8, "--gen", help="Tokens to generate (0..4096)."),
-    incremental: bool = typer.Option(False, "--incremental", help="Carry KV cache and KDA state."),
-    out: Path = typer.Option(None, "--out", help="Write the result as JSON."),
-    dump_logits: Path = typer.Option(None, "--dump-logits", help="Write step 0 logits (raw f32)."),
-    config: Path = typer.Option(None, "--config", help="Model config (default MODEL_DIR/config.json)."),
-    layers: int = typer.Option(None, "--layers", help="Run only the first N layers."),
-    backend: str = typer.Option("auto", "--backend", help="Kernel backend (see k3 backends)."),
-    storage: str = typer.Option("auto", "--storage", help="Storage backend."),
-    threads: int = typer.Option(None, "--threads", help="Kernel threads."),
-    trunk: Path = typer.Option(None, "--trunk", help="Stream the trunk from this packed dir (k3 pack-trunk)."),
-    trunk_gb: float = typer.Option(None, "--trunk-gb", help="Trunk budget in GB (1e9 B); default: pin all."),
-    trunk_ring: int = typer.Option(None, "--trunk-ring", help="Ring slots wanted (1..8, default 2)."),
-    ultra_low_memory: bool = typer.Option(False, "--ultra-low-memory", help="Stream embedding and lm_head too (needs --trunk)."),
-    verify_trunk: bool = typer.Option(False, "--verify-trunk", help="Re-checksum every packed layer at open."),
+    model_dir: Path = typer.Argument(None, help="Directory with the safetensors shards (or $K3_MODEL_DIR).", show_default=False),
+    prompt: str = typer.Option(None, "--prompt", help="Prompt text (needs --tok).", rich_help_panel=_P),
+    prompt_file: Path = typer.Option(None, "--prompt-file", help="Prompt file, its bytes taken verbatim (needs --tok).", rich_help_panel=_P),
+    ids: str = typer.Option(None, "--ids", help="Prompt token ids, e.g. 3,7,11 (no tokenizer needed).", rich_help_panel=_P),
+    tok: Path = typer.Option(None, "--tok", help="Directory with tiktoken.model and tokenizer_config.json (or $K3_TOK_FILES).", rich_help_panel=_P),
+    bos: bool = typer.Option(False, "--bos", help="Prepend the BOS token (never added otherwise).", rich_help_panel=_P),
+    preset: str = typer.Option(None, "--preset", help="Memory preset name or YAML path (see k3 presets).", rich_help_panel=_M),
+    trunk: Path = typer.Option(None, "--trunk", help="Stream the trunk from this packed directory (k3 pack-trunk).", rich_help_panel=_M),
+    trunk_gb: float = typer.Option(None, "--trunk-gb", help="Trunk budget in GB (1e9 B): pinned layers + ring.", rich_help_panel=_M),
+    trunk_ring: int = typer.Option(None, "--trunk-ring", help="Ring slots wanted (1..8, default 2; the budget wins).", rich_help_panel=_M),
+    cache_gb: float = typer.Option(None, "--cache-gb", help="Routed-expert cache budget in GB.", rich_help_panel=_M),
+    ultra_low_memory: bool = typer.Option(None, "--ultra-low-memory", help="Stream embedding and lm_head too (needs --trunk).", rich_help_panel=_M, show_default=False),
+    gen: int = typer.Option(8, "--gen", help="Tokens to generate (0..4096; 0 = prefill only).", rich_help_panel=_G),
+    incremental: bool = typer.Option(None, "--incremental/--full-recompute", help="Carry KV cache and KDA state (default: full recompute).", rich_help_panel=_G, show_default=False),
+    stop_id: list[int] = typer.Option([], "--stop-id", help="Stop after emitting this id (repeatable, up to 8).", rich_help_panel=_G),
+    temperature: float = typer.Option(None, "--temperature", help="Sample with this temperature (> 0).", rich_help_panel=_G),
+    top_p: float = typer.Option(None, "--top-p", help="Sample from the top-p mass (0, 1].", rich_help_panel=_G),
+    top_k: int = typer.Option(None, "--top-k", help="Sample from the k most likely ids.", rich_help_panel=_G),
+    seed: int = typer.Option(None, "--seed", help="Sampling seed (printed; the same seed gives the same tokens).", rich_help_panel=_G),
+    backend: str = typer.Option(None, "--backend", help="Kernel backend: auto, numpy, numba, avx2, ... (k3 backends).", rich_help_panel=_X),
+    storage: str = typer.Option(None, "--storage", help="Storage backend: auto, direct, mmap, ...", rich_help_panel=_X),
+    cache_policy: str = typer.Option(None, "--cache-policy", help="Expert-cache policy: auto, cycle-eta, lru, s3fifo, replay.", rich_help_panel=_X),
+    cache_trace: Path = typer.Option(None, "--cache-trace", help="expert_trace.bin from an earlier run, for --cache-policy replay.", rich_help_panel=_X),
+    threads: int = typer.Option(None, "--threads", help="Kernel threads (or $K3_THREADS / $OMP_NUM_THREADS).", rich_help_panel=_X),
+    config: Path = typer.Option(None, "--config", help="Model config (default MODEL_DIR/config.json).", rich_help_panel=_O),
+    layers: int = typer.Option(None, "--layers", help="Run only the first N layers (not the full model).", rich_help_panel=_O),
+    out: Path = typer.Option(None, "--out", help="Write the result as JSON.", rich_help_panel=_O),
+    dump_logits: Path = typer.Option(None, "--dump-logits", help="Write step 0's logits as raw float32.", rich_help_panel=_O),
+    dump_cache_trace: Path = typer.Option(None, "--dump-cache-trace", help="Write expert_trace.bin and expert_hist.json into this directory.", rich_help_panel=_O),
+    verify_trunk: bool = typer.Option(False, "--verify-trunk", help="Re-checksum every packed layer at open.", rich_help_panel=_O),
 ) -> None:
-    """Generate tokens greedily from MODEL_DIR."""
-    if ids is None:
-        raise UsageError("one of --ids is required")
-    prompt = parse_ids(ids)
-    if not 0 <= gen <= MAX_GEN:
-        raise UsageError(f"--gen must be in 0..{MAX_GEN}, got {gen} (refusing rather than clamping)")
-    if threads is not None and threads < 1:
-        raise UsageError(f"--threads must be >= 1, got {threads}")
-    for path, what in ((out, "--out"), (dump_logits, "--dump-logits")):
-        if path is not None:
-            check_writable(path, what)
-    check_trunk_options(trunk, trunk_gb, trunk_ring, ultra_low_memory)
-    opts = EngineOptions(model_dir, config, layers, backend, storage, threads=threads, trunk_dir=trunk,
-                         trunk_gb=trunk_gb, ring=trunk_ring, ultra_low_memory=ultra_low_memory,
-                         verify_trunk=verify_trunk)
-    cfg = read_model_config(opts)
-    check_vocab(prompt, cfg.vocab)
-    print(cfg.describe())
-    t0 = time.perf_counter()
-    engine = open_engine(opts, cfg)
-    try:
-        print(engine.settings_line)
-        for note in engine.notes:
-            print(f"note: {note}")
-        if layers is not None:
-            print(f"NOTE: only the first {layers} of {cfg.n_layers} layers run; this is not the full model")
-        print(
-            f"indexed {len(engine.index)} tensors from {len(engine.index.shards)} shards in "
-            f"{engine.timings['index']:.2f} s; trunk bound in {engine.timings['bind']:.2f} s"
+    """Generate tokens from MODEL_DIR (greedy unless a sampling flag is given)."""
+    execute(
+        RunRequest(
+            model_dir=model_dir, prompt=PromptSpec(prompt, prompt_file, ids, bos), gen=gen,
+            incremental=incremental, tok=tok, preset=preset, trunk=trunk, trunk_gb=trunk_gb,
+            trunk_ring=trunk_ring, cache_gb=cache_gb, ultra_low_memory=ultra_low_memory,
+            stop_ids=list(stop_id), config=config, layers=layers, out=out, dump_logits=dump_logits,
+            dump_cache_trace=dump_cache_trace, cache_trace=cache_trace, backend=backend,
+            storage=storage, cache_policy=cache_policy, threads=threads, verify_trunk=verify_trunk,
+            temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
         )
-        for line in engine.trunk_lines + ultra_lines(engine.model.tables, incremental, engine.model.n_layers):
-            print(line)
-        print(f"prompt : {len(prompt)} tokens, generating {gen}" + (" (incremental)" if incremental else ""))
-        print(f"{'STEP':>5} {'TOKEN':>8} {'SECONDS':>9} {'TOK/S':>8}")
-
-        trunk_steps = StepTrunkLog(engine.model.trunk)
-
-        def on_step(s: Step) -> None:
-            trunk_steps.record()
-            print(f"{s.index:>5} {s.token:>8} {s.seconds:>9.3f} {1 / max(s.seconds, 1e-9):>8.2f}", flush=True)
-
-        res = generate(engine.model, prompt, gen, incremental=incremental, on_step=on_step)
-    finally:
-        engine.close()
-    trunk_report = report_lines(engine.model.trunk, engine.model.tables)
-    trunk_json = report_json(engine.model.trunk, engine.model.tables) | trunk_steps.to_json()
-    wall = time.perf_counter() - t0
-    rss = peak_rss_bytes()
-    print(f"generated ids: {','.join(map(str, res.generated_ids))}")
-    print(f"{len(res.generated_ids)} tokens in {res.wall_seconds:.2f} s, {res.seconds_per_token:.3f} s/token")
-    print(f"PEAK RSS for the whole run: {rss / 1e9:.2f} GB")
-    for line in trunk_report:
-        print(line)
-    if dump_logits is not None and res.first_logits is not None:
-        write_logits(dump_logits, res.first_logits)
-        print(f"wrote {dump_logits} ({res.first_logits.size} float32 logits)")
-    if out is not None:
-        write_json_atomic(
-            out,
-            {
-                "prompt_ids": res.prompt_ids,
-                "generated_ids": res.generated_ids,
-                "full_ids": res.full_ids,
-                "layers": engine.model.n_layers,
-                "layers_requested": engine.model.n_layers,
-                "layers_completed": engine.model.layers_completed,
-                "seconds_per_token": res.seconds_per_token,
-                "wall_seconds": res.wall_seconds,
-                "run_seconds": wall,
-                "peak_rss_bytes": rss,
-                "expert_drops": engine.experts.stats.drops,
-                "backend": engine.names["kernel"],
-                "storage": engine.names["storage"],
-                "cache_policy": engine.names["cache"],
-                "incremental": incremental,
-                "stopped_at": res.stopped_at,
-                "step_seconds": [s.seconds for s in res.steps],
-                **trunk_json,
-            },
-            "--out",
-        )
-        print(f"wrote {out}")
+    )
 
 
 def register(app: typer.Typer) -> None:
