@@ -147,6 +147,9 @@ class CheckpointIndex:
         """Bytes ``[offset, offset + nbytes)`` of shard ``path`` as a new ``uint8`` array."""
         p = Path(path)
         f = self._files.get(p)
+        if f is None:  # the same file spelled another way (relative vs absolute)
+            p = next((q for q in self._files if os.path.abspath(q) == os.path.abspath(p)), p)
+            f = self._files.get(p)
         if f is None:
             raise CheckpointError(f"{p}: not a shard of this checkpoint")
         if offset < 0 or nbytes < 0 or offset + nbytes > f.size:
@@ -276,13 +279,20 @@ def _shard_paths(root: Path, weight_map: dict[str, str] | None) -> list[Path]:
                                   "directory)")
         p = root / name
         real = os.path.realpath(p)
-        if os.path.commonpath([real_root, real]) != real_root:
+        if not _inside(real_root, real):
             raise CheckpointError(f"{where}: resolves to {show(real)}, outside the model "
                                   "directory")
         if not os.path.isfile(real):
             raise CheckpointError(f"{where}: no such file (or not a regular file)")
         paths.append(p)
     return paths
+
+
+def _inside(root: str, path: str) -> bool:
+    try:
+        return os.path.commonpath([root, path]) == root
+    except ValueError:  # different drives (Windows)
+        return False
 
 
 def _check_weight_map(root: Path, weight_map: dict[str, str],

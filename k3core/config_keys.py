@@ -22,6 +22,8 @@ Kind = Literal["size", "count", "float", "posfloat", "bool", "layers"]
 MAX_TOPK = 64
 #: integers above this are refused as absurd (the reference engine reads them into C ints)
 MAX_INT = 2**31 - 1
+#: more layers than this is refused as absurd (Kimi K3 has 93)
+MAX_LAYERS = 4096
 #: a layer list longer than this is refused before it is examined
 MAX_LIST = 65536
 
@@ -174,7 +176,7 @@ def _check_pinned(doc: Doc, values: dict[str, Any], problems: list[str]) -> None
             problems.append(f"{where} is {_short(raw)}, but this engine implements only "
                             f"{_short(want)} (another value means {meaning})")
     where, raw = doc.find(("num_key_value_heads",), False, problems)
-    if raw is not _ABSENT and "n_heads" in values and not _same(raw, values["n_heads"]):
+    if raw is not _ABSENT and raw is not None and "n_heads" in values and not _same(raw, values["n_heads"]):
         problems.append(f"{where} is {_short(raw)}, but num_attention_heads is "
                         f"{values['n_heads']} (grouped-query attention is not this model)")
     _, grouped = doc.find(("use_grouped_topk",), False, problems)
@@ -182,9 +184,10 @@ def _check_pinned(doc: Doc, values: dict[str, Any], problems: list[str]) -> None
     _, tgroup = doc.find(("topk_group",), False, problems)
     if not _same(grouped, False) and groups is not _ABSENT and not _same(groups, 1):
         if tgroup is _ABSENT or not _same(tgroup, groups):
-            problems.append(f"{w_groups} is {_short(groups)} with topk_group "
-                            f"{_short(None if tgroup is _ABSENT else tgroup)}: grouped routing "
-                            f"that is not degenerate is not this model (expected 1 and 1)")
+            shown = "absent" if tgroup is _ABSENT else _short(tgroup)
+            problems.append(f"{w_groups} is {_short(groups)} with topk_group {shown}: grouped "
+                            f"routing that is not degenerate is not this model (expected 1 "
+                            f"and 1)")
 
 
 def convert(raw: Any, kind: Kind) -> tuple[Any, str]:
@@ -233,6 +236,8 @@ def structural_problems(v: Mapping[str, Any]) -> list[str]:
     out: list[str] = []
     n = v["n_layers"]
     layers = v["full_attn_layers"]
+    if n > MAX_LAYERS:
+        return [f"num_hidden_layers {n} is more than this engine supports ({MAX_LAYERS})"]
     if not layers:
         out.append("full_attn_layers is empty: a model without MLA layers is not this model")
     elif len(layers) >= n:
@@ -254,7 +259,7 @@ def structural_problems(v: Mapping[str, Any]) -> list[str]:
         out.append(f"first_k_dense_replace {v['first_dense']} is more than the {n} layers")
     kda = v.get("kda_layers")
     if kda is not None and not (bad or repeats):
-        if sorted([*kda, *layers]) != list(range(1, n + 1)):
+        if len(kda) + len(layers) != n or not _covers(kda, layers, n):
             out.append(f"kda_layers and full_attn_layers do not partition 1..{n} exactly "
                        f"({_partition_detail(kda, layers, n)})")
     for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
@@ -262,6 +267,12 @@ def structural_problems(v: Mapping[str, Any]) -> list[str]:
         if tok is not None and tok >= v["vocab"]:
             out.append(f"{name} {tok} is outside the vocabulary (vocab_size {v['vocab']})")
     return out
+
+
+def _covers(kda: tuple[int, ...], mla: tuple[int, ...], n: int) -> bool:
+    """With ``len(kda) + len(mla) == n``: whether together they are exactly 1..n."""
+    both = set(kda) | set(mla)
+    return len(both) == n and all(1 <= x <= n for x in both)
 
 
 def _partition_detail(kda: tuple[int, ...], mla: tuple[int, ...], n: int) -> str:

@@ -102,7 +102,7 @@ class PlainStorage(StorageBackend):
 
 def _byte_view(out: np.ndarray | memoryview, path: Path) -> memoryview:
     try:
-        view = memoryview(out)
+        view = out.data if isinstance(out, np.ndarray) else memoryview(out)
     except TypeError:
         raise StorageError(f"{path}: destination is not a buffer") from None
     if view.readonly:

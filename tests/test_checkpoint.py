@@ -135,6 +135,7 @@ def test_read_into_read_range_and_missing_names() -> None:
         rng = ix.read_range(t.path, t.offset, t.nbytes)
         assert rng.dtype == np.uint8 and rng.tobytes() == out.tobytes()
         assert ix.read_range(str(t.path), 0, 8).tobytes() == struct.pack("<Q", 1022)
+        assert ix.read_range(os.path.relpath(t.path), 0, 8).tobytes() == struct.pack("<Q", 1022)
         with pytest.raises(CheckpointError, match="outside the file"):
             ix.read_range(t.path, SHARD1.stat().st_size - 2, 4)
         with pytest.raises(CheckpointError, match="not a shard"):

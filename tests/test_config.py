@@ -250,6 +250,7 @@ def test_kda_layers_wrong_type() -> None:
     ("root", "tie_word_embeddings", True, "tied"),
     ("text", "num_key_value_heads", 2, "num_key_value_heads is 2, but num_attention_heads is 96"),
     ("text", "num_expert_group", 8, "num_expert_group is 8 with topk_group 1"),
+    ("text", "num_expert_group", 4.5, "num_expert_group is 4.5 with topk_group 1"),
 ])
 def test_released_keys_that_would_change_the_model(where: str, key: str, value: Any,
                                                    needle: str) -> None:
@@ -260,6 +261,22 @@ def test_released_keys_that_would_change_the_model(where: str, key: str, value: 
         d["text_config"].pop(key, None)
     target[key] = value
     refused(d, key, needle)
+
+
+def test_grouped_routing_without_topk_group() -> None:
+    d = released_full()
+    del d["text_config"]["topk_group"]
+    d["text_config"]["num_expert_group"] = 8
+    refused(d, "num_expert_group is 8 with topk_group absent")
+    d["text_config"]["num_expert_group"] = 1
+    ModelConfig.from_json_dict(d)
+
+
+def test_absurd_layer_count() -> None:
+    d = flat()
+    d["num_hidden_layers"] = 2**31 - 1
+    d["text_config"] = {"linear_attn_config": {"kda_layers": [1]}}
+    refused(d, "num_hidden_layers 2147483647 is more than this engine supports (4096)")
 
 
 def test_degenerate_grouped_routing_accepted() -> None:
