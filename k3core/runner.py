@@ -21,6 +21,7 @@ from k3core.idparse import check_vocab
 from k3core.memory_plan import check_kv, plan_memory
 from k3core.outputs import check_writable, write_json_atomic, write_logits
 from k3core.presets import check_plugins, load_preset
+from k3core.registry import get_registry
 from k3core.prompt import PromptSpec, load_tokenizer, prompt_ids
 from k3core.report import RunReport, cache_json, cache_summary, gb
 from k3core.resources import peak_rss_bytes
@@ -129,6 +130,11 @@ def execute(r: RunRequest, rep: RunReport | None = None) -> dict[str, Any]:
     if preset is not None:
         for problem in check_plugins(preset):
             raise UsageError(f"preset {preset.name}: {problem}")
+    reg = get_registry()
+    reg.resolve("kernel", s.backend)
+    if s.storage != "auto":
+        reg.resolve("storage", s.storage)
+    reg.resolve("cache", s.cache_policy or "auto")
     streamed = r.trunk is not None
     if s.ultra_low_memory and not streamed:
         raise UsageError("--ultra-low-memory needs --trunk DIR (pack one with `k3 pack-trunk MODEL_DIR TRUNK_DIR`)")
