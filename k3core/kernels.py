@@ -74,6 +74,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 from numpy.typing import NDArray
@@ -173,7 +174,7 @@ class KernelBackend(ABC):
         if isinstance(w, Mxfp4):
             return self.matmul_mxfp4(w, x)
         if w.dtype == np.uint16:
-            return self.matmul_bf16(w, x)
+            return self.matmul_bf16(cast(U16, w), x)
         if w.dtype == np.float32:
-            return self.matmul_f32(w, x)
+            return self.matmul_f32(cast(F32, w), x)
         raise TypeError(f"unsupported weight dtype {w.dtype}")
