@@ -231,11 +231,17 @@ class KernelConformance:
         compare(kb, "matmul_bf16", bf16_bits(rng, (rows, cols), finite=True), x)
         compare(kb, "matmul", bf16_bits(rng, (rows, cols), finite=True), x, what="matmul(bf16)")
 
-    @pytest.mark.parametrize("cols", [1, 3, 33])
-    def test_matmul_bf16_every_bit_pattern(self, kb: KernelBackend, cols: int) -> None:
-        rng = _rng("bf16-all", cols)
-        w = bf16_bits(rng, (64, cols), finite=False)  # inf and NaN weights included
-        compare(kb, "matmul_bf16", w, activations(rng, (3, cols)))
+    def test_matmul_bf16_every_bit_pattern(self, kb: KernelBackend) -> None:
+        """All 65536 bf16 patterns (subnormals, inf and NaN included) as one 256x256 matrix,
+        row-major and transposed, and random patterns at awkward widths."""
+        rng = _rng("bf16-all")
+        every = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).reshape(256, 256)
+        x = activations(rng, (3, 256))
+        compare(kb, "matmul_bf16", every, x)
+        compare(kb, "matmul_bf16", np.ascontiguousarray(every.T), x, what="bf16 transposed")
+        for cols in (1, 3, 33):
+            w = bf16_bits(rng, (64, cols), finite=False)
+            compare(kb, "matmul_bf16", w, activations(rng, (3, cols)), what=f"bf16 {cols} cols")
 
     @pytest.mark.parametrize("rows,cols,T", MATMUL_SHAPES)
     def test_matmul_f32(self, kb: KernelBackend, rows: int, cols: int, T: int) -> None:
