@@ -54,8 +54,17 @@ def _kernels() -> SimpleNamespace:
     )
 
 
+def _ro(a: np.ndarray) -> np.ndarray:
+    """A read-only view: kernels get one compiled variant per input, whatever the caller's
+    flags (weights memory-mapped from a checkpoint are read-only, activations are not)."""
+    v = a.view()
+    v.flags.writeable = False
+    return v
+
+
 def _f32(a: Any) -> np.ndarray:
-    return np.ascontiguousarray(a, dtype=np.float32)
+    """An input as a read-only C-contiguous float32 array (copied only when it must be)."""
+    return _ro(np.ascontiguousarray(a, dtype=np.float32))
 
 
 def _rows(x: np.ndarray) -> np.ndarray:
@@ -103,7 +112,7 @@ class NumbaBackend(KernelBackend):
         return x
 
     def _dense(self, w: np.ndarray, x: F32) -> F32:
-        w = np.ascontiguousarray(w)
+        w = _ro(np.ascontiguousarray(w))
         rows, cols = w.shape
         x = self._x(x, cols)
         T = x.shape[0]
@@ -114,7 +123,7 @@ class NumbaBackend(KernelBackend):
         if T == 1:
             k.matmul.dense_t1(w, x[0], out[0])
         else:
-            k.matmul.dense_tn(w, x.astype(np.float64), out)
+            k.matmul.dense_tn(w, _ro(x.astype(np.float64)), out)
         return out
 
     def matmul_bf16(self, w: U16, x: F32) -> F32:
@@ -128,8 +137,8 @@ class NumbaBackend(KernelBackend):
         return self._dense(w, x)
 
     def matmul_mxfp4(self, w: Mxfp4, x: F32) -> F32:
-        packed = np.ascontiguousarray(w.packed, dtype=np.uint8)
-        scales = np.ascontiguousarray(w.scales, dtype=np.uint8)
+        packed = _ro(np.ascontiguousarray(w.packed, dtype=np.uint8))
+        scales = _ro(np.ascontiguousarray(w.scales, dtype=np.uint8))
         rows, cols = w.shape
         if scales.shape != (rows, cols // 32) or cols % 32:
             raise ValueError(
@@ -142,8 +151,8 @@ class NumbaBackend(KernelBackend):
         if T == 0 or rows == 0:
             return out
         xd = x.astype(np.float64)
-        xe = np.ascontiguousarray(xd[:, 0::2])
-        xo = np.ascontiguousarray(xd[:, 1::2])
+        xe = _ro(np.ascontiguousarray(xd[:, 0::2]))
+        xo = _ro(np.ascontiguousarray(xd[:, 1::2]))
         k = self._go()
         if T == 1:
             k.matmul.mxfp4_t1(packed, scales, xe[0], xo[0], out[0])
@@ -156,7 +165,7 @@ class NumbaBackend(KernelBackend):
         x = _f32(x)
         out = np.empty_like(x)
         if x.size:
-            gain = _f32(w) if w is not None else np.empty(0, dtype=np.float32)
+            gain = _f32(w if w is not None else np.empty(0, dtype=np.float32))
             if w is not None and gain.shape != (x.shape[-1],):
                 raise ValueError(f"rmsnorm: gain has shape {gain.shape}, x has {x.shape}")
             self._go().pointwise.rmsnorm_rows(_rows(x), gain, w is not None, float(eps), _rows(out))

@@ -17,7 +17,8 @@ words, indices exactly), at awkward sizes, with edge values, at several thread c
 in-place state. The one tolerance: a NaN output must be NaN in both, but its sign and payload
 are not compared (hardware NaN propagation is not part of the contract; see
 ``docs/kernel-contract.md``). The last tests run the 13-layer oracle model end to end and
-compare its logits byte for byte (full recompute and incremental decoding).
+compare its logits byte for byte (full recompute and incremental decoding), and so does the
+``tiny-flat`` model (released tensor layout: bf16 trunk, MXFP4 experts).
 
 Subclasses may override :attr:`KernelConformance.THREADS`.
 """
@@ -420,15 +421,19 @@ class KernelConformance:
         compare(kb, "router", logits, biased, 3, False, 1.0, what="router with bias")
         compare(kb, "router", logits, bias, 10, True, 1.0, what="router k = N (NaN last)")
 
-    # --- the whole model ------------------------------------------------------------------------
+    # --- whole models ---------------------------------------------------------------------------
+    @pytest.mark.parametrize("model", ["oracle", "tiny-flat"])
     @pytest.mark.parametrize("incremental", [False, True], ids=["full", "incremental"])
-    def test_oracle_model_logits(self, kb: KernelBackend, incremental: bool) -> None:
-        want = _oracle_logits(incremental)
-        model, ref = _oracle_model(kb)
-        got = _decode_logits(model, ref["prompt_ids"], incremental)
+    def test_model_logits(self, kb: KernelBackend, model: str, incremental: bool) -> None:
+        """The 13-layer oracle (float32 weights) and tiny-flat (bf16 trunk, MXFP4 experts):
+        the logits of every decoding step, byte for byte."""
+        want = _reference_logits(model, incremental)
+        net, prompt = _build_model(model, kb)
+        got = _decode_logits(net, prompt, incremental)
+        mode = "incremental" if incremental else "full recompute"
         assert len(got) == len(want)
         for step, (g, w) in enumerate(zip(got, want, strict=True)):
-            assert_same_bits(g, w, f"oracle logits ({'incremental' if incremental else 'full'}) step {step}")
+            assert_same_bits(g, w, f"{model} logits ({mode}) step {step}")
 
 
 # ---------------------------------------------------------------------------------------
@@ -437,12 +442,12 @@ class KernelConformance:
 _DECODE_STEPS = 3
 
 
-def _oracle_model(kernels: KernelBackend) -> tuple[Any, dict[str, Any]]:
+def _build_model(which: str, kernels: KernelBackend) -> tuple[Any, list[int]]:
     from k3core.experts import InMemoryExperts
     from k3core.model import Model
     from k3core.weights import ModelTables, ResidentTrunk, expert_from_reader
 
-    cfg, reader, ref = _oracle_data()
+    cfg, reader, ref = _model_data(which)
     model = Model(
         cfg,
         kernels,
@@ -450,15 +455,17 @@ def _oracle_model(kernels: KernelBackend) -> tuple[Any, dict[str, Any]]:
         ModelTables(cfg, reader),
         InMemoryExperts(lambda L, e: expert_from_reader(cfg, reader, L, e)),
     )
-    return model, ref
+    return model, list(ref["prompt_ids"])
 
 
-@functools.lru_cache(maxsize=1)
-def _oracle_data() -> tuple[Any, Any, dict[str, Any]]:
+@functools.lru_cache(maxsize=2)
+def _model_data(which: str) -> tuple[Any, Any, dict[str, Any]]:
     from k3core.testing.fixtures import fixtures_dir
     from k3core.testing.oracle import load_oracle
+    from k3core.testing.tiny_flat import load_tiny_flat
 
-    return load_oracle(fixtures_dir())
+    loader = {"oracle": load_oracle, "tiny-flat": load_tiny_flat}[which]
+    return loader(fixtures_dir())
 
 
 def _decode_logits(model: Any, prompt: list[int], incremental: bool) -> list[np.ndarray]:
@@ -468,8 +475,7 @@ def _decode_logits(model: Any, prompt: list[int], incremental: bool) -> list[np.
     return run.step_logits
 
 
-@functools.lru_cache(maxsize=2)
-def _oracle_logits(incremental: bool) -> tuple[np.ndarray, ...]:
-    model, ref = _oracle_model(reference())
-    return tuple(_decode_logits(model, ref["prompt_ids"], incremental))
-
+@functools.lru_cache(maxsize=4)
+def _reference_logits(which: str, incremental: bool) -> tuple[np.ndarray, ...]:
+    model, prompt = _build_model(which, reference())
+    return tuple(_decode_logits(model, prompt, incremental))
