@@ -25,6 +25,8 @@ from k3core.kernels import F32, U16, KernelBackend, Mxfp4
 from k3core.specs import Availability, KernelBackendSpec
 
 _INSTALL_HINT = "pip install numba"
+#: Bytes of weights (or equivalent work) per thread below which extra threads are not woken.
+PARALLEL_GRAIN = 1 << 20
 
 
 def _kernels() -> SimpleNamespace:
@@ -67,6 +69,14 @@ def _f32(a: Any) -> np.ndarray:
     return _ro(np.ascontiguousarray(a, dtype=np.float32))
 
 
+def _widen_padded(x: np.ndarray) -> np.ndarray:
+    """``x`` widened to float64 (exact), with zero rows up to a multiple of four tokens."""
+    T = x.shape[0]
+    xd = np.zeros((-(-T // 4) * 4, x.shape[1]), dtype=np.float64)
+    xd[:T] = x
+    return xd
+
+
 def _rows(x: np.ndarray) -> np.ndarray:
     """View ``x`` (float32, C-contiguous) as ``[rows, last]``."""
     return x.reshape(-1, x.shape[-1]) if x.ndim else x.reshape(1, 1)
@@ -99,9 +109,13 @@ class NumbaBackend(KernelBackend):
     def threads(self) -> int:
         return self._threads
 
-    def _go(self) -> SimpleNamespace:
-        """Apply this backend's thread count to the calling thread; return the kernels."""
-        self._k.numba.set_num_threads(self._threads)
+    def _go(self, work: int = 0) -> SimpleNamespace:
+        """Set the calling thread's Numba thread count for a kernel touching about ``work``
+        bytes, and return the kernels: one thread per ``PARALLEL_GRAIN`` bytes, at most
+        ``threads``. Waking a worker costs more than a small kernel takes, and the split
+        never changes a result (only independent outputs are divided)."""
+        n = max(1, min(self._threads, work // PARALLEL_GRAIN))
+        self._k.numba.set_num_threads(n)
         return self._k
 
     # --- matrix products ---------------------------------------------------------------
@@ -119,11 +133,11 @@ class NumbaBackend(KernelBackend):
         out = np.empty((T, rows), dtype=np.float32)
         if T == 0 or rows == 0:
             return out
-        k = self._go()
+        k = self._go(w.nbytes * -(-T // 4))
         if T == 1:
             k.matmul.dense_t1(w, x[0], out[0])
         else:
-            k.matmul.dense_tn(w, _ro(x.astype(np.float64)), out)
+            k.matmul.dense_t4(w, _ro(_widen_padded(x)), out)
         return out
 
     def matmul_bf16(self, w: U16, x: F32) -> F32:
@@ -150,14 +164,14 @@ class NumbaBackend(KernelBackend):
         out = np.empty((T, rows), dtype=np.float32)
         if T == 0 or rows == 0:
             return out
-        xd = x.astype(np.float64)
+        xd = _widen_padded(x) if T > 1 else x.astype(np.float64)
         xe = _ro(np.ascontiguousarray(xd[:, 0::2]))
         xo = _ro(np.ascontiguousarray(xd[:, 1::2]))
-        k = self._go()
+        k = self._go(2 * packed.nbytes * -(-T // 4))
         if T == 1:
             k.matmul.mxfp4_t1(packed, scales, xe[0], xo[0], out[0])
         else:
-            k.matmul.mxfp4_tn(packed, scales, xe, xo, out)
+            k.matmul.mxfp4_t4(packed, scales, xe, xo, out)
         return out
 
     # --- normalisation and activations ------------------------------------------------------
@@ -239,7 +253,7 @@ class NumbaBackend(KernelBackend):
         out = np.empty_like(v)
         if T and H:
             with _in_place(state) as s:
-                self._go().recurrent.kda_heads(q, k, v, alpha, beta, s, out)
+                self._go(16 * T * H * D * D).recurrent.kda_heads(q, k, v, alpha, beta, s, out)
         return out
 
     def mla_attention(
@@ -252,7 +266,8 @@ class NumbaBackend(KernelBackend):
             raise ValueError(f"mla_attention: {T} queries at {pos0} need {pos0 + T} cached keys")
         out = np.empty((T, H, v.shape[2]), dtype=np.float32)
         if T and H:
-            self._go().attention.mla_heads(q, k_nope, k_rope, v, pos0, float(scale), out)
+            work = 8 * T * H * (pos0 + T) * (q.shape[2] + v.shape[2])
+            self._go(work).attention.mla_heads(q, k_nope, k_rope, v, pos0, float(scale), out)
         return out
 
     def attn_res(self, sources: F32, fold: F32, eps: float) -> F32:

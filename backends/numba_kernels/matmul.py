@@ -6,7 +6,9 @@ across threads with ``prange`` and never share an accumulator. Weights are widen
 the inner loop (bf16 by a 16-bit shift, MXFP4 nibble by nibble straight from the packed
 bytes): no dequantised copy of a matrix is ever made. Per weight the inner loop is one
 widening, one multiply by ``d(x)`` and one add; x arrives as float32 (one token, converted in
-the loop) or already widened to float64 (several tokens, MXFP4).
+the loop) or already widened to float64 (several tokens, MXFP4). Several tokens are taken
+four at a time, so each weight is widened once per four tokens; the caller pads x with zero
+rows to a multiple of four and the padding's results are never written.
 
 MXFP4 rows are handled in their storage order: a byte holds columns ``2k`` (low nibble) and
 ``2k+1`` (high nibble) of a 32-column group, which is also one lane chunk. The kernels keep
@@ -29,8 +31,6 @@ from numba.extending import overload
 
 PAR = dict(JIT, parallel=True)
 HALF = LANES // 2
-#: Rows per task in the several-token kernels (each load of x serves RB rows).
-RB = 4
 
 
 def widen(v):  # pragma: no cover - replaced by the overload below inside jitted code
@@ -81,30 +81,53 @@ def dense_t1(w, x0, out0):
 
 
 @njit(**PAR)
-def dense_tn(w, xd, out):
-    """Several tokens (``xd`` float64 ``[T, cols]``): blocks of ``RB`` rows per task, each
-    weight chunk widened once and used for every token."""
+def dense_t4(w, xd, out):
+    """Several tokens, four per pass: each weight is widened once for four tokens.
+
+    ``xd`` is float64 ``[T4, cols]`` with ``T4`` a multiple of 4 (rows past ``out.shape[0]``
+    are zero padding whose results are dropped).
+    """
     rows, cols = w.shape
-    T = xd.shape[0]
+    T = out.shape[0]
     full = cols // LANES
-    for blk in prange((rows + RB - 1) // RB):
-        o0 = blk * RB
-        nr = min(RB, rows - o0)
-        acc = np.zeros((RB, T, LANES))
-        wv = np.zeros((RB, LANES))
-        for c in range(full + 1):
-            base = c * LANES
-            n = min(LANES, cols - base)
-            for r in range(nr):
-                for ln in range(n):
-                    wv[r, ln] = widen(w[o0 + r, base + ln])
-            for t in range(T):
-                for r in range(nr):
-                    for ln in range(n):
-                        acc[r, t, ln] += xd[t, base + ln] * wv[r, ln]
-        for r in range(nr):
-            for t in range(T):
-                out[t, o0 + r] = np.float32(fold(acc[r, t]))
+    for o in prange(rows):
+        wr = w[o]
+        a0 = carray(stack_f64(32), 32)
+        a1 = carray(stack_f64(32), 32)
+        a2 = carray(stack_f64(32), 32)
+        a3 = carray(stack_f64(32), 32)
+        for t0 in range(0, xd.shape[0], 4):
+            x0 = xd[t0]
+            x1 = xd[t0 + 1]
+            x2 = xd[t0 + 2]
+            x3 = xd[t0 + 3]
+            for ln in range(LANES):
+                a0[ln] = 0.0
+                a1[ln] = 0.0
+                a2[ln] = 0.0
+                a3[ln] = 0.0
+            for c in range(full):
+                base = c * LANES
+                for ln in range(LANES):
+                    wv = widen(wr[base + ln])
+                    a0[ln] += x0[base + ln] * wv
+                    a1[ln] += x1[base + ln] * wv
+                    a2[ln] += x2[base + ln] * wv
+                    a3[ln] += x3[base + ln] * wv
+            base = full * LANES
+            for ln in range(cols - base):
+                wv = widen(wr[base + ln])
+                a0[ln] += x0[base + ln] * wv
+                a1[ln] += x1[base + ln] * wv
+                a2[ln] += x2[base + ln] * wv
+                a3[ln] += x3[base + ln] * wv
+            out[t0, o] = np.float32(fold(a0))
+            if t0 + 1 < T:
+                out[t0 + 1, o] = np.float32(fold(a1))
+            if t0 + 2 < T:
+                out[t0 + 2, o] = np.float32(fold(a2))
+            if t0 + 3 < T:
+                out[t0 + 3, o] = np.float32(fold(a3))
 
 
 @njit(**JIT)
@@ -141,31 +164,63 @@ def mxfp4_t1(packed, scales, xe0, xo0, out0):
 
 
 @njit(**PAR)
-def mxfp4_tn(packed, scales, xe, xo, out):
-    """Several tokens: blocks of ``RB`` rows, each group decoded once for every token."""
+def mxfp4_t4(packed, scales, xe, xo, out):
+    """Several tokens, four per pass: each group is decoded once for four tokens.
+
+    ``xe``/``xo`` are float64 ``[T4, cols/2]``, ``T4`` a multiple of 4 (zero padding past
+    ``out.shape[0]``, results dropped).
+    """
     rows = packed.shape[0]
     groups = scales.shape[1]
-    T = xe.shape[0]
-    for blk in prange((rows + RB - 1) // RB):
-        o0 = blk * RB
-        nr = min(RB, rows - o0)
-        acc_e = np.zeros((RB, T, HALF))
-        acc_o = np.zeros((RB, T, HALF))
-        ve = np.zeros((RB, HALF))
-        vo = np.zeros((RB, HALF))
-        for g in range(groups):
-            pb = g * HALF
-            for r in range(nr):
-                sc = MX_SCALE[scales[o0 + r, g]]
+    T = out.shape[0]
+    for o in prange(rows):
+        pr = packed[o]
+        sr = scales[o]
+        e0 = carray(stack_f64(16), 16)
+        e1 = carray(stack_f64(16), 16)
+        e2 = carray(stack_f64(16), 16)
+        e3 = carray(stack_f64(16), 16)
+        d0 = carray(stack_f64(16), 16)
+        d1 = carray(stack_f64(16), 16)
+        d2 = carray(stack_f64(16), 16)
+        d3 = carray(stack_f64(16), 16)
+        for t0 in range(0, xe.shape[0], 4):
+            for k in range(HALF):
+                e0[k] = 0.0
+                e1[k] = 0.0
+                e2[k] = 0.0
+                e3[k] = 0.0
+                d0[k] = 0.0
+                d1[k] = 0.0
+                d2[k] = 0.0
+                d3[k] = 0.0
+            xe0 = xe[t0]
+            xe1 = xe[t0 + 1]
+            xe2 = xe[t0 + 2]
+            xe3 = xe[t0 + 3]
+            xo0 = xo[t0]
+            xo1 = xo[t0 + 1]
+            xo2 = xo[t0 + 2]
+            xo3 = xo[t0 + 3]
+            for g in range(groups):
+                sc = MX_SCALE[sr[g]]
+                pb = g * HALF
                 for k in range(HALF):
-                    b = packed[o0 + r, pb + k]
-                    ve[r, k] = e2m1_lo_d(b) * sc
-                    vo[r, k] = e2m1_hi_d(b) * sc
-            for t in range(T):
-                for r in range(nr):
-                    for k in range(HALF):
-                        acc_e[r, t, k] += xe[t, pb + k] * ve[r, k]
-                        acc_o[r, t, k] += xo[t, pb + k] * vo[r, k]
-        for r in range(nr):
-            for t in range(T):
-                out[t, o0 + r] = np.float32(_fold_split(acc_e[r, t], acc_o[r, t]))
+                    b = pr[pb + k]
+                    ve = e2m1_lo_d(b) * sc
+                    vo = e2m1_hi_d(b) * sc
+                    e0[k] += xe0[pb + k] * ve
+                    e1[k] += xe1[pb + k] * ve
+                    e2[k] += xe2[pb + k] * ve
+                    e3[k] += xe3[pb + k] * ve
+                    d0[k] += xo0[pb + k] * vo
+                    d1[k] += xo1[pb + k] * vo
+                    d2[k] += xo2[pb + k] * vo
+                    d3[k] += xo3[pb + k] * vo
+            out[t0, o] = np.float32(_fold_split(e0, d0))
+            if t0 + 1 < T:
+                out[t0 + 1, o] = np.float32(_fold_split(e1, d1))
+            if t0 + 2 < T:
+                out[t0 + 2, o] = np.float32(_fold_split(e2, d2))
+            if t0 + 3 < T:
+                out[t0 + 3, o] = np.float32(_fold_split(e3, d3))

@@ -17,7 +17,7 @@ import numpy as np
 from k3core.config import ModelConfig
 from k3core.testing.oracle import NamedArrays
 
-_DTYPES = {
+_DTYPES: dict[str, np.dtype] = {
     "BF16": np.dtype("<u2"),
     "F16": np.dtype("<f2"),
     "F32": np.dtype("<f4"),
