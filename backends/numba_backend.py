@@ -83,12 +83,17 @@ def _rows(x: np.ndarray) -> np.ndarray:
 
 
 class NumbaBackend(KernelBackend):
-    """The kernel contract in Numba; ``threads`` defaults to every core Numba may use."""
+    """The kernel contract in Numba; ``threads`` defaults to every core Numba may use.
+
+    ``parallel_grain``: bytes of work per thread below which a kernel runs on fewer threads
+    (0 splits every kernel across all ``threads``; the tests use it to exercise the split).
+    """
 
     name = "numba"
 
-    def __init__(self, threads: int | None = None) -> None:
+    def __init__(self, threads: int | None = None, parallel_grain: int = PARALLEL_GRAIN) -> None:
         self._k = _kernels()
+        self._grain = max(0, int(parallel_grain))
         if not self._k.bits.subnormals_honoured():
             raise K3Error(
                 "the numba backend needs IEEE subnormals, but denormals-are-zero is switched on "
@@ -111,10 +116,10 @@ class NumbaBackend(KernelBackend):
 
     def _go(self, work: int = 0) -> SimpleNamespace:
         """Set the calling thread's Numba thread count for a kernel touching about ``work``
-        bytes, and return the kernels: one thread per ``PARALLEL_GRAIN`` bytes, at most
+        bytes, and return the kernels: one thread per ``parallel_grain`` bytes, at most
         ``threads``. Waking a worker costs more than a small kernel takes, and the split
         never changes a result (only independent outputs are divided)."""
-        n = max(1, min(self._threads, work // PARALLEL_GRAIN))
+        n = self._threads if self._grain == 0 else max(1, min(self._threads, work // self._grain))
         self._k.numba.set_num_threads(n)
         return self._k
 

@@ -14,6 +14,21 @@ pytest.importorskip("numba")
 
 from k3_backends import numba_backend  # noqa: E402
 from k3_backends.numba_kernels import cache  # noqa: E402
+from k3core.testing.kernel_conformance import KernelConformance  # noqa: E402
+
+
+class TestEveryKernelSplitAcrossThreads(KernelConformance):
+    """The conformance suite again with no minimum grain, so even the small test shapes are
+    divided between two threads (by default they would run on one)."""
+
+    @pytest.fixture
+    def backend(self):
+        return numba_backend.NumbaBackend(threads=2, parallel_grain=0)
+
+    @pytest.fixture
+    def kb(self, backend):  # one thread count (two) instead of the base class's 1 and 2
+        backend.set_threads(2)
+        return backend
 
 
 def test_probe_reports_missing_numba(monkeypatch):
@@ -43,6 +58,9 @@ def test_small_kernels_stay_on_one_thread():
     assert b._k.numba.get_num_threads() == 1
     b._go(10 * numba_backend.PARALLEL_GRAIN)
     assert b._k.numba.get_num_threads() == min(2, b._max_threads)
+    forced = numba_backend.NumbaBackend(threads=2, parallel_grain=0)
+    forced._go(0)
+    assert forced._k.numba.get_num_threads() == min(2, forced._max_threads)
 
 
 def _fake_dispatcher(path):
