@@ -14,6 +14,7 @@ pytest.importorskip("numba")
 
 from k3_backends import numba_backend  # noqa: E402
 from k3_backends.numba_kernels import cache  # noqa: E402
+
 from k3core.testing.kernel_conformance import KernelConformance  # noqa: E402
 
 
