@@ -10,10 +10,21 @@ This module only describes and wraps the kernels; Numba itself is imported when 
 is created, so ``k3 backends`` can report "numba is not installed" instead of failing to load
 the plugin. Compiled kernels are cached on disk (``cache=True``): the first process pays the
 compilation, later ones load machine code.
+
+Threads: unless ``NUMBA_THREADING_LAYER`` says otherwise, the backend selects Numba's
+``workqueue`` layer. With the OpenMP layer every parallel region had to wake a sleeping
+worker, and on a machine whose other cores were busy that cost milliseconds per region:
+two-thread decoding of a synthetic model ran 8x slower than one thread, while with
+``workqueue`` it ran as fast or faster. ``workqueue`` must not be entered from two threads at
+once, so every kernel launch of this backend goes through one lock (kernels release the
+GIL; the lock only serialises this backend's own parallel launches). A kernel given a single
+thread runs its serial build on the calling thread and never touches the threading layer.
 """
 
 from __future__ import annotations
 
+import os
+import threading
 from types import SimpleNamespace
 from typing import Any
 
@@ -27,16 +38,22 @@ from k3core.specs import Availability, KernelBackendSpec
 _INSTALL_HINT = "pip install numba"
 #: Bytes of weights (or equivalent work) per thread below which extra threads are not woken.
 PARALLEL_GRAIN = 1 << 20
+#: Serialises kernel launches (the workqueue threading layer is not re-entrant).
+_LAUNCH = threading.Lock()
 
 
 def _kernels() -> SimpleNamespace:
     """Import Numba and the kernel modules (loads cached machine code, or compiles lazily)."""
     import numba
+
+    if not os.environ.get("NUMBA_THREADING_LAYER") and numba.config.THREADING_LAYER == "default":
+        numba.config.THREADING_LAYER = "workqueue"  # see the module docstring
     from k3_backends.numba_kernels import (
         attention,
         bits,
         cache,
         exact,
+        jit,
         matmul,
         pointwise,
         recurrent,
@@ -49,6 +66,7 @@ def _kernels() -> SimpleNamespace:
         numba=numba,
         attention=attention,
         bits=bits,
+        jit=jit,
         matmul=matmul,
         pointwise=pointwise,
         recurrent=recurrent,
@@ -114,14 +132,25 @@ class NumbaBackend(KernelBackend):
     def threads(self) -> int:
         return self._threads
 
-    def _go(self, work: int = 0) -> SimpleNamespace:
-        """Set the calling thread's Numba thread count for a kernel touching about ``work``
-        bytes, and return the kernels: one thread per ``parallel_grain`` bytes, at most
-        ``threads``. Waking a worker costs more than a small kernel takes, and the split
-        never changes a result (only independent outputs are divided)."""
-        n = self._threads if self._grain == 0 else max(1, min(self._threads, work // self._grain))
-        self._k.numba.set_num_threads(n)
-        return self._k
+    def _run(self, kernel: Any, work: int, *args: Any) -> None:
+        """Launch ``kernel(*args)``. A parallel kernel (``Twins``) gets about one thread per
+        ``parallel_grain`` bytes of ``work``, at most ``threads``; with one thread its serial
+        build runs on the calling thread (no hand-off). Waking a worker costs more than a
+        small kernel takes, and the split never changes a result (only independent outputs
+        are divided between threads)."""
+        if not isinstance(kernel, self._k.jit.Twins):
+            kernel(*args)
+            return
+        if self._grain == 0:
+            n = self._threads
+        else:
+            n = max(1, min(self._threads, work // self._grain))
+        if n == 1:
+            kernel.serial(*args)
+            return
+        with _LAUNCH:
+            self._k.numba.set_num_threads(n)
+            kernel.parallel(*args)
 
     # --- matrix products ---------------------------------------------------------------
     def _x(self, x: F32, cols: int) -> np.ndarray:
@@ -138,11 +167,12 @@ class NumbaBackend(KernelBackend):
         out = np.empty((T, rows), dtype=np.float32)
         if T == 0 or rows == 0:
             return out
-        k = self._go(w.nbytes * -(-T // 4))
+        mm = self._k.matmul
+        work = w.nbytes * -(-T // 4)
         if T == 1:
-            k.matmul.dense_t1(w, x[0], out[0])
+            self._run(mm.dense_t1, work, w, x[0], out[0])
         else:
-            k.matmul.dense_t4(w, _ro(_widen_padded(x)), out)
+            self._run(mm.dense_t4, work, w, _ro(_widen_padded(x)), out)
         return out
 
     def matmul_bf16(self, w: U16, x: F32) -> F32:
@@ -172,11 +202,12 @@ class NumbaBackend(KernelBackend):
         xd = _widen_padded(x) if T > 1 else x.astype(np.float64)
         xe = _ro(np.ascontiguousarray(xd[:, 0::2]))
         xo = _ro(np.ascontiguousarray(xd[:, 1::2]))
-        k = self._go(2 * packed.nbytes * -(-T // 4))
+        mm = self._k.matmul
+        work = 2 * packed.nbytes * -(-T // 4)
         if T == 1:
-            k.matmul.mxfp4_t1(packed, scales, xe[0], xo[0], out[0])
+            self._run(mm.mxfp4_t1, work, packed, scales, xe[0], xo[0], out[0])
         else:
-            k.matmul.mxfp4_t4(packed, scales, xe, xo, out)
+            self._run(mm.mxfp4_t4, work, packed, scales, xe, xo, out)
         return out
 
     # --- normalisation and activations ------------------------------------------------------
@@ -187,21 +218,23 @@ class NumbaBackend(KernelBackend):
             gain = _f32(w if w is not None else np.empty(0, dtype=np.float32))
             if w is not None and gain.shape != (x.shape[-1],):
                 raise ValueError(f"rmsnorm: gain has shape {gain.shape}, x has {x.shape}")
-            self._go().pointwise.rmsnorm_rows(_rows(x), gain, w is not None, float(eps), _rows(out))
+            self._run(
+                self._k.pointwise.rmsnorm_rows, 0, _rows(x), gain, w is not None, float(eps), _rows(out)
+            )
         return out
 
     def l2norm(self, x: F32) -> F32:
         x = _f32(x)
         out = np.empty_like(x)
         if x.size:
-            self._go().pointwise.l2norm_rows(_rows(x), _rows(out))
+            self._run(self._k.pointwise.l2norm_rows, 0, _rows(x), _rows(out))
         return out
 
     def _flat(self, kernel_name: str, x: F32) -> F32:
         x = _f32(x)
         out = np.empty_like(x)
         if x.size:
-            getattr(self._go().pointwise, kernel_name)(x.reshape(-1), out.reshape(-1))
+            self._run(getattr(self._k.pointwise, kernel_name), 0, x.reshape(-1), out.reshape(-1))
         return out
 
     def sigmoid(self, x: F32) -> F32:
@@ -219,8 +252,14 @@ class NumbaBackend(KernelBackend):
             raise ValueError(f"situ_glu: gate {g.shape} and up {u.shape} differ")
         out = np.empty_like(g)
         if g.size:
-            self._go().pointwise.situ_glu_flat(
-                g.reshape(-1), u.reshape(-1), float(b1), float(b2), out.reshape(-1)
+            self._run(
+                self._k.pointwise.situ_glu_flat,
+                0,
+                g.reshape(-1),
+                u.reshape(-1),
+                float(b1),
+                float(b2),
+                out.reshape(-1),
             )
         return out
 
@@ -234,7 +273,7 @@ class NumbaBackend(KernelBackend):
         out = np.empty_like(x)
         if x.size:
             with _in_place(hist) as h:
-                self._go().recurrent.shortconv_channels(x, w, h, out)
+                self._run(self._k.recurrent.shortconv_channels, 0, x, w, h, out)
         return out
 
     def kda_gate(self, z: F32, dt_bias: F32, a_log: F32, lower_bound: float) -> F32:
@@ -245,7 +284,9 @@ class NumbaBackend(KernelBackend):
             raise ValueError(f"kda_gate: z {z.shape}, dt_bias {dt.shape}, A_log {al.shape}")
         out = np.empty_like(z)
         if z.size:
-            self._go().pointwise.kda_gate_rows(_rows(z), dt, al, float(lower_bound), _rows(out))
+            self._run(
+                self._k.pointwise.kda_gate_rows, 0, _rows(z), dt, al, float(lower_bound), _rows(out)
+            )
         return out
 
     def kda_recurrent(self, q: F32, k: F32, v: F32, alpha: F32, beta: F32, state: F32) -> F32:
@@ -258,7 +299,8 @@ class NumbaBackend(KernelBackend):
         out = np.empty_like(v)
         if T and H:
             with _in_place(state) as s:
-                self._go(16 * T * H * D * D).recurrent.kda_heads(q, k, v, alpha, beta, s, out)
+                work = 16 * T * H * D * D
+                self._run(self._k.recurrent.kda_heads, work, q, k, v, alpha, beta, s, out)
         return out
 
     def mla_attention(
@@ -272,7 +314,9 @@ class NumbaBackend(KernelBackend):
         out = np.empty((T, H, v.shape[2]), dtype=np.float32)
         if T and H:
             work = 8 * T * H * (pos0 + T) * (q.shape[2] + v.shape[2])
-            self._go(work).attention.mla_heads(q, k_nope, k_rope, v, pos0, float(scale), out)
+            self._run(
+                self._k.attention.mla_heads, work, q, k_nope, k_rope, v, pos0, float(scale), out
+            )
         return out
 
     def attn_res(self, sources: F32, fold: F32, eps: float) -> F32:
@@ -282,7 +326,7 @@ class NumbaBackend(KernelBackend):
             raise ValueError(f"attn_res: sources {src.shape}, fold {fw.shape}")
         out = np.empty((T, E), dtype=np.float32)
         if T and E:
-            self._go().attention.attn_res_tokens(src, fw, float(eps), out)
+            self._run(self._k.attention.attn_res_tokens, 0, src, fw, float(eps), out)
         return out
 
     def router(
@@ -296,8 +340,16 @@ class NumbaBackend(KernelBackend):
         idx = np.empty((T, kk), dtype=np.int64)
         w = np.empty((T, kk), dtype=np.float32)
         if T and kk:
-            self._go().router.route_tokens(
-                logits, b, int(k), bool(renorm), np.float32(scale), idx, w
+            self._run(
+                self._k.router.route_tokens,
+                0,
+                logits,
+                b,
+                int(k),
+                bool(renorm),
+                np.float32(scale),
+                idx,
+                w,
             )
         return idx, w
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -54,14 +55,46 @@ def test_set_threads_is_clamped_and_validated():
 
 
 def test_small_kernels_stay_on_one_thread():
+    from k3_backends.numba_kernels.jit import Twins
+
+    seen = []
+
+    def parallel():
+        seen.append(("parallel", b._k.numba.get_num_threads()))
+
+    def serial():
+        seen.append(("serial", 1))
+
+    kernel = Twins(parallel, serial)
     b = numba_backend.NumbaBackend(threads=2)
-    b._go(0)
-    assert b._k.numba.get_num_threads() == 1
-    b._go(10 * numba_backend.PARALLEL_GRAIN)
-    assert b._k.numba.get_num_threads() == min(2, b._max_threads)
+    b._run(kernel, 0)
+    b._run(kernel, 10 * numba_backend.PARALLEL_GRAIN)
     forced = numba_backend.NumbaBackend(threads=2, parallel_grain=0)
-    forced._go(0)
-    assert forced._k.numba.get_num_threads() == min(2, forced._max_threads)
+    forced._run(kernel, 0)
+    one = numba_backend.NumbaBackend(threads=1, parallel_grain=0)
+    one._run(kernel, 10 * numba_backend.PARALLEL_GRAIN)
+    if b._max_threads >= 2:
+        assert seen == [("serial", 1), ("parallel", 2), ("parallel", 2), ("serial", 1)]
+    else:
+        assert all(kind == "serial" for kind, _ in seen)
+
+
+def test_serial_and_parallel_builds_are_distinct_in_the_cache():
+    from k3_backends.numba_kernels import matmul
+
+    par, ser = matmul.dense_t1
+    assert par.py_func.__qualname__ != ser.py_func.__qualname__
+    assert par.targetoptions.get("parallel") and not ser.targetoptions.get("parallel")
+
+
+def test_workqueue_threading_layer_unless_chosen():
+    import numba
+
+    numba_backend.NumbaBackend(threads=2, parallel_grain=0).matmul_bf16(
+        np.ones((4, 8), dtype=np.uint16), np.ones((1, 8), dtype=np.float32)
+    )
+    if not os.environ.get("NUMBA_THREADING_LAYER"):
+        assert numba.threading_layer() == "workqueue"
 
 
 def _fake_dispatcher(path):
@@ -96,7 +129,7 @@ def test_second_process_loads_compiled_kernels_from_the_cache():
         from k3_backends.numba_kernels import matmul
         b = NumbaBackend(threads=1)
         b.matmul_bf16(np.ones((4, 40), dtype=np.uint16), np.ones((1, 40), dtype=np.float32))
-        s = matmul.dense_t1.stats
+        s = matmul.dense_t1.serial.stats
         print(sum(s.cache_hits.values()), sum(s.cache_misses.values()))
         """
     )

@@ -12,7 +12,6 @@ import math
 
 import numpy as np
 from k3_backends.numba_kernels.exact import (
-    JIT,
     LANES,
     dot_into,
     exp_d,
@@ -21,9 +20,9 @@ from k3_backends.numba_kernels.exact import (
     max_nan,
     sumsq_f32,
 )
+from k3_backends.numba_kernels.jit import JIT, twins
 from numba import njit, prange
 
-PAR = dict(JIT, parallel=True)
 #: Output columns mixed per pass in ``attn_res_tokens`` (keeps the lane buffer small).
 COL_BLOCK = 512
 
@@ -41,8 +40,7 @@ def softmax_into(score, n, e, lanes, p):
         p[s] = np.float32(e[s] / z)
 
 
-@njit(**PAR)
-def mla_heads(q, k_nope, k_rope, v, pos0, scale, out):
+def _mla_heads(q, k_nope, k_rope, v, pos0, scale, out):
     """Query ``t`` (position ``pos0 + t``) of head ``h`` attends to keys ``0 .. pos0 + t``.
 
     ``score[s] = f32(lsum([q_nope|q_rope] * [k_nope[s,h]|k_rope[s]]) * scale)`` over the
@@ -112,3 +110,6 @@ def attn_res_tokens(src, fold_w, eps, out):
             fold_rows(acc, width, used)
             for j in range(width):
                 out[t, c0 + j] = np.float32(acc[0, j])
+
+
+mla_heads = twins(_mla_heads)

@@ -19,12 +19,10 @@ from __future__ import annotations
 import math
 
 import numpy as np
+from k3_backends.numba_kernels.jit import JIT
 from numba import njit
 
 from k3core import contract as C
-
-JIT = dict(cache=True, fastmath=False, nogil=True, error_model="numpy")
-INLINE = JIT
 
 LANES = C.LANES
 EXP_HI = C.EXP_HI
@@ -40,7 +38,7 @@ ROUTER_EPS = C.ROUTER_EPS
 (M1, M2, M3, M4, M5, M6, M7, M8, M9, M10, M11, M12, M13, M14, M15, M16, M17) = C.EXPM1_COEF
 
 
-@njit(**INLINE)
+@njit(**JIT)
 def exp_d(x):
     """The contract's exp in float64 (range reduction + degree-13 Taylor, Horner from top)."""
     if x != x:
@@ -68,7 +66,7 @@ def exp_d(x):
     return math.ldexp(p, int(n))
 
 
-@njit(**INLINE)
+@njit(**JIT)
 def expm1_d(x):
     """exp(x) - 1: Taylor series (1/1! .. 1/17!) for |x| < 0.5, else exp_d(x) - 1."""
     if abs(x) < EXPM1_SERIES_MAX:
@@ -93,7 +91,7 @@ def expm1_d(x):
     return exp_d(x) - 1.0
 
 
-@njit(**INLINE)
+@njit(**JIT)
 def tanh_d(x):
     """tanh as e / (e + 2), e = expm1_d(2|x|); +-1 beyond TANH_SAT; sign via copysign."""
     a = abs(x)
@@ -105,20 +103,20 @@ def tanh_d(x):
     return math.copysign(t, x)
 
 
-@njit(**INLINE)
+@njit(**JIT)
 def sig_d(x):
     """Logistic sigmoid in float64: 1 / (1 + exp_d(-x))."""
     return 1.0 / (1.0 + exp_d(-x))
 
 
-@njit(**INLINE)
+@njit(**JIT)
 def silu_f(x):
     """float32 -> float32 SiLU: f32(d(x) * sig_d(d(x)))."""
     xd = np.float64(x)
     return np.float32(xd * sig_d(xd))
 
 
-@njit(**INLINE)
+@njit(**JIT)
 def fold(acc):
     """Fold a LANES-long float64 lane array in halves (lane j += lane j+h); returns lane 0."""
     h = LANES // 2
@@ -129,7 +127,7 @@ def fold(acc):
     return acc[0]
 
 
-@njit(**INLINE)
+@njit(**JIT)
 def fold_rows(acc, width, used):
     """Fold ``acc[LANES, :width]`` over its first axis in halves; the result is ``acc[0]``.
 
@@ -146,7 +144,7 @@ def fold_rows(acc, width, used):
         h //= 2
 
 
-@njit(**INLINE)
+@njit(**JIT)
 def sumsq_f32(x, acc):
     """lsum(d(x)^2) of a 1-D float32 array, using ``acc`` (LANES float64) as scratch."""
     acc[:] = 0.0
@@ -164,7 +162,7 @@ def sumsq_f32(x, acc):
     return fold(acc)
 
 
-@njit(**INLINE)
+@njit(**JIT)
 def dot_into(acc, a, b, offset):
     """Add the terms ``d(a[i]) * d(b[i])`` to lanes ``(offset + i) % LANES`` of ``acc``."""
     n = a.shape[0]
@@ -181,7 +179,7 @@ def dot_into(acc, a, b, offset):
             acc[(offset + i) % LANES] += np.float64(a[i]) * np.float64(b[i])
 
 
-@njit(**INLINE)
+@njit(**JIT)
 def dot_f32(a, b, acc):
     """lsum(d(a) * d(b)) of two equally long 1-D float32 arrays (``acc`` is scratch)."""
     acc[:] = 0.0
@@ -189,7 +187,7 @@ def dot_f32(a, b, acc):
     return fold(acc)
 
 
-@njit(**INLINE)
+@njit(**JIT)
 def max_nan(s, n):
     """``np.max(s[:n])``: the largest value, NaN if any is NaN (n >= 1)."""
     m = s[0]

@@ -24,12 +24,12 @@ from __future__ import annotations
 
 import numpy as np
 from k3_backends.numba_kernels.bits import MX_SCALE, bf16_d, e2m1_hi_d, e2m1_lo_d
-from k3_backends.numba_kernels.exact import JIT, LANES, fold
+from k3_backends.numba_kernels.exact import LANES, fold
+from k3_backends.numba_kernels.jit import JIT, twins
 from k3_backends.numba_kernels.scratch import stack_f64
 from numba import carray, njit, prange, types
 from numba.extending import overload
 
-PAR = dict(JIT, parallel=True)
 HALF = LANES // 2
 
 
@@ -47,8 +47,7 @@ def _widen(v):
     return None
 
 
-@njit(**PAR)
-def dense_t1(w, x0, out0):
+def _dense_t1(w, x0, out0):
     """One token: ``out0[o] = f32(lsum_i d(x0[i]) * widen(w[o, i]))``; ``x0`` float32.
 
     Two rows per task share each load of ``x``; their lanes live in registers.
@@ -80,8 +79,7 @@ def dense_t1(w, x0, out0):
         out0[o2] = np.float32(fold(a2))
 
 
-@njit(**PAR)
-def dense_t4(w, xd, out):
+def _dense_t4(w, xd, out):
     """Several tokens, four per pass: each weight is widened once for four tokens.
 
     ``xd`` is float64 ``[T4, cols]`` with ``T4`` a multiple of 4 (rows past ``out.shape[0]``
@@ -140,8 +138,7 @@ def _fold_split(even, odd):
     return fold(acc)
 
 
-@njit(**PAR)
-def mxfp4_t1(packed, scales, xe0, xo0, out0):
+def _mxfp4_t1(packed, scales, xe0, xo0, out0):
     """One token from packed MXFP4 rows; ``xe0``/``xo0`` are x's even/odd columns (float64)."""
     rows = packed.shape[0]
     groups = scales.shape[1]
@@ -163,8 +160,7 @@ def mxfp4_t1(packed, scales, xe0, xo0, out0):
         out0[o] = np.float32(_fold_split(acc_e, acc_o))
 
 
-@njit(**PAR)
-def mxfp4_t4(packed, scales, xe, xo, out):
+def _mxfp4_t4(packed, scales, xe, xo, out):
     """Several tokens, four per pass: each group is decoded once for four tokens.
 
     ``xe``/``xo`` are float64 ``[T4, cols/2]``, ``T4`` a multiple of 4 (zero padding past
@@ -224,3 +220,9 @@ def mxfp4_t4(packed, scales, xe, xo, out):
                 out[t0 + 2, o] = np.float32(_fold_split(e2, d2))
             if t0 + 3 < T:
                 out[t0 + 3, o] = np.float32(_fold_split(e3, d3))
+
+
+dense_t1 = twins(_dense_t1)
+dense_t4 = twins(_dense_t4)
+mxfp4_t1 = twins(_mxfp4_t1)
+mxfp4_t4 = twins(_mxfp4_t4)

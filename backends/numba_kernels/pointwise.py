@@ -12,7 +12,6 @@ import math
 
 import numpy as np
 from k3_backends.numba_kernels.exact import (
-    JIT,
     L2_EPS,
     LANES,
     exp_d,
@@ -21,6 +20,7 @@ from k3_backends.numba_kernels.exact import (
     sumsq_f32,
     tanh_d,
 )
+from k3_backends.numba_kernels.jit import JIT
 from numba import njit
 
 #: Elements per parallel task in the element-wise kernels.

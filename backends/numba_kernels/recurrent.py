@@ -8,10 +8,10 @@ are split across threads. The state arrays are updated in place.
 from __future__ import annotations
 
 import numpy as np
-from k3_backends.numba_kernels.exact import JIT, LANES, fold_rows, silu_f
+from k3_backends.numba_kernels.exact import LANES, fold_rows, silu_f
+from k3_backends.numba_kernels.jit import JIT, twins
 from numba import njit, prange
 
-PAR = dict(JIT, parallel=True)
 #: Channels per parallel task in ``shortconv_channels``.
 CHANNEL_BLOCK = 256
 
@@ -73,11 +73,13 @@ def _kda_head(h, q, k, v, alpha, beta, S, out):
         _lane_matvec(q[t, h], Sh, acc, D, out[t, h])
 
 
-@njit(**PAR)
-def kda_heads(q, k, v, alpha, beta, S, out):
+def _kda_heads(q, k, v, alpha, beta, S, out):
     """The delta rule per head h, token by token (float32 unless stated):
     ``S[i,:] = alpha[i]*S[i,:]``; ``u = f32(lsum_i d(k[i]) d(S[i,:]))``;
     ``w = beta*(v - u)``; ``S[i,j] = S[i,j] + k[i]*w[j]``; ``o = f32(lsum_i d(q[i]) d(S[i,:]))``.
     """
     for h in prange(q.shape[1]):
         _kda_head(h, q, k, v, alpha, beta, S, out)
+
+
+kda_heads = twins(_kda_heads)

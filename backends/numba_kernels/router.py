@@ -9,7 +9,8 @@ renormalised by their lane sum, then multiplied by ``f32(scale)``.
 from __future__ import annotations
 
 import numpy as np
-from k3_backends.numba_kernels.exact import JIT, LANES, ROUTER_EPS, fold, sig_d
+from k3_backends.numba_kernels.exact import LANES, ROUTER_EPS, fold, sig_d
+from k3_backends.numba_kernels.jit import JIT
 from numba import njit
 
 
