@@ -3,11 +3,19 @@
 The model graph (``k3core.model``) is written once against :class:`KernelBackend`. A backend
 is correct only if every method returns arrays whose **bytes** equal the NumPy reference
 backend's for the same inputs, at every thread count. The arithmetic is therefore defined
-here, not left to the backend:
+here, not left to the backend (``docs/kernel-contract.md`` is the long form of this text):
 
 Notation
-    ``f32(v)`` rounds a float64 value to float32 (IEEE round-to-nearest-even). Arrays are
-    C-contiguous; activations are float32. ``d(v)`` widens float32 to float64 (exact).
+    ``f32(v)`` rounds a float64 value to float32 (IEEE round-to-nearest-even; overflow gives
+    +-inf). Arrays are C-contiguous; activations are float32. ``d(v)`` widens float32 to
+    float64 (exact). The IEEE default environment is assumed: round to nearest even,
+    subnormals honoured (no flush-to-zero / denormals-are-zero).
+
+Special values
+    +-0, subnormals, +-inf follow IEEE through the operations as written (a lane sum is never
+    -0.0: lanes start at +0.0). A NaN input gives NaN wherever IEEE propagation does; the
+    sign and payload of a NaN output are not part of the contract (conformance compares NaN
+    as a class), everything else is compared bit for bit.
 
 Elementwise float32 ops
     Every float32 ``+``, ``-``, ``*`` is rounded on its own. No fused multiply-add anywhere
@@ -52,8 +60,8 @@ Ops (each row below is what the reference computes; shapes use T = tokens)
     ``u[j] = f32(lsum_i(d(k[i]) * d(S[i,j])))``; ``w[j] = beta * (v[j] - u[j])``;
     ``S[i,j] = S[i,j] + k[i] * w[j]``; ``o[j] = f32(lsum_i(d(q[i]) * d(S[i,j])))``.
     ``S`` is updated in place; heads are independent.
-    ``softmax`` (inside attention ops): ``m = max(s)``; ``e_i = exp_d(d(s_i) - d(m))``;
-    ``Z = lsum(e)`` (kept in float64); ``p_i = f32(e_i / Z)``.
+    ``softmax`` (inside attention ops): ``m = max(s)`` (NaN if any ``s_i`` is NaN);
+    ``e_i = exp_d(d(s_i) - d(m))``; ``Z = lsum(e)`` (kept in float64); ``p_i = f32(e_i / Z)``.
     ``mla_attention(q[T,H,n+r], k_nope[S,H,n], k_rope[S,r], v[S,H,dv], pos0, scale)``:
     query t sits at absolute position ``pos0 + t`` and attends to ``s <= pos0 + t``;
     ``score[s] = f32(dot([q_nope|q_rope], [k_nope[s]|k_rope[s]]) * scale)`` over the
@@ -63,17 +71,21 @@ Ops (each row below is what the reference computes; shapes use T = tokens)
     ``score_s = f32(dot(key_s, fold))``; ``p = softmax(score)``;
     ``out[i] = f32(lsum_s(d(p[s]) * d(src[s,i])))`` (raw sources are mixed).
     ``router(logits[T,N], bias[N], k, renorm, scale)``: ``s = sigmoid(logits)``;
-    ``c = s + bias`` (float32); pick k by repeated maximum of ``c`` with ties to the lowest
-    index, listed in selection order; ``w_j = s[idx_j]``; when ``k > 1`` and ``renorm``:
+    ``c = s + bias`` (float32); pick ``min(k, N)`` by repeated maximum of ``c`` with ties
+    to the lowest index (+0.0 ties -0.0) and NaN below every number, listed in selection
+    order; ``w_j = s[idx_j]``; when ``k > 1`` and ``renorm``:
     ``w_j = f32(d(w_j) / (lsum(d(w)) + ROUTER_EPS))``; finally ``w_j = w_j * f32(scale)``.
 
-Parallelism is allowed only over independent outputs (rows, tokens, heads, experts).
+Parallelism is allowed only over independent outputs (rows, tokens, heads, experts); a
+reduction is never split across threads, so the bits do not depend on the thread count.
+Conformance is proved with :class:`k3core.testing.kernel_conformance.KernelConformance`.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 from numpy.typing import NDArray
@@ -173,7 +185,7 @@ class KernelBackend(ABC):
         if isinstance(w, Mxfp4):
             return self.matmul_mxfp4(w, x)
         if w.dtype == np.uint16:
-            return self.matmul_bf16(w, x)
+            return self.matmul_bf16(cast(U16, w), x)
         if w.dtype == np.float32:
-            return self.matmul_f32(w, x)
+            return self.matmul_f32(cast(F32, w), x)
         raise TypeError(f"unsupported weight dtype {w.dtype}")

@@ -24,7 +24,7 @@ from typing import Any
 import pluggy
 
 from k3core import hookspecs
-from k3core.errors import PluginError
+from k3core.errors import K3Error, PluginError
 from k3core.specs import Availability, Kind, PluginSpec
 
 K3_DIST = "k3"
@@ -80,7 +80,7 @@ class Registry:
                 continue
             try:
                 plugin = ep.load()
-            except Exception as exc:  # a third-party plugin may raise anything at import
+            except (Exception, SystemExit) as exc:  # a third-party plugin may raise anything
                 reg.broken.append(BrokenPlugin(ep.name, origin, f"failed to import: {exc!r}"))
                 continue
             reg.add_plugin(plugin, origin, ep.name)
@@ -98,17 +98,33 @@ class Registry:
         for kind, hook in HOOKS.items():
             try:
                 results = getattr(pm.hook, hook)()
-            except Exception as exc:
+            except (Exception, SystemExit) as exc:
                 self.broken.append(BrokenPlugin(name, origin, f"{hook}() raised {exc!r}"))
                 continue
             for specs in results:
-                for spec in specs or []:
+                if specs is None:
+                    continue
+                if not isinstance(specs, list | tuple):
+                    self.broken.append(
+                        BrokenPlugin(name, origin, f"{hook}() returned {specs!r}, not a list of specs")
+                    )
+                    continue
+                for spec in specs:
                     self._add(kind, spec, origin, name)
 
     def _add(self, kind: Kind, spec: Any, origin: str, plugin_name: str) -> None:
         if not isinstance(spec, PluginSpec) or not getattr(spec, "name", ""):
             self.broken.append(
                 BrokenPlugin(plugin_name, origin, f"returned something that is not a spec: {spec!r}")
+            )
+            return
+        if spec.kind != kind:
+            self.broken.append(
+                BrokenPlugin(
+                    plugin_name,
+                    origin,
+                    f"returned a {spec.kind} spec '{spec.name}' from {HOOKS[kind]}()",
+                )
             )
             return
         table = self.entries.setdefault(kind, {})
@@ -136,10 +152,12 @@ class Registry:
                 f"disabled by K3_DISABLE_BACKENDS={os.environ['K3_DISABLE_BACKENDS']}",
                 "unset K3_DISABLE_BACKENDS",
             )
-        entry = self.entries[kind][name]
+        entry = self.entries.get(kind, {}).get(name)
+        if entry is None:
+            return Availability.no(f"no {KIND_WORDS[kind]} named '{name}' is registered")
         try:
             result = entry.spec.probe()
-        except Exception as exc:
+        except (Exception, SystemExit) as exc:
             return Availability.no(f"its probe raised {exc!r}", entry.spec.install_hint)
         if not isinstance(result, Availability):
             return Availability.no(f"its probe returned {result!r}, not an Availability")
@@ -151,9 +169,9 @@ class Registry:
         table = self.entries.get(kind, {})
         if name == "auto":
             ranked = sorted(table.values(), key=lambda e: (-e.spec.priority, e.spec.name))
-            for entry in ranked:
-                if entry.conflict_with is None and self.probe(kind, entry.spec.name).ok:
-                    return entry.spec, f"auto picked {word} '{entry.spec.name}'"
+            for candidate in ranked:
+                if candidate.conflict_with is None and self.probe(kind, candidate.spec.name).ok:
+                    return candidate.spec, f"auto picked {word} '{candidate.spec.name}'"
             raise PluginError(f"no {word} is available on this machine", hint="run `k3 backends`")
         entry = table.get(name)
         if entry is None:
@@ -186,7 +204,7 @@ class Registry:
         try:
             factory = spec.load()
             instance = factory(**kwargs)
-        except PluginError:
+        except K3Error:  # a refusal with its own message (and exit code)
             raise
         except Exception as exc:
             raise PluginError(

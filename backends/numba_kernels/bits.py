@@ -1,0 +1,94 @@
+"""Bit-level decoders for stored weights, as LLVM intrinsics so they vectorise in 32-bit lanes.
+
+Numba promotes integer arithmetic to 64 bits; written in plain Numba these decoders would
+run at half the SIMD width. Each intrinsic below is a handful of 32-bit integer operations, a
+bit cast and an exact widening to float64:
+
+* ``bf16_d(bits)``: bf16 (``uint16``) -> float64. The bf16 pattern is the top half of a
+  float32, so ``f32 = bits << 16`` and the widening to float64 is exact.
+* ``e2m1_lo_d(byte)`` / ``e2m1_hi_d(byte)``: the low / high nibble of an MXFP4 byte
+  (``s e e m``) -> ``E2M1[code] * 2**-126`` as float64, exactly. Placing the three magnitude
+  bits at float32 bits 22..24 makes a float32 whose exponent field is ``e`` and whose top
+  mantissa bit is ``m``: for ``e > 0`` it is ``(1 + m/2) * 2**(e-127)``, for ``e == 0`` the
+  subnormal ``m * 2**-127``; both are ``E2M1 * 2**-126``. Bit 3 becomes the sign bit, so
+  code 8 gives -0.0 as ``E2M1[8]`` does. Multiplying by ``MX_SCALE[byte] = 2**(byte - 1)``
+  (0.0 for the NaN byte 255) gives ``E2M1[code] * E8M0[byte]`` exactly, signed zeros included.
+
+The subnormal step needs the IEEE default environment (no denormals-are-zero), which the
+whole contract assumes anyway; :func:`subnormals_honoured` checks it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, types
+from numba.extending import intrinsic
+
+_I32 = ir.IntType(32)
+_F32 = ir.FloatType()
+_F64 = ir.DoubleType()
+
+#: E8M0 byte -> 2**(byte - 1): the factor that turns ``e2m1_*_d`` into ``E2M1 * E8M0``.
+MX_SCALE = np.array([0.0 if b == 255 else 2.0 ** (b - 1) for b in range(256)], dtype=np.float64)
+
+
+def _c(v: int) -> ir.Constant:
+    return ir.Constant(_I32, v)
+
+
+@intrinsic
+def bf16_d(typingctx, bits):
+    """bf16 bit pattern (uint16) -> float64, exactly."""
+    sig = types.float64(types.uint16)
+
+    def codegen(context, builder, signature, args):
+        f = builder.bitcast(builder.shl(builder.zext(args[0], _I32), _c(16)), _F32)
+        return builder.fpext(f, _F64)
+
+    return sig, codegen
+
+
+def _nibble_codegen(builder, byte, mag_mask, mag_shift, sign_mask, sign_shift):
+    c = builder.zext(byte, _I32)
+    mag = builder.shl(builder.and_(c, _c(mag_mask)), _c(mag_shift))
+    sgn = builder.shl(builder.and_(c, _c(sign_mask)), _c(sign_shift))
+    return builder.fpext(builder.bitcast(builder.or_(mag, sgn), _F32), _F64)
+
+
+@intrinsic
+def e2m1_lo_d(typingctx, byte):
+    """Low nibble (even column) -> E2M1 * 2**-126: bits 0..2 -> 22..24, bit 3 -> 31."""
+    sig = types.float64(types.uint8)
+
+    def codegen(context, builder, signature, args):
+        return _nibble_codegen(builder, args[0], 0x07, 22, 0x08, 28)
+
+    return sig, codegen
+
+
+@intrinsic
+def e2m1_hi_d(typingctx, byte):
+    """High nibble (odd column) -> E2M1 * 2**-126: bits 4..6 -> 22..24, bit 7 -> 31."""
+    sig = types.float64(types.uint8)
+
+    def codegen(context, builder, signature, args):
+        return _nibble_codegen(builder, args[0], 0x70, 18, 0x80, 24)
+
+    return sig, codegen
+
+
+@intrinsic
+def _u32_as_f32(typingctx, bits):
+    sig = types.float32(types.uint32)
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], _F32)
+
+    return sig, codegen
+
+
+@njit(cache=True, nogil=True)
+def subnormals_honoured() -> bool:
+    """True when the smallest float32 subnormal survives widening (no DAZ/FTZ in effect)."""
+    return np.float64(_u32_as_f32(np.uint32(1))) * 2.0 ** 149 == 1.0

@@ -1,0 +1,228 @@
+"""Matrix products ``y[t, o] = f32(lsum_i d(x[t, i]) * W[o, i])`` for bf16, float32 and MXFP4.
+
+Every row keeps its own 32 float64 lane accumulators (lane = column % 32) and folds them at
+the end, so the result is the contract's lane sum whatever the thread count; rows are split
+across threads with ``prange`` and never share an accumulator. Weights are widened inside
+the inner loop (bf16 by a 16-bit shift, MXFP4 nibble by nibble straight from the packed
+bytes): no dequantised copy of a matrix is ever made. Per weight the inner loop is one
+widening, one multiply by ``d(x)`` and one add; x arrives as float32 (one token, converted in
+the loop) or already widened to float64 (several tokens, MXFP4). Several tokens are taken
+four at a time, so each weight is widened once per four tokens; the caller pads x with zero
+rows to a multiple of four and the padding's results are never written.
+
+MXFP4 rows are handled in their storage order: a byte holds columns ``2k`` (low nibble) and
+``2k+1`` (high nibble) of a 32-column group, which is also one lane chunk. The kernels keep
+the even lanes and the odd lanes in two 16-wide accumulators (``xe``/``xo`` are the even and
+odd columns of ``x``) and interleave them back before the fold; each lane still adds its own
+terms in increasing column order, so this is only a change of where a lane is stored.
+
+The products are exact in float64, so the ``*`` then ``+`` per term is the whole rounding
+story; ``fastmath=False`` keeps LLVM from reassociating the lane additions.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from k3_backends.numba_kernels.bits import MX_SCALE, bf16_d, e2m1_hi_d, e2m1_lo_d
+from k3_backends.numba_kernels.exact import LANES, fold
+from k3_backends.numba_kernels.jit import JIT, twins
+from k3_backends.numba_kernels.scratch import stack_f64
+from numba import carray, njit, prange, types
+from numba.extending import overload
+
+HALF = LANES // 2
+
+
+def widen(v):  # pragma: no cover - replaced by the overload below inside jitted code
+    """Weight element -> float64 (bf16 bits or float32)."""
+    raise NotImplementedError
+
+
+@overload(widen, jit_options=JIT)
+def _widen(v):
+    if v == types.uint16:
+        return lambda v: bf16_d(v)
+    if v == types.float32:
+        return lambda v: np.float64(v)
+    return None
+
+
+def _dense_t1(w, x0, out0):
+    """One token: ``out0[o] = f32(lsum_i d(x0[i]) * widen(w[o, i]))``; ``x0`` float32.
+
+    Two rows per task share each load of ``x``; their lanes live in registers.
+    """
+    rows, cols = w.shape
+    full = cols // LANES
+    for pair in prange((rows + 1) // 2):
+        o1 = 2 * pair
+        o2 = min(o1 + 1, rows - 1)
+        a1 = carray(stack_f64(32), 32)
+        a2 = carray(stack_f64(32), 32)
+        for ln in range(LANES):
+            a1[ln] = 0.0
+            a2[ln] = 0.0
+        w1 = w[o1]
+        w2 = w[o2]
+        for c in range(full):
+            base = c * LANES
+            for ln in range(LANES):
+                xv = np.float64(x0[base + ln])
+                a1[ln] += xv * widen(w1[base + ln])
+                a2[ln] += xv * widen(w2[base + ln])
+        base = full * LANES
+        for ln in range(cols - base):
+            xv = np.float64(x0[base + ln])
+            a1[ln] += xv * widen(w1[base + ln])
+            a2[ln] += xv * widen(w2[base + ln])
+        out0[o1] = np.float32(fold(a1))
+        out0[o2] = np.float32(fold(a2))
+
+
+def _dense_t4(w, xd, out):
+    """Several tokens, four per pass: each weight is widened once for four tokens.
+
+    ``xd`` is float64 ``[T4, cols]`` with ``T4`` a multiple of 4 (rows past ``out.shape[0]``
+    are zero padding whose results are dropped).
+    """
+    rows, cols = w.shape
+    T = out.shape[0]
+    full = cols // LANES
+    for o in prange(rows):
+        wr = w[o]
+        a0 = carray(stack_f64(32), 32)
+        a1 = carray(stack_f64(32), 32)
+        a2 = carray(stack_f64(32), 32)
+        a3 = carray(stack_f64(32), 32)
+        for t0 in range(0, xd.shape[0], 4):
+            x0 = xd[t0]
+            x1 = xd[t0 + 1]
+            x2 = xd[t0 + 2]
+            x3 = xd[t0 + 3]
+            for ln in range(LANES):
+                a0[ln] = 0.0
+                a1[ln] = 0.0
+                a2[ln] = 0.0
+                a3[ln] = 0.0
+            for c in range(full):
+                base = c * LANES
+                for ln in range(LANES):
+                    wv = widen(wr[base + ln])
+                    a0[ln] += x0[base + ln] * wv
+                    a1[ln] += x1[base + ln] * wv
+                    a2[ln] += x2[base + ln] * wv
+                    a3[ln] += x3[base + ln] * wv
+            base = full * LANES
+            for ln in range(cols - base):
+                wv = widen(wr[base + ln])
+                a0[ln] += x0[base + ln] * wv
+                a1[ln] += x1[base + ln] * wv
+                a2[ln] += x2[base + ln] * wv
+                a3[ln] += x3[base + ln] * wv
+            out[t0, o] = np.float32(fold(a0))
+            if t0 + 1 < T:
+                out[t0 + 1, o] = np.float32(fold(a1))
+            if t0 + 2 < T:
+                out[t0 + 2, o] = np.float32(fold(a2))
+            if t0 + 3 < T:
+                out[t0 + 3, o] = np.float32(fold(a3))
+
+
+@njit(**JIT)
+def _fold_split(even, odd):
+    """Interleave the even/odd lane halves back into lane order and fold."""
+    acc = np.empty(LANES)
+    for k in range(HALF):
+        acc[2 * k] = even[k]
+        acc[2 * k + 1] = odd[k]
+    return fold(acc)
+
+
+def _mxfp4_t1(packed, scales, xe0, xo0, out0):
+    """One token from packed MXFP4 rows; ``xe0``/``xo0`` are x's even/odd columns (float64)."""
+    rows = packed.shape[0]
+    groups = scales.shape[1]
+    for o in prange(rows):
+        acc_e = carray(stack_f64(16), 16)
+        acc_o = carray(stack_f64(16), 16)
+        for k in range(HALF):
+            acc_e[k] = 0.0
+            acc_o[k] = 0.0
+        pr = packed[o]
+        sr = scales[o]
+        for g in range(groups):
+            sc = MX_SCALE[sr[g]]
+            pb = g * HALF
+            for k in range(HALF):
+                b = pr[pb + k]
+                acc_e[k] += xe0[pb + k] * (e2m1_lo_d(b) * sc)
+                acc_o[k] += xo0[pb + k] * (e2m1_hi_d(b) * sc)
+        out0[o] = np.float32(_fold_split(acc_e, acc_o))
+
+
+def _mxfp4_t4(packed, scales, xe, xo, out):
+    """Several tokens, four per pass: each group is decoded once for four tokens.
+
+    ``xe``/``xo`` are float64 ``[T4, cols/2]``, ``T4`` a multiple of 4 (zero padding past
+    ``out.shape[0]``, results dropped).
+    """
+    rows = packed.shape[0]
+    groups = scales.shape[1]
+    T = out.shape[0]
+    for o in prange(rows):
+        pr = packed[o]
+        sr = scales[o]
+        e0 = carray(stack_f64(16), 16)
+        e1 = carray(stack_f64(16), 16)
+        e2 = carray(stack_f64(16), 16)
+        e3 = carray(stack_f64(16), 16)
+        d0 = carray(stack_f64(16), 16)
+        d1 = carray(stack_f64(16), 16)
+        d2 = carray(stack_f64(16), 16)
+        d3 = carray(stack_f64(16), 16)
+        for t0 in range(0, xe.shape[0], 4):
+            for k in range(HALF):
+                e0[k] = 0.0
+                e1[k] = 0.0
+                e2[k] = 0.0
+                e3[k] = 0.0
+                d0[k] = 0.0
+                d1[k] = 0.0
+                d2[k] = 0.0
+                d3[k] = 0.0
+            xe0 = xe[t0]
+            xe1 = xe[t0 + 1]
+            xe2 = xe[t0 + 2]
+            xe3 = xe[t0 + 3]
+            xo0 = xo[t0]
+            xo1 = xo[t0 + 1]
+            xo2 = xo[t0 + 2]
+            xo3 = xo[t0 + 3]
+            for g in range(groups):
+                sc = MX_SCALE[sr[g]]
+                pb = g * HALF
+                for k in range(HALF):
+                    b = pr[pb + k]
+                    ve = e2m1_lo_d(b) * sc
+                    vo = e2m1_hi_d(b) * sc
+                    e0[k] += xe0[pb + k] * ve
+                    e1[k] += xe1[pb + k] * ve
+                    e2[k] += xe2[pb + k] * ve
+                    e3[k] += xe3[pb + k] * ve
+                    d0[k] += xo0[pb + k] * vo
+                    d1[k] += xo1[pb + k] * vo
+                    d2[k] += xo2[pb + k] * vo
+                    d3[k] += xo3[pb + k] * vo
+            out[t0, o] = np.float32(_fold_split(e0, d0))
+            if t0 + 1 < T:
+                out[t0 + 1, o] = np.float32(_fold_split(e1, d1))
+            if t0 + 2 < T:
+                out[t0 + 2, o] = np.float32(_fold_split(e2, d2))
+            if t0 + 3 < T:
+                out[t0 + 3, o] = np.float32(_fold_split(e3, d3))
+
+
+dense_t1 = twins(_dense_t1)
+dense_t4 = twins(_dense_t4)
+mxfp4_t1 = twins(_mxfp4_t1)
+mxfp4_t4 = twins(_mxfp4_t4)

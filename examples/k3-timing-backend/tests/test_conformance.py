@@ -1,0 +1,10 @@
+import pytest
+from k3_timing import TimedBackend
+
+from k3core.testing.kernel_conformance import KernelConformance
+
+
+class TestTimedBackend(KernelConformance):
+    @pytest.fixture
+    def backend(self):
+        return TimedBackend()

@@ -1,0 +1,481 @@
+"""The kernel conformance suite: a backend's outputs must equal the NumPy reference's bytes.
+
+A kernel backend (built-in or third-party) proves conformance with one subclass::
+
+    import pytest
+    from k3core.testing.kernel_conformance import KernelConformance
+
+    class TestMine(KernelConformance):
+        @pytest.fixture
+        def backend(self):
+            return MyBackend()
+
+Every test calls one op on the backend and on :class:`k3_backends.numpy_backend.NumpyBackend`
+with the same inputs and compares the results **by bits** (``float32`` outputs as ``uint32``
+words, indices exactly), at awkward sizes, with edge values, at several thread counts
+(``backend.set_threads``), and checks that inputs are left untouched except the documented
+in-place state. The one tolerance: a NaN output must be NaN in both, but its sign and payload
+are not compared (hardware NaN propagation is not part of the contract; see
+``docs/kernel-contract.md``). The last tests run the 13-layer oracle model end to end and
+compare its logits byte for byte (full recompute and incremental decoding), and so does the
+``tiny-flat`` model (released tensor layout: bf16 trunk, MXFP4 experts).
+
+Subclasses may override :attr:`KernelConformance.THREADS`.
+"""
+
+from __future__ import annotations
+
+import functools
+import zlib
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import pytest
+
+from k3core.kernels import KernelBackend, Mxfp4
+
+F32_EDGES = np.array(
+    [
+        0.0, -0.0, 1e-45, -1e-45, 1.1754942e-38, -1.1754942e-38, 1.1754944e-38, 1e-30, -1e-8,
+        0.25, 0.49999997, 0.5, -0.5, 1.0, -1.0, 11.0, 21.999998, 22.0, 22.000002, -22.000002,
+        44.0, 88.0, -88.0, 88.72284, 89.0, -103.0, -104.0, -150.0, 708.0, -708.0, 708.5,
+        -708.5, 709.0, -709.0, 710.0, -746.0, 1e4, -1e4, 1e30, -1e30, 3.4028235e38,
+        -3.4028235e38, np.inf, -np.inf, np.nan,
+    ],
+    dtype=np.float32,
+)
+"""Float32 inputs that exercise every branch: signed zeros, subnormals, the transcendental
+thresholds (TANH_SAT, EXP_HI/EXP_LO, float32 overflow/underflow of exp), huge values, inf, NaN."""
+
+MATMUL_SHAPES = [  # (rows, cols, T): awkward widths, and the real ones with few rows
+    (1, 1, 1), (3, 3, 3), (2, 31, 1), (5, 33, 3), (3, 64, 1), (4, 4097, 3),
+    (3, 7168, 1), (2, 12288, 1), (2, 12288, 3), (3, 3584, 1), (2, 3072, 3),
+]
+MXFP4_SHAPES = [  # cols must be a multiple of the 32-column group
+    (1, 32, 1), (3, 32, 3), (5, 96, 1), (4, 4096, 3), (3, 7168, 1), (3, 3072, 1),
+    (2, 3584, 3), (2, 12288, 1),
+]
+WIDTHS = [1, 3, 31, 33, 4097]
+
+
+# ---------------------------------------------------------------------------------------
+# comparison and inputs
+
+
+def _canon(a: np.ndarray) -> np.ndarray:
+    """The array's raw words, with every NaN replaced by one quiet NaN pattern."""
+    a = np.ascontiguousarray(a)
+    if a.dtype == np.float32:
+        words = a.view(np.uint32).copy()
+        words[np.isnan(a)] = 0x7FC00000
+        return words
+    if a.dtype == np.float64:
+        words = a.view(np.uint64).copy()
+        words[np.isnan(a)] = 0x7FF8000000000000
+        return words
+    return a
+
+
+def assert_same_bits(got: Any, want: Any, what: str) -> None:
+    """``got`` equals ``want`` in shape, dtype and bits (NaN compared as a class)."""
+    got, want = np.asarray(got), np.asarray(want)
+    assert got.dtype == want.dtype, f"{what}: dtype {got.dtype}, reference {want.dtype}"
+    assert got.shape == want.shape, f"{what}: shape {got.shape}, reference {want.shape}"
+    g, w = _canon(got), _canon(want)
+    bad = np.flatnonzero(g.reshape(-1) != w.reshape(-1))
+    if bad.size:
+        i = int(bad[0])
+        gv, wv = got.reshape(-1)[i], want.reshape(-1)[i]
+        raise AssertionError(
+            f"{what}: {bad.size} of {got.size} elements differ from the numpy reference; "
+            f"first at flat index {i}: got {gv!r} (0x{int(g.reshape(-1)[i]):x}), "
+            f"reference {wv!r} (0x{int(w.reshape(-1)[i]):x})"
+        )
+
+
+@functools.lru_cache(maxsize=1)
+def reference() -> KernelBackend:
+    """The NumPy reference backend (the bits every backend must produce)."""
+    from k3_backends.numpy_backend import NumpyBackend
+
+    return NumpyBackend()
+
+
+def _rng(*key: Any) -> np.random.Generator:
+    """A generator seeded from the test's parameters (the same inputs in every run)."""
+    return np.random.default_rng(zlib.crc32(repr(("k3-conformance",) + key).encode()))
+
+
+#: The edge values a recurrence can absorb without turning its whole state into inf/NaN.
+MILD_EDGES = F32_EDGES[np.isfinite(F32_EDGES) & (np.abs(F32_EDGES) <= 4.0)]
+
+
+def activations(
+    rng: np.random.Generator, shape: Sequence[int], scale: float = 1.0, mild: bool = False
+) -> np.ndarray:
+    """Random float32 values with a sprinkling of :data:`F32_EDGES` (NaN and inf excluded;
+    only :data:`MILD_EDGES` when ``mild``)."""
+    x = (rng.standard_normal(shape) * scale).astype(np.float32)
+    finite = MILD_EDGES if mild else F32_EDGES[np.isfinite(F32_EDGES)]
+    flat = x.reshape(-1)
+    if flat.size == 0:
+        return x
+    n = max(1, flat.size // 16)
+    flat[rng.integers(0, flat.size, n)] = rng.choice(finite, n)
+    return x
+
+
+def edge_array(rng: np.random.Generator, n: int, scale: float) -> np.ndarray:
+    """Every edge value (NaN and inf included) followed by ``n`` random ones."""
+    return np.concatenate([F32_EDGES, (rng.standard_normal(n) * scale).astype(np.float32)])
+
+
+def bf16_bits(rng: np.random.Generator, shape: Sequence[int], finite: bool) -> np.ndarray:
+    """Random bf16 bit patterns: all 65536 possible (``finite=False``: inf and NaN too), or
+    every finite one, with zero, subnormal and huge exponents over-represented."""
+    bits = rng.integers(0, 1 << 16, shape, dtype=np.uint16)
+    exp = (bits >> 7) & 0xFF
+    if finite:
+        bits = np.where(exp == 0xFF, bits & 0x807F, bits).astype(np.uint16)
+    pick = rng.random(shape)
+    bits = np.where(pick < 0.05, bits & 0x807F, bits)  # subnormals and signed zeros
+    bits = np.where((pick > 0.97) & finite, (bits & 0x807F) | 0x7F00, bits)  # ~1e38
+    return bits.astype(np.uint16)
+
+
+def _snapshot(*arrays: Any) -> list[bytes]:
+    out = []
+    for a in arrays:
+        if isinstance(a, Mxfp4):
+            out.append(a.packed.tobytes() + a.scales.tobytes())
+        else:
+            out.append(np.asarray(a).tobytes())
+    return out
+
+
+def _check_unchanged(before: list[bytes], arrays: Sequence[Any], what: str) -> None:
+    after = _snapshot(*arrays)
+    for i, (b, a) in enumerate(zip(before, after, strict=True)):
+        assert b == a, f"{what}: input {i} was modified"
+
+
+def compare(
+    backend: KernelBackend,
+    op: str,
+    *args: Any,
+    inplace: Sequence[int] = (),
+    what: str = "",
+) -> Any:
+    """Run ``op`` on the backend and the reference with copies of ``args``; compare bits.
+
+    ``inplace`` lists argument positions the op may update (compared after the call); every
+    other array argument must come back unchanged.
+    """
+    label = what or op
+    mine = [a.copy() if isinstance(a, np.ndarray) else a for a in args]
+    theirs = [a.copy() if isinstance(a, np.ndarray) else a for a in args]
+    frozen = [
+        i for i, a in enumerate(args) if isinstance(a, np.ndarray | Mxfp4) and i not in inplace
+    ]
+    before = _snapshot(*(mine[i] for i in frozen))
+    with np.errstate(all="ignore"):
+        got = getattr(backend, op)(*mine)
+        want = getattr(reference(), op)(*theirs)
+    _check_unchanged(before, [mine[i] for i in frozen], label)
+    if isinstance(want, tuple):
+        assert isinstance(got, tuple) and len(got) == len(want), f"{label}: result arity"
+        for j, (g, w) in enumerate(zip(got, want, strict=True)):
+            assert_same_bits(g, w, f"{label} result {j}")
+    else:
+        assert_same_bits(got, want, label)
+    for i in inplace:
+        assert_same_bits(mine[i], theirs[i], f"{label} in-place argument {i}")
+    return want
+
+
+# ---------------------------------------------------------------------------------------
+# the suite
+
+
+class KernelConformance:
+    """Bit-for-bit conformance of a kernel backend; subclasses provide ``backend``."""
+
+    #: Thread counts every op is checked at (``backend.set_threads(n)``).
+    THREADS: Sequence[int] = (1, 2)
+
+    @pytest.fixture
+    def backend(self) -> KernelBackend:  # pragma: no cover - subclasses override
+        raise NotImplementedError("a KernelConformance subclass must define a `backend` fixture")
+
+    @pytest.fixture(params=[1, 2], ids=lambda n: f"threads{n}")
+    def kb(self, request: Any, backend: KernelBackend) -> KernelBackend:
+        """The backend under test, set to each thread count in turn."""
+        n = request.param
+        if n not in self.THREADS:
+            pytest.skip(f"thread count {n} not in {type(self).__name__}.THREADS")
+        backend.set_threads(n)
+        return backend
+
+    # --- interface ---------------------------------------------------------------------
+    def test_is_a_kernel_backend(self, backend: KernelBackend) -> None:
+        assert isinstance(backend, KernelBackend)
+        assert isinstance(backend.name, str) and backend.name
+        backend.set_threads(1)
+        assert backend.threads >= 1
+
+    # --- matrix products -----------------------------------------------------------------
+    @pytest.mark.parametrize("rows,cols,T", MATMUL_SHAPES)
+    def test_matmul_bf16(self, kb: KernelBackend, rows: int, cols: int, T: int) -> None:
+        rng = _rng("bf16", rows, cols, T)
+        x = activations(rng, (T, cols))
+        compare(kb, "matmul_bf16", bf16_bits(rng, (rows, cols), finite=True), x)
+        compare(kb, "matmul", bf16_bits(rng, (rows, cols), finite=True), x, what="matmul(bf16)")
+
+    def test_matmul_bf16_every_bit_pattern(self, kb: KernelBackend) -> None:
+        """All 65536 bf16 patterns (subnormals, inf and NaN included) as one 256x256 matrix,
+        row-major and transposed, and random patterns at awkward widths."""
+        rng = _rng("bf16-all")
+        every = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).reshape(256, 256)
+        x = activations(rng, (3, 256))
+        compare(kb, "matmul_bf16", every, x)
+        compare(kb, "matmul_bf16", np.ascontiguousarray(every.T), x, what="bf16 transposed")
+        for cols in (1, 3, 33):
+            w = bf16_bits(rng, (64, cols), finite=False)
+            compare(kb, "matmul_bf16", w, activations(rng, (3, cols)), what=f"bf16 {cols} cols")
+
+    @pytest.mark.parametrize("rows,cols,T", MATMUL_SHAPES)
+    def test_matmul_f32(self, kb: KernelBackend, rows: int, cols: int, T: int) -> None:
+        rng = _rng("f32", rows, cols, T)
+        w = activations(rng, (rows, cols), scale=0.05)
+        x = activations(rng, (T, cols))
+        compare(kb, "matmul_f32", w, x)
+        compare(kb, "matmul", w, x, what="matmul(f32)")
+
+    def test_matmul_overflow_and_nan_inputs(self, kb: KernelBackend) -> None:
+        rng = _rng("mm-edge")
+        x = np.resize(F32_EDGES, (3, 45)).astype(np.float32)
+        compare(kb, "matmul_f32", activations(rng, (7, 45)), x)
+        compare(kb, "matmul_bf16", bf16_bits(rng, (7, 45), finite=True), x)
+
+    @pytest.mark.parametrize("rows,cols,T", MXFP4_SHAPES)
+    def test_matmul_mxfp4(self, kb: KernelBackend, rows: int, cols: int, T: int) -> None:
+        rng = _rng("mxfp4", rows, cols, T)
+        packed = rng.integers(0, 256, (rows, cols // 2), dtype=np.uint8)
+        scales = rng.integers(100, 140, (rows, cols // 32), dtype=np.uint8)
+        special = np.array([0, 1, 127, 128, 200, 253, 254, 255], dtype=np.uint8)
+        scales.reshape(-1)[: special.size] = special[: scales.size]
+        w = Mxfp4(packed, scales)
+        x = activations(rng, (T, cols))
+        compare(kb, "matmul_mxfp4", w, x)
+        compare(kb, "matmul", w, x, what="matmul(mxfp4)")
+
+    def test_mxfp4_scale_bytes(self, kb: KernelBackend) -> None:
+        """Every scale byte 0..255 (255 = NaN by OCP, zero here) and every nibble code."""
+        codes = np.arange(256, dtype=np.uint8)
+        packed = np.tile(np.resize(codes, 16), (256, 1))  # each row: bytes 0x00..0x0F
+        packed[1::2] = np.resize(codes[::17], 16)  # odd rows: 0x00, 0x11, ..., 0xFF
+        scales = np.arange(256, dtype=np.uint8).reshape(256, 1)
+        x = activations(_rng("mx-scales"), (3, 32))
+        want = compare(kb, "matmul_mxfp4", Mxfp4(packed, scales), x)
+        assert np.all(want[:, 255] == 0.0), "scale byte 255 must contribute exactly zero"
+
+    # --- normalisation and activations ------------------------------------------------------
+    @pytest.mark.parametrize("m", WIDTHS + [7168])
+    @pytest.mark.parametrize("T", [1, 3])
+    def test_rmsnorm(self, kb: KernelBackend, m: int, T: int) -> None:
+        rng = _rng("rms", m, T)
+        x = activations(rng, (T, m), scale=3.0)
+        x[0, : min(m, 3)] = 0.0
+        if T > 1:
+            x[1] = 0.0  # an all-zero row: inv = 1/sqrt(eps)
+            x[2] = np.float32(3e37)  # squares near 1e75 stay finite in float64
+        gain = activations(rng, (m,))
+        compare(kb, "rmsnorm", x, gain, 1e-6)
+        compare(kb, "rmsnorm", x, None, 1e-5, what="rmsnorm without gain")
+        compare(kb, "rmsnorm", x.reshape(T, 1, m), gain, 1e-6, what="rmsnorm 3-D")
+
+    @pytest.mark.parametrize("D", [1, 3, 16, 33, 128])
+    def test_l2norm(self, kb: KernelBackend, D: int) -> None:
+        rng = _rng("l2", D)
+        x = activations(rng, (3, 4, D))
+        x[0, 0] = 0.0
+        x[1, 1] = np.float32(1e-40)
+        compare(kb, "l2norm", x)
+
+    @pytest.mark.parametrize("op", ["sigmoid", "silu", "exp"])
+    @pytest.mark.parametrize("scale", [1.0, 30.0, 300.0])
+    def test_activations(self, kb: KernelBackend, op: str, scale: float) -> None:
+        rng = _rng(op, scale)
+        x = edge_array(rng, 4097, scale)
+        compare(kb, op, x)
+        compare(kb, op, x[: 3 * 33].reshape(3, 33), what=f"{op} 2-D")
+        compare(kb, op, x[:1], what=f"{op} single")
+
+    @pytest.mark.parametrize("b1,b2", [(4.0, 25.0), (1.0, 1.0), (0.5, 3.0)])
+    def test_situ_glu(self, kb: KernelBackend, b1: float, b2: float) -> None:
+        rng = _rng("situ", b1, b2)
+        g = edge_array(rng, 4097, 10.0)
+        u = np.roll(edge_array(rng, 4097, 30.0), 7)
+        compare(kb, "situ_glu", g, u, b1, b2)
+        compare(kb, "situ_glu", g[:99].reshape(3, 33), u[:99].reshape(3, 33), b1, b2, what="2-D")
+
+    # --- attention building blocks ------------------------------------------------------------
+    @pytest.mark.parametrize("C", [1, 3, 33, 300])
+    @pytest.mark.parametrize("K", [1, 2, 4])
+    @pytest.mark.parametrize("T", [1, 3])
+    def test_shortconv_state_in_place(self, kb: KernelBackend, C: int, K: int, T: int) -> None:
+        rng = _rng("conv", C, K, T)
+        w = activations(rng, (C, K))
+        hist = activations(rng, (C, K - 1))
+        for step in range(2):  # the carried history must keep agreeing
+            x = activations(rng, (T, C), scale=4.0)
+            compare(kb, "shortconv", x, w, hist, inplace=(2,), what=f"shortconv step {step}")
+            with np.errstate(all="ignore"):
+                reference().shortconv(x, w, hist)  # advance the carried history
+
+    @pytest.mark.parametrize("H,D", [(1, 1), (2, 3), (4, 16), (3, 33)])
+    @pytest.mark.parametrize("T", [1, 3])
+    def test_kda_gate(self, kb: KernelBackend, H: int, D: int, T: int) -> None:
+        rng = _rng("gate", H, D, T)
+        z = activations(rng, (T, H * D), scale=3.0)
+        dt = activations(rng, (H * D,))
+        a_log = activations(rng, (H,))
+        compare(kb, "kda_gate", z, dt, a_log, -5.0)
+        compare(kb, "kda_gate", z, dt, a_log, -0.5, what="kda_gate lb=-0.5")
+
+    def test_kda_gate_saturates_to_one(self, kb: KernelBackend) -> None:
+        """A large A_log with a very negative gate input makes sig_d 0, alpha exactly 1.0;
+        a very negative A_log makes exp_d(A_log) 0 and alpha = exp_d(lb / 2)."""
+        z = np.array([[-100.0, -1e6, 5.0, 0.0, -0.0, 1e30]], dtype=np.float32)
+        dt = np.zeros(6, dtype=np.float32)
+        for a_log in ([10.0, 10.0], [-800.0, 3.0], [89.0, -89.0]):
+            al = np.array(a_log, dtype=np.float32)
+            want = compare(kb, "kda_gate", z, dt, al, -5.0, what=f"kda_gate A_log={a_log}")
+            if a_log[0] == 10.0:
+                assert want[0, 0] == 1.0 and want[0, 1] == 1.0
+
+    @pytest.mark.parametrize("H,D", [(1, 1), (2, 3), (4, 16), (2, 33)])
+    @pytest.mark.parametrize("T", [1, 3])
+    def test_kda_recurrent_state_in_place(self, kb: KernelBackend, H: int, D: int, T: int) -> None:
+        rng = _rng("kda", H, D, T)
+        S = activations(rng, (H, D, D), scale=0.5, mild=True)
+        for step in range(2):
+            q = activations(rng, (T, H, D), mild=True)
+            k = activations(rng, (T, H, D), scale=0.3, mild=True)
+            v = activations(rng, (T, H, D), mild=True)
+            alpha = np.exp(-np.abs(activations(rng, (T, H, D), mild=True))).astype(np.float32)
+            alpha.reshape(-1)[0] = 1.0
+            alpha.reshape(-1)[-1] = 0.0
+            beta = (1.0 / (1.0 + np.exp(-activations(rng, (T, H), mild=True)))).astype(np.float32)
+            compare(kb, "kda_recurrent", q, k, v, alpha, beta, S, inplace=(5,), what=f"kda step {step}")
+            with np.errstate(all="ignore"):
+                reference().kda_recurrent(q, k, v, alpha, beta, S)  # advance the state
+
+    @pytest.mark.parametrize("n,r,dv", [(24, 8, 16), (40, 24, 17), (128, 64, 128)])
+    @pytest.mark.parametrize("T,pos0", [(1, 0), (3, 0), (1, 37), (3, 5)])
+    def test_mla_attention(self, kb: KernelBackend, n: int, r: int, dv: int, T: int, pos0: int) -> None:
+        rng = _rng("mla", n, r, dv, T, pos0)
+        H, cap = 3, pos0 + T + 2  # the cache holds rows past the last position: ignored
+        q = activations(rng, (T, H, n + r), mild=True)
+        k_nope = activations(rng, (cap, H, n), mild=True)
+        k_rope = activations(rng, (cap, r), mild=True)
+        v = activations(rng, (cap, H, dv))
+        scale = 1.0 / float(np.sqrt(n + r))
+        compare(kb, "mla_attention", q, k_nope[: pos0 + T], k_rope[: pos0 + T], v[: pos0 + T], pos0, scale)
+        compare(kb, "mla_attention", q, k_nope, k_rope, v, pos0, scale, what="mla, longer cache")
+        hot = q * np.float32(100.0)  # scores that underflow exp_d after max subtraction
+        compare(kb, "mla_attention", hot, k_nope, k_rope, v, pos0, scale, what="mla, peaked")
+
+    @pytest.mark.parametrize("S", [1, 2, 9, 33])
+    @pytest.mark.parametrize("T", [1, 3])
+    @pytest.mark.parametrize("E", [1, 33, 4097])
+    def test_attn_res(self, kb: KernelBackend, S: int, T: int, E: int) -> None:
+        rng = _rng("ares", S, T, E)
+        src = activations(rng, (S, T, E), scale=2.0)
+        fold = activations(rng, (E,))
+        compare(kb, "attn_res", src, fold, 1e-5)
+        src[0] = 0.0
+        compare(kb, "attn_res", src, fold, 1e-6, what="attn_res with a zero source")
+
+    @pytest.mark.parametrize("N,k", [(3, 1), (8, 2), (64, 8), (257, 8), (5, 5)])
+    @pytest.mark.parametrize("renorm", [True, False])
+    def test_router(self, kb: KernelBackend, N: int, k: int, renorm: bool) -> None:
+        rng = _rng("router", N, k, renorm)
+        T = 3
+        logits = activations(rng, (T, N))
+        bias = (rng.standard_normal(N) * 0.1).astype(np.float32)
+        compare(kb, "router", logits, bias, k, renorm, 2.5)
+        compare(kb, "router", logits, bias, k, renorm, 1.0, what="router scale 1")
+
+    def test_router_ties_pick_lowest_index(self, kb: KernelBackend) -> None:
+        logits = np.zeros((3, 10), dtype=np.float32)
+        logits[1, [2, 5, 7]] = 1.0  # three equal winners
+        logits[2] = [0.0, -0.0, 0.0, -0.0, 5.0, 5.0, np.nan, -np.inf, np.inf, np.inf]
+        bias = np.zeros(10, dtype=np.float32)
+        idx, w = compare(kb, "router", logits, bias, 4, True, 1.0)
+        assert idx[0].tolist() == [0, 1, 2, 3]
+        assert idx[1].tolist() == [2, 5, 7, 0]
+        assert idx[2].tolist() == [8, 9, 4, 5]
+        biased = np.linspace(0.0, 1e-3, 10).astype(np.float32)[::-1].copy()  # ties broken by bias
+        compare(kb, "router", logits, biased, 3, False, 1.0, what="router with bias")
+        compare(kb, "router", logits, bias, 10, True, 1.0, what="router k = N (NaN last)")
+
+    # --- whole models ---------------------------------------------------------------------------
+    @pytest.mark.parametrize("model", ["oracle", "tiny-flat"])
+    @pytest.mark.parametrize("incremental", [False, True], ids=["full", "incremental"])
+    def test_model_logits(self, kb: KernelBackend, model: str, incremental: bool) -> None:
+        """The 13-layer oracle (float32 weights) and tiny-flat (bf16 trunk, MXFP4 experts):
+        the logits of every decoding step, byte for byte."""
+        want = _reference_logits(model, incremental)
+        net, prompt = _build_model(model, kb)
+        got = _decode_logits(net, prompt, incremental)
+        mode = "incremental" if incremental else "full recompute"
+        assert len(got) == len(want)
+        for step, (g, w) in enumerate(zip(got, want, strict=True)):
+            assert_same_bits(g, w, f"{model} logits ({mode}) step {step}")
+
+
+# ---------------------------------------------------------------------------------------
+# whole-model helpers
+
+_DECODE_STEPS = 3
+
+
+def _build_model(which: str, kernels: KernelBackend) -> tuple[Any, list[int]]:
+    from k3core.experts import InMemoryExperts
+    from k3core.model import Model
+    from k3core.weights import ModelTables, ResidentTrunk, expert_from_reader
+
+    cfg, reader, ref = _model_data(which)
+    model = Model(
+        cfg,
+        kernels,
+        ResidentTrunk(cfg, reader, cfg.n_layers),
+        ModelTables(cfg, reader),
+        InMemoryExperts(lambda L, e: expert_from_reader(cfg, reader, L, e)),
+    )
+    return model, list(ref["prompt_ids"])
+
+
+@functools.lru_cache(maxsize=2)
+def _model_data(which: str) -> tuple[Any, Any, dict[str, Any]]:
+    from k3core.testing.fixtures import fixtures_dir
+    from k3core.testing.oracle import load_oracle
+    from k3core.testing.tiny_flat import load_tiny_flat
+
+    loader = {"oracle": load_oracle, "tiny-flat": load_tiny_flat}[which]
+    return loader(fixtures_dir())
+
+
+def _decode_logits(model: Any, prompt: list[int], incremental: bool) -> list[np.ndarray]:
+    from k3core.generate import generate
+
+    run = generate(model, prompt, _DECODE_STEPS, incremental=incremental, keep_logits=True)
+    return run.step_logits
+
+
+@functools.lru_cache(maxsize=4)
+def _reference_logits(which: str, incremental: bool) -> tuple[np.ndarray, ...]:
+    model, prompt = _build_model(which, reference())
+    return tuple(_decode_logits(model, prompt, incremental))

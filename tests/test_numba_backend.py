@@ -1,0 +1,138 @@
+"""The numba backend's own machinery: probe, thread setting, and the on-disk kernel cache."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+pytest.importorskip("numba")
+
+from k3_backends import numba_backend  # noqa: E402
+from k3_backends.numba_kernels import cache  # noqa: E402
+
+from k3core.testing.kernel_conformance import KernelConformance  # noqa: E402
+
+
+class TestEveryKernelSplitAcrossThreads(KernelConformance):
+    """The conformance suite again with no minimum grain, so even the small test shapes are
+    divided between two threads (by default they would run on one)."""
+
+    @pytest.fixture
+    def backend(self):
+        return numba_backend.NumbaBackend(threads=2, parallel_grain=0)
+
+    @pytest.fixture
+    def kb(self, backend):  # one thread count (two) instead of the base class's 1 and 2
+        backend.set_threads(2)
+        return backend
+
+
+def test_probe_reports_missing_numba(monkeypatch):
+    monkeypatch.setitem(sys.modules, "numba", None)  # `import numba` now raises ImportError
+    avail = numba_backend._probe()
+    assert not avail.ok
+    assert "numba is not importable" in avail.reason
+    assert avail.hint == "pip install numba"
+
+
+def test_probe_ok_here():
+    assert numba_backend._probe().ok
+
+
+def test_set_threads_is_clamped_and_validated():
+    b = numba_backend.NumbaBackend(threads=1)
+    assert b.threads == 1
+    b.set_threads(10_000)
+    assert 1 <= b.threads <= b._max_threads
+    with pytest.raises(ValueError):
+        b.set_threads(0)
+
+
+def test_small_kernels_stay_on_one_thread():
+    from k3_backends.numba_kernels.jit import Twins
+
+    seen = []
+
+    def parallel():
+        seen.append(("parallel", b._k.numba.get_num_threads()))
+
+    def serial():
+        seen.append(("serial", 1))
+
+    kernel = Twins(parallel, serial)
+    b = numba_backend.NumbaBackend(threads=2)
+    b._run(kernel, 0)
+    b._run(kernel, 10 * numba_backend.PARALLEL_GRAIN)
+    forced = numba_backend.NumbaBackend(threads=2, parallel_grain=0)
+    forced._run(kernel, 0)
+    one = numba_backend.NumbaBackend(threads=1, parallel_grain=0)
+    one._run(kernel, 10 * numba_backend.PARALLEL_GRAIN)
+    if b._max_threads >= 2:
+        assert seen == [("serial", 1), ("parallel", 2), ("parallel", 2), ("serial", 1)]
+    else:
+        assert all(kind == "serial" for kind, _ in seen)
+
+
+def test_serial_and_parallel_builds_are_distinct_in_the_cache():
+    from k3_backends.numba_kernels import matmul
+
+    par, ser = matmul.dense_t1
+    assert par.py_func.__qualname__ != ser.py_func.__qualname__
+    assert par.targetoptions.get("parallel") and not ser.targetoptions.get("parallel")
+
+
+def test_workqueue_threading_layer_unless_chosen():
+    import numba
+
+    numba_backend.NumbaBackend(threads=2, parallel_grain=0).matmul_bf16(
+        np.ones((4, 8), dtype=np.uint16), np.ones((1, 8), dtype=np.float32)
+    )
+    if not os.environ.get("NUMBA_THREADING_LAYER"):
+        assert numba.threading_layer() == "workqueue"
+
+
+def _fake_dispatcher(path):
+    return SimpleNamespace(_cache=SimpleNamespace(_cache_path=str(path)))
+
+
+def test_cache_guard_drops_kernels_compiled_from_other_sources(tmp_path):
+    stale = [tmp_path / "matmul.dense_t1-50.py311.nbi", tmp_path / "exact.fold-99.py311.1.nbc"]
+    foreign = tmp_path / "other_module.f-1.py311.nbi"
+    for f in stale + [foreign]:
+        f.write_bytes(b"x")
+    (tmp_path / f"{cache._STAMP_PREFIX}0000").touch()  # the stamp of older sources
+    removed = cache.drop_stale([_fake_dispatcher(tmp_path)])
+    assert set(stale) <= set(removed)
+    assert foreign.exists()  # not ours: left alone
+    stamp = tmp_path / f"{cache._STAMP_PREFIX}{cache.sources_digest()}"
+    assert stamp.exists()
+    keep = tmp_path / "matmul.dense_t1-50.py311.nbi"
+    keep.write_bytes(b"fresh")
+    assert cache.drop_stale([_fake_dispatcher(tmp_path)]) == []  # same sources: nothing dropped
+    assert keep.exists()
+
+
+def test_second_process_loads_compiled_kernels_from_the_cache():
+    b = numba_backend.NumbaBackend(threads=1)
+    w = np.ones((4, 40), dtype=np.uint16)
+    b.matmul_bf16(w, np.ones((1, 40), dtype=np.float32))  # compiled (or loaded) here, cached
+    code = textwrap.dedent(
+        """
+        import numpy as np
+        from k3_backends.numba_backend import NumbaBackend
+        from k3_backends.numba_kernels import matmul
+        b = NumbaBackend(threads=1)
+        b.matmul_bf16(np.ones((4, 40), dtype=np.uint16), np.ones((1, 40), dtype=np.float32))
+        s = matmul.dense_t1.serial.stats
+        print(sum(s.cache_hits.values()), sum(s.cache_misses.values()))
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    hits, misses = (int(v) for v in out.stdout.split()[-2:])
+    assert misses == 0 and hits >= 1, f"the new process recompiled: {out.stdout}{out.stderr}"
