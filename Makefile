@@ -7,22 +7,23 @@ DEMO_DIR ?= models/demo-tiny
 
 .PHONY: setup demo test test-long lint typecheck bench bench-ladder clean
 
-$(VENV)/.installed: pyproject.toml setup.py
+$(VENV)/.installed: pyproject.toml setup.py examples/k3-timing-backend/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e examples/k3-timing-backend
 	touch $@
 
 setup: $(VENV)/.installed
 
 ## demo: set up, write the embedded default model (random weights) and generate from it
 demo: setup
-	$(K3) synth $(DEMO_DIR) --size tiny --seed 0
-	$(K3) run $(DEMO_DIR) --ids 3,7,11,5,9 --gen 8 --incremental
+	$(K3) synth $(DEMO_DIR) --size tiny --seed 0 --force
+	$(K3) run $(DEMO_DIR) --prompt "The capital of France is" --tok $(DEMO_DIR) --gen 8 --incremental
 
 ## test: set up and run the default suite (under ~10 minutes on 2 cores)
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q tests examples/k3-timing-backend/tests
 
 ## test-long: the slow tests and long fuzz runs
 test-long: setup
