@@ -1,0 +1,211 @@
+/* k3avx2_attention.c - shortconv, kda_gate, kda_recurrent, mla_attention and attn_res
+ * (k3core/kernels.py "attention building blocks"). Channels, heads or tokens are split
+ * across threads; every lane sum runs on one thread in the contract's order. */
+#include "k3avx2_internal.h"
+
+#define PAR_MIN 16384
+
+/* ---- shortconv: per channel, float32 ------------------------------------------------- */
+void k3_shortconv(const float *x, int64_t T, int64_t C, const float *w, int64_t K, float *hist,
+                  float *y) {
+    K3_PARALLEL_FOR(C * T * K >= PAR_MIN)
+    for (int64_t c = 0; c < C; ++c) {
+        const float *wc = w + c * K;
+        float *hc = hist + c * (K - 1);
+        for (int64_t t = 0; t < T; ++t) {
+            float xt = x[t * C + c];
+            float acc = k3_mul_f(wc[K - 1], xt);
+            for (int64_t j = 0; j < K - 1; ++j) acc = k3_add_f(acc, k3_mul_f(wc[j], hc[j]));
+            if (K > 1) {
+                for (int64_t j = 0; j + 1 < K - 1; ++j) hc[j] = hc[j + 1];
+                hc[K - 2] = xt;
+            }
+            y[t * C + c] = k3_silu_f(acc);
+        }
+    }
+}
+
+/* ---- kda_gate: alpha = f32(exp_d(lb * sig_d(exp_d(A_log[h]) * (d(z) + d(dt))))) -------- */
+void k3_kda_gate(const float *z, int64_t T, int64_t H, int64_t D, const float *dt_bias,
+                 const float *a_log, double lower_bound, float *y) {
+    const int64_t P = H * D;
+    K3_PARALLEL_FOR(T * P >= PAR_MIN)
+    for (int64_t tp = 0; tp < T * H; ++tp) {
+        int64_t t = tp / H, h = tp % H;
+        double a = k3_exp_d((double)a_log[h]);
+        for (int64_t j = 0; j < D; ++j) {
+            int64_t p = h * D + j;
+            double u = k3_mul_d(a, (double)z[t * P + p] + (double)dt_bias[p]);
+            y[t * P + p] = (float)k3_exp_d(lower_bound * k3_sig_d(u));
+        }
+    }
+}
+
+/* lsum over rows i of d(a[i]) * d(M[i, j]) for every column j (lanes i % 32), rounded to
+ * float32 into out[j]. acc is scratch of 32 * m doubles. */
+static void lane_colsum(const float *a, const float *M, int64_t rows, int64_t m, int64_t ld,
+                        double *acc, float *out) {
+    memset(acc, 0, (size_t)(32 * m) * sizeof(double));
+    for (int64_t i = 0; i < rows; ++i) {
+        double ai = (double)a[i];
+        double *lane = acc + (i % 32) * m;
+        const float *row = M + i * ld;
+        for (int64_t j = 0; j < m; ++j) lane[j] = lane[j] + ai * (double)row[j];
+    }
+    for (int h = 16; h >= 1; h /= 2)
+        for (int l = 0; l < h; ++l) {
+            double *lo = acc + l * m, *hi = acc + (l + h) * m;
+            for (int64_t j = 0; j < m; ++j) lo[j] = lo[j] + hi[j];
+        }
+    for (int64_t j = 0; j < m; ++j) out[j] = (float)acc[j];
+}
+
+/* ---- kda_recurrent: per token, per head (heads in parallel) --------------------------- */
+int k3_kda_recurrent(const float *q, const float *k, const float *v, const float *alpha,
+                     const float *beta, int64_t T, int64_t H, int64_t Dk, int64_t Dv,
+                     float *state, float *out) {
+    int err = 0;
+#pragma omp parallel num_threads(k3__threads()) if (H * Dk * Dv >= PAR_MIN)
+    {
+        double *acc = (double *)k3__alloc((size_t)(32 * Dv) * sizeof(double));
+        float *u = (float *)k3__alloc((size_t)Dv * sizeof(float) * 2);
+        if (!acc || !u) {
+#pragma omp atomic write
+            err = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t h = 0; h < H; ++h) {
+            if (!acc || !u) continue;
+            float *S = state + h * Dk * Dv;
+            float *w = u + Dv;
+            for (int64_t t = 0; t < T; ++t) {
+                const float *qt = q + (t * H + h) * Dk, *kt = k + (t * H + h) * Dk;
+                const float *vt = v + (t * H + h) * Dv, *at = alpha + (t * H + h) * Dk;
+                const float bt = beta[t * H + h];
+                for (int64_t i = 0; i < Dk; ++i)
+                    for (int64_t j = 0; j < Dv; ++j) S[i * Dv + j] = k3_mul_f(S[i * Dv + j], at[i]);
+                lane_colsum(kt, S, Dk, Dv, Dv, acc, u);
+                for (int64_t j = 0; j < Dv; ++j) w[j] = k3_mul_f(bt, k3_sub_f(vt[j], u[j]));
+                for (int64_t i = 0; i < Dk; ++i)
+                    for (int64_t j = 0; j < Dv; ++j)
+                        S[i * Dv + j] = k3_add_f(S[i * Dv + j], k3_mul_f(kt[i], w[j]));
+                lane_colsum(qt, S, Dk, Dv, Dv, acc, out + (t * H + h) * Dv);
+            }
+        }
+        k3__free(acc);
+        k3__free(u);
+    }
+    return err ? K3_ENOMEM : 0;
+}
+
+/* lsum_i d(a[i]) * d(b[i]) where b is the concatenation of b1[0, n1) and b2[0, n2). */
+static double dot_split(const float *a, const float *b1, int64_t n1, const float *b2, int64_t n2) {
+    k3_lanes L;
+    k3_lanes_zero(&L);
+    int64_t n = n1 + n2;
+    for (int64_t c = 0; c < n; c += 32) {
+        if (c + 32 <= n1) {
+            k3_lanes_dot32(&L, a + c, b1 + c);
+        } else if (c >= n1 && c + 32 <= n) {
+            k3_lanes_dot32(&L, a + c, b2 + (c - n1));
+        } else {
+            float ta[32] = {0}, tb[32] = {0};
+            for (int64_t i = c; i < c + 32 && i < n; ++i) {
+                ta[i - c] = a[i];
+                tb[i - c] = i < n1 ? b1[i] : b2[i - n1];
+            }
+            k3_lanes_dot32(&L, ta, tb);
+        }
+    }
+    return k3_lanes_fold(&L);
+}
+
+/* The contract's softmax of score[0, n) into p (float32); e is float64 scratch. */
+static void softmax_f32(const float *score, int64_t n, double *e, float *p) {
+    float m = score[0];
+    for (int64_t s = 0; s < n; ++s) {
+        if (isnan(score[s])) {
+            m = score[s];
+            break;
+        }
+        if (score[s] > m) m = score[s];
+    }
+    for (int64_t s = 0; s < n; ++s) e[s] = k3_exp_d((double)score[s] - (double)m);
+    double z = k3_lsum_d(e, n);
+    for (int64_t s = 0; s < n; ++s) p[s] = (float)(e[s] / z);
+}
+
+/* ---- mla_attention: queries at pos0 + t attend to positions s <= pos0 + t ------------ */
+int k3_mla_attention(const float *q, const float *k_nope, const float *k_rope, const float *v,
+                     int64_t T, int64_t H, int64_t n, int64_t r, int64_t dv, int64_t S,
+                     int64_t pos0, double scale, float *out) {
+    (void)S; /* the caller checked pos0 + T <= S */
+    const int64_t npos = pos0 + T, qh = n + r;
+    int err = 0;
+#pragma omp parallel num_threads(k3__threads()) if (T * H * npos * qh >= PAR_MIN)
+    {
+        float *score = (float *)k3__alloc((size_t)npos * sizeof(float) * 2);
+        double *e = (double *)k3__alloc((size_t)npos * sizeof(double));
+        double *acc = (double *)k3__alloc((size_t)(32 * dv) * sizeof(double));
+        if (!score || !e || !acc) {
+#pragma omp atomic write
+            err = 1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t th = 0; th < T * H; ++th) {
+            if (!score || !e || !acc) continue;
+            int64_t t = th / H, h = th % H, len = pos0 + t + 1;
+            float *p = score + npos;
+            const float *qv = q + (t * H + h) * qh;
+            for (int64_t s = 0; s < len; ++s)
+                score[s] = (float)(dot_split(qv, k_nope + (s * H + h) * n, n, k_rope + s * r, r) *
+                                   scale);
+            softmax_f32(score, len, e, p);
+            lane_colsum(p, v + h * dv, len, dv, H * dv, acc, out + (t * H + h) * dv);
+        }
+        k3__free(score);
+        k3__free(e);
+        k3__free(acc);
+    }
+    return err ? K3_ENOMEM : 0;
+}
+
+/* ---- attn_res: softmax over sources of f32(dot(rmsnorm(src_s), fold)) ------------------ */
+#define AR_COLS 256 /* output columns accumulated at a time (32 x 256 doubles of lanes) */
+
+int k3_attn_res(const float *src, int64_t S, int64_t T, int64_t E, const float *fold, double eps,
+                float *out) {
+    int err = 0;
+#pragma omp parallel num_threads(k3__threads()) if (S * T * E >= PAR_MIN)
+    {
+        float *key = (float *)k3__alloc((size_t)E * sizeof(float));
+        float *score = (float *)k3__alloc((size_t)S * sizeof(float) * 2);
+        double *e = (double *)k3__alloc((size_t)S * sizeof(double));
+        double *acc = (double *)k3__alloc((size_t)(32 * AR_COLS) * sizeof(double));
+        if (!key || !score || !e || !acc) {
+#pragma omp atomic write
+            err = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < T; ++t) {
+            if (!key || !score || !e || !acc) continue;
+            float *p = score + S;
+            for (int64_t s = 0; s < S; ++s) {
+                const float *xs = src + (s * T + t) * E;
+                float inv = (float)(1.0 / sqrt(k3_sumsq_f32(xs, E) / (double)E + eps));
+                for (int64_t i = 0; i < E; ++i) key[i] = k3_mul_f(xs[i], inv);
+                score[s] = (float)k3_dot_f32(key, fold, E);
+            }
+            softmax_f32(score, S, e, p);
+            for (int64_t c0 = 0; c0 < E; c0 += AR_COLS) {
+                int64_t m = E - c0 < AR_COLS ? E - c0 : AR_COLS;
+                lane_colsum(p, src + t * E + c0, S, m, T * E, acc, out + t * E + c0);
+            }
+        }
+        k3__free(key);
+        k3__free(score);
+        k3__free(e);
+        k3__free(acc);
+    }
+    return err ? K3_ENOMEM : 0;
+}
