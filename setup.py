@@ -9,6 +9,7 @@ module would have been (``k3_backends/_k3avx2.build-error.txt``) so the backend 
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -16,6 +17,18 @@ from setuptools import setup
 from setuptools.command.build_ext import build_ext
 
 ERROR_NOTE = "_k3avx2.build-error.txt"
+
+
+def _reason(exc: Exception) -> str:
+    """One line: which tool failed and how (the full compiler output is in the pip log)."""
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    m = re.search(r"Command '\['([^']+)'.*returned non-zero exit status (\d+)", text)
+    if m:
+        return (f"the C compiler {m.group(1)} failed with exit status {m.group(2)} "
+                "(pip install -v shows its output)")
+    if "No such file or directory" in text or "command not found" in text:
+        return f"no C compiler found ({text[:200]})"
+    return text[:300]
 
 
 class OptionalBuildExt(build_ext):
@@ -43,7 +56,7 @@ class OptionalBuildExt(build_ext):
                 note.unlink()
 
     def _skip(self, ext, exc: Exception) -> None:
-        reason = " ".join(str(exc).split()) or type(exc).__name__
+        reason = _reason(exc)
         for i, note in enumerate(self._notes(ext)):
             # the source-tree copy only matters for editable installs; never litter otherwise
             if i and not getattr(self, "editable_mode", False):

@@ -14,8 +14,8 @@ void k3_shortconv(const float *x, int64_t T, int64_t C, const float *w, int64_t 
         float *hc = hist + c * (K - 1);
         for (int64_t t = 0; t < T; ++t) {
             float xt = x[t * C + c];
-            float acc = k3_mul_f(wc[K - 1], xt);
-            for (int64_t j = 0; j < K - 1; ++j) acc = k3_add_f(acc, k3_mul_f(wc[j], hc[j]));
+            float acc = wc[K - 1] * xt;
+            for (int64_t j = 0; j < K - 1; ++j) acc = acc + wc[j] * hc[j];
             if (K > 1) {
                 for (int64_t j = 0; j + 1 < K - 1; ++j) hc[j] = hc[j + 1];
                 hc[K - 2] = xt;
@@ -35,23 +35,25 @@ void k3_kda_gate(const float *z, int64_t T, int64_t H, int64_t D, const float *d
         double a = k3_exp_d((double)a_log[h]);
         for (int64_t j = 0; j < D; ++j) {
             int64_t p = h * D + j;
-            double u = k3_mul_d(a, (double)z[t * P + p] + (double)dt_bias[p]);
+            double u = a * ((double)z[t * P + p] + (double)dt_bias[p]);
             y[t * P + p] = (float)k3_exp_d(lower_bound * k3_sig_d(u));
         }
     }
 }
 
-/* lsum over rows i of d(a[i]) * d(M[i, j]) for every column j (lanes i % 32), rounded to
- * float32 into out[j]. acc is scratch of 32 * m doubles. */
-static void lane_colsum(const float *a, const float *M, int64_t rows, int64_t m, int64_t ld,
-                        double *acc, float *out) {
+/* Column lane sums: out[j] = f32(lsum_i d(a_i) * d(M[i, j])) for every column j, lanes
+ * i % 32. acc is scratch of 32 * m doubles; rows must be added in increasing i. */
+static inline void colsum_begin(double *acc, int64_t m) {
     memset(acc, 0, (size_t)(32 * m) * sizeof(double));
-    for (int64_t i = 0; i < rows; ++i) {
-        double ai = (double)a[i];
-        double *lane = acc + (i % 32) * m;
-        const float *row = M + i * ld;
-        for (int64_t j = 0; j < m; ++j) lane[j] = lane[j] + ai * (double)row[j];
-    }
+}
+
+static inline void colsum_add(double *acc, int64_t m, int64_t i, float a, const float *row) {
+    const double ai = (double)a;
+    double *lane = acc + (i % 32) * m;
+    for (int64_t j = 0; j < m; ++j) lane[j] = lane[j] + ai * (double)row[j];
+}
+
+static inline void colsum_end(double *acc, int64_t m, float *out) {
     for (int h = 16; h >= 1; h /= 2)
         for (int l = 0; l < h; ++l) {
             double *lo = acc + l * m, *hi = acc + (l + h) * m;
@@ -60,7 +62,9 @@ static void lane_colsum(const float *a, const float *M, int64_t rows, int64_t m,
     for (int64_t j = 0; j < m; ++j) out[j] = (float)acc[j];
 }
 
-/* ---- kda_recurrent: per token, per head (heads in parallel) --------------------------- */
+/* ---- kda_recurrent: per token, per head (heads in parallel) ---------------------------
+ * Two passes over S per token: decay rows and accumulate u = k.S; then update rows and
+ * accumulate o = q.S. Each lane still adds its rows in increasing i. */
 int k3_kda_recurrent(const float *q, const float *k, const float *v, const float *alpha,
                      const float *beta, int64_t T, int64_t H, int64_t Dk, int64_t Dv,
                      float *state, float *out) {
@@ -82,14 +86,23 @@ int k3_kda_recurrent(const float *q, const float *k, const float *v, const float
                 const float *qt = q + (t * H + h) * Dk, *kt = k + (t * H + h) * Dk;
                 const float *vt = v + (t * H + h) * Dv, *at = alpha + (t * H + h) * Dk;
                 const float bt = beta[t * H + h];
-                for (int64_t i = 0; i < Dk; ++i)
-                    for (int64_t j = 0; j < Dv; ++j) S[i * Dv + j] = k3_mul_f(S[i * Dv + j], at[i]);
-                lane_colsum(kt, S, Dk, Dv, Dv, acc, u);
-                for (int64_t j = 0; j < Dv; ++j) w[j] = k3_mul_f(bt, k3_sub_f(vt[j], u[j]));
-                for (int64_t i = 0; i < Dk; ++i)
-                    for (int64_t j = 0; j < Dv; ++j)
-                        S[i * Dv + j] = k3_add_f(S[i * Dv + j], k3_mul_f(kt[i], w[j]));
-                lane_colsum(qt, S, Dk, Dv, Dv, acc, out + (t * H + h) * Dv);
+                colsum_begin(acc, Dv);
+                for (int64_t i = 0; i < Dk; ++i) {
+                    float *row = S + i * Dv;
+                    const float ai = at[i];
+                    for (int64_t j = 0; j < Dv; ++j) row[j] = row[j] * ai;
+                    colsum_add(acc, Dv, i, kt[i], row);
+                }
+                colsum_end(acc, Dv, u);
+                for (int64_t j = 0; j < Dv; ++j) w[j] = bt * (vt[j] - u[j]);
+                colsum_begin(acc, Dv);
+                for (int64_t i = 0; i < Dk; ++i) {
+                    float *row = S + i * Dv;
+                    const float ki = kt[i];
+                    for (int64_t j = 0; j < Dv; ++j) row[j] = row[j] + ki * w[j];
+                    colsum_add(acc, Dv, i, qt[i], row);
+                }
+                colsum_end(acc, Dv, out + (t * H + h) * Dv);
             }
         }
         k3__free(acc);
@@ -98,23 +111,36 @@ int k3_kda_recurrent(const float *q, const float *k, const float *v, const float
     return err ? K3_ENOMEM : 0;
 }
 
-/* lsum_i d(a[i]) * d(b[i]) where b is the concatenation of b1[0, n1) and b2[0, n2). */
-static double dot_split(const float *a, const float *b1, int64_t n1, const float *b2, int64_t n2) {
+/* lane_colsum over `rows` rows of a strided matrix (row i at M + i * ld). */
+static void lane_colsum(const float *a, const float *M, int64_t rows, int64_t m, int64_t ld,
+                        double *acc, float *out) {
+    colsum_begin(acc, m);
+    for (int64_t i = 0; i < rows; ++i) colsum_add(acc, m, i, a[i], M + i * ld);
+    colsum_end(acc, m, out);
+}
+
+/* Add d-products of a (already float64) and b (float32) for one 32-term chunk. */
+static inline void lanes_dot32_df(k3_lanes *L, const double *a, const float *b) {
+    for (int k = 0; k < 8; ++k)
+        L->a[k] = _mm256_add_pd(L->a[k], _mm256_mul_pd(_mm256_loadu_pd(a + 4 * k),
+                                                       _mm256_cvtps_pd(_mm_loadu_ps(b + 4 * k))));
+}
+
+/* lsum_i ad[i] * d(b[i]) where b is the concatenation of b1[0, n1) and b2[0, n2) and ad
+ * is float64, zero padded to a multiple of 32. */
+static double dot_split(const double *ad, const float *b1, int64_t n1, const float *b2, int64_t n2) {
     k3_lanes L;
     k3_lanes_zero(&L);
     int64_t n = n1 + n2;
     for (int64_t c = 0; c < n; c += 32) {
         if (c + 32 <= n1) {
-            k3_lanes_dot32(&L, a + c, b1 + c);
+            lanes_dot32_df(&L, ad + c, b1 + c);
         } else if (c >= n1 && c + 32 <= n) {
-            k3_lanes_dot32(&L, a + c, b2 + (c - n1));
+            lanes_dot32_df(&L, ad + c, b2 + (c - n1));
         } else {
-            float ta[32] = {0}, tb[32] = {0};
-            for (int64_t i = c; i < c + 32 && i < n; ++i) {
-                ta[i - c] = a[i];
-                tb[i - c] = i < n1 ? b1[i] : b2[i - n1];
-            }
-            k3_lanes_dot32(&L, ta, tb);
+            float tb[32] = {0};
+            for (int64_t i = c; i < c + 32 && i < n; ++i) tb[i - c] = i < n1 ? b1[i] : b2[i - n1];
+            lanes_dot32_df(&L, ad + c, tb);
         }
     }
     return k3_lanes_fold(&L);
@@ -147,18 +173,21 @@ int k3_mla_attention(const float *q, const float *k_nope, const float *k_rope, c
         float *score = (float *)k3__alloc((size_t)npos * sizeof(float) * 2);
         double *e = (double *)k3__alloc((size_t)npos * sizeof(double));
         double *acc = (double *)k3__alloc((size_t)(32 * dv) * sizeof(double));
-        if (!score || !e || !acc) {
+        double *qd = (double *)k3__alloc((size_t)((qh + 31) & ~(int64_t)31) * sizeof(double));
+        if (!score || !e || !acc || !qd) {
 #pragma omp atomic write
             err = 1;
         }
 #pragma omp for schedule(dynamic, 1)
         for (int64_t th = 0; th < T * H; ++th) {
-            if (!score || !e || !acc) continue;
+            if (!score || !e || !acc || !qd) continue;
             int64_t t = th / H, h = th % H, len = pos0 + t + 1;
             float *p = score + npos;
             const float *qv = q + (t * H + h) * qh;
+            for (int64_t i = 0; i < ((qh + 31) & ~(int64_t)31); ++i)
+                qd[i] = i < qh ? (double)qv[i] : 0.0;
             for (int64_t s = 0; s < len; ++s)
-                score[s] = (float)(dot_split(qv, k_nope + (s * H + h) * n, n, k_rope + s * r, r) *
+                score[s] = (float)(dot_split(qd, k_nope + (s * H + h) * n, n, k_rope + s * r, r) *
                                    scale);
             softmax_f32(score, len, e, p);
             lane_colsum(p, v + h * dv, len, dv, H * dv, acc, out + (t * H + h) * dv);
@@ -166,6 +195,7 @@ int k3_mla_attention(const float *q, const float *k_nope, const float *k_rope, c
         k3__free(score);
         k3__free(e);
         k3__free(acc);
+        k3__free(qd);
     }
     return err ? K3_ENOMEM : 0;
 }
@@ -193,7 +223,7 @@ int k3_attn_res(const float *src, int64_t S, int64_t T, int64_t E, const float *
             for (int64_t s = 0; s < S; ++s) {
                 const float *xs = src + (s * T + t) * E;
                 float inv = (float)(1.0 / sqrt(k3_sumsq_f32(xs, E) / (double)E + eps));
-                for (int64_t i = 0; i < E; ++i) key[i] = k3_mul_f(xs[i], inv);
+                for (int64_t i = 0; i < E; ++i) key[i] = xs[i] * inv;
                 score[s] = (float)k3_dot_f32(key, fold, E);
             }
             softmax_f32(score, S, e, p);

@@ -12,9 +12,9 @@ void k3_rmsnorm(const float *x, int64_t rows, int64_t m, const float *w, double 
         const float *xr = x + r * m;
         float *yr = y + r * m;
         float inv = (float)(1.0 / sqrt(k3_sumsq_f32(xr, m) / (double)m + eps));
-        for (int64_t i = 0; i < m; ++i) yr[i] = k3_mul_f(xr[i], inv);
+        for (int64_t i = 0; i < m; ++i) yr[i] = xr[i] * inv;
         if (w)
-            for (int64_t i = 0; i < m; ++i) yr[i] = k3_mul_f(yr[i], w[i]);
+            for (int64_t i = 0; i < m; ++i) yr[i] = yr[i] * w[i];
     }
 }
 
@@ -25,7 +25,7 @@ void k3_l2norm(const float *x, int64_t rows, int64_t m, float *y) {
         const float *xr = x + r * m;
         float *yr = y + r * m;
         float inv = (float)(1.0 / sqrt(k3_sumsq_f32(xr, m) + K3C_L2_EPS));
-        for (int64_t i = 0; i < m; ++i) yr[i] = k3_mul_f(xr[i], inv);
+        for (int64_t i = 0; i < m; ++i) yr[i] = xr[i] * inv;
     }
 }
 
@@ -49,8 +49,8 @@ void k3_situ_glu(const float *g, const float *u, int64_t n, double b1, double b2
     K3_PARALLEL_FOR(n >= ELEM_PAR)
     for (int64_t i = 0; i < n; ++i) {
         double gd = (double)g[i], ud = (double)u[i];
-        double a = k3_mul_d(k3_mul_d(b1, k3_tanh_d(gd / b1)), k3_sig_d(gd));
-        double c = k3_mul_d(b2, k3_tanh_d(ud / b2));
-        y[i] = (float)k3_mul_d(a, c);
+        double a = b1 * k3_tanh_d(gd / b1) * k3_sig_d(gd);
+        double c = b2 * k3_tanh_d(ud / b2);
+        y[i] = (float)(a * c);
     }
 }

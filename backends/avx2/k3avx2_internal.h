@@ -39,31 +39,12 @@ int k3__threads(void);
 void *k3__alloc(size_t bytes); /* 64-byte aligned, NULL on failure */
 void k3__free(void *p);
 
-/* ---- NaN-propagating binary ops --------------------------------------------------------
- * x86 (and so NumPy) returns a NaN operand, quieted, when exactly one operand is NaN. A C
- * compiler assumes no signalling NaNs and may fold `(float)(double)x` to `x`, so where the
- * code itself passes a NaN operand through it quiets it explicitly (sets the quiet bit),
- * exactly as the hardware would. When two NaNs meet, NumPy's own choice of payload depends
- * on its SIMD path (array length); the contract does not fix it (docs/kernel-backends.md). */
-static inline double k3_quiet_d(double a) {
-    uint64_t u;
-    memcpy(&u, &a, 8);
-    u |= UINT64_C(0x0008000000000000);
-    memcpy(&a, &u, 8);
-    return a;
-}
-static inline float k3_quiet_f(float a) {
-    uint32_t u;
-    memcpy(&u, &a, 4);
-    u |= UINT32_C(0x00400000);
-    memcpy(&a, &u, 4);
-    return a;
-}
-static inline double k3_mul_d(double a, double b) { return isnan(a) ? k3_quiet_d(a) : a * b; }
-static inline float k3_mul_f(float a, float b) { return isnan(a) ? k3_quiet_f(a) : a * b; }
-static inline float k3_add_f(float a, float b) { return isnan(a) ? k3_quiet_f(a) : a + b; }
-static inline float k3_sub_f(float a, float b) { return isnan(a) ? k3_quiet_f(a) : a - b; }
-
+/* ---- NaNs ------------------------------------------------------------------------------
+ * All arithmetic is plain C on IEEE values. When exactly one operand is NaN the hardware
+ * returns it quieted, as NumPy does. When two NaNs meet, NumPy's own choice of payload
+ * depends on its SIMD path (the array length), so the contract does not fix it
+ * (docs/kernel-backends.md). Never pass a NaN through without arithmetic: the compiler may
+ * fold (float)(double)x to x and skip the quieting that NumPy's conversion performs. */
 static inline double k3_nan_d(void) {
     union { uint64_t u; double d; } v = {UINT64_C(0x7FF8000000000000)};
     return v.d; /* NumPy's np.nan: positive quiet NaN, empty payload */
@@ -103,7 +84,7 @@ static inline double k3_sig_d(double x) { return 1.0 / (1.0 + k3_exp_d(-x)); }
 
 static inline float k3_silu_f(float x) {
     double xd = (double)x;
-    return (float)k3_mul_d(xd, k3_sig_d(xd));
+    return (float)(xd * k3_sig_d(xd));
 }
 
 /* ---- the lane sum ------------------------------------------------------------------- */

@@ -33,7 +33,7 @@ int k3_router(const float *logits, int64_t T, int64_t N, const float *bias, int6
             float *c = s + N;
             for (int64_t i = 0; i < N; ++i) {
                 s[i] = (float)k3_sig_d((double)lt[i]);
-                c[i] = k3_add_f(s[i], bias[i]);
+                c[i] = s[i] + bias[i];
                 taken[i] = 0;
             }
             for (int64_t j = 0; j < kk; ++j) {
@@ -51,7 +51,7 @@ int k3_router(const float *logits, int64_t T, int64_t N, const float *bias, int6
                 double total = k3_lsum_d(wd, kk) + K3C_ROUTER_EPS;
                 for (int64_t j = 0; j < kk; ++j) wt[j] = (float)(wd[j] / total);
             }
-            for (int64_t j = 0; j < kk; ++j) wt[j] = k3_mul_f(wt[j], fscale);
+            for (int64_t j = 0; j < kk; ++j) wt[j] = wt[j] * fscale;
         }
         k3__free(s);
         k3__free(taken);
