@@ -97,8 +97,10 @@ def bf16(rng, rows, cols):
     return bits
 
 
+# the last sizes are large enough (rows * cols * T >= 2**21) to run on several threads
 SIZES = [(1, 1, 1), (3, 3, 1), (31, 31, 2), (33, 33, 3), (7, 4097, 1), (5, 4097, 3),
-         (37, 1000, 1), (16, 7168, 1), (4, 7168, 2), (3, 3584, 1), (3, 3072, 1)]
+         (37, 1000, 1), (16, 7168, 1), (4, 7168, 2), (3, 3584, 1), (3, 3072, 1),
+         (301, 7168, 1), (150, 4097, 5)]
 
 
 # --- matrix products -----------------------------------------------------------------------
@@ -119,7 +121,7 @@ def test_matmul_f32(avx2, ref, rows, cols, T):
 
 
 MX_SIZES = [(1, 32, 1), (3, 64, 1), (31, 96, 2), (33, 32, 3), (5, 4096, 1), (4, 3584, 1),
-            (4, 3072, 2), (2, 3584, 3)]
+            (4, 3072, 2), (2, 3584, 3), (601, 3584, 1), (257, 3072, 3)]
 
 
 def mxfp4(rng, rows, cols):
@@ -199,7 +201,7 @@ def test_matmul_accepts_float64_x_like_the_reference(avx2, ref):
 
 # --- normalisation and activations ---------------------------------------------------------
 @pytest.mark.parametrize("m", [1, 3, 31, 33, 4097, 7168])
-@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("rows", [1, 3, 20])
 def test_norms(avx2, ref, rows, m):
     rng = np.random.default_rng(rows * 100 + m)
     x, g = rand(rng, rows, m, scale=5.0), rand(rng, m)
@@ -230,7 +232,7 @@ def test_norms_edge_values(avx2, ref):
     same(avx2.l2norm(many), ref.l2norm(many), nan_payload=False)
 
 
-@pytest.mark.parametrize("n", [1, 3, 31, 33, 4097, 12288])
+@pytest.mark.parametrize("n", [1, 3, 31, 33, 4097, 12288, 40000])
 def test_unary(avx2, ref, n):
     rng = np.random.default_rng(n)
     x = rand(rng, n, scale=12.0)
@@ -259,7 +261,7 @@ def test_exp_range_boundaries(avx2, ref):
     same(avx2.exp(tiny), ref.exp(tiny))
 
 
-@pytest.mark.parametrize("n", [1, 3, 31, 33, 4097])
+@pytest.mark.parametrize("n", [1, 3, 31, 33, 4097, 40000])
 def test_situ_glu(avx2, ref, n):
     rng = np.random.default_rng(n + 1)
     g, u = rand(rng, n, scale=30.0), rand(rng, n, scale=60.0)
@@ -280,7 +282,7 @@ def test_situ_glu_edge_values(avx2, ref):
 
 # --- attention building blocks -------------------------------------------------------------
 @pytest.mark.parametrize("T,C,K", [(1, 1, 1), (1, 3, 2), (3, 33, 4), (5, 31, 3), (2, 4097, 4),
-                                   (1, 12288, 4)])
+                                   (1, 12288, 4), (3, 12288, 4)])
 def test_shortconv(avx2, ref, T, C, K):
     rng = np.random.default_rng(T * 1000 + C + K)
     x, w, h = rand(rng, T, C, scale=3.0), rand(rng, C, K), rand(rng, C, K - 1)
@@ -307,7 +309,7 @@ def test_shortconv_edge_values(avx2, ref):
     same(avx2.shortconv(xf, wf, hf), ref.shortconv(xf, wf, hf2))
 
 
-@pytest.mark.parametrize("T,H,D", [(1, 1, 1), (3, 4, 16), (2, 3, 31), (1, 96, 128)])
+@pytest.mark.parametrize("T,H,D", [(1, 1, 1), (3, 4, 16), (2, 3, 31), (1, 96, 128), (3, 96, 128)])
 def test_kda_gate(avx2, ref, T, H, D):
     rng = np.random.default_rng(T + H + D)
     z, dt, a = rand(rng, T, H * D, scale=4.0), rand(rng, H * D), rand(rng, H)
@@ -322,7 +324,7 @@ def test_kda_gate_edge_values(avx2, ref):
 
 
 @pytest.mark.parametrize("T,H,Dk,Dv", [(1, 1, 1, 1), (3, 2, 33, 33), (2, 3, 31, 31),
-                                        (2, 2, 40, 24), (1, 8, 128, 128)])
+                                        (2, 2, 40, 24), (1, 8, 128, 128), (1, 64, 128, 128)])
 def test_kda_recurrent(avx2, ref, T, H, Dk, Dv):
     rng = np.random.default_rng(T * 7 + H + Dk + Dv)
     q, k = rand(rng, T, H, Dk), rand(rng, T, H, Dk)
@@ -341,6 +343,7 @@ MLA = [  # T, H, n, r, dv, S (= pos0 + T)
     (2, 3, 50, 13, 7, 40),
     (3, 2, 128, 64, 128, 3),
     (1, 4, 128, 64, 128, 1024),
+    (2, 8, 128, 64, 128, 700),  # T * H * positions * (n + r) >= 2**20: several threads
 ]
 
 
@@ -361,14 +364,16 @@ def test_mla_attention_extreme_scores(avx2, ref):
     same(avx2.mla_attention(q, kn, kr, v, 4, 0.5), ref.mla_attention(q, kn, kr, v, 4, 0.5))
 
 
-@pytest.mark.parametrize("S,T,E", [(1, 1, 1), (2, 3, 31), (9, 3, 129), (40, 2, 300), (5, 1, 7168)])
+@pytest.mark.parametrize("S,T,E", [(1, 1, 1), (2, 3, 31), (9, 3, 129), (40, 2, 300), (5, 1, 7168),
+                                   (9, 17, 7168)])
 def test_attn_res(avx2, ref, S, T, E):
     rng = np.random.default_rng(S + T + E)
     src, fold = rand(rng, S, T, E, scale=3.0), rand(rng, E)
     same(avx2.attn_res(src, fold, 1e-5), ref.attn_res(src, fold, 1e-5))
 
 
-@pytest.mark.parametrize("T,N,k", [(1, 1, 1), (3, 8, 2), (2, 33, 5), (6, 896, 16), (2, 8, 9)])
+@pytest.mark.parametrize("T,N,k", [(1, 1, 1), (3, 8, 2), (2, 33, 5), (6, 896, 16), (2, 8, 9),
+                                   (40, 896, 16)])
 @pytest.mark.parametrize("renorm", [True, False])
 def test_router(avx2, ref, T, N, k, renorm):
     rng = np.random.default_rng(T * N + k)

@@ -32,6 +32,14 @@ _Static_assert(K3C_MXFP4_GROUP == 32, "the MXFP4 kernel assumes one scale per 32
 int k3__threads(void);
 /* Parallel-for over independent outputs; `work` says whether spawning threads pays off.
  * Results never depend on the thread count: each output is computed by one thread. */
+/* Work (multiply-adds or elements times ~their cost) below which an op runs on the calling
+ * thread: a parallel region costs microseconds on an idle machine, and far more on a busy
+ * one, where every team member must be scheduled before the region can end. Every big
+ * op of the real model is far above these; the tiny test models stay serial. */
+#define K3_PAR_MATMUL (INT64_C(1) << 21)    /* rows * cols * tokens */
+#define K3_PAR_ELEMENTS (INT64_C(1) << 15)  /* transcendental elements */
+#define K3_PAR_ROWS (INT64_C(1) << 17)      /* norm elements */
+#define K3_PAR_ATTENTION (INT64_C(1) << 20) /* lane-sum terms of an attention op */
 #define K3_PRAGMA(x) _Pragma(#x)
 #define K3_PARALLEL_FOR(work) \
     K3_PRAGMA(omp parallel for num_threads(k3__threads()) schedule(static) if(work))

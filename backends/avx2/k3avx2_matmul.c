@@ -255,7 +255,7 @@ static int matmul(enum wkind kind, const void *w, const uint8_t *scales, int64_t
     int mx = kind == W_MXFP4;
     double *xd = widen_x(x, T, cols, cp, mx);
     if (!xd) return K3_ENOMEM;
-    const int64_t big = rows * cols * T >= 32768;
+    const int64_t big = rows * cols * T >= K3_PAR_MATMUL;
     int err = 0;
     if (T == 1) {
         K3_PARALLEL_FOR(big)
