@@ -512,3 +512,19 @@ def test_oracle_greedy_incremental(avx2, oracle):
     cfg, reader, ref_json = oracle
     run = generate(_model(cfg, reader, avx2), ref_json["prompt_ids"], 20, incremental=True)
     assert run.full_ids == ref_json["full_ids"]
+
+
+def test_read_only_and_strided_inputs(avx2, ref):
+    rng = np.random.default_rng(77)
+    w = bf16(rng, 40, 130)
+    w.setflags(write=False)  # weights mapped read-only from a checkpoint
+    x = rand(rng, 6, 260)[:, ::2]  # a strided view
+    same(avx2.matmul_bf16(w, x), ref.matmul_bf16(w, x))
+    big = rand(rng, 4, 3, 50)
+    view = big[:, 1, :]  # not contiguous
+    same(avx2.rmsnorm(view, None, 1e-5), ref.rmsnorm(view, None, 1e-5))
+    same(avx2.sigmoid(big.transpose(2, 0, 1)), ref.sigmoid(big.transpose(2, 0, 1)))
+    wm = mxfp4(rng, 8, 64)
+    wm.packed.setflags(write=False)
+    xm = rand(rng, 1, 64)
+    same(avx2.matmul_mxfp4(wm, xm), ref.matmul_mxfp4(wm, xm))

@@ -18,6 +18,7 @@
  * Zen 4 core: the hardware prefetchers alone leave a 1-thread bf16 matvec at ~60% of its
  * in-cache speed; an L2 prefetch 4 KiB ahead brings it to ~90% (docs/avx2-backend.md). */
 #define PREFETCH_AHEAD 4096
+#define ROW_CHUNK 16 /* rows per scheduling chunk */
 #define PREFETCH_L2(p) _mm_prefetch((const char *)(p) + PREFETCH_AHEAD, _MM_HINT_T1)
 
 /* ---- MXFP4 decode tables ----------------------------------------------------------------
@@ -258,7 +259,9 @@ static int matmul(enum wkind kind, const void *w, const uint8_t *scales, int64_t
     const int64_t big = rows * cols * T >= K3_PAR_MATMUL;
     int err = 0;
     if (T == 1) {
-        K3_PARALLEL_FOR(big)
+        /* rows in chunks handed out as threads free up: on a busy machine a thread that
+         * loses its core does not hold the others back (bits never depend on who ran a row) */
+        K3_PRAGMA(omp parallel for num_threads(k3__threads()) schedule(dynamic, ROW_CHUNK) if (big))
         for (int64_t o = 0; o < rows; ++o) {
             if (kind == W_BF16)
                 y[o] = row_bf16((const uint16_t *)w + o * cols, cols, xd);
@@ -281,7 +284,7 @@ static int matmul(enum wkind kind, const void *w, const uint8_t *scales, int64_t
 #pragma omp atomic write
                 err = 1;
             }
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic, ROW_CHUNK)
             for (int64_t o = 0; o < rows; ++o) {
                 if (!rowbuf) continue;
                 if (kind == W_BF16)
