@@ -7,13 +7,13 @@
  * (cols % 32 != 0) is completed with +0.0 terms exactly as the reference pads it.
  * Threads split the rows (each output element is computed by exactly one thread).
  *
- * T == 1 streams each row once (the decode case, bandwidth bound). T > 1 widens a row into
- * a float64 row buffer once per block of tokens and reuses it for every token of the block.
+ * Each row is streamed once per block of tokens (T == 1, the decode case, is bandwidth
+ * bound); the other tokens of a block find the row in cache.
  */
 #include "k3avx2_internal.h"
 
 #define ROUND32(n) (((n) + 31) & ~(int64_t)31)
-#define XBLOCK_BYTES (384 << 10) /* float64 activations kept hot per token block */
+#define XBLOCK_BYTES (1 << 20) /* float64 activations kept in L2 per token block */
 /* Software prefetch into L2 this many bytes ahead of the weight stream. Measured on a
  * Zen 4 core: the hardware prefetchers alone leave a 1-thread bf16 matvec at ~60% of its
  * in-cache speed; an L2 prefetch 4 KiB ahead brings it to ~90% (docs/avx2-backend.md). */
@@ -91,12 +91,6 @@ static inline void chunk_f32(k3_lanes *L, const float *w, const double *x) {
     }
 }
 
-static inline void chunk_f64(k3_lanes *L, const double *w, const double *x) {
-    for (int k = 0; k < 8; ++k)
-        L->a[k] = _mm256_add_pd(L->a[k],
-                                _mm256_mul_pd(_mm256_loadu_pd(x + 4 * k), _mm256_loadu_pd(w + 4 * k)));
-}
-
 /* Decode one MXFP4 group (16 packed bytes, scale byte b) into 8 registers of float64
  * weights in MX_PERM order. */
 static inline void decode_group(__m256d q[8], const uint8_t *pk, int b) {
@@ -153,41 +147,6 @@ static inline double fold_mx(const k3_lanes *L) {
     _mm256_storeu_pd(t, a0);
     double s0 = t[0] + t[1], s1 = t[2] + t[3]; /* lane0 + lane2, lane1 + lane3 */
     return s0 + s1;
-}
-
-/* ---- row widening for T > 1 -------------------------------------------------------- */
-static void widen_row_bf16(double *out, const uint16_t *w, int64_t cols, int64_t cp) {
-    for (int64_t i = 0; i < cols; ++i) {
-        uint32_t u = (uint32_t)w[i] << 16;
-        float f;
-        memcpy(&f, &u, 4);
-        out[i] = (double)f;
-    }
-    for (int64_t i = cols; i < cp; ++i) out[i] = 0.0;
-}
-
-static void widen_row_f32(double *out, const float *w, int64_t cols, int64_t cp) {
-    for (int64_t i = 0; i < cols; ++i) out[i] = (double)w[i];
-    for (int64_t i = cols; i < cp; ++i) out[i] = 0.0;
-}
-
-static void widen_row_mxfp4(double *out, const uint8_t *pk, const uint8_t *sc, int64_t groups) {
-    for (int64_t g = 0; g < groups; ++g) {
-        if (g_tables_exact) {
-            __m256d q[8];
-            decode_group(q, pk + 16 * g, sc[g]);
-            for (int k = 0; k < 8; ++k) _mm256_storeu_pd(out + 32 * g + 4 * k, q[k]);
-        } else {
-            decode_group_scalar(out + 32 * g, pk + 16 * g, sc[g]);
-        }
-    }
-}
-
-static inline double dot_f64(const double *w, const double *x, int64_t cp, int mx) {
-    k3_lanes L;
-    k3_lanes_zero(&L);
-    for (int64_t c = 0; c < cp; c += 32) chunk_f64(&L, w + c, x + c);
-    return mx ? fold_mx(&L) : k3_lanes_fold(&L);
 }
 
 /* ---- T == 1 row kernels --------------------------------------------------------------- */
@@ -250,58 +209,32 @@ static inline float row_mxfp4(const uint8_t *pk, const uint8_t *sc, int64_t grou
 /* ---- drivers ---------------------------------------------------------------------------- */
 enum wkind { W_BF16, W_F32, W_MXFP4 };
 
+static inline float row_dot(enum wkind kind, const void *w, const uint8_t *scales, int64_t o,
+                            int64_t cols, const double *x) {
+    if (kind == W_BF16) return row_bf16((const uint16_t *)w + o * cols, cols, x);
+    if (kind == W_F32) return row_f32((const float *)w + o * cols, cols, x);
+    return row_mxfp4((const uint8_t *)w + o * (cols / 2), scales + o * (cols / 32), cols / 32, x);
+}
+
 static int matmul(enum wkind kind, const void *w, const uint8_t *scales, int64_t rows,
                   int64_t cols, const float *x, int64_t T, float *y) {
     int64_t cp = ROUND32(cols);
-    int mx = kind == W_MXFP4;
-    double *xd = widen_x(x, T, cols, cp, mx);
+    double *xd = widen_x(x, T, cols, cp, kind == W_MXFP4);
     if (!xd) return K3_ENOMEM;
     const int64_t big = rows * cols * T >= K3_PAR_MATMUL;
-    int err = 0;
-    if (T == 1) {
-        /* rows in chunks handed out as threads free up: on a busy machine a thread that
-         * loses its core does not hold the others back (bits never depend on who ran a row) */
+    /* Tokens in blocks whose float64 activations stay in L2; within a block each row is
+     * read from memory once and from cache for the block's other tokens. Rows go out in
+     * chunks as threads free up: on a busy machine a thread that loses its core does not
+     * hold the others back (the bits never depend on which thread ran a row). */
+    const int64_t tb = token_block(T, cp);
+    for (int64_t t0 = 0; t0 < T; t0 += tb) {
+        const int64_t t1 = t0 + tb < T ? t0 + tb : T;
         K3_PRAGMA(omp parallel for num_threads(k3__threads()) schedule(dynamic, ROW_CHUNK) if (big))
-        for (int64_t o = 0; o < rows; ++o) {
-            if (kind == W_BF16)
-                y[o] = row_bf16((const uint16_t *)w + o * cols, cols, xd);
-            else if (kind == W_F32)
-                y[o] = row_f32((const float *)w + o * cols, cols, xd);
-            else
-                y[o] = row_mxfp4((const uint8_t *)w + o * (cols / 2), scales + o * (cols / 32),
-                                 cols / 32, xd);
-        }
-        k3__free(xd);
-        return 0;
-    }
-    int64_t tb = token_block(T, cp);
-    for (int64_t t0 = 0; t0 < T && !err; t0 += tb) {
-        int64_t t1 = t0 + tb < T ? t0 + tb : T;
-#pragma omp parallel num_threads(k3__threads()) if (big)
-        {
-            double *rowbuf = (double *)k3__alloc((size_t)cp * sizeof(double));
-            if (!rowbuf) {
-#pragma omp atomic write
-                err = 1;
-            }
-#pragma omp for schedule(dynamic, ROW_CHUNK)
-            for (int64_t o = 0; o < rows; ++o) {
-                if (!rowbuf) continue;
-                if (kind == W_BF16)
-                    widen_row_bf16(rowbuf, (const uint16_t *)w + o * cols, cols, cp);
-                else if (kind == W_F32)
-                    widen_row_f32(rowbuf, (const float *)w + o * cols, cols, cp);
-                else
-                    widen_row_mxfp4(rowbuf, (const uint8_t *)w + o * (cols / 2),
-                                    scales + o * (cols / 32), cols / 32);
-                for (int64_t t = t0; t < t1; ++t)
-                    y[t * rows + o] = (float)dot_f64(rowbuf, xd + t * cp, cp, mx);
-            }
-            k3__free(rowbuf);
-        }
+        for (int64_t o = 0; o < rows; ++o)
+            for (int64_t t = t0; t < t1; ++t) y[t * rows + o] = row_dot(kind, w, scales, o, cols, xd + t * cp);
     }
     k3__free(xd);
-    return err ? K3_ENOMEM : 0;
+    return 0;
 }
 
 int k3_matmul_bf16(const uint16_t *w, int64_t rows, int64_t cols, const float *x, int64_t T,
