@@ -49,12 +49,11 @@ __attribute__((constructor)) static void k3__mxfp4_tables(void) {
  * MXFP4 kernel: register j holds columns 4j + {0, 2, 1, 3}. */
 static const int MX_PERM[4] = {0, 2, 1, 3};
 
-/* ---- activations widened once per call ---------------------------------------------- */
-/* xd[t, :] = d(x[t, :]) padded with +0.0 to a multiple of 32; `perm` applies MX_PERM. */
-static double *widen_x(const float *x, int64_t T, int64_t cols, int64_t cp, int perm) {
-    double *xd = (double *)k3__alloc((size_t)(T * cp) * sizeof(double));
-    if (!xd) return NULL;
-    for (int64_t t = 0; t < T; ++t) {
+/* ---- activations widened once per token block --------------------------------------- */
+/* xd[t, :] = d(x[t, :]) for n tokens, padded with +0.0 to a multiple of 32; `perm` applies
+ * MX_PERM. */
+static void widen_x(double *xd, const float *x, int64_t n, int64_t cols, int64_t cp, int perm) {
+    for (int64_t t = 0; t < n; ++t) {
         const float *xs = x + t * cols;
         double *xo = xd + t * cp;
         for (int64_t i = 0; i < cp; ++i) {
@@ -62,7 +61,6 @@ static double *widen_x(const float *x, int64_t T, int64_t cols, int64_t cp, int 
             xo[i] = src < cols ? (double)xs[src] : 0.0;
         }
     }
-    return xd;
 }
 
 static int64_t token_block(int64_t T, int64_t cp) {
@@ -218,20 +216,22 @@ static inline float row_dot(enum wkind kind, const void *w, const uint8_t *scale
 
 static int matmul(enum wkind kind, const void *w, const uint8_t *scales, int64_t rows,
                   int64_t cols, const float *x, int64_t T, float *y) {
-    int64_t cp = ROUND32(cols);
-    double *xd = widen_x(x, T, cols, cp, kind == W_MXFP4);
+    const int64_t cp = ROUND32(cols);
+    const int64_t tb = token_block(T, cp);
+    double *xd = (double *)k3__alloc((size_t)(tb * cp) * sizeof(double));
     if (!xd) return K3_ENOMEM;
     const int64_t big = rows * cols * T >= K3_PAR_MATMUL;
     /* Tokens in blocks whose float64 activations stay in L2; within a block each row is
      * read from memory once and from cache for the block's other tokens. Rows go out in
      * chunks as threads free up: on a busy machine a thread that loses its core does not
      * hold the others back (the bits never depend on which thread ran a row). */
-    const int64_t tb = token_block(T, cp);
     for (int64_t t0 = 0; t0 < T; t0 += tb) {
         const int64_t t1 = t0 + tb < T ? t0 + tb : T;
+        widen_x(xd, x + t0 * cols, t1 - t0, cols, cp, kind == W_MXFP4);
         K3_PRAGMA(omp parallel for num_threads(k3__threads()) schedule(dynamic, ROW_CHUNK) if (big))
         for (int64_t o = 0; o < rows; ++o)
-            for (int64_t t = t0; t < t1; ++t) y[t * rows + o] = row_dot(kind, w, scales, o, cols, xd + t * cp);
+            for (int64_t t = t0; t < t1; ++t)
+                y[t * rows + o] = row_dot(kind, w, scales, o, cols, xd + (t - t0) * cp);
     }
     k3__free(xd);
     return 0;
