@@ -1,5 +1,83 @@
-"""Build hook: setuptools reads pyproject.toml; compiled extensions are declared here."""
+"""Build hook: setuptools reads pyproject.toml; compiled extensions are declared here.
+
+The avx2 kernel backend is a cffi module built from ``backends/avx2_build.py``. Its build is
+optional: when there is no C compiler, or the compile fails, the install still succeeds and
+prints a warning; ``--backend avx2`` then reports the missing module and how to fix it
+(install gcc, then ``pip install -e .`` again). The reason is written next to where the
+module would have been (``k3_backends/_k3avx2.build-error.txt``) so the backend can say why.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
 
 from setuptools import setup
+from setuptools.command.build_ext import build_ext
 
-setup()
+ERROR_NOTE = "_k3avx2.build-error.txt"
+
+
+def _reason(exc: Exception) -> str:
+    """One line: which tool failed and how (the full compiler output is in the pip log)."""
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    m = re.search(r"Command '\['([^']+)'.*returned non-zero exit status (\d+)", text)
+    if m:
+        return (f"the C compiler {m.group(1)} failed with exit status {m.group(2)} "
+                "(pip install -v shows its output)")
+    if "No such file or directory" in text or "command not found" in text:
+        return f"no C compiler found ({text[:200]})"
+    return text[:300]
+
+
+class OptionalBuildExt(build_ext):
+    """``build_ext`` that skips an extension it cannot compile instead of failing."""
+
+    def _notes(self, ext) -> list[Path]:
+        """Where the failure note goes: the build tree and, for editable installs, the source."""
+        paths = [Path(self.get_ext_fullpath(ext.name)).with_name(ERROR_NOTE)]
+        package = ext.name.rpartition(".")[0]
+        try:
+            source_dir = self.get_finalized_command("build_py").get_package_dir(package)
+            paths.append(Path(source_dir or ".") / ERROR_NOTE)
+        except Exception:
+            pass
+        return paths
+
+    def build_extension(self, ext) -> None:
+        try:
+            super().build_extension(ext)
+        except Exception as exc:  # no compiler, no OpenMP, a compile or link error
+            self._skip(ext, exc)
+            return
+        for note in self._notes(ext):
+            if note.exists():
+                note.unlink()
+
+    def _skip(self, ext, exc: Exception) -> None:
+        reason = _reason(exc)
+        for i, note in enumerate(self._notes(ext)):
+            # the source-tree copy only matters for editable installs; never litter otherwise
+            if i and not getattr(self, "editable_mode", False):
+                continue
+            try:
+                note.parent.mkdir(parents=True, exist_ok=True)
+                note.write_text(f"{reason}\n")
+            except OSError:
+                pass
+        bar = "=" * 78
+        print(
+            f"\n{bar}\nWARNING: the optional avx2 kernel backend ({ext.name}) was not built:\n"
+            f"  {reason}\n"
+            "k3 is installed and works without it (--backend numpy or numba).\n"
+            "To build it: install a C compiler with OpenMP (gcc), then reinstall: pip install -e .\n"
+            f"{bar}\n",
+            file=sys.stderr,
+        )
+
+
+setup(
+    cmdclass={"build_ext": OptionalBuildExt},
+    cffi_modules=["backends/avx2_build.py:ffibuilder"],
+)

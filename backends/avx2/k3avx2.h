@@ -1,0 +1,53 @@
+/* k3avx2.h - the public C interface of the avx2 kernel backend (k3_backends._k3avx2).
+ *
+ * Every function implements one operation of the bit-exact kernel contract in
+ * k3core/kernels.py; the numeric constants come from k3core/contract.py through the
+ * header the build script generates (backends/avx2_build.py). Arrays are C-contiguous;
+ * the caller (backends/avx2_backend.py) validates shapes and allocates outputs.
+ *
+ * This file is also the cffi cdef: plain declarations only (no macros, no includes).
+ * Functions returning int return 0 on success, -1 when scratch memory could not be
+ * allocated and -2 for arguments the caller should have refused (MXFP4 width not a
+ * multiple of 32).
+ */
+
+/* ---- runtime ------------------------------------------------------------------ */
+void k3_set_threads(int n);
+int k3_get_threads(void);
+int k3_omp_max_threads(void);
+int k3_has_avx512(void);
+int k3_contract_values(double *out, int cap);
+int k3_gil_rendezvous(int parties, double timeout_s);
+double k3_read_bandwidth(const uint8_t *buf, size_t nbytes, int repeat, uint64_t *checksum);
+
+/* ---- matrix products: y[t, o] = f32(lsum_i W[o, i] * x[t, i]) ------------------------ */
+int k3_matmul_bf16(const uint16_t *w, int64_t rows, int64_t cols,
+                   const float *x, int64_t T, float *y);
+int k3_matmul_f32(const float *w, int64_t rows, int64_t cols,
+                  const float *x, int64_t T, float *y);
+int k3_matmul_mxfp4(const uint8_t *packed, const uint8_t *scales, int64_t rows, int64_t cols,
+                    const float *x, int64_t T, float *y);
+
+/* ---- normalisation and activations (x viewed as [rows, m] or flat [n]) ------------- */
+void k3_rmsnorm(const float *x, int64_t rows, int64_t m, const float *w, double eps, float *y);
+void k3_l2norm(const float *x, int64_t rows, int64_t m, float *y);
+void k3_sigmoid(const float *x, int64_t n, float *y);
+void k3_silu(const float *x, int64_t n, float *y);
+void k3_exp(const float *x, int64_t n, float *y);
+void k3_situ_glu(const float *g, const float *u, int64_t n, double b1, double b2, float *y);
+
+/* ---- attention building blocks ----------------------------------------------------- */
+void k3_shortconv(const float *x, int64_t T, int64_t C, const float *w, int64_t K,
+                  float *hist, float *y);
+void k3_kda_gate(const float *z, int64_t T, int64_t H, int64_t D, const float *dt_bias,
+                 const float *a_log, double lower_bound, float *y);
+int k3_kda_recurrent(const float *q, const float *k, const float *v, const float *alpha,
+                     const float *beta, int64_t T, int64_t H, int64_t Dk, int64_t Dv,
+                     float *state, float *out);
+int k3_mla_attention(const float *q, const float *k_nope, const float *k_rope, const float *v,
+                     int64_t T, int64_t H, int64_t n, int64_t r, int64_t dv, int64_t S,
+                     int64_t pos0, double scale, float *out);
+int k3_attn_res(const float *src, int64_t S, int64_t T, int64_t E, const float *fold,
+                double eps, float *out);
+int k3_router(const float *logits, int64_t T, int64_t N, const float *bias, int64_t k,
+               int64_t kk, int renorm, double scale, int64_t *idx, float *w);

@@ -1,0 +1,240 @@
+/* k3avx2_attention.c - shortconv, kda_gate, kda_recurrent, mla_attention and attn_res
+ * (k3core/kernels.py "attention building blocks"). Channels, heads or tokens are split
+ * across threads; every lane sum runs on one thread in the contract's order. */
+#include "k3avx2_internal.h"
+
+
+/* ---- shortconv: per channel, float32 ------------------------------------------------- */
+void k3_shortconv(const float *x, int64_t T, int64_t C, const float *w, int64_t K, float *hist,
+                  float *y) {
+    K3_PARALLEL_FOR(C * T * K >= K3_PAR_ELEMENTS)
+    for (int64_t c = 0; c < C; ++c) {
+        const float *wc = w + c * K;
+        float *hc = hist + c * (K - 1);
+        for (int64_t t = 0; t < T; ++t) {
+            float xt = x[t * C + c];
+            float acc = wc[K - 1] * xt;
+            for (int64_t j = 0; j < K - 1; ++j) acc = acc + wc[j] * hc[j];
+            if (K > 1) {
+                for (int64_t j = 0; j + 1 < K - 1; ++j) hc[j] = hc[j + 1];
+                hc[K - 2] = xt;
+            }
+            y[t * C + c] = k3_silu_f(acc);
+        }
+    }
+}
+
+/* ---- kda_gate: alpha = f32(exp_d(lb * sig_d(exp_d(A_log[h]) * (d(z) + d(dt))))) -------- */
+void k3_kda_gate(const float *z, int64_t T, int64_t H, int64_t D, const float *dt_bias,
+                 const float *a_log, double lower_bound, float *y) {
+    const int64_t P = H * D;
+    K3_PARALLEL_FOR(T * P >= K3_PAR_ELEMENTS)
+    for (int64_t tp = 0; tp < T * H; ++tp) {
+        int64_t t = tp / H, h = tp % H;
+        double a = k3_exp_d((double)a_log[h]);
+        for (int64_t j = 0; j < D; ++j) {
+            int64_t p = h * D + j;
+            double u = a * ((double)z[t * P + p] + (double)dt_bias[p]);
+            y[t * P + p] = (float)k3_exp_d(lower_bound * k3_sig_d(u));
+        }
+    }
+}
+
+/* Column lane sums: out[j] = f32(lsum_i d(a_i) * d(M[i, j])) for every column j, lanes
+ * i % 32. acc is scratch of 32 * m doubles; rows must be added in increasing i. */
+static inline void colsum_begin(double *acc, int64_t m) {
+    memset(acc, 0, (size_t)(32 * m) * sizeof(double));
+}
+
+static inline void colsum_add(double *acc, int64_t m, int64_t i, float a, const float *row) {
+    const double ai = (double)a;
+    double *lane = acc + (i % 32) * m;
+    for (int64_t j = 0; j < m; ++j) lane[j] = lane[j] + ai * (double)row[j];
+}
+
+static inline void colsum_end(double *acc, int64_t m, float *out) {
+    for (int h = 16; h >= 1; h /= 2)
+        for (int l = 0; l < h; ++l) {
+            double *lo = acc + l * m, *hi = acc + (l + h) * m;
+            for (int64_t j = 0; j < m; ++j) lo[j] = lo[j] + hi[j];
+        }
+    for (int64_t j = 0; j < m; ++j) out[j] = (float)acc[j];
+}
+
+/* ---- kda_recurrent: per token, per head (heads in parallel) ---------------------------
+ * Two passes over S per token: decay rows and accumulate u = k.S; then update rows and
+ * accumulate o = q.S. Each lane still adds its rows in increasing i. */
+int k3_kda_recurrent(const float *q, const float *k, const float *v, const float *alpha,
+                     const float *beta, int64_t T, int64_t H, int64_t Dk, int64_t Dv,
+                     float *state, float *out) {
+    int err = 0;
+#pragma omp parallel num_threads(k3__threads()) if (T * H * Dk * Dv >= K3_PAR_ATTENTION)
+    {
+        double *acc = (double *)k3__alloc((size_t)(32 * Dv) * sizeof(double));
+        float *u = (float *)k3__alloc((size_t)Dv * sizeof(float) * 2);
+        if (!acc || !u) {
+#pragma omp atomic write
+            err = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t h = 0; h < H; ++h) {
+            if (!acc || !u) continue;
+            float *S = state + h * Dk * Dv;
+            float *w = u + Dv;
+            for (int64_t t = 0; t < T; ++t) {
+                const float *qt = q + (t * H + h) * Dk, *kt = k + (t * H + h) * Dk;
+                const float *vt = v + (t * H + h) * Dv, *at = alpha + (t * H + h) * Dk;
+                const float bt = beta[t * H + h];
+                colsum_begin(acc, Dv);
+                for (int64_t i = 0; i < Dk; ++i) {
+                    float *row = S + i * Dv;
+                    const float ai = at[i];
+                    for (int64_t j = 0; j < Dv; ++j) row[j] = row[j] * ai;
+                    colsum_add(acc, Dv, i, kt[i], row);
+                }
+                colsum_end(acc, Dv, u);
+                for (int64_t j = 0; j < Dv; ++j) w[j] = bt * (vt[j] - u[j]);
+                colsum_begin(acc, Dv);
+                for (int64_t i = 0; i < Dk; ++i) {
+                    float *row = S + i * Dv;
+                    const float ki = kt[i];
+                    for (int64_t j = 0; j < Dv; ++j) row[j] = row[j] + ki * w[j];
+                    colsum_add(acc, Dv, i, qt[i], row);
+                }
+                colsum_end(acc, Dv, out + (t * H + h) * Dv);
+            }
+        }
+        k3__free(acc);
+        k3__free(u);
+    }
+    return err ? K3_ENOMEM : 0;
+}
+
+/* lane_colsum over `rows` rows of a strided matrix (row i at M + i * ld). */
+static void lane_colsum(const float *a, const float *M, int64_t rows, int64_t m, int64_t ld,
+                        double *acc, float *out) {
+    colsum_begin(acc, m);
+    for (int64_t i = 0; i < rows; ++i) colsum_add(acc, m, i, a[i], M + i * ld);
+    colsum_end(acc, m, out);
+}
+
+/* Add d-products of a (already float64) and b (float32) for one 32-term chunk. */
+static inline void lanes_dot32_df(k3_lanes *L, const double *a, const float *b) {
+    for (int k = 0; k < 8; ++k)
+        L->a[k] = _mm256_add_pd(L->a[k], _mm256_mul_pd(_mm256_loadu_pd(a + 4 * k),
+                                                       _mm256_cvtps_pd(_mm_loadu_ps(b + 4 * k))));
+}
+
+/* lsum_i ad[i] * d(b[i]) where b is the concatenation of b1[0, n1) and b2[0, n2) and ad
+ * is float64, zero padded to a multiple of 32. */
+static double dot_split(const double *ad, const float *b1, int64_t n1, const float *b2, int64_t n2) {
+    k3_lanes L;
+    k3_lanes_zero(&L);
+    int64_t n = n1 + n2;
+    for (int64_t c = 0; c < n; c += 32) {
+        if (c + 32 <= n1) {
+            lanes_dot32_df(&L, ad + c, b1 + c);
+        } else if (c >= n1 && c + 32 <= n) {
+            lanes_dot32_df(&L, ad + c, b2 + (c - n1));
+        } else {
+            float tb[32] = {0};
+            for (int64_t i = c; i < c + 32 && i < n; ++i) tb[i - c] = i < n1 ? b1[i] : b2[i - n1];
+            lanes_dot32_df(&L, ad + c, tb);
+        }
+    }
+    return k3_lanes_fold(&L);
+}
+
+/* The contract's softmax of score[0, n) into p (float32); e is float64 scratch. */
+static void softmax_f32(const float *score, int64_t n, double *e, float *p) {
+    float m = score[0];
+    for (int64_t s = 0; s < n; ++s) {
+        if (isnan(score[s])) {
+            m = score[s];
+            break;
+        }
+        if (score[s] > m) m = score[s];
+    }
+    for (int64_t s = 0; s < n; ++s) e[s] = k3_exp_d((double)score[s] - (double)m);
+    double z = k3_lsum_d(e, n);
+    for (int64_t s = 0; s < n; ++s) p[s] = (float)(e[s] / z);
+}
+
+/* ---- mla_attention: queries at pos0 + t attend to positions s <= pos0 + t ------------ */
+int k3_mla_attention(const float *q, const float *k_nope, const float *k_rope, const float *v,
+                     int64_t T, int64_t H, int64_t n, int64_t r, int64_t dv, int64_t S,
+                     int64_t pos0, double scale, float *out) {
+    (void)S; /* the caller checked pos0 + T <= S */
+    const int64_t npos = pos0 + T, qh = n + r;
+    int err = 0;
+#pragma omp parallel num_threads(k3__threads()) if (T * H * npos * qh >= K3_PAR_ATTENTION)
+    {
+        float *score = (float *)k3__alloc((size_t)npos * sizeof(float) * 2);
+        double *e = (double *)k3__alloc((size_t)npos * sizeof(double));
+        double *acc = (double *)k3__alloc((size_t)(32 * dv) * sizeof(double));
+        double *qd = (double *)k3__alloc((size_t)((qh + 31) & ~(int64_t)31) * sizeof(double));
+        if (!score || !e || !acc || !qd) {
+#pragma omp atomic write
+            err = 1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t th = 0; th < T * H; ++th) {
+            if (!score || !e || !acc || !qd) continue;
+            int64_t t = th / H, h = th % H, len = pos0 + t + 1;
+            float *p = score + npos;
+            const float *qv = q + (t * H + h) * qh;
+            for (int64_t i = 0; i < ((qh + 31) & ~(int64_t)31); ++i)
+                qd[i] = i < qh ? (double)qv[i] : 0.0;
+            for (int64_t s = 0; s < len; ++s)
+                score[s] = (float)(dot_split(qd, k_nope + (s * H + h) * n, n, k_rope + s * r, r) *
+                                   scale);
+            softmax_f32(score, len, e, p);
+            lane_colsum(p, v + h * dv, len, dv, H * dv, acc, out + (t * H + h) * dv);
+        }
+        k3__free(score);
+        k3__free(e);
+        k3__free(acc);
+        k3__free(qd);
+    }
+    return err ? K3_ENOMEM : 0;
+}
+
+/* ---- attn_res: softmax over sources of f32(dot(rmsnorm(src_s), fold)) ------------------ */
+#define AR_COLS 256 /* output columns accumulated at a time (32 x 256 doubles of lanes) */
+
+int k3_attn_res(const float *src, int64_t S, int64_t T, int64_t E, const float *fold, double eps,
+                float *out) {
+    int err = 0;
+#pragma omp parallel num_threads(k3__threads()) if (S * T * E >= K3_PAR_ATTENTION)
+    {
+        float *key = (float *)k3__alloc((size_t)E * sizeof(float));
+        float *score = (float *)k3__alloc((size_t)S * sizeof(float) * 2);
+        double *e = (double *)k3__alloc((size_t)S * sizeof(double));
+        double *acc = (double *)k3__alloc((size_t)(32 * AR_COLS) * sizeof(double));
+        if (!key || !score || !e || !acc) {
+#pragma omp atomic write
+            err = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < T; ++t) {
+            if (!key || !score || !e || !acc) continue;
+            float *p = score + S;
+            for (int64_t s = 0; s < S; ++s) {
+                const float *xs = src + (s * T + t) * E;
+                float inv = (float)(1.0 / sqrt(k3_sumsq_f32(xs, E) / (double)E + eps));
+                for (int64_t i = 0; i < E; ++i) key[i] = xs[i] * inv;
+                score[s] = (float)k3_dot_f32(key, fold, E);
+            }
+            softmax_f32(score, S, e, p);
+            for (int64_t c0 = 0; c0 < E; c0 += AR_COLS) {
+                int64_t m = E - c0 < AR_COLS ? E - c0 : AR_COLS;
+                lane_colsum(p, src + t * E + c0, S, m, T * E, acc, out + t * E + c0);
+            }
+        }
+        k3__free(key);
+        k3__free(score);
+        k3__free(e);
+        k3__free(acc);
+    }
+    return err ? K3_ENOMEM : 0;
+}

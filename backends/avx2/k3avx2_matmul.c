@@ -1,0 +1,254 @@
+/* k3avx2_matmul.c - y[t, o] = f32(lsum_i d(W[o, i]) * d(x[t, i])) for bf16, float32 and
+ * MXFP4 weights (k3core/kernels.py "matmul").
+ *
+ * Lane order: column i of a row goes to lane i % 32. The 32 float64 lanes live in 8 ymm
+ * registers; every product is exact in float64, so only the order of the additions
+ * matters, and each lane adds its terms in increasing i starting from +0.0. A column tail
+ * (cols % 32 != 0) is completed with +0.0 terms exactly as the reference pads it.
+ * Threads split the rows (each output element is computed by exactly one thread).
+ *
+ * Each row is streamed once per block of tokens (T == 1, the decode case, is bandwidth
+ * bound); the other tokens of a block find the row in cache.
+ */
+#include "k3avx2_internal.h"
+
+#define ROUND32(n) (((n) + 31) & ~(int64_t)31)
+#define XBLOCK_BYTES (1 << 20) /* float64 activations kept in L2 per token block */
+/* Software prefetch into L2 this many bytes ahead of the weight stream. Measured on a
+ * Zen 4 core: the hardware prefetchers alone leave a 1-thread bf16 matvec at ~60% of its
+ * in-cache speed; an L2 prefetch 4 KiB ahead brings it to ~90% (docs/avx2-backend.md). */
+#define PREFETCH_AHEAD 4096
+#define ROW_CHUNK 16 /* rows per scheduling chunk */
+#define PREFETCH_L2(p) _mm_prefetch((const char *)(p) + PREFETCH_AHEAD, _MM_HINT_T1)
+
+/* ---- MXFP4 decode tables ----------------------------------------------------------------
+ * For scale byte b and code c, E2M1[c] * E8M0[b] (exact in float64) has at most 16
+ * significant leading bits: sign, 11 exponent bits and one mantissa bit. TLO/THI hold the
+ * low/high byte of those 16 bits, so two byte shuffles build the float64 bit pattern. */
+static uint8_t TLO[256][16] __attribute__((aligned(16)));
+static uint8_t THI[256][16] __attribute__((aligned(16)));
+static double WVAL[256][16]; /* the float64 values themselves (scalar fallback) */
+static int g_tables_exact = 0;
+
+__attribute__((constructor)) static void k3__mxfp4_tables(void) {
+    int exact = 1;
+    for (int b = 0; b < 256; ++b)
+        for (int c = 0; c < 16; ++c) {
+            double v = K3C_E2M1[c] * K3C_E8M0[b];
+            uint64_t bits;
+            memcpy(&bits, &v, 8);
+            if (bits & UINT64_C(0x0000FFFFFFFFFFFF)) exact = 0;
+            WVAL[b][c] = v;
+            TLO[b][c] = (uint8_t)(bits >> 48);
+            THI[b][c] = (uint8_t)(bits >> 56);
+        }
+    g_tables_exact = exact;
+}
+
+/* Order of the columns of one 32-column group inside the 8 accumulator registers of the
+ * MXFP4 kernel: register j holds columns 4j + {0, 2, 1, 3}. */
+static const int MX_PERM[4] = {0, 2, 1, 3};
+
+/* ---- activations widened once per token block --------------------------------------- */
+/* xd[t, :] = d(x[t, :]) for n tokens, padded with +0.0 to a multiple of 32; `perm` applies
+ * MX_PERM. */
+static void widen_x(double *xd, const float *x, int64_t n, int64_t cols, int64_t cp, int perm) {
+    for (int64_t t = 0; t < n; ++t) {
+        const float *xs = x + t * cols;
+        double *xo = xd + t * cp;
+        for (int64_t i = 0; i < cp; ++i) {
+            int64_t src = perm ? (i & ~(int64_t)3) + MX_PERM[i & 3] : i;
+            xo[i] = src < cols ? (double)xs[src] : 0.0;
+        }
+    }
+}
+
+static int64_t token_block(int64_t T, int64_t cp) {
+    int64_t tb = XBLOCK_BYTES / (cp * (int64_t)sizeof(double));
+    if (tb < 1) tb = 1;
+    return tb < T ? tb : T;
+}
+
+/* ---- one 32-column chunk of products added to the lanes ------------------------------ */
+static inline void chunk_bf16(k3_lanes *L, const uint16_t *w, const double *x) {
+    const __m128i z = _mm_setzero_si128();
+    for (int q = 0; q < 4; ++q) {
+        __m128i v = _mm_loadu_si128((const __m128i *)(w + 8 * q));
+        __m256d lo = _mm256_cvtps_pd(_mm_castsi128_ps(_mm_unpacklo_epi16(z, v)));
+        __m256d hi = _mm256_cvtps_pd(_mm_castsi128_ps(_mm_unpackhi_epi16(z, v)));
+        L->a[2 * q] = _mm256_add_pd(L->a[2 * q], _mm256_mul_pd(_mm256_loadu_pd(x + 8 * q), lo));
+        L->a[2 * q + 1] =
+            _mm256_add_pd(L->a[2 * q + 1], _mm256_mul_pd(_mm256_loadu_pd(x + 8 * q + 4), hi));
+    }
+}
+
+static inline void chunk_f32(k3_lanes *L, const float *w, const double *x) {
+    for (int k = 0; k < 8; ++k) {
+        __m256d wv = _mm256_cvtps_pd(_mm_loadu_ps(w + 4 * k));
+        L->a[k] = _mm256_add_pd(L->a[k], _mm256_mul_pd(_mm256_loadu_pd(x + 4 * k), wv));
+    }
+}
+
+/* Decode one MXFP4 group (16 packed bytes, scale byte b) into 8 registers of float64
+ * weights in MX_PERM order. */
+static inline void decode_group(__m256d q[8], const uint8_t *pk, int b) {
+    const __m128i m0f = _mm_set1_epi8(0x0F);
+    __m128i p = _mm_loadu_si128((const __m128i *)pk);
+    __m128i lo = _mm_and_si128(p, m0f);
+    __m128i hi = _mm_and_si128(_mm_srli_epi16(p, 4), m0f);
+    __m256i codes = _mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1);
+    __m256i tl = _mm256_broadcastsi128_si256(_mm_load_si128((const __m128i *)TLO[b]));
+    __m256i th = _mm256_broadcastsi128_si256(_mm_load_si128((const __m128i *)THI[b]));
+    __m256i L = _mm256_shuffle_epi8(tl, codes), H = _mm256_shuffle_epi8(th, codes);
+    __m256i w0 = _mm256_unpacklo_epi8(L, H), w1 = _mm256_unpackhi_epi8(L, H);
+    const char Z = (char)0x80;
+#define SPREAD(j)                                                                              \
+    _mm256_setr_epi8(Z, Z, Z, Z, Z, Z, 4 * (j), 4 * (j) + 1, Z, Z, Z, Z, Z, Z, 4 * (j) + 2,     \
+                     4 * (j) + 3, Z, Z, Z, Z, Z, Z, 4 * (j), 4 * (j) + 1, Z, Z, Z, Z, Z, Z,    \
+                     4 * (j) + 2, 4 * (j) + 3)
+    const __m256i s0 = SPREAD(0), s1 = SPREAD(1), s2 = SPREAD(2), s3 = SPREAD(3);
+#undef SPREAD
+    q[0] = _mm256_castsi256_pd(_mm256_shuffle_epi8(w0, s0));
+    q[1] = _mm256_castsi256_pd(_mm256_shuffle_epi8(w0, s1));
+    q[2] = _mm256_castsi256_pd(_mm256_shuffle_epi8(w0, s2));
+    q[3] = _mm256_castsi256_pd(_mm256_shuffle_epi8(w0, s3));
+    q[4] = _mm256_castsi256_pd(_mm256_shuffle_epi8(w1, s0));
+    q[5] = _mm256_castsi256_pd(_mm256_shuffle_epi8(w1, s1));
+    q[6] = _mm256_castsi256_pd(_mm256_shuffle_epi8(w1, s2));
+    q[7] = _mm256_castsi256_pd(_mm256_shuffle_epi8(w1, s3));
+}
+
+/* Scalar decode of one group into MX_PERM order (used when the tables are not exact). */
+static inline void decode_group_scalar(double *out, const uint8_t *pk, int b) {
+    for (int i = 0; i < 32; ++i) {
+        int src = (i & ~3) + MX_PERM[i & 3];
+        int byte = pk[src >> 1];
+        out[i] = WVAL[b][(src & 1) ? byte >> 4 : byte & 15];
+    }
+}
+
+static inline void add_group(k3_lanes *L, const __m256d q[8], const double *xp) {
+    for (int k = 0; k < 8; ++k)
+        L->a[k] = _mm256_add_pd(L->a[k], _mm256_mul_pd(_mm256_loadu_pd(xp + 4 * k), q[k]));
+}
+
+/* Fold lanes stored in MX_PERM order: slot s of register j is lane 4j + MX_PERM[s]. The
+ * register-level folds (h = 16, 8, 4) pair registers exactly as in natural order; inside
+ * the last register slots (0, 1, 2, 3) are lanes (0, 2, 1, 3). */
+static inline double fold_mx(const k3_lanes *L) {
+    __m256d a0 = _mm256_add_pd(L->a[0], L->a[4]), a1 = _mm256_add_pd(L->a[1], L->a[5]);
+    __m256d a2 = _mm256_add_pd(L->a[2], L->a[6]), a3 = _mm256_add_pd(L->a[3], L->a[7]);
+    a0 = _mm256_add_pd(a0, a2);
+    a1 = _mm256_add_pd(a1, a3);
+    a0 = _mm256_add_pd(a0, a1);
+    double t[4];
+    _mm256_storeu_pd(t, a0);
+    double s0 = t[0] + t[1], s1 = t[2] + t[3]; /* lane0 + lane2, lane1 + lane3 */
+    return s0 + s1;
+}
+
+/* ---- T == 1 row kernels --------------------------------------------------------------- */
+static inline float row_bf16(const uint16_t *w, int64_t cols, const double *x) {
+    k3_lanes L;
+    k3_lanes_zero(&L);
+    int64_t c = 0;
+    for (; c + 32 <= cols; c += 32) {
+        PREFETCH_L2(w + c); /* one 64-byte line per chunk */
+        chunk_bf16(&L, w + c, x + c);
+    }
+    if (c < cols) {
+        uint16_t tail[32] = {0};
+        memcpy(tail, w + c, (size_t)(cols - c) * sizeof(uint16_t));
+        chunk_bf16(&L, tail, x + c);
+    }
+    return (float)k3_lanes_fold(&L);
+}
+
+static inline float row_f32(const float *w, int64_t cols, const double *x) {
+    k3_lanes L;
+    k3_lanes_zero(&L);
+    int64_t c = 0;
+    for (; c + 32 <= cols; c += 32) {
+        PREFETCH_L2(w + c); /* two 64-byte lines per chunk */
+        PREFETCH_L2(w + c + 16);
+        chunk_f32(&L, w + c, x + c);
+    }
+    if (c < cols) {
+        float tail[32] = {0};
+        memcpy(tail, w + c, (size_t)(cols - c) * sizeof(float));
+        chunk_f32(&L, tail, x + c);
+    }
+    return (float)k3_lanes_fold(&L);
+}
+
+static inline float row_mxfp4(const uint8_t *pk, const uint8_t *sc, int64_t groups,
+                              const double *xp) {
+    k3_lanes L;
+    k3_lanes_zero(&L);
+    __m256d q[8];
+    if (g_tables_exact) {
+        for (int64_t g = 0; g < groups; ++g) {
+            if ((g & 3) == 0) PREFETCH_L2(pk + 16 * g); /* one line per 4 groups */
+            if ((g & 63) == 0) PREFETCH_L2(sc + g);     /* and one line of scale bytes per 64 */
+            decode_group(q, pk + 16 * g, sc[g]);
+            add_group(&L, q, xp + 32 * g);
+        }
+    } else {
+        double tmp[32];
+        for (int64_t g = 0; g < groups; ++g) {
+            decode_group_scalar(tmp, pk + 16 * g, sc[g]);
+            for (int k = 0; k < 8; ++k) q[k] = _mm256_loadu_pd(tmp + 4 * k);
+            add_group(&L, q, xp + 32 * g);
+        }
+    }
+    return (float)fold_mx(&L);
+}
+
+/* ---- drivers ---------------------------------------------------------------------------- */
+enum wkind { W_BF16, W_F32, W_MXFP4 };
+
+static inline float row_dot(enum wkind kind, const void *w, const uint8_t *scales, int64_t o,
+                            int64_t cols, const double *x) {
+    if (kind == W_BF16) return row_bf16((const uint16_t *)w + o * cols, cols, x);
+    if (kind == W_F32) return row_f32((const float *)w + o * cols, cols, x);
+    return row_mxfp4((const uint8_t *)w + o * (cols / 2), scales + o * (cols / 32), cols / 32, x);
+}
+
+static int matmul(enum wkind kind, const void *w, const uint8_t *scales, int64_t rows,
+                  int64_t cols, const float *x, int64_t T, float *y) {
+    const int64_t cp = ROUND32(cols);
+    const int64_t tb = token_block(T, cp);
+    double *xd = (double *)k3__alloc((size_t)(tb * cp) * sizeof(double));
+    if (!xd) return K3_ENOMEM;
+    const int64_t big = rows * cols * T >= K3_PAR_MATMUL;
+    /* Tokens in blocks whose float64 activations stay in L2; within a block each row is
+     * read from memory once and from cache for the block's other tokens. Rows go out in
+     * chunks as threads free up: on a busy machine a thread that loses its core does not
+     * hold the others back (the bits never depend on which thread ran a row). */
+    for (int64_t t0 = 0; t0 < T; t0 += tb) {
+        const int64_t t1 = t0 + tb < T ? t0 + tb : T;
+        widen_x(xd, x + t0 * cols, t1 - t0, cols, cp, kind == W_MXFP4);
+        K3_PRAGMA(omp parallel for num_threads(k3__threads()) schedule(dynamic, ROW_CHUNK) if (big))
+        for (int64_t o = 0; o < rows; ++o)
+            for (int64_t t = t0; t < t1; ++t)
+                y[t * rows + o] = row_dot(kind, w, scales, o, cols, xd + (t - t0) * cp);
+    }
+    k3__free(xd);
+    return 0;
+}
+
+int k3_matmul_bf16(const uint16_t *w, int64_t rows, int64_t cols, const float *x, int64_t T,
+                   float *y) {
+    return matmul(W_BF16, w, NULL, rows, cols, x, T, y);
+}
+
+int k3_matmul_f32(const float *w, int64_t rows, int64_t cols, const float *x, int64_t T,
+                  float *y) {
+    return matmul(W_F32, w, NULL, rows, cols, x, T, y);
+}
+
+int k3_matmul_mxfp4(const uint8_t *packed, const uint8_t *scales, int64_t rows, int64_t cols,
+                    const float *x, int64_t T, float *y) {
+    if (cols % K3C_MXFP4_GROUP) return K3_EINVAL;
+    return matmul(W_MXFP4, packed, scales, rows, cols, x, T, y);
+}

@@ -1,0 +1,136 @@
+/* k3avx2_runtime.c - thread count, aligned scratch, CPU feature query, the memory read
+ * bandwidth probe used by the kernel benchmark, and the GIL rendezvous diagnostic. */
+#include "k3avx2_internal.h"
+
+#include <stdatomic.h>
+#include <time.h>
+
+/* The thread count is per calling thread: Python sets it right before each kernel call
+ * (Avx2Backend._sync_threads), so two backends with different counts used from two Python
+ * threads at once never see each other's setting. */
+static _Thread_local int g_threads = 1;
+
+void k3_set_threads(int n) { g_threads = n < 1 ? 1 : n; }
+int k3_get_threads(void) { return g_threads; }
+int k3__threads(void) { return g_threads; }
+
+int k3_omp_max_threads(void) {
+#ifdef _OPENMP
+    return omp_get_max_threads();
+#else
+    return 1;
+#endif
+}
+
+
+int k3_has_avx512(void) {
+#if defined(__GNUC__)
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl");
+#else
+    return 0;
+#endif
+}
+
+void *k3__alloc(size_t bytes) {
+    void *p = NULL;
+    if (bytes == 0) bytes = 64;
+    if (posix_memalign(&p, 64, bytes) != 0) return NULL;
+    return p;
+}
+
+void k3__free(void *p) { free(p); }
+
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* Read `nbytes` of `buf` (64-byte aligned, a multiple of 128) `repeat` times with the
+ * current thread count, each thread streaming its own contiguous slice with 256-bit loads
+ * (an XOR reduction the compiler cannot drop). Returns the best seconds per pass. */
+double k3_read_bandwidth(const uint8_t *buf, size_t nbytes, int repeat, uint64_t *checksum) {
+    double best = 1e300;
+    uint64_t sum = 0;
+    int64_t blocks = (int64_t)(nbytes / 128);
+    for (int rep = 0; rep < (repeat < 1 ? 1 : repeat); ++rep) {
+        double t0 = now_s();
+        uint64_t total = 0;
+#pragma omp parallel num_threads(k3__threads()) reduction(^ : total)
+        {
+            __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
+#pragma omp for schedule(static)
+            for (int64_t b = 0; b < blocks; ++b) {
+                const __m256i *p = (const __m256i *)(buf + (size_t)b * 128);
+                a0 = _mm256_xor_si256(a0, _mm256_load_si256(p));
+                a1 = _mm256_xor_si256(a1, _mm256_load_si256(p + 1));
+                a2 = _mm256_xor_si256(a2, _mm256_load_si256(p + 2));
+                a3 = _mm256_xor_si256(a3, _mm256_load_si256(p + 3));
+            }
+            a0 = _mm256_xor_si256(_mm256_xor_si256(a0, a1), _mm256_xor_si256(a2, a3));
+            total ^= (uint64_t)_mm256_extract_epi64(a0, 0) ^ (uint64_t)_mm256_extract_epi64(a0, 1) ^
+                     (uint64_t)_mm256_extract_epi64(a0, 2) ^ (uint64_t)_mm256_extract_epi64(a0, 3);
+        }
+        double dt = now_s() - t0;
+        if (dt < best) best = dt;
+        sum ^= total;
+    }
+    if (checksum) *checksum = sum;
+    return best;
+}
+
+/* Diagnostic for the GIL: each of `parties` Python threads calls this; each call checks in
+ * and waits until all have checked in (or the timeout passes). All calls return 1 only if
+ * they were inside C at the same time, which is impossible unless the GIL is released. */
+static atomic_int g_rendezvous = 0;
+
+int k3_gil_rendezvous(int parties, double timeout_s) {
+    int arrived = atomic_fetch_add(&g_rendezvous, 1) + 1;
+    double t0 = now_s();
+    int ok = arrived >= parties;
+    while (!ok && now_s() - t0 < timeout_s) {
+        int cur = atomic_load(&g_rendezvous);
+        ok = cur >= parties || cur == 0; /* 0: the group already met and reset */
+        if (!ok) {
+            struct timespec ts = {0, 200000};
+            nanosleep(&ts, NULL);
+        }
+    }
+    /* the last one out resets the counter for the next test */
+    if (ok) {
+        int expected = parties;
+        atomic_compare_exchange_strong(&g_rendezvous, &expected, 0);
+    } else {
+        atomic_fetch_sub(&g_rendezvous, 1);
+    }
+    return ok;
+}
+
+/* The contract constants this build was compiled with, in the order the Python side
+ * checks them against k3core/contract.py (a stale build is refused, never used):
+ * LANES, MXFP4_GROUP, EXP_HI, EXP_LO, LOG2E, LN2_HI, LN2_LO, EXPM1_SERIES_MAX, TANH_SAT,
+ * L2_EPS, ROUTER_EPS, EXP_COEF[], EXPM1_COEF[], E2M1[16], E8M0[256].
+ * Returns the number of values (writes at most `cap`). */
+int k3_contract_values(double *out, int cap) {
+    double v[11 + K3C_EXP_NCOEF + K3C_EXPM1_NCOEF + 16 + 256];
+    int n = 0;
+    v[n++] = K3C_LANES;
+    v[n++] = K3C_MXFP4_GROUP;
+    v[n++] = K3C_EXP_HI;
+    v[n++] = K3C_EXP_LO;
+    v[n++] = K3C_LOG2E;
+    v[n++] = K3C_LN2_HI;
+    v[n++] = K3C_LN2_LO;
+    v[n++] = K3C_EXPM1_SERIES_MAX;
+    v[n++] = K3C_TANH_SAT;
+    v[n++] = K3C_L2_EPS;
+    v[n++] = K3C_ROUTER_EPS;
+    for (int i = 0; i < K3C_EXP_NCOEF; ++i) v[n++] = K3C_EXP_COEF[i];
+    for (int i = 0; i < K3C_EXPM1_NCOEF; ++i) v[n++] = K3C_EXPM1_COEF[i];
+    for (int i = 0; i < 16; ++i) v[n++] = K3C_E2M1[i];
+    for (int i = 0; i < 256; ++i) v[n++] = K3C_E8M0[i];
+    for (int i = 0; i < n && i < cap; ++i) out[i] = v[i];
+    return n;
+}

@@ -1,0 +1,396 @@
+"""The ``avx2`` kernel backend: C kernels (AVX2, OpenMP) behind the bit-exact contract.
+
+Every method returns the same bytes as the ``numpy`` reference backend
+(:mod:`k3_backends.numpy_backend`) at every thread count; the C sources live in
+``backends/avx2/`` and are compiled into ``k3_backends._k3avx2`` by ``pip install``
+(``backends/avx2_build.py``). The arithmetic is the contract of :mod:`k3core.kernels`;
+this module only validates inputs, allocates the outputs and hands pointers to C.
+
+Threads: parallel work is split over independent outputs (rows, heads, tokens) only. The
+count is ``threads=`` when given, else ``K3_THREADS``, else ``OMP_NUM_THREADS`` (its first
+entry), else the CPUs this process may run on; :meth:`Avx2Backend.set_threads` changes it.
+Every C call releases the GIL (cffi API mode), so Python threads can run kernels
+concurrently.
+
+The compiled module is imported only when the backend is created; the registry's probe
+(:mod:`k3_backends.avx2_probe`) checks the CPU for AVX2/FMA first, so an older CPU gets a
+clear refusal instead of SIGILL.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+from k3_backends import avx2_probe
+from numpy.typing import NDArray
+
+from k3core.errors import PluginError
+from k3core.hookspecs import hookimpl
+from k3core.kernels import F32, U16, KernelBackend, Mxfp4
+from k3core.specs import KernelBackendSpec
+
+_ENOMEM = -1
+
+
+def default_threads() -> int:
+    """``K3_THREADS``, else ``OMP_NUM_THREADS`` (first entry), else the usable CPUs."""
+    for var in ("K3_THREADS", "OMP_NUM_THREADS"):
+        raw = os.environ.get(var, "").strip()
+        if not raw:
+            continue
+        first = raw.split(",")[0].strip()
+        if not first.isdigit() or int(first) < 1:
+            raise PluginError(
+                f"kernel backend 'avx2': {var}={raw!r} is not a positive thread count",
+                hint=f"set {var} to a whole number >= 1, or unset it",
+            )
+        return int(first)
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
+def _need(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ValueError(msg)
+
+
+def _f32(op: str, name: str, a: Any) -> NDArray[np.float32]:
+    """A read-only float32 input, made C-contiguous (copied only when it is not)."""
+    if not isinstance(a, np.ndarray) or a.dtype != np.float32:
+        got = a.dtype if isinstance(a, np.ndarray) else type(a).__name__
+        raise TypeError(f"{op}: {name} must be a float32 array, got {got}")
+    return np.ascontiguousarray(a)
+
+
+def _inplace(op: str, name: str, a: Any) -> NDArray[np.float32]:
+    """State updated in place: must already be float32, C-contiguous and writable."""
+    if (
+        not isinstance(a, np.ndarray)
+        or a.dtype != np.float32
+        or not a.flags.c_contiguous
+        or not a.flags.writeable
+    ):
+        raise ValueError(
+            f"{op}: {name} must be a writable C-contiguous float32 array (it is updated in place)"
+        )
+    return a
+
+
+class Avx2Backend(KernelBackend):
+    """The C/AVX2 implementation of the kernel contract (see the module docstring)."""
+
+    name = "avx2"
+
+    def __init__(self, threads: int | None = None) -> None:
+        cpu = avx2_probe.check_cpu()
+        if not cpu.ok:
+            raise PluginError(f"kernel backend 'avx2' is not available here: {cpu.reason}",
+                              hint=cpu.hint)
+        try:
+            mod = avx2_probe.load_module()
+        except ImportError as exc:
+            avail = avx2_probe.check_module()
+            raise PluginError(
+                f"kernel backend 'avx2' is not available here: {avail.reason or exc}",
+                hint=avx2_probe.BUILD_HINT,
+            ) from exc
+        self._ffi = mod.ffi
+        self._lib = mod.lib
+        self.set_threads(default_threads() if threads is None else threads)
+
+    # --- threads -----------------------------------------------------------------------
+    def set_threads(self, n: int) -> None:
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
+            raise ValueError(f"avx2: thread count must be an integer >= 1, got {n!r}")
+        self._threads = int(n)
+        self._lib.k3_set_threads(self._threads)
+
+    @property
+    def threads(self) -> int:
+        return self._threads
+
+    # --- plumbing ----------------------------------------------------------------------
+    def _p(self, ctype: str, a: np.ndarray) -> Any:
+        if a.size == 0:
+            return self._ffi.NULL
+        return self._ffi.from_buffer(ctype, a)
+
+    def _out(self, ctype: str, a: np.ndarray) -> Any:
+        if a.size == 0:
+            return self._ffi.NULL
+        return self._ffi.from_buffer(ctype, a, require_writable=True)
+
+    def _check(self, rc: int, op: str) -> None:
+        if rc == _ENOMEM:
+            raise MemoryError(f"avx2 {op}: could not allocate scratch memory")
+        if rc != 0:
+            raise ValueError(f"avx2 {op}: the kernel refused its arguments (code {rc})")
+
+    def _sync_threads(self) -> None:
+        # the C library keeps the count per calling OS thread; set it before every call so
+        # that backends with different counts, used from several Python threads, agree
+        self._lib.k3_set_threads(self._threads)
+
+    # --- matrix products -----------------------------------------------------------------
+    def _matmul_x(self, x: Any, cols: int) -> NDArray[np.float32]:
+        x = np.ascontiguousarray(x, dtype=np.float32)  # exactly as the reference
+        if x.ndim != 2 or x.shape[1] != cols:
+            raise ValueError(f"matmul: x has shape {x.shape}, weight has {cols} columns")
+        return x
+
+    def matmul_bf16(self, w: U16, x: F32) -> F32:
+        if not isinstance(w, np.ndarray) or w.dtype != np.uint16 or w.ndim != 2:
+            raise TypeError("matmul_bf16: w must be a 2-D uint16 array of bf16 bit patterns")
+        w = np.ascontiguousarray(w)
+        rows, cols = w.shape
+        x = self._matmul_x(x, cols)
+        out = np.empty((x.shape[0], rows), dtype=np.float32)
+        if out.size:
+            self._sync_threads()
+            rc = self._lib.k3_matmul_bf16(
+                self._p("uint16_t[]", w), rows, cols, self._p("float[]", x), x.shape[0],
+                self._out("float[]", out),
+            )
+            self._check(rc, "matmul_bf16")
+        return out
+
+    def matmul_f32(self, w: F32, x: F32) -> F32:
+        if not isinstance(w, np.ndarray) or w.ndim != 2:
+            raise TypeError("matmul_f32: w must be a 2-D float32 array")
+        w = _f32("matmul_f32", "w", w)
+        rows, cols = w.shape
+        x = self._matmul_x(x, cols)
+        out = np.empty((x.shape[0], rows), dtype=np.float32)
+        if out.size:
+            self._sync_threads()
+            rc = self._lib.k3_matmul_f32(
+                self._p("float[]", w), rows, cols, self._p("float[]", x), x.shape[0],
+                self._out("float[]", out),
+            )
+            self._check(rc, "matmul_f32")
+        return out
+
+    def matmul_mxfp4(self, w: Mxfp4, x: F32) -> F32:
+        packed, scales = w.packed, w.scales
+        for name, a in (("packed", packed), ("scales", scales)):
+            if not isinstance(a, np.ndarray) or a.dtype != np.uint8 or a.ndim != 2:
+                raise TypeError(f"matmul_mxfp4: {name} must be a 2-D uint8 array")
+        rows, cols = w.shape
+        _need(cols % 32 == 0, f"matmul_mxfp4: width {cols} is not a multiple of 32")
+        _need(
+            scales.shape == (rows, cols // 32),
+            f"matmul_mxfp4: scales have shape {scales.shape}, expected {(rows, cols // 32)}",
+        )
+        packed, scales = np.ascontiguousarray(packed), np.ascontiguousarray(scales)
+        x = self._matmul_x(x, cols)
+        out = np.empty((x.shape[0], rows), dtype=np.float32)
+        if out.size:
+            self._sync_threads()
+            rc = self._lib.k3_matmul_mxfp4(
+                self._p("uint8_t[]", packed), self._p("uint8_t[]", scales), rows, cols,
+                self._p("float[]", x), x.shape[0], self._out("float[]", out),
+            )
+            self._check(rc, "matmul_mxfp4")
+        return out
+
+    # --- normalisation and activations ---------------------------------------------------
+    def _rows(self, op: str, x: Any) -> tuple[NDArray[np.float32], int, int]:
+        x = _f32(op, "x", x)
+        _need(x.ndim >= 1 and x.shape[-1] >= 1, f"{op}: x must have a non-empty last axis")
+        m = int(x.shape[-1])
+        return x, x.size // m, m
+
+    def rmsnorm(self, x: F32, w: F32 | None, eps: float) -> F32:
+        x, rows, m = self._rows("rmsnorm", x)
+        wp = self._ffi.NULL
+        if w is not None:
+            w = _f32("rmsnorm", "w", w)
+            _need(w.shape == (m,), f"rmsnorm: gain has shape {w.shape}, expected ({m},)")
+            wp = self._p("float[]", w)
+        out = np.empty_like(x)
+        if out.size:
+            self._sync_threads()
+            self._lib.k3_rmsnorm(self._p("float[]", x), rows, m, wp, float(eps),
+                                 self._out("float[]", out))
+        return out
+
+    def l2norm(self, x: F32) -> F32:
+        x, rows, m = self._rows("l2norm", x)
+        out = np.empty_like(x)
+        if out.size:
+            self._sync_threads()
+            self._lib.k3_l2norm(self._p("float[]", x), rows, m, self._out("float[]", out))
+        return out
+
+    def _unary(self, op: str, fn: Any, x: Any) -> F32:
+        x = _f32(op, "x", x)
+        out = np.empty_like(x)
+        if out.size:
+            self._sync_threads()
+            fn(self._p("float[]", x), x.size, self._out("float[]", out))
+        return out
+
+    def sigmoid(self, x: F32) -> F32:
+        return self._unary("sigmoid", self._lib.k3_sigmoid, x)
+
+    def silu(self, x: F32) -> F32:
+        return self._unary("silu", self._lib.k3_silu, x)
+
+    def exp(self, x: F32) -> F32:
+        return self._unary("exp", self._lib.k3_exp, x)
+
+    def situ_glu(self, g: F32, u: F32, b1: float, b2: float) -> F32:
+        g, u = _f32("situ_glu", "g", g), _f32("situ_glu", "u", u)
+        _need(g.shape == u.shape, f"situ_glu: g has shape {g.shape} but u has {u.shape}")
+        out = np.empty_like(g)
+        if out.size:
+            self._sync_threads()
+            self._lib.k3_situ_glu(self._p("float[]", g), self._p("float[]", u), g.size,
+                                  float(b1), float(b2), self._out("float[]", out))
+        return out
+
+    # --- attention building blocks --------------------------------------------------------
+    def shortconv(self, x: F32, w: F32, hist: F32) -> F32:
+        x, w = _f32("shortconv", "x", x), _f32("shortconv", "w", w)
+        hist = _inplace("shortconv", "hist", hist)
+        _need(x.ndim == 2 and w.ndim == 2 and w.shape[1] >= 1,
+              f"shortconv: expected x[T,C], w[C,K]; got {x.shape}, {w.shape}")
+        T, C = x.shape
+        K = w.shape[1]
+        _need(w.shape[0] == C and hist.shape == (C, K - 1),
+              f"shortconv: x {x.shape}, w {w.shape} and hist {hist.shape} do not agree "
+              f"(expected w[{C},K], hist[{C},K-1])")
+        out = np.empty_like(x)
+        if out.size:
+            self._sync_threads()
+            self._lib.k3_shortconv(self._p("float[]", x), T, C, self._p("float[]", w), K,
+                                   self._out("float[]", hist), self._out("float[]", out))
+        return out
+
+    def kda_gate(self, z: F32, dt_bias: F32, a_log: F32, lower_bound: float) -> F32:
+        z = _f32("kda_gate", "z", z)
+        dt_bias, a_log = _f32("kda_gate", "dt_bias", dt_bias), _f32("kda_gate", "a_log", a_log)
+        _need(z.ndim >= 1 and a_log.ndim == 1 and a_log.shape[0] >= 1,
+              f"kda_gate: expected z[..., P] and A_log[H]; got {z.shape}, {a_log.shape}")
+        P, H = int(z.shape[-1]), int(a_log.shape[0])
+        _need(P % H == 0, f"kda_gate: width {P} is not a multiple of {H} heads")
+        _need(dt_bias.shape == (P,), f"kda_gate: dt_bias has shape {dt_bias.shape}, expected ({P},)")
+        out = np.empty_like(z)
+        if out.size:
+            self._sync_threads()
+            self._lib.k3_kda_gate(self._p("float[]", z), z.size // P, H, P // H,
+                                  self._p("float[]", dt_bias), self._p("float[]", a_log),
+                                  float(lower_bound), self._out("float[]", out))
+        return out
+
+    def kda_recurrent(self, q: F32, k: F32, v: F32, alpha: F32, beta: F32, state: F32) -> F32:
+        op = "kda_recurrent"
+        q, k, v = _f32(op, "q", q), _f32(op, "k", k), _f32(op, "v", v)
+        alpha, beta = _f32(op, "alpha", alpha), _f32(op, "beta", beta)
+        state = _inplace(op, "state", state)
+        _need(q.ndim == 3 and state.ndim == 3, f"{op}: expected q[T,H,D] and S[H,D,D]")
+        T, H, Dk = q.shape
+        Dv = int(state.shape[2])
+        _need(
+            k.shape == q.shape and alpha.shape == q.shape and v.shape == (T, H, Dv)
+            and beta.shape == (T, H) and state.shape == (H, Dk, Dv),
+            f"{op}: shapes do not agree: q {q.shape} k {k.shape} v {v.shape} alpha "
+            f"{alpha.shape} beta {beta.shape} S {state.shape}",
+        )
+        out = np.empty_like(v)
+        if out.size or state.size:
+            self._sync_threads()
+            rc = self._lib.k3_kda_recurrent(
+                self._p("float[]", q), self._p("float[]", k), self._p("float[]", v),
+                self._p("float[]", alpha), self._p("float[]", beta), T, H, Dk, Dv,
+                self._out("float[]", state), self._out("float[]", out),
+            )
+            self._check(rc, op)
+        return out
+
+    def mla_attention(
+        self, q: F32, k_nope: F32, k_rope: F32, v: F32, pos0: int, scale: float
+    ) -> F32:
+        op = "mla_attention"
+        q, k_nope = _f32(op, "q", q), _f32(op, "k_nope", k_nope)
+        k_rope, v = _f32(op, "k_rope", k_rope), _f32(op, "v", v)
+        _need(q.ndim == 3 and k_nope.ndim == 3 and k_rope.ndim == 2 and v.ndim == 3,
+              f"{op}: expected q[T,H,n+r], k_nope[S,H,n], k_rope[S,r], v[S,H,dv]")
+        T, H, qh = q.shape
+        S, _, n = k_nope.shape
+        r, dv = int(k_rope.shape[1]), int(v.shape[2])
+        _need(
+            k_nope.shape[1] == H and qh == n + r and k_rope.shape[0] == S
+            and v.shape[:2] == (S, H),
+            f"{op}: shapes do not agree: q {q.shape} k_nope {k_nope.shape} k_rope "
+            f"{k_rope.shape} v {v.shape}",
+        )
+        pos0 = int(pos0)
+        _need(0 <= pos0 and pos0 + T <= S,
+              f"{op}: queries at {pos0}..{pos0 + T - 1} need {pos0 + T} cached positions, have {S}")
+        out = np.empty((T, H, dv), dtype=np.float32)
+        if out.size:
+            self._sync_threads()
+            rc = self._lib.k3_mla_attention(
+                self._p("float[]", q), self._p("float[]", k_nope), self._p("float[]", k_rope),
+                self._p("float[]", v), T, H, n, r, dv, S, pos0, float(scale),
+                self._out("float[]", out),
+            )
+            self._check(rc, op)
+        return out
+
+    def attn_res(self, sources: F32, fold: F32, eps: float) -> F32:
+        op = "attn_res"
+        sources, fold = _f32(op, "sources", sources), _f32(op, "fold", fold)
+        _need(sources.ndim == 3 and sources.shape[0] >= 1 and sources.shape[2] >= 1,
+              f"{op}: expected sources[S,T,E] with S, E >= 1; got {sources.shape}")
+        S, T, E = sources.shape
+        _need(fold.shape == (E,), f"{op}: fold has shape {fold.shape}, expected ({E},)")
+        out = np.empty((T, E), dtype=np.float32)
+        if out.size:
+            self._sync_threads()
+            rc = self._lib.k3_attn_res(self._p("float[]", sources), S, T, E,
+                                       self._p("float[]", fold), float(eps),
+                                       self._out("float[]", out))
+            self._check(rc, op)
+        return out
+
+    def router(
+        self, logits: F32, bias: F32, k: int, renorm: bool, scale: float
+    ) -> tuple[NDArray[np.int64], F32]:
+        logits, bias = _f32("router", "logits", logits), _f32("router", "bias", bias)
+        _need(logits.ndim == 2, f"router: logits must be [T, N], got {logits.shape}")
+        T, N = logits.shape
+        _need(bias.shape == (N,), f"router: bias has shape {bias.shape}, expected ({N},)")
+        k = int(k)
+        _need(k >= 0, f"router: k must be >= 0, got {k}")
+        kk = min(k, N)
+        idx = np.empty((T, kk), dtype=np.int64)
+        w = np.empty((T, kk), dtype=np.float32)
+        if idx.size:
+            self._sync_threads()
+            rc = self._lib.k3_router(
+                self._p("float[]", logits), T, N, self._p("float[]", bias), k, kk,
+                1 if renorm else 0, float(scale), self._out("int64_t[]", idx),
+                self._out("float[]", w),
+            )
+            self._check(rc, "router")
+        return idx, w
+
+
+@hookimpl
+def k3_kernel_backends() -> list[KernelBackendSpec]:
+    return [
+        KernelBackendSpec(
+            name="avx2",
+            factory="k3_backends.avx2_backend:Avx2Backend",
+            description="C kernels with AVX2 and OpenMP (bit-identical to numpy)",
+            priority=20,
+            probe=avx2_probe.probe,
+            install_hint=avx2_probe.BUILD_HINT,
+        )
+    ]
