@@ -155,7 +155,7 @@ def scatter_experts(src: Path, dst: Path, *, gap: int = 100, split: tuple[int, i
                 return (0, n)
             return (1, m.group(3), m.group(2), int(m.group(1)))
 
-        keep = []
+        keep: list[tuple[str, dict[str, Any], bytes]] = []
         split_prefix = (names.layer_name(split[0], f"block_sparse_moe.experts.{split[1]}.w2.")
                         if split is not None else None)
         for n in sorted(tensor_names, key=order):
