@@ -91,13 +91,17 @@ def test_model_gives_the_shape(tmp_path: Path) -> None:
     res = k3(trace, "--model", model, "--slots", "5,48", "--json")
     assert res.exit_code == 0, res.output
     doc = json.loads(res.stdout)
-    assert (doc["n_layers"], doc["n_experts"], doc["requests_per_token"]) == (13, 12, 48)
+    assert (doc["n_layers"], doc["n_experts"], doc["requests_per_token"]) == (12, 12, 48)
+    assert doc["pool"] == 12 * 12  # MoE layers x experts (layer 0 is dense)
     assert doc["tokens"] == 3 and doc["expert_bytes"] > 0
     assert doc["rows"][1]["hit_rate"]["lru"] == pytest.approx(2 / 3, abs=1e-6)
     # a trace naming an expert the model does not have is refused
     bad = _trace(tmp_path / "bad.bin", [(1, 12)] * 4)
     res = k3(bad, "--model", model, "--slots", "5")
     assert res.exit_code == 2 and "expert 12" in res.output
+    bad = _trace(tmp_path / "bad.bin", [(13, 1)] * 4)
+    res = k3(bad, "--model", model, "--slots", "5")
+    assert res.exit_code == 2 and "layer 13" in res.output
 
 
 @pytest.mark.parametrize(

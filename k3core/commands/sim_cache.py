@@ -41,7 +41,8 @@ def parse_numbers(text: str, flag: str, *, integer: bool) -> list[Any]:
 
 
 def model_shape(model_dir: Path) -> dict[str, int]:
-    """top-k, layers, experts, MoE layers and the largest expert's bytes of ``model_dir``."""
+    """top-k, MoE layer count, the highest layer index, experts and the largest expert's bytes
+    of ``model_dir`` (the pool is MoE layers x experts, as the simulator counts Kimi K3's)."""
     from k3_storage.plain import PlainStorage
 
     from k3core.checkpoint import CheckpointIndex
@@ -56,8 +57,8 @@ def model_shape(model_dir: Path) -> dict[str, int]:
         raise UsageError(f"--model {model_dir}: the model has no MoE layers")
     with CheckpointIndex.open(model_dir, PlainStorage()) as index:
         nbytes = ExpertLocator(cfg, index).max_bytes(range(cfg.n_layers))
-    return {"topk": cfg.topk, "n_layers": cfg.n_layers, "n_experts": cfg.n_experts,
-            "moe_layers": len(moe), "expert_bytes": nbytes}
+    return {"topk": cfg.topk, "n_layers": len(moe), "max_layer": cfg.n_layers - 1,
+            "n_experts": cfg.n_experts, "expert_bytes": nbytes}
 
 
 def check_visits(pairs: np.ndarray, topk: int) -> None:
@@ -103,10 +104,10 @@ def sim_cache(
     shape = model_shape(model) if model is not None else None
     k = topk or (shape["topk"] if shape else MODEL_TOPK)
     nbytes = expert_bytes or (shape["expert_bytes"] if shape else EXPERT_BYTES)
-    pairs = read_trace(trace, n_layers=shape["n_layers"] if shape else None,
+    pairs = read_trace(trace, n_layers=shape["max_layer"] if shape else None,
                        n_experts=shape["n_experts"] if shape else None)
     check_visits(pairs, k)
-    moe_layers = shape["moe_layers"] if shape else len(np.unique(pairs[:, 0]))
+    moe_layers = shape["n_layers"] if shape else len(np.unique(pairs[:, 0]))
     sizes = slot_list if slot_list is not None else None
     if sizes is not None and all(s < k + 1 for s in sizes):
         raise UsageError(f"every size is under top-k + 1 = {k + 1} slots (the engine refuses those)")
