@@ -75,10 +75,12 @@ def _register() -> None:
         pack_trunk,
         presets,
         run,
+        sim_cache,
         synth,
     )
 
-    for module in (run, synth, pack_trunk, backends, presets, doctor, download, budget, cmp_logits, bench_ladder):
+    for module in (run, synth, pack_trunk, backends, presets, doctor, download, budget, cmp_logits, bench_ladder,
+                   sim_cache):
         module.register(app)
 
 

@@ -13,6 +13,8 @@ Mechanics (the policy plugin only decides *what stays resident*):
 * ``prefetch`` schedules the first batch as soon as the routing is known, so the reads
   overlap the shared experts and the latent down-projection; ``run_layer`` waits only for
   what is still missing (the *exposed* wait);
+* ``use`` is called once per distinct expert of a visit: a request of an expert an earlier
+  batch of the same visit already served is counted as reuse and not read or used again;
 * a failed or short read is never served: the slot goes back to EMPTY, the drop is counted
   and the forward pass fails with ``ExpertDropError`` (exit 4: the result would be corrupt).
 
@@ -33,7 +35,7 @@ import numpy as np
 
 from k3core.cache_policy import CachePolicy, make_key
 from k3core.checkpoint import CheckpointIndex
-from k3core.errors import ExpertDropError, K3Error
+from k3core.errors import ExpertDropError, K3Error, PluginError
 from k3core.expert_locator import ExpertLocator, ExpertRef
 from k3core.experts import ExpertSource, ExpertStats, ExpertWeights
 from k3core.storage import aligned_empty
@@ -57,6 +59,7 @@ class _Visit:
     experts: list[int]
     pos: int = 0
     batch: dict[int, _Member] = field(default_factory=dict)
+    done: set[int] = field(default_factory=set)  # keys already used by an earlier batch
 
 
 class ExpertCache(ExpertSource):
@@ -123,8 +126,9 @@ class ExpertCache(ExpertSource):
         try:
             while True:
                 self._wait(v)
-                for m in v.batch.values():
+                for key, m in v.batch.items():
                     use(m.expert, self.locator.views(m.ref, m.buf))
+                    v.done.add(key)
                 v.batch.clear()
                 if v.pos >= len(v.keys):
                     break
@@ -137,10 +141,26 @@ class ExpertCache(ExpertSource):
 
     # ---- batches -----------------------------------------------------------------------------
     def _schedule(self, v: _Visit) -> None:
-        """Walk requests from ``v.pos``: policy events, slot reservation, reads submitted."""
+        """Walk requests from ``v.pos``: policy events, slot reservation, reads submitted.
+
+        If the walk is refused part way (a policy's invalid victim, an oversized expert), the
+        slots it reserved are handed back EMPTY before the error goes on: a reserved slot
+        whose read was never submitted must not be served later as a hit.
+        """
+        misses: list[_Member] = []
+        try:
+            self._walk(v, misses)
+        except BaseException:
+            for m in misses:
+                self._drop(make_key(v.layer, m.expert), m)
+                v.batch.pop(make_key(v.layer, m.expert), None)
+            raise
+        for m in sorted(misses, key=lambda m: (str(m.ref.path), m.ref.offset)):
+            m.future = self._pool.submit(self._read, m.ref, m.buf)
+
+    def _walk(self, v: _Visit, misses: list[_Member]) -> None:
         batch = v.batch
         protected = set(batch)
-        misses: list[_Member] = []
         while v.pos < len(v.keys) and len(batch) < self.capacity:
             key, e = v.keys[v.pos], v.experts[v.pos]
             v.pos += 1
@@ -149,6 +169,13 @@ class ExpertCache(ExpertSource):
                 self.stats.extra["reuse"] += 1
                 continue
             slot = self.slot_of.get(key)
+            if key in v.done:
+                # served by an earlier batch of this visit: ``use`` has all its positions, so
+                # it is neither read nor used again (the policy hears of it while resident)
+                if slot is not None:
+                    self.policy.on_hit(key)
+                self.stats.extra["reuse"] += 1
+                continue
             if slot is not None:
                 self.policy.on_hit(key)
                 if self.published.get(key, self.step) < self.step:
@@ -173,8 +200,6 @@ class ExpertCache(ExpertSource):
             batch[key] = m
             protected.add(key)
             misses.append(m)
-        for m in sorted(misses, key=lambda m: (str(m.ref.path), m.ref.offset)):
-            m.future = self._pool.submit(self._read, m.ref, m.buf)
 
     def _reserve(self, key: int, protected: set[int]) -> int | None:
         if not self.policy.admit(key, protected):
@@ -186,7 +211,11 @@ class ExpertCache(ExpertSource):
             if victim is None:
                 return None
             if victim in protected or victim not in self.slot_of:
-                raise K3Error(f"cache policy '{self.policy.name}' chose an invalid victim {victim}")
+                what = "protected (in use by this batch)" if victim in protected else "not resident"
+                raise PluginError(
+                    f"cache policy '{self.policy.name}' chose victim {victim:#x}, which is {what}; "
+                    "refusing to evict it"
+                )
             slot = self.slot_of.pop(victim)
             self.published.pop(victim, None)
             self.policy.on_evict(victim)
@@ -208,7 +237,7 @@ class ExpertCache(ExpertSource):
             self.index.read_at(ref.path, ref.offset, buf, what)
         else:
             for p in ref.parts:
-                self.index.read_at(ref.path, p.file_off, buf[p.slot_off : p.slot_off + p.nbytes], what)
+                self.index.read_at(p.path, p.file_off, buf[p.slot_off : p.slot_off + p.nbytes], what)
         dt = time.perf_counter() - t0
         with self._lock:
             self.stats.bytes_read += ref.nbytes
@@ -224,19 +253,21 @@ class ExpertCache(ExpertSource):
                 continue
             try:
                 m.future.result()
-                self.published[key] = self.step
-            except BaseException as exc:  # a failed read is never served
+            except Exception as exc:  # a failed read is never served
                 failed.append((m, exc))
                 self._drop(key, m)
+            else:
+                if m.slot is not None:  # a transient buffer is never looked up again
+                    self.published[key] = self.step
             m.future = None
         self.stats.exposed_wait_seconds += time.perf_counter() - t0
         if failed:
             self.stats.drops += len(failed)
-            m, exc = failed[0]
+            first, cause = failed[0]
             v.batch.clear()
             raise ExpertDropError(
-                f"routed expert {v.layer}/{m.expert} could not be read ({exc}); refusing a partial "
-                f"MoE sum: {len(failed)} expert(s) dropped, the run is invalid"
+                f"routed expert {v.layer}/{first.expert} could not be read ({cause}); refusing a "
+                f"partial MoE sum: {len(failed)} expert(s) dropped, the run is invalid"
             )
 
     def _drop(self, key: int, m: _Member) -> None:

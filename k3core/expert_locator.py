@@ -10,6 +10,7 @@ way the slot holds the tensors at the offsets this layout records.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import pairwise
 from pathlib import Path
 
 import numpy as np
@@ -35,6 +36,7 @@ class Part:
     shape: tuple[int, ...]
     dtype: np.dtype
     file_off: int
+    path: Path  # the shard holding this tensor (an expert may straddle two shards)
 
 
 @dataclass(frozen=True)
@@ -55,8 +57,8 @@ class ExpertLocator:
         self.cfg = cfg
         self.index = index
         self._refs: dict[tuple[int, int], ExpertRef] = {}
-        Lt, I = cfg.latent, cfg.moe_inter
-        self.logical = {"w1": (I, Lt), "w3": (I, Lt), "w2": (Lt, I)}
+        lat, inter = cfg.latent, cfg.moe_inter
+        self.logical = {"w1": (inter, lat), "w3": (inter, lat), "w2": (lat, inter)}
 
     def ref(self, layer: int, expert: int) -> ExpertRef:
         key = (layer, expert)
@@ -90,16 +92,16 @@ class ExpertLocator:
             raise CheckpointError(f"expert {expert} outside 0..{self.cfg.n_experts - 1}")
         infos = self._infos(layer, expert)
         paths = {i.path for _, i in infos}
-        ordered = sorted(infos, key=lambda kv: kv[1].offset)
+        ordered = sorted(infos, key=lambda kv: (str(kv[1].path), kv[1].offset))
         start = ordered[0][1].offset
         contiguous = len(paths) == 1 and all(
-            a.offset + a.nbytes == b.offset for (_, a), (_, b) in zip(ordered, ordered[1:])
+            a.offset + a.nbytes == b.offset for (_, a), (_, b) in pairwise(ordered)
         )
         parts = []
         pos = 0
         for key, info in ordered:
             slot_off = info.offset - start if contiguous else pos
-            parts.append(Part(key, slot_off, info.nbytes, info.shape, info.np_dtype, info.offset))
+            parts.append(Part(key, slot_off, info.nbytes, info.shape, info.np_dtype, info.offset, info.path))
             pos += info.nbytes
         total = ordered[-1][1].offset + ordered[-1][1].nbytes - start if contiguous else pos
         path = ordered[0][1].path

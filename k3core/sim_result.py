@@ -18,6 +18,11 @@ from k3core.errors import OutputError, UsageError
 BELADY = "belady"
 
 
+def size_text(nbytes: float) -> str:
+    """Decimal GB with two decimals, or MB below a GB (synthetic models have small experts)."""
+    return f"{nbytes / 1e9:.2f} GB" if nbytes >= 1e9 else f"{nbytes / 1e6:.2f} MB"
+
+
 @dataclass
 class SimRow:
     """One cache size: hit rates (fractions) and bytes read per token."""
@@ -104,7 +109,7 @@ class SimResult:
             f"distinct experts touched: {self.distinct:,} of {self.pool:,} "
             f"({100.0 * self.distinct / self.pool:.2f} % of the pool)",
             f"if nothing were cached: "
-            f"{self.requests_per_token * self.expert_bytes / 1e9:.2f} GB per token",
+            f"{size_text(self.requests_per_token * self.expert_bytes)} per token",
             f"hottest experts: {top}",
             f"total reuse: {self.repeats:,} of {self.requests:,} requests are repeats "
             f"({100.0 * self.repeats / self.requests:.1f} %)",
@@ -116,14 +121,17 @@ class SimResult:
             "hit rate for any policy at any size on this trace",
             f"{BELADY} (and {', '.join(self.offline) or 'no other policy'}) use future "
             "knowledge: ceilings, not achievable online",
-            f"holding every touched expert needs {self.distinct * self.expert_bytes / 1e9:.2f} "
-            f"GB; the whole pool {self.pool * self.expert_bytes / 1e9:.2f} GB",
+            f"holding every touched expert needs {size_text(self.distinct * self.expert_bytes)}; "
+            f"the whole pool {size_text(self.pool * self.expert_bytes)}",
         ]
 
     def table_rows(self) -> tuple[list[str], list[list[str]]]:
         """Column titles and formatted cells (shared by the plain and rich renderers)."""
         titles = ["CACHE", "SLOTS", *[p.upper() for p in self.policies]]
-        titles += ["BEST ONLINE", "GAP CLOSED", "GB READ/TOK", "LRU GB/TOK"]
+        # bytes per token in GB, or in MB when every figure is under a GB (small models)
+        big = any(v >= 1e9 for r in self.rows for v in r.bytes_per_token.values())
+        unit, scale = ("GB", 1e9) if big or not self.rows else ("MB", 1e6)
+        titles += ["BEST ONLINE", "GAP CLOSED", f"{unit} READ/TOK", f"LRU {unit}/TOK"]
         cells = []
         for r in self.rows:
             lru_b = r.bytes_per_token.get("lru")
@@ -134,8 +142,8 @@ class SimResult:
                     *[f"{100 * r.hit_rate[p]:.2f} %" for p in self.policies],
                     r.best_online,
                     "-" if r.gap_closed is None else f"{100 * r.gap_closed:.1f} %",
-                    f"{r.bytes_per_token[r.best_online] / 1e9:.2f}",
-                    "-" if lru_b is None else f"{lru_b / 1e9:.2f}",
+                    f"{r.bytes_per_token[r.best_online] / scale:.2f}",
+                    "-" if lru_b is None else f"{lru_b / scale:.2f}",
                 ]
             )
         return titles, cells

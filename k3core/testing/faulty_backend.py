@@ -7,7 +7,8 @@ a read until a test releases it. Every read is logged. The CLI tests reach it as
 ``faulty`` storage backend (:func:`register_faulty`), configured by ``K3_FAULT_*``
 environment variables: ``K3_FAULT_INNER`` (backend name, default ``plain``),
 ``K3_FAULT_MATCH`` (file name, default ``trunk.bin``), ``K3_FAULT_AFTER`` (reads that
-succeed before every later one fails).
+succeed before every later one fails), ``K3_FAULT_OFFSETS`` (comma-separated file offsets
+whose reads fail, e.g. one routed expert's start).
 
 :func:`disk_backed_dir` picks a directory for test data that O_DIRECT can use: the given
 temporary directory unless it is on tmpfs (which refuses O_DIRECT), else a fresh directory
@@ -48,7 +49,8 @@ class FaultyStorage(StorageBackend):
         env_after = os.environ.get("K3_FAULT_AFTER")
         self.fail_after = fail_after if fail_after is not None else (
             int(env_after) if env_after else None)
-        self.fail_offsets = set(fail_offsets)
+        env_offsets = os.environ.get("K3_FAULT_OFFSETS", "")
+        self.fail_offsets = set(fail_offsets) | {int(o) for o in env_offsets.split(",") if o.strip()}
         self.gates: dict[int, threading.Event] = {}  # offset -> released when set
         self.log: list[tuple[str, int, int]] = []
         self.matched_reads = 0
