@@ -10,7 +10,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import numpy as np
-
 from k3_backends.exact_numpy import (
     bf16_to_f32,
     d,
@@ -22,6 +21,7 @@ from k3_backends.exact_numpy import (
     sig_d,
     tanh_d,
 )
+
 from k3core import contract as C
 from k3core.hookspecs import hookimpl
 from k3core.kernels import F32, U16, KernelBackend, Mxfp4

@@ -67,6 +67,7 @@ def _root(
 def _register() -> None:
     from k3core.commands import (
         backends,
+        bench,
         bench_ladder,
         budget,
         cmp_logits,
@@ -79,7 +80,7 @@ def _register() -> None:
         synth,
     )
 
-    for module in (run, synth, pack_trunk, backends, presets, doctor, download, budget, cmp_logits, bench_ladder,
+    for module in (run, synth, pack_trunk, backends, presets, doctor, download, budget, cmp_logits, bench_ladder, bench,
                    sim_cache):
         module.register(app)
 

@@ -85,7 +85,7 @@ def cache_summary(stats: ExpertStats, slots: int, slot_bytes: int, policy: str, 
     ret = (req - stats.evictions) / req if req else 0.0
     mbs = stats.bytes_read / stats.read_seconds / 1e6 if stats.read_seconds > 0 else 0.0
     return [
-        ("policy", f"{policy} ({describe})" if describe and describe != policy else policy),
+        ("policy", describe if describe.startswith(policy) else f"{policy}: {describe}" if describe else policy),
         ("slots", f"{slots} x {slot_bytes / 1e6:.2f} MB = {gb(slots * slot_bytes)}"),
         ("requests", f"{req}"),
         ("resident hits", f"{stats.hits} ({100 * stats.hits / req if req else 0:.1f}%; resident before the step began)"),

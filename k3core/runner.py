@@ -15,19 +15,26 @@ from typing import Any
 from k3core import __version__
 from k3core.engine import Engine, EngineOptions, open_engine, read_model_config
 from k3core.errors import UsageError
+from k3core.expert_cache import ExpertCache
 from k3core.expert_setup import CacheOptions
 from k3core.generate import RunResult, Step, generate
 from k3core.idparse import check_vocab
 from k3core.memory_plan import check_kv, plan_memory
 from k3core.outputs import check_writable, write_json_atomic, write_logits
 from k3core.presets import check_plugins, load_preset
-from k3core.registry import get_registry
 from k3core.prompt import PromptSpec, load_tokenizer, prompt_ids
+from k3core.registry import get_registry
 from k3core.report import RunReport, cache_json, cache_summary, gb
 from k3core.resources import peak_rss_bytes
 from k3core.sampling import Sampler, argmax
 from k3core.settings import MergedSettings, merge_settings
-from k3core.trunk_setup import StepTrunkLog, check_trunk_options, report_json, report_lines, ultra_lines
+from k3core.trunk_setup import (
+    StepTrunkLog,
+    check_trunk_options,
+    report_json,
+    report_lines,
+    ultra_lines,
+)
 
 MAX_GEN = 4096
 MAX_STOP_IDS = 8
@@ -225,7 +232,7 @@ def _decode(engine: Engine, rep: RunReport, ids: list[int], r: RunRequest, incre
              f"{engine.timings['index']:.2f} s; weights bound in {engine.timings['bind']:.2f} s")
     for line in engine.trunk_lines + ultra_lines(engine.model.tables, incremental, engine.model.n_layers):
         rep.line(line)
-    cache = engine.experts if hasattr(engine.experts, "capacity") else None
+    cache = engine.experts if isinstance(engine.experts, ExpertCache) else None
     if cache is not None:
         rep.line(f"expert cache  : {cache.capacity} slots x {cache.stride / 1e6:.2f} MB = "
                  f"{gb(cache.capacity * cache.stride)}, policy {engine.names['cache']}")
@@ -265,14 +272,15 @@ def _summary(engine: Engine, rep: RunReport, res: RunResult, r: RunRequest, tok:
         rep.line("--- generated text ---")
         rep.line(text)
         rep.line("-" * 22)
-    cache = engine.experts if hasattr(engine.experts, "capacity") else None
+    cache = engine.experts if isinstance(engine.experts, ExpertCache) else None
     if cache is not None:
         rep.table("expert cache (whole run)", cache_summary(stats, cache.capacity, cache.stride,
                                                             engine.names["cache"], cache.policy.describe()))
     for line in report_lines(model.trunk, model.tables):
         rep.line(line)
     trunk_json = report_json(model.trunk, model.tables)
-    io = stats.read_seconds + float(trunk_json.get("trunk_read_seconds", 0.0) or 0.0)
+    trunk_read = trunk_json.get("trunk_read_seconds", 0.0)
+    io = stats.read_seconds + (float(trunk_read) if isinstance(trunk_read, (int, float)) else 0.0)
     if res.wall_seconds > 0:
         rep.line(f"I/O share of wall clock: {100 * io / res.wall_seconds:.1f}% (device time summed over "
                  f"reader threads; above 100% means reads overlapped compute)")

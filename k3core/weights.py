@@ -113,8 +113,8 @@ def _checked(a: np.ndarray, shape: tuple[int, ...], name: str) -> np.ndarray:
 
 def expert_from_reader(cfg: ModelConfig, reader: TensorReader, layer: int, e: int) -> ExpertWeights:
     """Load one routed expert's three matrices (MXFP4 packed, or dense for the oracle)."""
-    Lt, I = cfg.latent, cfg.moe_inter
-    shapes = {"w1": (I, Lt), "w3": (I, Lt), "w2": (Lt, I)}
+    Lt, inter = cfg.latent, cfg.moe_inter
+    shapes = {"w1": (inter, Lt), "w3": (inter, Lt), "w2": (Lt, inter)}
     parts: dict[str, Mxfp4 | np.ndarray] = {}
     for part, (rows, cols) in shapes.items():
         packed = names.expert_name(layer, e, part, "weight_packed")

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 
 import numpy as np
-
 from k3_backends.exact_numpy import mxfp4_to_f64
+
 from k3core import contract
 from k3core.kernels import Mxfp4
 
