@@ -16,6 +16,7 @@ from rich.console import Console
 from rich.table import Table
 
 from k3core.experts import ExpertStats
+from k3core.memory_plan import human
 
 
 def gb(n: float) -> str:
@@ -86,12 +87,12 @@ def cache_summary(stats: ExpertStats, slots: int, slot_bytes: int, policy: str, 
     mbs = stats.bytes_read / stats.read_seconds / 1e6 if stats.read_seconds > 0 else 0.0
     return [
         ("policy", describe if describe.startswith(policy) else f"{policy}: {describe}" if describe else policy),
-        ("slots", f"{slots} x {slot_bytes / 1e6:.2f} MB = {gb(slots * slot_bytes)}"),
+        ("slots", f"{slots} x {human(slot_bytes)} = {human(slots * slot_bytes)}"),
         ("requests", f"{req}"),
         ("resident hits", f"{stats.hits} ({100 * stats.hits / req if req else 0:.1f}%; resident before the step began)"),
         ("misses", f"{stats.misses}  reused this step: {int(stats.extra.get('reuse', 0))}"),
         ("evictions", f"{stats.evictions}  retention {100 * ret:.1f}%"),
-        ("read", f"{gb(stats.bytes_read)} in {stats.read_seconds:.2f} s device time ({mbs:.0f} MB/s)"),
+        ("read", f"{human(stats.bytes_read)} in {stats.read_seconds:.2f} s device time ({mbs:.0f} MB/s)"),
         ("waiting on reads", f"{stats.exposed_wait_seconds:.2f} s exposed (the rest overlapped compute)"),
         ("drops", f"{stats.drops}"),
     ]

@@ -19,7 +19,7 @@ from k3core.expert_cache import ExpertCache
 from k3core.expert_setup import CacheOptions
 from k3core.generate import RunResult, Step, generate
 from k3core.idparse import check_vocab
-from k3core.memory_plan import check_kv, plan_memory
+from k3core.memory_plan import check_kv, human, plan_memory
 from k3core.outputs import check_writable, write_json_atomic, write_logits
 from k3core.presets import check_plugins, load_preset
 from k3core.prompt import PromptSpec, load_tokenizer, prompt_ids
@@ -234,8 +234,8 @@ def _decode(engine: Engine, rep: RunReport, ids: list[int], r: RunRequest, incre
         rep.line(line)
     cache = engine.experts if isinstance(engine.experts, ExpertCache) else None
     if cache is not None:
-        rep.line(f"expert cache  : {cache.capacity} slots x {cache.stride / 1e6:.2f} MB = "
-                 f"{gb(cache.capacity * cache.stride)}, policy {engine.names['cache']}")
+        rep.line(f"expert cache  : {cache.capacity} slots x {human(cache.stride)} = "
+                 f"{human(cache.capacity * cache.stride)}, policy {engine.names['cache']}")
     rep.line(f"peak RSS after loading weights: {gb(peak_rss_bytes())} (the plan is a forecast; this is measured)")
     if sampler is not None:
         rep.line(f"sampling: temperature {sampler.temperature}, top-p {sampler.top_p}, "
