@@ -109,7 +109,11 @@ def parse_budgets(text: str) -> list[float]:
 
 
 def plan_total(cfg: ModelConfig, doc: dict[str, Any], positions: int) -> int:
-    """Trunk plan + tables + recurrent state + KV cache, as the child reported them."""
+    """The child's own memory plan (every row, the interpreter included) when it reports one;
+    else trunk plan + tables + recurrent state + KV cache, as the child reported them."""
+    own = doc.get("memory_plan")
+    if isinstance(own, dict) and isinstance(own.get("total"), int):
+        return int(own["total"])
     trunk = int(doc.get("trunk_plan", {}).get("planned_bytes", 0))
     tables = int(doc.get("tables_resident_bytes", 0))
     n = int(doc.get("layers", cfg.n_layers))

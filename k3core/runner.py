@@ -138,7 +138,8 @@ def execute(r: RunRequest, rep: RunReport | None = None) -> dict[str, Any]:
         for problem in check_plugins(preset):
             raise UsageError(f"preset {preset.name}: {problem}")
     reg = get_registry()
-    reg.resolve("kernel", s.backend)
+    kspec, _ = reg.resolve("kernel", s.backend)
+    kspec.load()  # import it now, so the plan's baseline (this process's RSS) includes it
     if s.storage != "auto":
         reg.resolve("storage", s.storage)
     reg.resolve("cache", s.cache_policy or "auto")
@@ -158,11 +159,11 @@ def execute(r: RunRequest, rep: RunReport | None = None) -> dict[str, Any]:
         check_kv(cfg, positions, n_layers=n_layers)
     trunk_gb = s.trunk_gb if streamed and (r.trunk_gb is not None or preset is not None) else None
     plan = plan_memory(
-        cfg, streamed=streamed, cache_bytes=int(s.cache_gb * 1e9), prompt_len=len(ids), gen=r.gen,
+        cfg, streamed=streamed and trunk_gb is not None, cache_bytes=int(s.cache_gb * 1e9), prompt_len=len(ids), gen=r.gen,
         incremental=incremental, n_layers=n_layers,
         trunk_budget=int(trunk_gb * 1e9) if trunk_gb is not None else None,
         ultra=bool(s.ultra_low_memory),
-    ) if not streamed or trunk_gb is not None else None
+    )
 
     rep.line(f"k3 {__version__}: Kimi K3, released checkpoint layout")
     rep.line(cfg.describe())
@@ -197,6 +198,7 @@ def execute(r: RunRequest, rep: RunReport | None = None) -> dict[str, Any]:
     try:
         res = _decode(engine, rep, ids, r, incremental, sampler, tok, t0)
         record = _summary(engine, rep, res, r, tok, incremental, sampler)
+        record["memory_plan"] = {"rows": dict(plan.rows()), "total": plan.total, "available": plan.available}
     finally:
         engine.close()
     if r.dump_logits is not None and res.first_logits is not None:

@@ -10,6 +10,7 @@ from k3core.checkpoint import CheckpointIndex
 from k3core.cli import guarded
 from k3core.config import load_config
 from k3core.errors import OutputError, UsageError
+from k3core.expert_locator import ExpertLocator
 from k3core.idparse import check_vocab, parse_ids
 from k3core.ladder import (
     K3_CMD,
@@ -43,6 +44,7 @@ def bench_ladder(
     no_limit: bool = typer.Option(False, "--no-limit", help="Do not cap each rung's memory."),
     headroom_gb: float = typer.Option(None, "--headroom-gb", help="Allowance over budget + tables + experts + state (default 2 GB cgroup / 4 GB RLIMIT_AS)."),
     timeout: float = typer.Option(None, "--timeout", help="Seconds allowed per rung."),
+    cache_gb: float = typer.Option(None, "--cache-gb", help="Expert cache per rung (default: the smallest legal one, top-k + 1 slots, so the ladder measures the trunk)."),
 ) -> None:
     """Run the same request at trunk budgets from nothing pinned to everything pinned."""
     if headroom_gb is not None and not headroom_gb >= 0:
@@ -56,6 +58,9 @@ def bench_ladder(
     with CheckpointIndex.open(model_dir, backend_obj) as index:
         man = open_trunk(trunk_dir, index, cfg)
         rest = fixed_bytes(cfg, index, len(prompt) + gen + 1)
+        if cache_gb is None:
+            stride = -(-ExpertLocator(cfg, index).max_bytes(range(cfg.n_layers)) // 4096) * 4096
+            cache_gb = (cfg.topk + 1) * stride / 1e9 * 1.001
     sizes = [lay.nbytes for lay in man.layers[: cfg.n_layers]]
     rung_budgets = parse_budgets(budgets) if budgets else default_budgets(sizes)
     if len(rung_budgets) < MIN_RUNGS:
@@ -66,7 +71,7 @@ def bench_ladder(
         raise OutputError(f"cannot create {out_dir}: {exc.strerror or exc}") from None
     base = [*K3_CMD, "run", str(model_dir), "--ids", ids,
             "--gen", str(gen), "--incremental", "--trunk", str(trunk_dir),
-            "--storage", storage, "--backend", backend]
+            "--storage", storage, "--backend", backend, "--cache-gb", f"{cache_gb:.6f}"]
     if threads is not None:
         base += ["--threads", str(threads)]
     if ring is not None:
