@@ -110,6 +110,7 @@ def pack_trunk(
     if (out / MANIFEST_NAME).exists() or (out / DATA_NAME).exists():
         if not force:
             raise UsageError(f"{out} already holds a packed trunk; pass --force to replace it")
+    created = not out.exists()
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -135,6 +136,9 @@ def pack_trunk(
         for p in (tmp_bin, tmp_json):
             with contextlib.suppress(OSError):
                 os.unlink(p)
+        if created and not (out / MANIFEST_NAME).exists():
+            with contextlib.suppress(OSError):
+                out.rmdir()  # only if empty: a failed pack leaves no directory it made
     return man
 
 
