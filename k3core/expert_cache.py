@@ -234,9 +234,12 @@ class ExpertCache(ExpertSource):
             self.stats.drops += len(failed)
             m, exc = failed[0]
             v.batch.clear()
+            what = f"routed expert {v.layer}/{m.expert}"
+            why = exc.message if isinstance(exc, K3Error) else repr(exc)
+            why = why.removeprefix(f"{what}: ")
             raise ExpertDropError(
-                f"routed expert {v.layer}/{m.expert} could not be read ({exc}); refusing a partial "
-                f"MoE sum: {len(failed)} expert(s) dropped, the run is invalid"
+                f"{what} could not be read ({why}); refusing a partial MoE sum: "
+                f"{len(failed)} expert(s) dropped, the run is invalid"
             )
 
     def _drop(self, key: int, m: _Member) -> None:
