@@ -55,8 +55,8 @@ class ExpertLocator:
         self.cfg = cfg
         self.index = index
         self._refs: dict[tuple[int, int], ExpertRef] = {}
-        Lt, I = cfg.latent, cfg.moe_inter
-        self.logical = {"w1": (I, Lt), "w3": (I, Lt), "w2": (Lt, I)}
+        lat, inter = cfg.latent, cfg.moe_inter
+        self.logical = {"w1": (inter, lat), "w3": (inter, lat), "w2": (lat, inter)}
 
     def ref(self, layer: int, expert: int) -> ExpertRef:
         key = (layer, expert)
@@ -93,7 +93,7 @@ class ExpertLocator:
         ordered = sorted(infos, key=lambda kv: kv[1].offset)
         start = ordered[0][1].offset
         contiguous = len(paths) == 1 and all(
-            a.offset + a.nbytes == b.offset for (_, a), (_, b) in zip(ordered, ordered[1:])
+            a.offset + a.nbytes == b.offset for (_, a), (_, b) in zip(ordered, ordered[1:], strict=False)
         )
         parts = []
         pos = 0
@@ -108,6 +108,15 @@ class ExpertLocator:
         return ref
 
     def _check(self, ref: ExpertRef) -> None:
+        # sizes from the headers first: a part claiming more than the config's expert can
+        # hold is refused before the zero buffer below is allocated
+        (rows, cols), n = self.logical["w1"], len(self.logical)
+        limit = n * rows * cols * 4  # three dense float32 matrices: the largest legal form
+        if ref.nbytes > limit:
+            raise CheckpointError(
+                f"routed expert {ref.layer}/{ref.expert}: its tensors hold {ref.nbytes} bytes; "
+                f"an expert of this config holds at most {limit} (shapes disagree with the "
+                "config)")
         # build views over a zero buffer: validates shapes/dtypes once per expert
         self.views(ref, np.zeros(ref.nbytes, dtype=np.uint8))
 
