@@ -122,3 +122,38 @@ def _small_cache():
     from k3core.expert_setup import CacheOptions
 
     return CacheOptions(cache_gb=0.0001)
+
+
+def test_ctrl_c_while_waiting_for_an_expert_read_is_an_interrupt(model, monkeypatch) -> None:
+    """Ctrl-C while the decode loop waits on a routed-expert read is an interrupt (exit
+    130), not a failed read: it must not be counted as a drop (exit 4), and no slot may keep
+    the unfinished read."""
+    from k3core import names
+    from k3core.testing.faulty_backend import register_faulty, unregister_faulty
+
+    cfg = ModelConfig.from_json_dict(size_config("tiny"))
+    moe = next(L for L in range(cfg.n_layers) if not cfg.is_dense(L))
+    register_faulty()
+    monkeypatch.setenv("K3_FAULT_INNER", "plain")
+    try:
+        engine = open_engine(EngineOptions(model, storage="faulty"))
+        shard = engine.index.info(names.layer_name(moe, "input_layernorm.weight")).path
+        storage = engine.storage
+        storage.match = shard.name  # type: ignore[attr-defined]
+        gate = threading.Event()
+        for e in range(cfg.n_experts):  # every expert read of the first MoE layer waits
+            storage.gates[engine.experts.locator.ref(moe, e).offset] = gate  # type: ignore
+        timer = threading.Timer(0.5, lambda: os.kill(os.getpid(), signal.SIGINT))
+        timer.start()
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                generate(engine.model, [3, 7, 11], 2, incremental=True)
+        finally:
+            gate.set()
+            timer.cancel()
+            engine.close()
+        cache = engine.experts
+        assert cache.stats.drops == 0  # type: ignore[attr-defined]
+        assert not any(k >> 20 == moe for k in cache.slot_of)  # type: ignore[attr-defined]
+    finally:
+        unregister_faulty()
