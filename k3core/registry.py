@@ -159,9 +159,10 @@ class Registry:
         table = self.entries.get(kind, {})
         if name == "auto":
             ranked = sorted(table.values(), key=lambda e: (-e.spec.priority, e.spec.name))
-            for entry in ranked:
-                if entry.conflict_with is None and self.probe(kind, entry.spec.name).ok:
-                    return entry.spec, f"auto picked {word} '{entry.spec.name}'"
+            for ranked_entry in ranked:
+                spec = ranked_entry.spec
+                if ranked_entry.conflict_with is None and self.probe(kind, spec.name).ok:
+                    return spec, f"auto picked {word} '{spec.name}'"
             raise PluginError(f"no {word} is available on this machine", hint="run `k3 backends`")
         entry = table.get(name)
         if entry is None:
