@@ -15,6 +15,7 @@ from typing import Any
 from k3core import __version__
 from k3core.engine import Engine, EngineOptions, open_engine, read_model_config
 from k3core.errors import UsageError
+from k3core.expert_cache import ExpertCache
 from k3core.expert_setup import CacheOptions
 from k3core.generate import RunResult, Step, generate
 from k3core.idparse import check_vocab
@@ -238,7 +239,7 @@ def _decode(engine: Engine, rep: RunReport, ids: list[int], r: RunRequest, incre
              f"{engine.timings['index']:.2f} s; weights bound in {engine.timings['bind']:.2f} s")
     for line in engine.trunk_lines + ultra_lines(engine.model.tables, incremental, engine.model.n_layers):
         rep.line(line)
-    cache = engine.experts if hasattr(engine.experts, "capacity") else None
+    cache = engine.experts if isinstance(engine.experts, ExpertCache) else None
     if cache is not None:
         rep.line(f"expert cache  : {cache.capacity} slots x {cache.stride / 1e6:.2f} MB = "
                  f"{gb(cache.capacity * cache.stride)}, policy {engine.names['cache']}")
@@ -278,14 +279,15 @@ def _summary(engine: Engine, rep: RunReport, res: RunResult, r: RunRequest, tok:
         rep.line("--- generated text ---")
         rep.line(text)
         rep.line("-" * 22)
-    cache = engine.experts if hasattr(engine.experts, "capacity") else None
+    cache = engine.experts if isinstance(engine.experts, ExpertCache) else None
     if cache is not None:
         rep.table("expert cache (whole run)", cache_summary(stats, cache.capacity, cache.stride,
                                                             engine.names["cache"], cache.policy.describe()))
     for line in report_lines(model.trunk, model.tables):
         rep.line(line)
     trunk_json = report_json(model.trunk, model.tables)
-    io = stats.read_seconds + float(trunk_json.get("trunk_read_seconds", 0.0) or 0.0)
+    trunk_read = trunk_json.get("trunk_read_seconds", 0.0)
+    io = stats.read_seconds + (float(trunk_read) if isinstance(trunk_read, (int, float)) else 0.0)
     if res.wall_seconds > 0:
         rep.line(f"I/O share of wall clock: {100 * io / res.wall_seconds:.1f}% (device time summed over "
                  f"reader threads; above 100% means reads overlapped compute)")

@@ -185,6 +185,39 @@ def test_trunk_bin_truncated_mid_run(model, trunk, work, monkeypatch, storage) -
 
 
 @pytest.mark.parametrize("storage", available_storage())
+def test_files_replaced_mid_run_change_nothing(model, trunk, work, monkeypatch, storage) -> None:
+    """Replacing a file (rename over it) while a run holds it open changes nothing: every
+    read comes from the file the run opened and checked. The next run sees the new files
+    and refuses them."""
+    m = _copy(model, work, f"replaced-{storage}")
+    t = work / f"trunk-replaced-{storage}"
+    shutil.rmtree(t, ignore_errors=True)
+    shutil.copytree(trunk, t)
+    args = ["--ids", "3,7", "--gen", "3", "--trunk", t, "--trunk-gb", "0.0005", "--storage",
+            storage]
+    before = k3("run", m, *args)
+    assert before.exit_code == 0, before.output
+    shards = sorted(m.glob("*.safetensors"))
+
+    def swap(step: int) -> None:
+        if step == 1:
+            for p in [t / DATA_NAME, *shards]:
+                junk = p.with_name(p.name + ".new")
+                junk.write_bytes(os.urandom(p.stat().st_size))
+                os.replace(junk, p)
+
+    _with_before_step(monkeypatch, swap)
+    during = k3("run", m, *args)
+    assert during.exit_code == 0, during.output
+    ids = [line for line in during.output.splitlines() if line.startswith("generated ids")]
+    assert ids and ids == [line for line in before.output.splitlines()
+                           if line.startswith("generated ids")]
+    monkeypatch.undo()
+    later = k3("run", m, *args)
+    refused(later, 1, "safetensors")
+
+
+@pytest.mark.parametrize("storage", available_storage())
 def test_expert_shard_truncated_after_open(model, work, layout, monkeypatch, storage) -> None:
     """Routed experts are read on first use: their bytes vanish after the trunk was bound.
     A routed expert that cannot be read is a drop: exit 4, never a partial MoE sum."""
