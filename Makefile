@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 K3 := $(VENV)/bin/k3
 DEMO_DIR ?= models/demo-tiny
 
-.PHONY: setup demo test test-long lint typecheck bench bench-ladder clean
+.PHONY: setup demo test test-long fuzz lint typecheck bench bench-ladder clean
 
 $(VENV)/.installed: pyproject.toml setup.py examples/k3-timing-backend/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -25,9 +25,25 @@ demo: setup
 test: setup
 	$(PY) -m pytest -q tests examples/k3-timing-backend/tests
 
-## test-long: the slow tests and long fuzz runs
+## test-long: the slow tests and long fuzz runs (about 10 minutes on 2 cores; docs/fuzzing.md)
 test-long: setup
 	$(PY) -m pytest -q -m slow
+
+## fuzz: coverage-guided fuzzing (atheris/libFuzzer) of every reader of untrusted bytes,
+## FUZZ_SECONDS each; a crash stops with its log (inputs kept in build/fuzz/crashes/)
+FUZZ_SECONDS ?= 60
+FUZZ_TARGETS ?= safetensors config tiktoken tokenizer_config manifest trace preset
+fuzz: setup
+	@$(PY) -c "import atheris" 2>/dev/null || $(PY) -m pip install -q 'atheris>=2.3'
+	@mkdir -p build/fuzz
+	@set -e; for t in $(FUZZ_TARGETS); do \
+	  if $(PY) fuzz/fuzz_$$t.py -max_total_time=$(FUZZ_SECONDS) -timeout=10 -print_final_stats=1 \
+	      > build/fuzz/$$t.log 2>&1; then \
+	    echo "fuzz $$t: $$(grep -o 'Done [0-9]* runs in [0-9]* second(s)' build/fuzz/$$t.log)," \
+	      "$$(grep -o 'cov: [0-9]*' build/fuzz/$$t.log | tail -1) edges, no crash"; \
+	  else echo "fuzz $$t: CRASH, see build/fuzz/$$t.log and build/fuzz/crashes/"; \
+	    tail -40 build/fuzz/$$t.log; exit 1; fi; \
+	done
 
 ## bench-ladder: the memory ladder (trunk budgets from nothing pinned to all pinned) on a
 ## synthetic medium model, about 2.4 GB written under build/ (git-ignored)
@@ -38,7 +54,7 @@ bench-ladder: setup
 	$(K3) bench-ladder $(LADDER_MODEL) $(LADDER_MODEL)-trunk --gen 6 --out-dir build/ladder
 
 lint: setup
-	$(PY) -m ruff check k3core backends storage caches tests
+	$(PY) -m ruff check k3core backends storage caches tests fuzz
 	$(PY) -m mypy k3core
 
 clean:

@@ -220,7 +220,8 @@ def _read_bytes(f: StorageFile, path: Path, offset: int, n: int) -> bytes:
     try:
         f.read_into(offset, buf)
     except StorageError as exc:
-        raise CheckpointError(f"{path}: cannot read the header: {exc.message}") from None
+        why = exc.message.removeprefix(f"{path}: ")
+        raise CheckpointError(f"{path}: cannot read the header: {why}") from None
     return buf.tobytes()
 
 

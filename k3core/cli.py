@@ -85,12 +85,15 @@ def _register() -> None:
         module.register(app)
 
 
-_register()
-
-
 def main() -> None:
     app()
 
 
 if __name__ == "__main__":
-    main()
+    # ``python -m k3core.cli``: this file runs as __main__, a second copy of the module; the
+    # commands register on (and import ``guarded`` from) the importable ``k3core.cli``
+    from k3core.cli import main as _main
+
+    _main()
+else:
+    _register()

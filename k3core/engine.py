@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from k3core.bounds import check_bind_shapes
 from k3core.checkpoint import CheckpointIndex
 from k3core.config import ModelConfig, load_config
 from k3core.errors import UsageError
@@ -110,6 +111,7 @@ def open_engine(
     trunk: TrunkSource | None = None
     trunk_lines: list[str] = []
     try:
+        check_bind_shapes(cfg, index, n_layers)  # from the headers, before any tensor is read
         if opts.trunk_dir is not None:
             trunk, trunk_lines = open_streamed_trunk(
                 opts.trunk_dir, cfg, index, storage, n_layers, opts.trunk_gb, opts.ring,

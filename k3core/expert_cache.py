@@ -133,6 +133,9 @@ class ExpertCache(ExpertSource):
                 if v.pos >= len(v.keys):
                     break
                 self._schedule(v)
+        except BaseException:  # an error or Ctrl-C mid-layer: no unfinished read stays mapped
+            self._abandon(v)
+            raise
         finally:
             self._visit = None
 
@@ -247,7 +250,7 @@ class ExpertCache(ExpertSource):
     def _wait(self, v: _Visit) -> None:
         """Wait for the batch's reads; publish complete ones; fail on any failed one."""
         t0 = time.perf_counter()
-        failed: list[tuple[_Member, BaseException]] = []
+        failed: list[tuple[_Member, Exception]] = []
         for key, m in v.batch.items():
             if m.future is None:
                 continue
@@ -256,6 +259,9 @@ class ExpertCache(ExpertSource):
             except Exception as exc:  # a failed read is never served
                 failed.append((m, exc))
                 self._drop(key, m)
+            except BaseException:  # Ctrl-C while waiting: an interrupt, not a failed read
+                self._abandon(v)
+                raise
             else:
                 if m.slot is not None:  # a transient buffer is never looked up again
                     self.published[key] = self.step
@@ -263,18 +269,31 @@ class ExpertCache(ExpertSource):
         self.stats.exposed_wait_seconds += time.perf_counter() - t0
         if failed:
             self.stats.drops += len(failed)
-            first, cause = failed[0]
+            m, err = failed[0]
             v.batch.clear()
+            what = f"routed expert {v.layer}/{m.expert}"
+            why = err.message if isinstance(err, K3Error) else repr(err)
+            why = why.removeprefix(f"{what}: ")
             raise ExpertDropError(
-                f"routed expert {v.layer}/{first.expert} could not be read ({cause}); refusing a "
-                f"partial MoE sum: {len(failed)} expert(s) dropped, the run is invalid"
+                f"{what} could not be read ({why}); refusing a partial MoE sum: "
+                f"{len(failed)} expert(s) dropped, the run is invalid"
             )
 
-    def _drop(self, key: int, m: _Member) -> None:
+    def _abandon(self, v: _Visit) -> None:
+        """Give up a batch: no slot keeps a read that has not completed (nor is counted)."""
+        for key, m in v.batch.items():
+            if m.future is not None:
+                # a read already under way still writes into its slot: retire the slot
+                self._drop(key, m, reuse=m.future.cancel() or m.future.done())
+                m.future = None
+        v.batch.clear()
+
+    def _drop(self, key: int, m: _Member, reuse: bool = True) -> None:
         if m.slot is not None and self.slot_of.get(key) == m.slot:
             del self.slot_of[key]
             self.key_of[m.slot] = None
-            self.free.append(m.slot)
+            if reuse:
+                self.free.append(m.slot)
             self.published.pop(key, None)
             self.policy.on_evict(key)
 

@@ -110,6 +110,15 @@ class ExpertLocator:
         return ref
 
     def _check(self, ref: ExpertRef) -> None:
+        # sizes from the headers first: a part claiming more than the config's expert can
+        # hold is refused before the zero buffer below is allocated
+        (rows, cols), n = self.logical["w1"], len(self.logical)
+        limit = n * rows * cols * 4  # three dense float32 matrices: the largest legal form
+        if ref.nbytes > limit:
+            raise CheckpointError(
+                f"routed expert {ref.layer}/{ref.expert}: its tensors hold {ref.nbytes} bytes; "
+                f"an expert of this config holds at most {limit} (shapes disagree with the "
+                "config)")
         # build views over a zero buffer: validates shapes/dtypes once per expert
         self.views(ref, np.zeros(ref.nbytes, dtype=np.uint8))
 

@@ -80,8 +80,8 @@ class Registry:
                 continue
             try:
                 plugin = ep.load()
-            except (Exception, SystemExit) as exc:  # a third-party plugin may raise anything
-                reg.broken.append(BrokenPlugin(ep.name, origin, f"failed to import: {exc!r}"))
+            except (Exception, SystemExit) as exc:  # a third-party plugin may do anything
+                reg.broken.append(BrokenPlugin(ep.name, origin, f"failed to import: {_brief(exc)}"))
                 continue
             reg.add_plugin(plugin, origin, ep.name)
         return reg
@@ -92,31 +92,29 @@ class Registry:
         pm.add_hookspecs(hookspecs)
         try:
             pm.register(plugin, name=name or origin)
-        except Exception as exc:
-            self.broken.append(BrokenPlugin(name, origin, f"not a valid k3 plugin: {exc}"))
+        except (Exception, SystemExit) as exc:
+            self.broken.append(BrokenPlugin(name, origin, f"not a valid k3 plugin: {_brief(exc)}"))
             return
         for kind, hook in HOOKS.items():
             try:
                 results = getattr(pm.hook, hook)()
             except (Exception, SystemExit) as exc:
-                self.broken.append(BrokenPlugin(name, origin, f"{hook}() raised {exc!r}"))
+                self.broken.append(BrokenPlugin(name, origin, f"{hook}() raised {_brief(exc)}"))
                 continue
             for specs in results:
                 if specs is None:
                     continue
-                if not isinstance(specs, list | tuple):
-                    self.broken.append(
-                        BrokenPlugin(name, origin, f"{hook}() returned {specs!r}, not a list of specs")
-                    )
+                if not isinstance(specs, (list, tuple)):
+                    self.broken.append(BrokenPlugin(
+                        name, origin, f"{hook}() returned {_brief(specs)}, not a list of specs"))
                     continue
                 for spec in specs:
                     self._add(kind, spec, origin, name)
 
     def _add(self, kind: Kind, spec: Any, origin: str, plugin_name: str) -> None:
-        if not isinstance(spec, PluginSpec) or not getattr(spec, "name", ""):
-            self.broken.append(
-                BrokenPlugin(plugin_name, origin, f"returned something that is not a spec: {spec!r}")
-            )
+        problem = spec_problem(kind, spec)
+        if problem:
+            self.broken.append(BrokenPlugin(plugin_name, origin, f"{HOOKS[kind]}() {problem}"))
             return
         if spec.kind != kind:
             self.broken.append(
@@ -158,9 +156,12 @@ class Registry:
         try:
             result = entry.spec.probe()
         except (Exception, SystemExit) as exc:
-            return Availability.no(f"its probe raised {exc!r}", entry.spec.install_hint)
+            return Availability.no(f"its probe raised {_brief(exc)}", _hint(entry.spec))
         if not isinstance(result, Availability):
-            return Availability.no(f"its probe returned {result!r}, not an Availability")
+            return Availability.no(f"its probe returned {_brief(result)}, not an Availability")
+        if not isinstance(result.reason, str) or not isinstance(result.hint, str):
+            return Availability.no(f"its probe returned {_brief(result)} (reason and hint must "
+                                   "be strings)")
         return result
 
     def resolve(self, kind: Kind, name: str) -> tuple[PluginSpec, str]:
@@ -169,9 +170,10 @@ class Registry:
         table = self.entries.get(kind, {})
         if name == "auto":
             ranked = sorted(table.values(), key=lambda e: (-e.spec.priority, e.spec.name))
-            for candidate in ranked:
-                if candidate.conflict_with is None and self.probe(kind, candidate.spec.name).ok:
-                    return candidate.spec, f"auto picked {word} '{candidate.spec.name}'"
+            for ranked_entry in ranked:
+                spec = ranked_entry.spec
+                if ranked_entry.conflict_with is None and self.probe(kind, spec.name).ok:
+                    return spec, f"auto picked {word} '{spec.name}'"
             raise PluginError(f"no {word} is available on this machine", hint="run `k3 backends`")
         entry = table.get(name)
         if entry is None:
@@ -194,7 +196,7 @@ class Registry:
         if not avail.ok:
             raise PluginError(
                 f"{word} '{name}' is not available here: {avail.reason}",
-                hint=avail.hint or entry.spec.install_hint or None,
+                hint=avail.hint or _hint(entry.spec) or None,
             )
         return entry.spec, ""
 
@@ -206,12 +208,64 @@ class Registry:
             instance = factory(**kwargs)
         except K3Error:  # a refusal with its own message (and exit code)
             raise
-        except Exception as exc:
+        except (Exception, SystemExit) as exc:
             raise PluginError(
-                f"{KIND_WORDS[kind]} '{spec.name}' failed to start: {exc!r}",
-                hint=spec.install_hint or None,
-            ) from exc
+                f"{KIND_WORDS[kind]} '{spec.name}' failed to start: {_brief(exc)}",
+                hint=_hint(spec) or None,
+            ) from None
+        base = _base_class(kind)
+        if not isinstance(instance, base):
+            raise PluginError(
+                f"{KIND_WORDS[kind]} '{spec.name}' is broken: its factory {spec.factory} built "
+                f"{_brief(instance)}, not a {base.__module__}.{base.__name__}")
         return instance, spec.name, note
+
+
+def spec_problem(kind: Kind, spec: Any) -> str:
+    """Why ``spec`` cannot be registered as a ``kind`` implementation ('' when it can)."""
+    if not isinstance(spec, PluginSpec):
+        return f"returned something that is not a spec: {_brief(spec)}"
+    name = spec.name
+    if not isinstance(name, str) or not name or not name.isprintable() or len(name) > 64:
+        return f"returned a spec with a bad name {_brief(name)}"
+    if spec.kind != kind:
+        return f"returned the {spec.kind} spec {name!r} from the {kind} hook"
+    if not isinstance(spec.factory, str) or not spec.factory.partition(":")[0]:
+        return f"returned spec {name!r} whose factory {_brief(spec.factory)} is not 'module:attr'"
+    if isinstance(spec.priority, bool) or not isinstance(spec.priority, int):
+        return f"returned spec {name!r} whose priority {_brief(spec.priority)} is not an integer"
+    if not callable(spec.probe):
+        return f"returned spec {name!r} whose probe is not callable"
+    return ""
+
+
+def _brief(obj: Any, limit: int = 160) -> str:
+    """``repr(obj)`` cut to one short line (plugins are untrusted; so is their output)."""
+    try:
+        text = repr(obj)
+    except Exception as exc:  # a hostile __repr__
+        text = f"<unprintable {type(obj).__name__}: {type(exc).__name__}>"
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _base_class(kind: Kind) -> type:
+    """The class every instance of ``kind`` must derive from (imported late: no cycles)."""
+    if kind == "kernel":
+        from k3core.kernels import KernelBackend
+
+        return KernelBackend
+    if kind == "storage":
+        from k3core.storage import StorageBackend
+
+        return StorageBackend
+    from k3core.cache_policy import CachePolicy
+
+    return CachePolicy
+
+
+def _hint(spec: PluginSpec) -> str:
+    return spec.install_hint if isinstance(spec.install_hint, str) else ""
 
 
 def _norm(dist: str) -> str:

@@ -20,6 +20,7 @@ from k3core.expert_setup import CacheOptions
 from k3core.generate import RunResult, Step, generate
 from k3core.idparse import check_vocab
 from k3core.memory_plan import check_kv, human, plan_memory
+from k3core.model_sizes import ALIGN, sizes_from_config
 from k3core.outputs import check_writable, write_json_atomic, write_logits
 from k3core.presets import check_plugins, load_preset
 from k3core.prompt import PromptSpec, load_tokenizer, prompt_ids
@@ -159,9 +160,9 @@ def execute(r: RunRequest, rep: RunReport | None = None) -> dict[str, Any]:
         check_kv(cfg, positions, n_layers=n_layers)
     trunk_gb = s.trunk_gb if streamed and (r.trunk_gb is not None or preset is not None) else None
     plan = plan_memory(
-        cfg, streamed=streamed and trunk_gb is not None, cache_bytes=int(s.cache_gb * 1e9), prompt_len=len(ids), gen=r.gen,
+        cfg, streamed=streamed, cache_bytes=int(s.cache_gb * 1e9), prompt_len=len(ids), gen=r.gen,
         incremental=incremental, n_layers=n_layers,
-        trunk_budget=int(trunk_gb * 1e9) if trunk_gb is not None else None,
+        trunk_budget=_trunk_budget(cfg, n_layers, trunk_gb) if streamed else None,
         ultra=bool(s.ultra_low_memory),
     )
 
@@ -176,10 +177,9 @@ def execute(r: RunRequest, rep: RunReport | None = None) -> dict[str, Any]:
         rep.line(f"setting: {line}")
     if r.layers is not None:
         rep.line(f"NOTE: only the first {r.layers} of {cfg.n_layers} layers run; this is not the full model")
-    if plan is not None:
-        for line in plan.lines():
-            rep.line(line)
-        plan.check()
+    for line in plan.lines():
+        rep.line(line)
+    plan.check()
     storage = s.storage
     if storage == "auto":
         storage = _auto_storage(r.model_dir, rep)
@@ -213,6 +213,13 @@ def execute(r: RunRequest, rep: RunReport | None = None) -> dict[str, Any]:
         write_json_atomic(r.out, record, "--out")
         rep.line(f"wrote {r.out}")
     return record
+
+
+def _trunk_budget(cfg: Any, n_layers: int, trunk_gb: float | None) -> int:
+    """Bytes the streamed trunk may hold: ``--trunk-gb``, or (without it) every layer pinned."""
+    if trunk_gb is not None:
+        return int(trunk_gb * 1e9)
+    return sizes_from_config(cfg).first(n_layers).trunk_bytes + ALIGN * n_layers
 
 
 def _auto_storage(model_dir: Path, rep: RunReport) -> str:

@@ -12,6 +12,7 @@ Everything is written under a temporary name and renamed into place only when co
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -20,7 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
-from safetensors import TensorSpec, serialize_file
+from safetensors import SafetensorError, TensorSpec, serialize_file
 
 from k3core import names
 from k3core.config import ModelConfig
@@ -127,7 +128,10 @@ def write_shard(path: Path, tensors: dict[str, np.ndarray]) -> int:
         specs[name] = TensorSpec(
             dtype=_ST_DTYPE[a.dtype], shape=list(a.shape), data_ptr=a.ctypes.data, data_len=a.nbytes
         )
-    serialize_file(specs, str(path), {"format": "pt"})
+    try:
+        serialize_file(specs, str(path), {"format": "pt"})
+    except SafetensorError as exc:  # the writer's I/O errors (a full disk) arrive as this
+        raise OSError(errno.EIO, f"{path.name}: {exc}") from None
     os.chmod(path, 0o666 & ~_UMASK)
     return sum(a.nbytes for a in tensors.values())
 

@@ -13,8 +13,8 @@ Format (the reference engine's, so traces move between engines and its ``sim_cac
     ``{"n_layers": L, "n_experts": E, "counts": {"layer,expert": count, ...}}``: the request
     count of every expert over the whole run, zero entries omitted.
 
-Both files are written to a temporary name in the target directory and renamed when
-complete, so a reader never sees half a trace. Reading refuses, with one line and exit 2
+Both files are written to temporary names in the target directory and renamed only when
+both are complete, so a reader never sees half a trace (and a full disk leaves neither). Reading refuses, with one line and exit 2
 (:class:`TraceError`), anything that is not a plausible trace: a missing or empty file, an
 odd number of int32 values, negative or out-of-range layers or experts, or a file larger
 than :data:`MAX_TRACE_BYTES`.
@@ -195,29 +195,43 @@ def write_trace(
         "counts": {f"{layer},{expert}": int(n) for (layer, expert), n in sorted(hist.items()) if n},
     }
     trace_path, hist_path = d / TRACE_NAME, d / HIST_NAME
-    _atomic_write(trace_path, arr.astype(_DTYPE).tobytes())
-    _atomic_write(hist_path, (json.dumps(doc, separators=(",", ":")) + "\n").encode())
-    return trace_path, hist_path
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    tmp = None
-    try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        tmp = None
+    hist_bytes = (json.dumps(doc, separators=(",", ":")) + "\n").encode()
+    staged: list[str] = []
+    target = trace_path
+    try:  # both files complete under temporary names first: a full disk leaves neither
+        staged.append(_stage(trace_path, arr.astype(_DTYPE).tobytes()))
+        target = hist_path
+        staged.append(_stage(hist_path, hist_bytes))
+        for tmp, final in zip(list(staged), (trace_path, hist_path), strict=True):
+            target = final
+            os.replace(tmp, final)
+            staged.remove(tmp)
     except OSError as exc:
-        raise OutputError(f"cannot write {path}: {exc.strerror or exc}") from None
+        raise OutputError(f"cannot write {target}: {exc.strerror or exc}") from None
     finally:
-        if tmp is not None:
+        for tmp in staged:
             try:
                 os.unlink(tmp)
             except OSError:
                 pass
+    return trace_path, hist_path
+
+
+def _stage(path: Path, data: bytes) -> str:
+    """Write ``data`` to a new temporary file next to ``path``; returns its name."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    return tmp
 
 
 class TraceRecorder:

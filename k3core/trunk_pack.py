@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from k3core import names
+from k3core.bounds import check_bind_shapes
 from k3core.checkpoint import CheckpointIndex, TensorInfo
 from k3core.config import ModelConfig
 from k3core.errors import CheckpointError, OutputError, StorageError, UsageError
@@ -92,6 +93,7 @@ def layer_run(index: CheckpointIndex, cfg: ModelConfig, layer: int) -> LayerRun:
 
 
 def plan_pack(index: CheckpointIndex, cfg: ModelConfig) -> list[LayerRun]:
+    check_bind_shapes(cfg, index, cfg.n_layers)  # a layer claiming terabytes is not copied
     return [layer_run(index, cfg, L) for L in range(cfg.n_layers)]
 
 
@@ -110,6 +112,7 @@ def pack_trunk(
     if (out / MANIFEST_NAME).exists() or (out / DATA_NAME).exists():
         if not force:
             raise UsageError(f"{out} already holds a packed trunk; pass --force to replace it")
+    created = not out.exists()
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -135,6 +138,9 @@ def pack_trunk(
         for p in (tmp_bin, tmp_json):
             with contextlib.suppress(OSError):
                 os.unlink(p)
+        if created and not (out / MANIFEST_NAME).exists():
+            with contextlib.suppress(OSError):
+                out.rmdir()  # only if empty: a failed pack leaves no directory it made
     return man
 
 

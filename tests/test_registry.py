@@ -149,8 +149,8 @@ def test_broken_hooks_are_reported():
     )
     reasons = " | ".join(f"{b.origin}: {b.reason}" for b in reg.broken)
     assert "raiser==1: k3_kernel_backends() raised ValueError('hook failed')" in reasons
-    assert "junk==1: returned something that is not a spec: 'not a spec'" in reasons
-    assert "wrongkind==1: returned a storage spec 'mislabelled'" in reasons
+    assert "junk==1: k3_kernel_backends() returned something that is not a spec: 'not a spec'" in reasons
+    assert "wrongkind==1: k3_kernel_backends() returned the storage spec 'mislabelled'" in reasons
     assert "scalar==1: k3_kernel_backends() returned" in reasons
     assert reg.names("kernel") == ["ok"]
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from k3core.cli import guarded
@@ -23,14 +24,17 @@ def backends() -> None:
             entry = reg.entries[kind][name]
             avail = reg.probe(kind, name)
             if entry.conflict_with:
-                status = f"[red]conflict[/] with {entry.conflict_with}"
+                status = f"[red]conflict[/] with {escape(entry.conflict_with)}"
             elif avail.ok:
                 status = "[green]available[/]"
             else:
-                status = f"[yellow]unavailable[/]: {avail.reason}" + (f" (fix: {avail.hint})" if avail.hint else "")
-            table.add_row(word, name, str(entry.spec.priority), status, entry.origin)
+                status = f"[yellow]unavailable[/]: {escape(avail.reason)}" + (
+                    f" (fix: {escape(avail.hint)})" if avail.hint else "")
+            table.add_row(word, escape(name), str(entry.spec.priority), status, escape(entry.origin))
+    # plugin text is untrusted: escaped so a '[' in it is printed, never read as markup
     for b in reg.broken:
-        table.add_row("plugin", b.name, "-", f"[red]broken[/]: {b.reason}", b.origin)
+        table.add_row("plugin", escape(b.name), "-", f"[red]broken[/]: {escape(b.reason)}",
+                      escape(b.origin))
     console.print(table)
 
 

@@ -8,7 +8,8 @@ a read until a test releases it. Every read is logged. The CLI tests reach it as
 environment variables: ``K3_FAULT_INNER`` (backend name, default ``plain``),
 ``K3_FAULT_MATCH`` (file name, default ``trunk.bin``), ``K3_FAULT_AFTER`` (reads that
 succeed before every later one fails), ``K3_FAULT_OFFSETS`` (comma-separated file offsets
-whose reads fail, e.g. one routed expert's start).
+whose reads fail, e.g. one routed expert's start) and ``K3_FAULT_RANGE`` (``LO:HI``: every
+read of the file overlapping bytes ``[LO, HI)`` fails, e.g. one tensor's bytes).
 
 :func:`disk_backed_dir` picks a directory for test data that O_DIRECT can use: the given
 temporary directory unless it is on tmpfs (which refuses O_DIRECT), else a fresh directory
@@ -39,7 +40,8 @@ class FaultyStorage(StorageBackend):
     name = "faulty"
 
     def __init__(self, inner: StorageBackend | None = None, match: str | None = None,
-                 fail_after: int | None = None, fail_offsets: Iterable[int] = ()):
+                 fail_after: int | None = None, fail_offsets: Iterable[int] = (),
+                 fail_range: tuple[int, int] | None = None):
         super().__init__()
         if inner is None:
             inner, _, _ = get_registry().create("storage", os.environ.get("K3_FAULT_INNER", "plain"))
@@ -51,6 +53,11 @@ class FaultyStorage(StorageBackend):
             int(env_after) if env_after else None)
         env_offsets = os.environ.get("K3_FAULT_OFFSETS", "")
         self.fail_offsets = set(fail_offsets) | {int(o) for o in env_offsets.split(",") if o.strip()}
+        env_range = os.environ.get("K3_FAULT_RANGE")
+        if fail_range is None and env_range:
+            lo, _, hi = env_range.partition(":")
+            fail_range = (int(lo), int(hi))
+        self.fail_range = fail_range
         self.gates: dict[int, threading.Event] = {}  # offset -> released when set
         self.log: list[tuple[str, int, int]] = []
         self.matched_reads = 0
@@ -81,7 +88,9 @@ class _FaultyFile(StorageFile):
             gate = o.gates.get(offset)
             if gate is not None:
                 gate.wait(30)
-            failing = (o.fail_after is not None and n >= o.fail_after) or offset in o.fail_offsets
+            failing = ((o.fail_after is not None and n >= o.fail_after) or offset in o.fail_offsets
+                       or (o.fail_range is not None and offset < o.fail_range[1]
+                           and o.fail_range[0] < offset + max(view.nbytes, 1)))
             if failing:
                 half = view.nbytes // 2
                 try:  # a torn buffer: real bytes, then garbage

@@ -1,0 +1,61 @@
+"""Fuzz the packed trunk's manifest (``trunk.json``) against a real 2-layer checkpoint.
+
+Input: the manifest's bytes (strict JSON, then every structural and cross check). An
+accepted manifest must keep every promise the streamer relies on: layers 0..n-1 once,
+aligned non-overlapping runs inside ``trunk.bin``, tensors inside their run and identical
+in dtype, shape and size to the checkpoint's.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from typing import Any
+
+from fuzz_common import instrumented, main, tiny_model
+
+with instrumented(__name__):
+    from k3core.checkpoint import CheckpointIndex
+    from k3core.config import load_config
+    from k3core.errors import CheckpointError, K3Error
+    from k3core.safejson import JSONRejected, parse_json
+    from k3core.trunk_manifest import ALIGN, MANIFEST_NAME, parse_manifest
+
+
+@cache
+def env() -> tuple[Any, Any, Any]:
+    from k3_storage.plain import PlainStorage
+
+    model, trunk = tiny_model()
+    return load_config(model / "config.json"), CheckpointIndex.open(model, PlainStorage()), trunk
+
+
+def one_input(data: bytes) -> None:
+    cfg, idx, root = env()
+    try:
+        try:
+            doc = parse_json(data)
+        except JSONRejected as exc:
+            raise CheckpointError(str(exc)) from None
+        man = parse_manifest(doc, root, idx, cfg, cfg.n_layers)
+    except K3Error as exc:
+        assert exc.message
+        return
+    assert [lay.layer for lay in man.layers] == list(range(man.n_layers))
+    runs = sorted(man.layers, key=lambda lay: lay.file_off)
+    assert all(a.file_off + a.nbytes <= b.file_off for a, b in zip(runs, runs[1:], strict=False))
+    for lay in man.layers:
+        assert lay.file_off % ALIGN == 0 and lay.nbytes % ALIGN == 0
+        assert lay.file_off + lay.nbytes <= man.total_bytes
+        for t in lay.tensors.values():
+            info = idx.info(t.name)
+            assert 0 <= t.off and t.off + t.nbytes <= lay.span
+            assert (info.dtype, info.shape, info.nbytes) == (t.dtype, t.shape, t.nbytes)
+
+
+def seeds() -> list[bytes]:
+    _, trunk = tiny_model()
+    return [(trunk / MANIFEST_NAME).read_bytes(), b"{}", b'{"format": "k3-trunk"}']
+
+
+if __name__ == "__main__":
+    main(one_input, seeds(), "manifest", json_dict=True)
