@@ -3,7 +3,6 @@
  * across threads; every lane sum runs on one thread in the contract's order. */
 #include "k3avx2_internal.h"
 
-
 /* ---- shortconv: per channel, float32 ------------------------------------------------- */
 void k3_shortconv(const float *x, int64_t T, int64_t C, const float *w, int64_t K, float *hist,
                   float *y) {
