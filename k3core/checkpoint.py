@@ -28,7 +28,7 @@ import numpy as np
 from k3core.errors import CheckpointError, StorageError
 from k3core.safejson import JSONRejected, encodable, parse_json, show
 from k3core.safetensors_header import DTYPES, header_length, parse_header
-from k3core.storage import StorageBackend, StorageFile
+from k3core.storage import StorageBackend, StorageFile, aligned_empty
 
 INDEX_NAME = "model.safetensors.index.json"
 #: an index.json larger than this is refused (the real one, 497,220 names, is ~50 MB)
@@ -125,7 +125,10 @@ class CheckpointIndex:
     def read(self, name: str) -> np.ndarray:
         """The tensor as a new array, typed and shaped (BF16 as ``uint16`` bit patterns)."""
         t = self.info(name)
-        out = np.empty(t.shape, dtype=t.np_dtype)
+        # placed at the file offset's remainder modulo 4096, so O_DIRECT reads land in place
+        skew = t.offset % 4096
+        raw = aligned_empty(t.nbytes + skew, 4096)[skew:]
+        out = raw.view(t.np_dtype).reshape(t.shape) if t.nbytes else np.empty(t.shape, t.np_dtype)
         if t.nbytes:
             self._read(t.path, t.offset, out, what=f"tensor {show(name)}")
         return out

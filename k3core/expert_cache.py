@@ -43,6 +43,17 @@ from k3core.storage import aligned_empty
 ALIGN = 4096
 
 
+def slot_stride(slot_bytes: int) -> int:
+    """Bytes per slot: the expert plus one alignment unit, so an expert can sit in its slot at
+    the same offset modulo 4096 as in its file and an O_DIRECT read lands in place (the
+    storage backend then needs no bounce buffer for the aligned middle of the read)."""
+    return -(-(slot_bytes + ALIGN) // ALIGN) * ALIGN
+
+
+def _skew(ref: ExpertRef) -> int:
+    return ref.offset % ALIGN if ref.contiguous else 0
+
+
 @dataclass
 class _Member:
     expert: int
@@ -80,7 +91,7 @@ class ExpertCache(ExpertSource):
         self.locator = locator
         self.policy = policy
         self.capacity = slots
-        self.stride = -(-slot_bytes // ALIGN) * ALIGN
+        self.stride = slot_stride(slot_bytes)
         self.slot_bytes = slot_bytes
         self.arena = aligned_empty(slots * self.stride, ALIGN)
         self.slot_of: dict[int, int] = {}
@@ -196,7 +207,8 @@ class ExpertCache(ExpertSource):
             slot = self._reserve(key, protected)
             if slot is None:
                 self.stats.extra["transient"] += 1
-                buf = aligned_empty(ref.nbytes, ALIGN)
+                skew = _skew(ref)
+                buf = aligned_empty(ref.nbytes + skew, ALIGN)[skew:]
             else:
                 buf = self._slot_buf(slot, ref)
             m = _Member(e, ref, buf, slot)
@@ -229,7 +241,7 @@ class ExpertCache(ExpertSource):
         return slot
 
     def _slot_buf(self, slot: int, ref: ExpertRef) -> np.ndarray:
-        start = slot * self.stride
+        start = slot * self.stride + _skew(ref)
         return self.arena[start : start + ref.nbytes]
 
     def _read(self, ref: ExpertRef, buf: np.ndarray) -> float:

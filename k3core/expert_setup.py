@@ -14,7 +14,7 @@ from typing import Any
 from k3core.checkpoint import CheckpointIndex
 from k3core.config import ModelConfig
 from k3core.errors import UsageError
-from k3core.expert_cache import ALIGN, ExpertCache
+from k3core.expert_cache import ExpertCache, slot_stride
 from k3core.expert_locator import ExpertLocator
 from k3core.registry import Registry
 from k3core.trace import TraceRecorder
@@ -33,12 +33,12 @@ def expert_slots(cfg: ModelConfig, n_layers: int, slot_bytes: int, cache_gb: flo
     """Slots for ``cache_gb`` (decimal GB), at most every expert; refuses fewer than top-k + 1."""
     moe = sum(1 for L in range(n_layers) if not cfg.is_dense(L))
     total = moe * cfg.n_experts
-    stride = -(-slot_bytes // ALIGN) * ALIGN
+    stride = slot_stride(slot_bytes)
     if cache_gb is None:
         return total
     if not cache_gb >= 0:
         raise UsageError(f"--cache-gb must be a non-negative number, got {cache_gb}")
-    slots = int(cache_gb * 1e9 // stride)
+    slots = int(round(cache_gb * 1e9)) // stride
     if slots < cfg.topk + 1:
         need = (cfg.topk + 1) * stride / 1e9
         raise UsageError(

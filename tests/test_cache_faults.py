@@ -19,6 +19,7 @@ from k3core.checkpoint import CheckpointIndex
 from k3core.cli import app
 from k3core.config import ModelConfig
 from k3core.errors import ExpertDropError
+from k3core.expert_cache import slot_stride
 from k3core.synth import synthesize
 from k3core.synth_sizes import size_config
 from k3core.testing.disk import disk_tmpdir
@@ -60,9 +61,12 @@ def expert_start(truth: ShardTruth, layer: int, expert: int) -> tuple[Path, int,
     return spans[0][0], min(s[1] for s in spans), max(s[1] + s[2] for s in spans)
 
 
-def slot_bytes(rig: Rig, slot: int) -> np.ndarray:
+def slot_bytes(rig: Rig, slot: int, layer: int, expert: int) -> np.ndarray:
+    """The bytes of ``slot`` where ``expert`` of ``layer`` sits (its file offset's remainder)."""
     c = rig.cache
-    return c.arena[slot * c.stride : slot * c.stride + c.slot_bytes]
+    ref = c.locator.ref(layer, expert)
+    start = slot * c.stride + (ref.offset % 4096 if ref.contiguous else 0)
+    return c.arena[start : start + ref.nbytes]
 
 
 # ---- the cache itself ------------------------------------------------------------------------
@@ -82,7 +86,7 @@ def test_failed_read_is_dropped_and_never_served(work: Path, storage: str, polic
         assert rig.served == [], "no expert of a failed batch reaches the MoE"
         freed = c.free[-1]  # the failed read's slot went back EMPTY ...
         assert c.key_of[freed] is None
-        assert (slot_bytes(rig, freed) == SCRIBBLE).all()  # ... holding the scribbled bytes
+        assert (slot_bytes(rig, freed, 0, 7) == SCRIBBLE).all()  # ... holding the scribbled bytes
         # the others of the batch completed and stay resident with exact bytes
         assert {make_key(0, e) for e in (3, 9, 1)} <= set(c.slot_of)
         faulty.heal()
@@ -172,7 +176,7 @@ def test_run_with_a_failing_expert_read_exits_4(model, work, monkeypatch, faulty
     outs = [work / f"never-{inner}.json", work / f"never-{inner}.logits", work / f"trace-{inner}"]
     outs[2].mkdir()
     res = runner.invoke(app, ["run", str(model), "--ids", PROMPT, "--gen", "2", "--storage", "faulty",
-                              "--cache-gb", "0.000041", "--out", str(outs[0]), "--dump-logits", str(outs[1]),
+                              "--cache-gb", f"{(5 * slot_stride(6528) + 1) / 1e9:.9f}", "--out", str(outs[0]), "--dump-logits", str(outs[1]),
                               "--dump-cache-trace", str(outs[2])])
     assert_clean_exit_4(res, outs[:2] + [outs[2] / "expert_trace.bin"], layer)
     assert f"routed expert {layer}/{expert} could not be read" in res.output

@@ -16,6 +16,7 @@ from typer.testing import CliRunner
 
 from k3core.cli import app
 from k3core.config import ModelConfig
+from k3core.expert_cache import slot_stride  # noqa: E402
 from k3core.registry import get_registry
 from k3core.synth import synthesize
 from k3core.synth_sizes import size_config
@@ -27,7 +28,7 @@ runner = CliRunner()
 PROMPT = "3,7,11,5,9"
 GEN = 4
 TOPK = 4
-SLOT = 8192  # one expert of this model is 6,528 bytes: a 4096-aligned slot of 8,192
+SLOT = slot_stride(6528)  # one expert of this model is 6,528 bytes
 SIZES = {"floor": TOPK + 1, "mid": 40, "all": None}  # slots; None: no --cache-gb
 POLICIES = sorted(get_registry().names("cache"))
 

@@ -10,6 +10,7 @@ from k3core.checkpoint import CheckpointIndex
 from k3core.cli import guarded
 from k3core.config import load_config
 from k3core.errors import OutputError, UsageError
+from k3core.expert_cache import slot_stride
 from k3core.expert_locator import ExpertLocator
 from k3core.idparse import check_vocab, parse_ids
 from k3core.ladder import (
@@ -59,7 +60,7 @@ def bench_ladder(
         man = open_trunk(trunk_dir, index, cfg)
         rest = fixed_bytes(cfg, index, len(prompt) + gen + 1)
         if cache_gb is None:
-            stride = -(-ExpertLocator(cfg, index).max_bytes(range(cfg.n_layers)) // 4096) * 4096
+            stride = slot_stride(ExpertLocator(cfg, index).max_bytes(range(cfg.n_layers)))
             cache_gb = (cfg.topk + 1) * stride / 1e9 * 1.001
     sizes = [lay.nbytes for lay in man.layers[: cfg.n_layers]]
     rung_budgets = parse_budgets(budgets) if budgets else default_budgets(sizes)
