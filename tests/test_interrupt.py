@@ -52,6 +52,12 @@ def _all_entries(d: Path) -> list[str]:
     return sorted(str(p.relative_to(d)) for p in d.rglob("*"))
 
 
+def _default_sigint() -> None:
+    """A shell that starts the suite in the background ignores SIGINT, and children inherit
+    that; give the child the default disposition so Python installs its handler."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.parametrize("mode", [
     ["--trunk", "{t}", "--trunk-gb", "0.0005", "--incremental", "--cache-gb", "0.0001"],
     ["--full-recompute"],
@@ -66,7 +72,8 @@ def test_sigint_while_decoding(model, trunk, tmp_path, mode, delay) -> None:
         [sys.executable, "-m", "k3core.cli", "run", str(model), "--ids", "3,7,11", "--gen", "4096",
          *args, "--out", str(out / "run.json"), "--dump-logits", str(out / "logits.bin"),
          "--dump-cache-trace", str(out / "trace")],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+        preexec_fn=_default_sigint)
     try:
         assert p.stdout is not None
         seen = []
@@ -135,6 +142,7 @@ def test_ctrl_c_while_waiting_for_an_expert_read_is_an_interrupt(model, monkeypa
     moe = next(L for L in range(cfg.n_layers) if not cfg.is_dense(L))
     register_faulty()
     monkeypatch.setenv("K3_FAULT_INNER", "plain")
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # even if started ignored
     try:
         engine = open_engine(EngineOptions(model, storage="faulty"))
         shard = engine.index.info(names.layer_name(moe, "input_layernorm.weight")).path
@@ -156,4 +164,5 @@ def test_ctrl_c_while_waiting_for_an_expert_read_is_an_interrupt(model, monkeypa
         assert cache.stats.drops == 0  # type: ignore[attr-defined]
         assert not any(k >> 20 == moe for k in cache.slot_of)  # type: ignore[attr-defined]
     finally:
+        signal.signal(signal.SIGINT, previous)
         unregister_faulty()

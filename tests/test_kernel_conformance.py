@@ -24,8 +24,10 @@ def _required() -> set[str]:
 
 
 def _names() -> list[str]:
-    registered = set(get_registry().names("kernel"))
-    return sorted((registered | _required()) - {REFERENCE})
+    reg = get_registry()
+    registered = set(reg.names("kernel"))
+    other_kinds = set(reg.names("storage")) | set(reg.names("cache"))  # K3_TEST_REQUIRE names every kind
+    return sorted((registered | (_required() - other_kinds)) - {REFERENCE})
 
 
 def make_backend(name: str) -> KernelBackend:

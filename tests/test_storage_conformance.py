@@ -14,15 +14,21 @@ from k3core.registry import get_registry
 from k3core.storage import StorageBackend
 from k3core.testing.storage_conformance import StorageConformance
 
-NAMES = get_registry().names("storage")
-
-
 def required() -> set[str]:
     return {n.strip() for n in os.environ.get("K3_TEST_REQUIRE", "").split(",") if n.strip()}
 
 
+_REG = get_registry()
+# K3_TEST_REQUIRE names every kind: a required name that is no kernel backend or cache policy
+# must be a registered storage backend (else make_backend fails rather than skipping it)
+NAMES = sorted(set(_REG.names("storage"))
+               | (required() - set(_REG.names("kernel")) - set(_REG.names("cache"))))
+
+
 def make_backend(name: str) -> StorageBackend:
     reg = get_registry()
+    if name not in reg.names("storage"):
+        pytest.fail(f"storage backend '{name}' is required (K3_TEST_REQUIRE) but not registered")
     avail = reg.probe("storage", name)
     if not avail.ok:
         if name in required():
