@@ -14,6 +14,7 @@ from k3core.registry import get_registry
 from k3core.storage import StorageBackend
 from k3core.testing.storage_conformance import StorageConformance
 
+
 def required() -> set[str]:
     return {n.strip() for n in os.environ.get("K3_TEST_REQUIRE", "").split(",") if n.strip()}
 
