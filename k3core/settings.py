@@ -138,7 +138,7 @@ def merge_settings(
     for k, v in flags.items():
         _known(k, "flags")
         if v is not None:
-            values[k], sources[k] = v, f"flag --{k.replace('_', '-')}"
+            values[k], sources[k] = v, ("argument MODEL_DIR" if k == "model_dir" else f"flag --{k.replace('_', '-')}")
     try:
         settings = Settings(**values)
     except ValidationError as exc:

@@ -35,7 +35,7 @@ def test_every_layer_at_once():
     m = merge_settings({"trunk_gb": 20.0}, PRESET, env, {"model_dir": Path("/m/flag"),
                                                          "cache_gb": 40.0})
     s = m.settings
-    assert s.model_dir == Path("/m/flag") and m.sources["model_dir"] == "flag --model-dir"
+    assert s.model_dir == Path("/m/flag") and m.sources["model_dir"] == "argument MODEL_DIR"
     assert s.tok == Path("/t/env") and m.sources["tok"] == "env K3_TOK_FILES"
     assert s.trunk_gb == 5.0 and m.sources["trunk_gb"] == "preset p"  # preset beats default
     assert s.cache_gb == 40.0 and m.sources["cache_gb"] == "flag --cache-gb"
