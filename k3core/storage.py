@@ -166,3 +166,15 @@ def byte_view(out: Buffer) -> np.ndarray:
     if not arr.flags.writeable:
         raise StorageError("read destination is read-only")
     return arr.reshape(-1).view(np.uint8)
+
+
+def checked_destination(path: Path, size: int, closed: bool, offset: int, out: Buffer) -> np.ndarray:
+    """The byte view of ``out`` for a read of it at ``offset``, or ``StorageError`` when the
+    file is closed or the range is outside it (the checks every backend makes first)."""
+    if closed:
+        raise StorageError(f"{path}: read after close")
+    dst = byte_view(out)
+    n = dst.size
+    if offset < 0 or offset + n > size:
+        raise StorageError(f"{path}: read [{offset}, {offset + n}) is outside the file ({size} bytes)")
+    return dst

@@ -35,7 +35,7 @@ from k3_storage.alignment import (
 )
 
 from k3core.errors import StorageError
-from k3core.storage import Buffer, IOStats, StorageFile, _Timer, aligned_empty, byte_view
+from k3core.storage import Buffer, IOStats, StorageFile, _Timer, aligned_empty, checked_destination
 
 _MAX_STALLS = 8
 
@@ -93,15 +93,8 @@ class AlignedFile(StorageFile):
             self._close_handle()
 
     def read_into(self, offset: int, out: Buffer) -> None:
-        if self._closed:
-            raise StorageError(f"{self.path}: read after close")
-        dst = byte_view(out)
+        dst = checked_destination(self.path, self.size, self._closed, offset, out)
         n = dst.size
-        if offset < 0 or offset + n > self.size:
-            raise StorageError(
-                f"{self.path}: read [{offset}, {offset + n}) is outside the file "
-                f"({self.size} bytes)"
-            )
         with _Timer(self._stats) as t:
             if n:
                 self._read(offset, dst)

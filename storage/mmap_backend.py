@@ -22,7 +22,7 @@ from k3_storage.open_errors import open_failure, regular_size
 from k3core.errors import StorageError
 from k3core.hookspecs import hookimpl
 from k3core.specs import Availability, StorageBackendSpec
-from k3core.storage import Buffer, IOStats, StorageBackend, StorageFile, _Timer, byte_view
+from k3core.storage import Buffer, IOStats, StorageBackend, StorageFile, _Timer, checked_destination
 
 #: reads at least this large first tell the kernel the whole range is wanted
 #: (``MADV_WILLNEED``), so it is read in large requests instead of fault by fault
@@ -42,15 +42,8 @@ class MmapFile(StorageFile):
         self._mm = mmap.mmap(fd, size, access=mmap.ACCESS_READ) if size else None
 
     def read_into(self, offset: int, out: Buffer) -> None:
-        if self._closed:
-            raise StorageError(f"{self.path}: read after close")
-        dst = byte_view(out)
+        dst = checked_destination(self.path, self.size, self._closed, offset, out)
         n = dst.size
-        if offset < 0 or offset + n > self.size:
-            raise StorageError(
-                f"{self.path}: read [{offset}, {offset + n}) is outside the file "
-                f"({self.size} bytes)"
-            )
         with _Timer(self._stats) as t:
             if n:
                 self._copy(offset, dst)
