@@ -20,6 +20,7 @@ clear refusal instead of SIGILL.
 from __future__ import annotations
 
 import os
+import threading
 from typing import Any
 
 import numpy as np
@@ -80,6 +81,10 @@ def _inplace(op: str, name: str, a: Any) -> NDArray[np.float32]:
     return a
 
 
+#: the thread count this OS thread last gave the C library (mirrors its per-thread state)
+_LAST_SET = threading.local()
+
+
 class Avx2Backend(KernelBackend):
     """The C/AVX2 implementation of the kernel contract (see the module docstring)."""
 
@@ -108,6 +113,7 @@ class Avx2Backend(KernelBackend):
             raise ValueError(f"avx2: thread count must be an integer >= 1, got {n!r}")
         self._threads = int(n)
         self._lib.k3_set_threads(self._threads)
+        _LAST_SET.n = self._threads
 
     @property
     def threads(self) -> int:
@@ -131,9 +137,12 @@ class Avx2Backend(KernelBackend):
             raise ValueError(f"avx2 {op}: the kernel refused its arguments (code {rc})")
 
     def _sync_threads(self) -> None:
-        # the C library keeps the count per calling OS thread; set it before every call so
-        # that backends with different counts, used from several Python threads, agree
-        self._lib.k3_set_threads(self._threads)
+        # the C library keeps the count per calling OS thread; set it before a call whenever
+        # this OS thread last set another count (backends with different counts, several
+        # Python threads), and skip the foreign call on the decode loop's hot path otherwise
+        if getattr(_LAST_SET, "n", None) != self._threads:
+            self._lib.k3_set_threads(self._threads)
+            _LAST_SET.n = self._threads
 
     # --- matrix products -----------------------------------------------------------------
     def _matmul_x(self, x: Any, cols: int) -> NDArray[np.float32]:
