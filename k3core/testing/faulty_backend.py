@@ -19,8 +19,8 @@ under the checkout's ``build/`` (git-ignored).
 from __future__ import annotations
 
 import os
+import tempfile
 import threading
-import uuid
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -32,6 +32,7 @@ from k3core.hookspecs import hookimpl
 from k3core.registry import Registry, get_registry
 from k3core.specs import StorageBackendSpec
 from k3core.storage import StorageBackend, StorageFile
+from k3core.testing.disk import disk_scratch_root, is_memory_fs
 
 
 class FaultyStorage(StorageBackend):
@@ -136,29 +137,12 @@ def available_storage() -> list[str]:
     return [n for n in reg.names("storage") if n != "faulty" and reg.probe("storage", n).ok]
 
 
-def _fs_type(path: Path) -> str:
-    best, kind = "", ""
-    try:
-        with open("/proc/mounts") as fh:
-            for line in fh:
-                parts = line.split()
-                if len(parts) >= 3:
-                    mnt = parts[1].replace("\\040", " ")
-                    p = str(path.resolve())
-                    if (p == mnt or p.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best):
-                        best, kind = mnt, parts[2]
-    except OSError:
-        return ""
-    return kind
-
-
 def disk_backed_dir(candidate: Path) -> Path:
-    """``candidate`` unless it is on tmpfs; else a fresh dir under the checkout's build/."""
-    if _fs_type(candidate) != "tmpfs":
+    """``candidate`` unless it is on a memory filesystem (which refuses O_DIRECT); else a fresh
+    directory under :func:`k3core.testing.disk.disk_scratch_root`."""
+    if not is_memory_fs(candidate):
         return candidate
-    root = Path(__file__).resolve().parents[2] / "build" / "test-data" / uuid.uuid4().hex[:12]
-    root.mkdir(parents=True, exist_ok=True)
-    return root
+    return Path(tempfile.mkdtemp(prefix="k3-test-", dir=disk_scratch_root()))
 
 
 def env(**kw: Any) -> dict[str, str]:
