@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 K3 := $(VENV)/bin/k3
 DEMO_DIR ?= models/demo-tiny
 
-.PHONY: setup demo test test-long fuzz lint typecheck bench bench-ladder clean
+.PHONY: setup demo test test-wheel test-long fuzz lint typecheck bench bench-ladder clean
 
 $(VENV)/.installed: pyproject.toml setup.py examples/k3-timing-backend/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +24,11 @@ demo: setup
 ## test: set up and run the default suite (under ~10 minutes on 2 cores)
 test: setup
 	$(PY) -m pytest -q tests examples/k3-timing-backend/tests
+	PYTHON=$(PY) bash .ci/wheel-check
+
+## test-wheel: the built wheel in a fresh venv, used from outside the checkout (part of test)
+test-wheel: setup
+	PYTHON=$(PY) bash .ci/wheel-check
 
 ## test-long: the slow tests and long fuzz runs (about 10 minutes on 2 cores; docs/fuzzing.md)
 test-long: setup
@@ -54,8 +59,8 @@ bench-ladder: setup
 	$(K3) bench-ladder $(LADDER_MODEL) $(LADDER_MODEL)-trunk --gen 6 --out-dir build/ladder
 
 lint: setup
-	$(PY) -m ruff check k3core backends storage caches tests fuzz
-	$(PY) -m mypy k3core
+	$(PY) -m ruff check k3 k3core backends storage caches tests fuzz examples
+	$(PY) -m mypy k3 k3core
 
 clean:
 	rm -rf $(VENV) build *.egg-info models

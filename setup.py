@@ -13,7 +13,7 @@ import re
 import sys
 from pathlib import Path
 
-from setuptools import setup
+from setuptools import find_packages, setup
 from setuptools.command.build_ext import build_ext
 
 ERROR_NOTE = "_k3avx2.build-error.txt"
@@ -77,7 +77,32 @@ class OptionalBuildExt(build_ext):
         )
 
 
+# Import name -> folder. The plugin folders keep the names the product's layout gives them but
+# install under ``k3_`` import names (``backends``, ``storage`` and ``caches`` are taken on PyPI).
+PACKAGE_DIRS = {
+    "k3": "k3",
+    "k3core": "k3core",
+    "k3_backends": "backends",
+    "k3_storage": "storage",
+    "k3_caches": "caches",
+    "k3_presets": "presets",
+}
+
+
+def _packages() -> list[str]:
+    """Every package under each folder, found by setuptools (a new subpackage needs no edit here)."""
+    found = []
+    for name, folder in PACKAGE_DIRS.items():
+        if not Path(folder, "__init__.py").exists():
+            continue
+        found.append(name)
+        found += [f"{name}.{sub}" for sub in find_packages(folder)]
+    return found
+
+
 setup(
+    packages=_packages(),
+    package_dir=PACKAGE_DIRS,
     cmdclass={"build_ext": OptionalBuildExt},
     cffi_modules=["backends/avx2_build.py:ffibuilder"],
 )

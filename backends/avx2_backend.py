@@ -3,7 +3,7 @@
 Every method returns the same bytes as the ``numpy`` reference backend
 (:mod:`k3_backends.numpy_backend`) at every thread count; the C sources live in
 ``backends/avx2/`` and are compiled into ``k3_backends._k3avx2`` by ``pip install``
-(``backends/avx2_build.py``). The arithmetic is the contract of :mod:`k3core.kernels`;
+(``backends/avx2_build.py``). The arithmetic is the contract of :mod:`k3core.api.kernels`;
 this module only validates inputs, allocates the outputs and hands pointers to C.
 
 Threads: parallel work is split over independent outputs (rows, heads, tokens) only. The
@@ -27,10 +27,10 @@ import numpy as np
 from k3_backends import avx2_probe
 from numpy.typing import NDArray
 
-from k3core.errors import PluginError
-from k3core.hookspecs import hookimpl
-from k3core.kernels import F32, U16, KernelBackend, Mxfp4
-from k3core.specs import KernelBackendSpec
+from k3core.api.errors import PluginError
+from k3core.api.hookspecs import hookimpl
+from k3core.api.kernels import F32, U16, KernelBackend, Mxfp4
+from k3core.api.specs import KernelBackendSpec
 
 _ENOMEM = -1
 

@@ -6,7 +6,7 @@
    (``machdep.cpu.features`` / ``machdep.cpu.leaf7_features``); any other system, or a
    non-x86-64 machine, is reported as not supported.
 2. The compiled module ``k3_backends._k3avx2`` (built by ``pip install``): it must import,
-   and the contract constants it was compiled with must equal ``k3core.contract`` today
+   and the contract constants it was compiled with must equal ``k3core.api.contract`` today
    (an editable checkout whose contract changed after the build is refused as stale).
 """
 
@@ -17,7 +17,7 @@ import platform
 import subprocess
 from pathlib import Path
 
-from k3core.specs import Availability
+from k3core.api.specs import Availability
 
 COMPILED_MODULE = "k3_backends._k3avx2"
 BUILD_ERROR_NOTE = "_k3avx2.build-error.txt"
@@ -89,8 +89,8 @@ def _build_error() -> str | None:
 
 
 def contract_values() -> list[float]:
-    """``k3core.contract`` in the order ``k3_contract_values`` reports it."""
-    from k3core import contract as C
+    """``k3core.api.contract`` in the order ``k3_contract_values`` reports it."""
+    from k3core.api import contract as C
 
     head = [C.LANES, C.MXFP4_GROUP, C.EXP_HI, C.EXP_LO, C.LOG2E, C.LN2_HI, C.LN2_LO,
             C.EXPM1_SERIES_MAX, C.TANH_SAT, C.L2_EPS, C.ROUTER_EPS]
@@ -117,7 +117,7 @@ def check_module() -> Availability:
     if n != len(want) or [v.hex() for v in got] != [v.hex() for v in want]:
         return Availability.no(
             f"compiled module {COMPILED_MODULE} is stale (built for a different kernel "
-            "contract than k3core/contract.py)",
+            "contract than k3core/api/contract.py)",
             "reinstall: pip install -e .",
         )
     return Availability.yes()

@@ -1,6 +1,6 @@
 """The ``numpy`` kernel backend: the reference every other backend must match bit for bit.
 
-It implements :class:`k3core.kernels.KernelBackend` exactly as the contract in that module
+It implements :class:`k3core.api.kernels.KernelBackend` exactly as the contract in that module
 states, with the primitives of :mod:`k3_backends.exact_numpy`. Clarity over speed; it is
 still fast enough for the synthetic models the tests use.
 """
@@ -22,10 +22,10 @@ from k3_backends.exact_numpy import (
     tanh_d,
 )
 
-from k3core import contract as C
-from k3core.hookspecs import hookimpl
-from k3core.kernels import F32, U16, KernelBackend, Mxfp4
-from k3core.specs import KernelBackendSpec
+from k3core.api import contract as C
+from k3core.api.hookspecs import hookimpl
+from k3core.api.kernels import F32, U16, KernelBackend, Mxfp4
+from k3core.api.specs import KernelBackendSpec
 
 _ROW_BLOCK_BYTES = 8 << 20  # float64 bytes of weights widened at once
 
@@ -179,7 +179,7 @@ class NumpyBackend(KernelBackend):
 
 
 def _available():  # the reference runs everywhere
-    from k3core.specs import Availability
+    from k3core.api.specs import Availability
 
     return Availability.yes()
 

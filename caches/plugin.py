@@ -6,8 +6,8 @@ Only spec records live here; each policy module is imported when its name is res
 
 from __future__ import annotations
 
-from k3core.hookspecs import hookimpl
-from k3core.specs import CachePolicySpec
+from k3core.api.hookspecs import hookimpl
+from k3core.api.specs import CachePolicySpec
 
 
 @hookimpl

@@ -43,12 +43,12 @@ from typing import Any
 
 import numpy as np
 
-from k3core.cache_policy import CachePolicy
-from k3core.errors import PluginError
+from k3core.api.cache_policy import CachePolicy
+from k3core.api.errors import PluginError
 
 
 def _load_keys(trace: Any, n_layers: int, n_experts: int) -> np.ndarray:
-    from k3core.trace import read_trace, trace_keys
+    from k3core.experts.trace import read_trace, trace_keys
 
     if trace is None:
         raise PluginError(
@@ -88,7 +88,7 @@ class ReplayPolicy(CachePolicy):
         self._tkeys: list[int] = keys.tolist()
         self._n = len(self._tkeys)
         self._inf = self._n  # "never used again" (larger than any index)
-        from k3core.sim_cache import next_use
+        from k3core.experts.simulator import next_use
 
         self._nxt: list[int] = next_use(keys).tolist()  # next index of the same key
         order = np.argsort(keys, kind="stable")

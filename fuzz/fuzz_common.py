@@ -1,7 +1,7 @@
 """Shared parts of the coverage-guided fuzz harnesses (atheris / libFuzzer).
 
 Every harness is ``bytes -> one k3 reader``: the reader either returns a value the harness
-then checks, or raises a :class:`~k3core.errors.K3Error` (a refusal). Anything else (an
+then checks, or raises a :class:`~k3core.api.errors.K3Error` (a refusal). Anything else (an
 ``IndexError``, a ``MemoryError``, a ``RecursionError``, an assertion in the harness) is a
 crash, which atheris reports with the input that caused it, saved as ``crash-*`` under
 ``build/fuzz/crashes/``.
@@ -50,17 +50,17 @@ def quiet() -> Iterator[None]:
 
 def tiny_model(root: Path | None = None) -> tuple[Path, Path]:
     """A 2-layer synthetic model and its packed trunk (made once, under ``build/fuzz``)."""
-    from k3core.config import ModelConfig
-    from k3core.synth import synthesize
-    from k3core.synth_sizes import size_config
+    from k3core.model.config import ModelConfig
+    from k3core.model.shapes import size_config
+    from k3core.tools.synth.writer import synthesize
 
     base = root or BUILD
     model, trunk = base / "tiny", base / "tiny-trunk"
     if not (trunk / "trunk.json").is_file():
         from k3_storage.plain import PlainStorage
 
-        from k3core.checkpoint import CheckpointIndex
-        from k3core.trunk_pack import pack_trunk
+        from k3core.checkpoint.index import CheckpointIndex
+        from k3core.trunk.pack import pack_trunk
 
         cfg = ModelConfig.from_json_dict(size_config("tiny", {"num_hidden_layers": 2,
                                                               "full_attn_layers": [2]}))

@@ -8,8 +8,8 @@ from __future__ import annotations
 from fuzz_common import instrumented, main, quiet, tiny_model
 
 with instrumented(__name__):
-    from k3core.config import ModelConfig
-    from k3core.errors import K3Error
+    from k3core.api.errors import K3Error
+    from k3core.model.config import ModelConfig
 
 
 def one_input(data: bytes) -> None:

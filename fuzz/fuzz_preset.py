@@ -8,8 +8,8 @@ from __future__ import annotations
 from fuzz_common import ROOT, instrumented, main, quiet
 
 with instrumented(__name__):
-    from k3core.errors import K3Error
-    from k3core.presets import parse_preset
+    from k3core.api.errors import K3Error
+    from k3core.run.presets import parse_preset
 
 
 def one_input(data: bytes) -> None:

@@ -11,8 +11,8 @@ from pathlib import Path
 from fuzz_common import instrumented, main, tiny_model
 
 with instrumented(__name__):
-    from k3core.errors import K3Error
-    from k3core.safetensors_header import DTYPES, header_length, parse_header
+    from k3core.api.errors import K3Error
+    from k3core.checkpoint.safetensors_header import DTYPES, header_length, parse_header
 
 PATH = Path("fuzz.safetensors")
 

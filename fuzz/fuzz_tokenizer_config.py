@@ -8,8 +8,8 @@ from __future__ import annotations
 from fuzz_common import instrumented, main, tiny_model
 
 with instrumented(__name__):
-    from k3core.errors import K3Error
-    from k3core.tokenizer_files import parse_tokenizer_config
+    from k3core.api.errors import K3Error
+    from k3core.tokenizer.files import parse_tokenizer_config
 
 
 def one_input(data: bytes) -> None:

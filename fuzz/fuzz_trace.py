@@ -10,8 +10,8 @@ import numpy as np
 from fuzz_common import instrumented, main
 
 with instrumented(__name__):
-    from k3core.errors import K3Error
-    from k3core.trace import parse_trace_bytes
+    from k3core.api.errors import K3Error
+    from k3core.experts.trace import parse_trace_bytes
 
 BOUNDS = [(None, None), (92, 896), (4, 8), (0, 1)]
 

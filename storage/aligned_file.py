@@ -34,8 +34,15 @@ from k3_storage.alignment import (
     split_payload,
 )
 
-from k3core.errors import StorageError
-from k3core.storage import Buffer, IOStats, StorageFile, _Timer, aligned_empty, checked_destination
+from k3core.api.errors import StorageError
+from k3core.api.storage import (
+    Buffer,
+    IOStats,
+    StorageFile,
+    _Timer,
+    aligned_empty,
+    checked_destination,
+)
 
 _MAX_STALLS = 8
 

@@ -19,10 +19,17 @@ from pathlib import Path
 import numpy as np
 from k3_storage.open_errors import open_failure, regular_size
 
-from k3core.errors import StorageError
-from k3core.hookspecs import hookimpl
-from k3core.specs import Availability, StorageBackendSpec
-from k3core.storage import Buffer, IOStats, StorageBackend, StorageFile, _Timer, checked_destination
+from k3core.api.errors import StorageError
+from k3core.api.hookspecs import hookimpl
+from k3core.api.specs import Availability, StorageBackendSpec
+from k3core.api.storage import (
+    Buffer,
+    IOStats,
+    StorageBackend,
+    StorageFile,
+    _Timer,
+    checked_destination,
+)
 
 #: reads at least this large first tell the kernel the whole range is wanted
 #: (``MADV_WILLNEED``), so it is read in large requests instead of fault by fault

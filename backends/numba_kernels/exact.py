@@ -1,7 +1,7 @@
 """The kernel contract's scalar primitives as Numba functions.
 
 These reproduce :mod:`k3_backends.exact_numpy` value by value: the same constants from
-:mod:`k3core.contract`, the same operation order, each float64 or float32 operation rounded
+:mod:`k3core.api.contract`, the same operation order, each float64 or float32 operation rounded
 on its own (``fastmath=False``: LLVM neither contracts ``a*b+c`` into an FMA nor reorders).
 The vectorised NumPy versions compute every branch and select with ``np.where``; the scalar
 versions here branch first, which gives the same value for every input:
@@ -22,7 +22,7 @@ import numpy as np
 from k3_backends.numba_kernels.jit import JIT
 from numba import njit
 
-from k3core import contract as C
+from k3core.api import contract as C
 
 LANES = C.LANES
 EXP_HI = C.EXP_HI

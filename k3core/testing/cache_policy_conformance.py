@@ -1,4 +1,4 @@
-"""Conformance suite for expert-cache policies (:mod:`k3core.cache_policy`).
+"""Conformance suite for expert-cache policies (:mod:`k3core.api.cache_policy`).
 
 A policy plugin's whole test file can be::
 
@@ -26,10 +26,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from k3core.cache_policy import CachePolicy
-from k3core.errors import K3Error
+from k3core.api.cache_policy import CachePolicy
+from k3core.api.errors import K3Error
+from k3core.experts.trace import trace_keys
 from k3core.testing.synthetic_trace import full_recompute_trace, incremental_trace, routing
-from k3core.trace import trace_keys
 
 N_LAYERS, N_EXPERTS, TOPK = 6, 40, 4
 
@@ -150,7 +150,7 @@ class CachePolicyConformance:
         """Build the policy under test; ``trace`` defaults to the small full-recompute trace."""
         factory = self.factory
         if factory is None:
-            from k3core.registry import get_registry
+            from k3core.plugins.registry import get_registry
 
             assert self.policy_name, "set factory or policy_name on the conformance subclass"
             factory = get_registry().resolve("cache", self.policy_name)[0].load()

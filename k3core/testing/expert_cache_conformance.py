@@ -1,4 +1,4 @@
-"""Conformance suite for the routed-expert cache (:mod:`k3core.expert_cache`) under a policy.
+"""Conformance suite for the routed-expert cache (:mod:`k3core.experts.cache`) under a policy.
 
 A cache-policy plugin proves it never changes a byte the MoE sees with one subclass::
 
@@ -23,7 +23,7 @@ straight from the shard by this module's own header parser (:class:`ShardTruth`,
 * honest metrics: nothing is a *hit* in the step that read it (an earlier batch's or the
   prefetcher's read is *reuse*), and ``requests == hits + misses + reuse``;
 * an expert the policy declines is served from a transient buffer and not retained;
-* a policy answering an invalid victim is refused (:class:`~k3core.errors.PluginError`) and
+* a policy answering an invalid victim is refused (:class:`~k3core.api.errors.PluginError`) and
   leaves no slot reserved without its bytes.
 
 Helpers are importable on their own: :class:`ShardTruth`, :func:`write_shard`,
@@ -45,18 +45,18 @@ from typing import Any
 import numpy as np
 import pytest
 
-from k3core import names
-from k3core.cache_policy import CachePolicy, key_expert, key_layer, make_key
-from k3core.checkpoint import INDEX_NAME, CheckpointIndex
-from k3core.config import ModelConfig, load_config
-from k3core.errors import PluginError
-from k3core.expert_cache import ExpertCache
-from k3core.expert_locator import ExpertLocator
-from k3core.experts import ExpertWeights
-from k3core.kernels import Mxfp4
-from k3core.registry import get_registry
-from k3core.sim_cache import TraceView
-from k3core.storage import StorageBackend
+from k3core.api.cache_policy import CachePolicy, key_expert, key_layer, make_key
+from k3core.api.errors import PluginError
+from k3core.api.experts import ExpertWeights
+from k3core.api.kernels import Mxfp4
+from k3core.api.storage import StorageBackend
+from k3core.checkpoint.index import INDEX_NAME, CheckpointIndex
+from k3core.experts.cache import ExpertCache
+from k3core.experts.locator import ExpertLocator
+from k3core.experts.simulator import TraceView
+from k3core.model import names
+from k3core.model.config import ModelConfig, load_config
+from k3core.plugins.registry import get_registry
 from k3core.testing.faulty_backend import available_storage
 from k3core.testing.fixtures import fixtures_dir
 
@@ -379,8 +379,8 @@ class ExpertCacheConformance:
     @pytest.fixture(scope="class")
     @classmethod
     def model(cls, workdir: Path) -> Path:
-        from k3core.synth import synthesize
-        from k3core.synth_sizes import size_config
+        from k3core.model.shapes import size_config
+        from k3core.tools.synth.writer import synthesize
 
         cfg = ModelConfig.from_json_dict(size_config("tiny", cls.model_overrides))
         return synthesize(workdir / "tiny", cfg, 3)

@@ -20,8 +20,8 @@ import threading
 from collections.abc import Iterable
 from pathlib import Path
 
-from k3core.errors import StorageError
-from k3core.storage import Buffer, StorageBackend, StorageFile, byte_view
+from k3core.api.errors import StorageError
+from k3core.api.storage import Buffer, StorageBackend, StorageFile, byte_view
 
 SCRIBBLE = 0xA5
 

@@ -27,11 +27,11 @@ from typing import Any
 
 import numpy as np
 
-from k3core.errors import StorageError
-from k3core.hookspecs import hookimpl
-from k3core.registry import Registry, get_registry
-from k3core.specs import StorageBackendSpec
-from k3core.storage import StorageBackend, StorageFile
+from k3core.api.errors import StorageError
+from k3core.api.hookspecs import hookimpl
+from k3core.api.specs import StorageBackendSpec
+from k3core.api.storage import StorageBackend, StorageFile
+from k3core.plugins.registry import Registry, get_registry
 from k3core.testing.disk import disk_scratch_root, is_memory_fs
 
 

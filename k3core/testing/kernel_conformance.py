@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from k3core.kernels import KernelBackend, Mxfp4
+from k3core.api.kernels import KernelBackend, Mxfp4
 
 F32_EDGES = np.array(
     [
@@ -443,9 +443,9 @@ _DECODE_STEPS = 3
 
 
 def _build_model(which: str, kernels: KernelBackend) -> tuple[Any, list[int]]:
-    from k3core.experts import InMemoryExperts
-    from k3core.model import Model
-    from k3core.weights import ModelTables, ResidentTrunk, expert_from_reader
+    from k3core.api.experts import InMemoryExperts
+    from k3core.model.forward import Model
+    from k3core.model.sources import ModelTables, ResidentTrunk, expert_from_reader
 
     cfg, reader, ref = _model_data(which)
     model = Model(
@@ -469,7 +469,7 @@ def _model_data(which: str) -> tuple[Any, Any, dict[str, Any]]:
 
 
 def _decode_logits(model: Any, prompt: list[int], incremental: bool) -> list[np.ndarray]:
-    from k3core.generate import generate
+    from k3core.model.generate import generate
 
     run = generate(model, prompt, _DECODE_STEPS, incremental=incremental, keep_logits=True)
     return run.step_logits

@@ -13,8 +13,8 @@ from typing import Any
 
 import numpy as np
 
-from k3core import names
-from k3core.config import ModelConfig
+from k3core.model import names
+from k3core.model.config import ModelConfig
 
 
 def fixture_array(entry: dict[str, Any]) -> np.ndarray:

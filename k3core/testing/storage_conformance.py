@@ -29,8 +29,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from k3core.errors import StorageError
-from k3core.storage import Buffer, StorageBackend, aligned_empty
+from k3core.api.errors import StorageError
+from k3core.api.storage import Buffer, StorageBackend, aligned_empty
 from k3core.testing.disk import disk_tmpdir
 
 #: the test file's size: 5 x 64 KiB + 777, aligned to nothing

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from k3core.config import ModelConfig
+from k3core.model.config import ModelConfig
 from k3core.testing.oracle import NamedArrays
 
 _DTYPES: dict[str, np.dtype] = {

@@ -11,9 +11,9 @@ from typing import Any
 import numpy as np
 
 from k3_timing.stats import OpStats, OpTable
-from k3core.errors import PluginError
-from k3core.kernels import F32, U16, KernelBackend, Mxfp4
-from k3core.registry import get_registry
+from k3core.api.errors import PluginError
+from k3core.api.kernels import F32, U16, KernelBackend, Mxfp4
+from k3core.plugins.registry import get_registry
 
 NAME = "timed"
 ENV_INNER = "K3_TIMED_INNER"

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import os
 
-from k3core.hookspecs import hookimpl
-from k3core.specs import Availability, KernelBackendSpec
+from k3core.api.hookspecs import hookimpl
+from k3core.api.specs import Availability, KernelBackendSpec
 
 
 def _probe() -> Availability:

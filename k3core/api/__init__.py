@@ -1,0 +1,10 @@
+"""The contracts every other room is written against.
+
+The kernel backend interface and its bit-exact contract (``kernels``, ``contract``), the
+storage backend interface (``storage``), the expert-cache policy contract (``cache_policy``),
+the expert-source interface (``experts``), the plugin spec records and pluggy hookspecs
+(``specs``, ``hookspecs``), the error types and exit codes (``errors``) and the strict JSON
+reader every file reader shares (``safejson``).
+
+May import: nothing else of k3core.
+"""

@@ -1,0 +1,102 @@
+"""Where routed experts come from: the :class:`ExpertSource` interface.
+
+The MoE block asks for one layer's selected experts in one batch (``get_many``) and gets
+back their weights exactly as stored (MXFP4 packed bytes and scales, or dense float32 for
+the oracle). The in-memory source here serves a model whose experts are all resident; the
+expert cache (``k3core.experts.cache``) serves them from disk through a policy plugin.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from k3core.api.kernels import Mxfp4
+
+Matrix = Mxfp4 | np.ndarray
+
+
+@dataclass(frozen=True)
+class ExpertWeights:
+    """One routed expert: ``w1`` gate and ``w3`` up ``[inter, latent]``, ``w2`` down."""
+
+    w1: Matrix
+    w3: Matrix
+    w2: Matrix
+
+
+@dataclass
+class ExpertStats:
+    """Whole-run counters a source reports (see the run report)."""
+
+    requests: int = 0
+    hits: int = 0  # resident before the step began
+    misses: int = 0
+    evictions: int = 0
+    bytes_read: int = 0
+    read_seconds: float = 0.0
+    exposed_wait_seconds: float = 0.0
+    drops: int = 0
+    nan_scale_bytes: int = 0
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+class ExpertSource(ABC):
+    """Serves routed experts by ``(layer, expert)``."""
+
+    stats: ExpertStats
+
+    @abstractmethod
+    def get_many(self, layer: int, experts: Sequence[int]) -> list[ExpertWeights]:
+        """Return the weights of ``experts`` of ``layer``, in the order asked.
+
+        Raises ``K3Error`` when an expert cannot be served; never returns partial bytes.
+        """
+
+    def prefetch(self, layer: int, requests: Sequence[int]) -> None:  # noqa: B027
+        """Start reading the experts of ``requests`` without waiting (optional)."""
+
+    def run_layer(
+        self, layer: int, requests: Sequence[int], use: Callable[[int, ExpertWeights], None]
+    ) -> None:
+        """Serve one MoE layer visit: ``requests`` is every routed request of the visit in
+        order (duplicates included); ``use(expert, weights)`` is called once per distinct
+        expert while its weights are valid. A source may call ``use`` in any order and in
+        several batches (results never depend on it: each call fills independent outputs).
+        """
+        distinct = list(dict.fromkeys(int(e) for e in requests))
+        for e, w in zip(distinct, self.get_many(layer, distinct), strict=True):
+            use(e, w)
+
+    def begin_step(self) -> None:  # noqa: B027
+        """Called at the start of every generation step."""
+
+    def close(self) -> None:  # noqa: B027
+        """Stop any threads and release buffers."""
+
+
+class InMemoryExperts(ExpertSource):
+    """Every expert resident, built on first use by a loader callable."""
+
+    def __init__(self, loader: Callable[[int, int], ExpertWeights]):
+        self._loader = loader
+        self._experts: dict[tuple[int, int], ExpertWeights] = {}
+        self.stats = ExpertStats()
+
+    def get_many(self, layer: int, experts: Sequence[int]) -> list[ExpertWeights]:
+        out = []
+        for e in experts:
+            key = (layer, int(e))
+            self.stats.requests += 1
+            w = self._experts.get(key)
+            if w is None:
+                w = self._loader(layer, int(e))
+                self._experts[key] = w
+                self.stats.misses += 1
+            else:
+                self.stats.hits += 1
+            out.append(w)
+        return out

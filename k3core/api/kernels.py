@@ -1,0 +1,191 @@
+"""The kernel interface and the bit-exact contract every backend follows.
+
+The model graph (``k3core.model.forward``) is written once against :class:`KernelBackend`. A backend
+is correct only if every method returns arrays whose **bytes** equal the NumPy reference
+backend's for the same inputs, at every thread count. The arithmetic is therefore defined
+here, not left to the backend (``docs/kernel-contract.md`` is the long form of this text):
+
+Notation
+    ``f32(v)`` rounds a float64 value to float32 (IEEE round-to-nearest-even; overflow gives
+    +-inf). Arrays are C-contiguous; activations are float32. ``d(v)`` widens float32 to
+    float64 (exact). The IEEE default environment is assumed: round to nearest even,
+    subnormals honoured (no flush-to-zero / denormals-are-zero).
+
+Special values
+    +-0, subnormals, +-inf follow IEEE through the operations as written (a lane sum is never
+    -0.0: lanes start at +0.0). A NaN input gives NaN wherever IEEE propagation does; the
+    sign and payload of a NaN output are not part of the contract (conformance compares NaN
+    as a class), everything else is compared bit for bit.
+
+Elementwise float32 ops
+    Every float32 ``+``, ``-``, ``*`` is rounded on its own. No fused multiply-add anywhere
+    (C: ``-ffp-contract=off``, no fast-math; Numba: ``fastmath=False``).
+
+Lane sum ``lsum(terms)``
+    The one long-reduction order. Terms are float64 (products of float32 with bf16, float32
+    or MXFP4 values are exact in float64). Term ``i`` goes to lane ``i % LANES``
+    (``k3core.api.contract.LANES`` = 32); each lane starts at +0.0 and adds its terms in
+    increasing ``i``; the lanes are then folded in halves (lane ``j`` += lane ``j+h`` for
+    ``h`` = 16, 8, 4, 2, 1); the result is lane 0. ``dot(a, b) = lsum(d(a[i]) * d(b[i]))``.
+
+Transcendentals (float64, defined by ``k3core.api.contract`` constants)
+    ``exp_d(x)``: ``+inf`` above ``EXP_HI``, ``+0.0`` below ``EXP_LO``, NaN for NaN; else
+    ``n = floor(x*LOG2E + 0.5)``, ``r = (x - n*LN2_HI) - n*LN2_LO``,
+    ``p = Horner(EXP_COEF, r)`` from the top (``p = c13; p = p*r + c12; ...``),
+    ``ldexp(p, n)``.
+    ``expm1_d(x)``: for ``|x| < EXPM1_SERIES_MAX``: ``q = Horner(EXPM1_COEF, x)`` from the
+    top, result ``q*x``; else ``exp_d(x) - 1``.
+    ``tanh_d(x)``: ``a = |x|``; ``t = 1`` if ``a > TANH_SAT`` else
+    ``e = expm1_d(2a); t = e / (e + 2)``; ``copysign(t, x)``.
+    ``sig_d(x) = 1 / (1 + exp_d(-x))``.
+
+Ops (each row below is what the reference computes; shapes use T = tokens)
+    ``matmul(W[out,in], x[T,in]) -> [T,out]``: ``y[t,o] = f32(dot(W[o,:], x[t,:]))`` for
+    W bf16 (uint16 bit patterns), float32, or MXFP4 (packed nibbles + E8M0 scales, value
+    ``E2M1[nibble] * E8M0[scale]``, low nibble = even column, scale byte 255 = 0.0).
+    ``rmsnorm(x[T,m], w[m] | None, eps)``: ``inv = f32(1 / sqrt(lsum(d(x)^2) / m + eps))``;
+    ``y = x * inv`` (float32) then ``* w`` (float32) when a gain is given.
+    ``l2norm(x[..., D])``: ``inv = f32(1 / sqrt(lsum(d(x)^2) + L2_EPS))``; ``y = x * inv``.
+    ``sigmoid(x) = f32(sig_d(x))``; ``silu(x) = f32(d(x) * sig_d(x))``;
+    ``exp(x) = f32(exp_d(x))``.
+    ``situ_glu(g, u, b1, b2) = f32((b1 * tanh_d(g/b1) * sig_d(g)) * (b2 * tanh_d(u/b2)))``
+    with every operation in float64, left to right as written.
+    ``shortconv(x[T,C], w[C,K], hist[C,K-1])``: per channel, float32:
+    ``acc = w[K-1]*x_t; acc = acc + w[j]*hist[j]`` for j = 0..K-2; then shift ``hist`` left
+    and append ``x_t``; output ``silu(acc)``. ``hist`` is updated in place.
+    ``kda_gate(z[T,P], dt[P], A_log[H], lb) -> alpha``: per head h and channel:
+    ``alpha = f32(exp_d(lb * sig_d(exp_d(A_log[h]) * (d(z) + d(dt)))))``.
+    ``kda_recurrent(q, k, v, alpha: [T,H,D], beta[T,H], S[H,D,D])``: per token, per head,
+    float32 unless stated: ``S[i,:] = alpha[i] * S[i,:]``;
+    ``u[j] = f32(lsum_i(d(k[i]) * d(S[i,j])))``; ``w[j] = beta * (v[j] - u[j])``;
+    ``S[i,j] = S[i,j] + k[i] * w[j]``; ``o[j] = f32(lsum_i(d(q[i]) * d(S[i,j])))``.
+    ``S`` is updated in place; heads are independent.
+    ``softmax`` (inside attention ops): ``m = max(s)`` (NaN if any ``s_i`` is NaN);
+    ``e_i = exp_d(d(s_i) - d(m))``; ``Z = lsum(e)`` (kept in float64); ``p_i = f32(e_i / Z)``.
+    ``mla_attention(q[T,H,n+r], k_nope[S,H,n], k_rope[S,r], v[S,H,dv], pos0, scale)``:
+    query t sits at absolute position ``pos0 + t`` and attends to ``s <= pos0 + t``;
+    ``score[s] = f32(dot([q_nope|q_rope], [k_nope[s]|k_rope[s]]) * scale)`` over the
+    concatenated ``n + r`` dims (nope first), ``scale`` a float64;
+    ``p = softmax(score)``; ``o[j] = f32(lsum_s(d(p[s]) * d(v[s,j])))``.
+    ``attn_res(src[S,T,E], fold[E], eps)``: per token, ``key_s = rmsnorm(src_s, None, eps)``;
+    ``score_s = f32(dot(key_s, fold))``; ``p = softmax(score)``;
+    ``out[i] = f32(lsum_s(d(p[s]) * d(src[s,i])))`` (raw sources are mixed).
+    ``router(logits[T,N], bias[N], k, renorm, scale)``: ``s = sigmoid(logits)``;
+    ``c = s + bias`` (float32); pick ``min(k, N)`` by repeated maximum of ``c`` with ties
+    to the lowest index (+0.0 ties -0.0) and NaN below every number, listed in selection
+    order; ``w_j = s[idx_j]``; when ``k > 1`` and ``renorm``:
+    ``w_j = f32(d(w_j) / (lsum(d(w)) + ROUTER_EPS))``; finally ``w_j = w_j * f32(scale)``.
+
+Parallelism is allowed only over independent outputs (rows, tokens, heads, experts); a
+reduction is never split across threads, so the bits do not depend on the thread count.
+Conformance is proved with :class:`k3core.testing.kernel_conformance.KernelConformance`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import cast
+
+import numpy as np
+from numpy.typing import NDArray
+
+F32 = NDArray[np.float32]
+U8 = NDArray[np.uint8]
+U16 = NDArray[np.uint16]
+
+
+@dataclass(frozen=True)
+class Mxfp4:
+    """An MXFP4 matrix straight from the checkpoint: logical shape ``[rows, cols]``.
+
+    ``packed`` is ``uint8[rows, cols/2]`` (low nibble = even column), ``scales`` is
+    ``uint8[rows, cols/32]`` (E8M0 bytes).
+    """
+
+    packed: U8
+    scales: U8
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (int(self.packed.shape[0]), int(self.packed.shape[1]) * 2)
+
+
+class KernelBackend(ABC):
+    """Interface every kernel backend implements; see the module docstring for the contract.
+
+    Inputs are never modified except the documented in-place state (``shortconv``'s
+    ``hist``, ``kda_recurrent``'s ``S``). Outputs are freshly allocated float32 arrays.
+    """
+
+    name: str = "?"
+
+    def set_threads(self, n: int) -> None:  # noqa: B027 - optional for single-threaded backends
+        """Use up to ``n`` threads (``n >= 1``) for parallel work over independent outputs."""
+
+    @property
+    def threads(self) -> int:
+        return 1
+
+    # --- matrix products ------------------------------------------------------------------
+    @abstractmethod
+    def matmul_bf16(self, w: U16, x: F32) -> F32: ...
+
+    @abstractmethod
+    def matmul_f32(self, w: F32, x: F32) -> F32: ...
+
+    @abstractmethod
+    def matmul_mxfp4(self, w: Mxfp4, x: F32) -> F32: ...
+
+    # --- normalisation and activations ------------------------------------------------
+    @abstractmethod
+    def rmsnorm(self, x: F32, w: F32 | None, eps: float) -> F32: ...
+
+    @abstractmethod
+    def l2norm(self, x: F32) -> F32: ...
+
+    @abstractmethod
+    def sigmoid(self, x: F32) -> F32: ...
+
+    @abstractmethod
+    def silu(self, x: F32) -> F32: ...
+
+    @abstractmethod
+    def exp(self, x: F32) -> F32: ...
+
+    @abstractmethod
+    def situ_glu(self, g: F32, u: F32, b1: float, b2: float) -> F32: ...
+
+    # --- attention building blocks --------------------------------------------------------
+    @abstractmethod
+    def shortconv(self, x: F32, w: F32, hist: F32) -> F32: ...
+
+    @abstractmethod
+    def kda_gate(self, z: F32, dt_bias: F32, a_log: F32, lower_bound: float) -> F32: ...
+
+    @abstractmethod
+    def kda_recurrent(self, q: F32, k: F32, v: F32, alpha: F32, beta: F32, state: F32) -> F32: ...
+
+    @abstractmethod
+    def mla_attention(
+        self, q: F32, k_nope: F32, k_rope: F32, v: F32, pos0: int, scale: float
+    ) -> F32: ...
+
+    @abstractmethod
+    def attn_res(self, sources: F32, fold: F32, eps: float) -> F32: ...
+
+    @abstractmethod
+    def router(
+        self, logits: F32, bias: F32, k: int, renorm: bool, scale: float
+    ) -> tuple[NDArray[np.int64], F32]: ...
+
+    # --- dispatch helper ----------------------------------------------------------------------
+    def matmul(self, w: U16 | F32 | Mxfp4, x: F32) -> F32:
+        """Dispatch on the weight's storage type (bf16 bits, float32 or MXFP4)."""
+        if isinstance(w, Mxfp4):
+            return self.matmul_mxfp4(w, x)
+        if w.dtype == np.uint16:
+            return self.matmul_bf16(cast(U16, w), x)
+        if w.dtype == np.float32:
+            return self.matmul_f32(cast(F32, w), x)
+        raise TypeError(f"unsupported weight dtype {w.dtype}")

@@ -1,0 +1,96 @@
+"""``k3 bench``: measurements the project quotes, each next to its own yardstick.
+
+* ``k3 bench kernels``: every op at the real Kimi K3 widths per kernel backend, as GB/s of
+  input bytes beside the memory read bandwidth measured in the same run;
+* ``k3 bench io``: random expert-sized reads through each storage backend beside the raw
+  O_DIRECT and buffered probe at the same sizes and queue depths, in the same run;
+* ``k3 bench ladder``: the memory ladder (same as ``k3 bench-ladder``).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from k3core.api.errors import UsageError
+from k3core.cli.bench_ladder import bench_ladder
+from k3core.cli.guard import guarded
+from k3core.tools.bench.io import EXPERT_BYTES, DiskBenchResult, probe_disk
+from k3core.tools.bench.kernels import format_table, run_kernel_bench
+
+bench_app = typer.Typer(help="Benchmarks: kernels, storage I/O, the memory ladder.", no_args_is_help=True)
+
+
+@bench_app.command("kernels")
+@guarded
+def kernels(
+    backends: str = typer.Option("", "--backends", help="Comma-separated names (default: every available one)."),
+    threads: int = typer.Option(1, "--threads", help="Threads for every backend and the bandwidth loop."),
+    repeat: int = typer.Option(5, "--repeat", help="Timed calls per op (median reported)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
+) -> None:
+    """Time each op at the real widths; GB/s of weight bytes next to memory read bandwidth."""
+    names = [n for n in backends.split(",") if n]
+    result = run_kernel_bench(names, threads, repeat)
+    print(result.to_json() if as_json else format_table(result))
+
+
+def _ratios(res: DiskBenchResult, backends: list[str], sizes: list[int], depths: list[int]) -> list[str]:
+    out = []
+    for b in backends:
+        for size in sizes:
+            for d in depths:
+                got = res.mb_per_s(f"storage {b}", size, d)
+                raw = res.mb_per_s("raw O_DIRECT", size, d)
+                if got and raw:
+                    out.append(f"{b} at {size / 1e6:.1f} MB, QD{d}: {got:,.0f} MB/s = {100 * got / raw:.0f}% of raw O_DIRECT")
+    return out
+
+
+@bench_app.command("io")
+@guarded
+def io(
+    target: Path = typer.Argument(..., help="A file to read, or a directory to write a probe file in."),
+    probe_gb: float = typer.Option(1.0, "--probe-gb", help="Size of the probe file written in a directory (GB)."),
+    storage: str = typer.Option("direct,mmap", "--storage", help="Storage backends to measure beside the raw probe."),
+    read_mb: str = typer.Option(f"{EXPERT_BYTES / 1e6:.6f}", "--read-mb", help="Read sizes in MB (comma-separated)."),
+    depths: str = typer.Option("1,4,16", "--depths", help="Queue depths."),
+    reads: int = typer.Option(40, "--reads", help="Reads per measurement."),
+    as_json: bool = typer.Option(False, "--json", help="Print the samples as JSON."),
+) -> None:
+    """Random reads the way the engine reads, per storage backend and raw, same run."""
+    try:
+        sizes = [int(round(float(x) * 1e6)) // 4096 * 4096 or 4096 for x in read_mb.split(",") if x]
+        qds = [int(x) for x in depths.split(",") if x]
+    except ValueError as exc:
+        raise UsageError(f"bench io: {exc}") from None
+    if not sizes or not qds or min(qds) < 1 or reads < 1 or not probe_gb > 0:
+        raise UsageError("bench io: read sizes, depths >= 1, --reads >= 1 and --probe-gb > 0 are required")
+    names = [n for n in storage.split(",") if n]
+    res = probe_disk(target, probe_bytes=int(probe_gb * 1e9), read_sizes=sizes, depths=qds, reads=reads,
+                     backends=names)
+    if as_json:
+        print(json.dumps({"path": str(res.path), "file_size": res.file_size, "notes": res.notes,
+                          "samples": [dict(zip(DiskBenchResult.HEADER, r, strict=True)) for r in res.rows()],
+                          "ratios": _ratios(res, names, sizes, qds)}))
+        return
+    t = Table(title=f"k3 bench io: {res.path} ({res.file_size / 1e9:.2f} GB)")
+    for col in DiskBenchResult.HEADER:
+        t.add_column(col)
+    for row in res.rows():
+        t.add_row(*row)
+    console = Console(highlight=False)
+    console.print(t)
+    for line in res.notes + _ratios(res, names, sizes, qds):
+        console.print(line, markup=False)
+
+
+bench_app.command("ladder")(bench_ladder)
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(bench_app, name="bench")

@@ -1,0 +1,50 @@
+"""``k3 budget MODEL_DIR``: resident set versus what streams, and each preset's memory plan."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+
+from k3core.api.errors import UsageError
+from k3core.cli.guard import guarded
+from k3core.plugins.registry import get_registry
+from k3core.run.presets import list_presets
+from k3core.tools.budget import add_plans, budget_report
+
+
+@guarded
+def budget(
+    model_dir: Path = typer.Argument(None, help="Checkpoint directory (default: $K3_MODEL_DIR)."),
+    config: Path = typer.Option(None, "--config", help="Model config (default MODEL_DIR/config.json)."),
+    storage: str = typer.Option("auto", "--storage", help="Storage backend used to read headers."),
+    prompt_len: int = typer.Option(32, "--prompt-len", help="Prompt tokens to plan for."),
+    gen: int = typer.Option(8, "--gen", help="Generated tokens to plan for."),
+    incremental: bool = typer.Option(True, "--incremental/--full-recompute",
+                                     help="Plan the KV cache of incremental decoding."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+) -> None:
+    """Classify every tensor (trunk, tables, routed experts) and plan each preset's memory."""
+    from k3core.run.settings import env_layer
+
+    if model_dir is None:
+        found = env_layer().get("model_dir")
+        if found is None:
+            raise UsageError("give MODEL_DIR or set K3_MODEL_DIR")
+        model_dir = Path(found[0])
+    if prompt_len < 0 or gen < 0:
+        raise UsageError("--prompt-len and --gen must not be negative")
+    backend, _, _ = get_registry().create("storage", storage)
+    report = budget_report(model_dir, backend, config)
+    add_plans(report, list_presets(on_error=lambda e: None), prompt_len=prompt_len, gen=gen,
+              incremental=incremental)
+    if as_json:
+        print(json.dumps(report.to_json(), indent=2))
+        return
+    for line in report.lines():
+        print(line)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("budget")(budget)

@@ -1,0 +1,58 @@
+"""``k3 doctor [MODEL_DIR]``: check the machine (and a model), then print the next command."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+
+from k3core.api.errors import UsageError
+from k3core.cli.guard import guarded
+from k3core.tools.doctor.machine import DoctorReport, run_doctor
+
+_MARK = {"ok": "[green]  ok[/]", "warn": "[yellow]warn[/]", "fail": "[bold red]FAIL[/]",
+         "info": "[dim]info[/]"}
+
+
+def render(report: DoctorReport, console: Console) -> None:
+    section = None
+    for c in report.checks:
+        if c.section != section:
+            section = c.section
+            console.print(f"\n[bold]{section}[/]")
+        console.print(f"  {_MARK[c.status]}  {escape(c.name)}: {escape(c.detail)}")
+    console.print()
+    if report.failed:
+        fails = sum(c.status == "fail" for c in report.checks)
+        console.print(f"[bold red]result: {fails} blocking problem(s)[/]; fix them and run "
+                      "k3 doctor again")
+    elif report.next_commands:
+        console.print("[bold green]result: ready[/]. Next:")
+        for cmd in report.next_commands:
+            console.print(f"  {escape(cmd)}")
+    else:
+        console.print(f"[bold green]result: no blocking problems[/] (preset {report.preset}). "
+                      "Give a model directory to check it too: k3 doctor MODEL_DIR")
+
+
+@guarded
+def doctor(
+    model_dir: Path = typer.Argument(None, help="A checkpoint directory to check as well."),
+    probe_mb: int = typer.Option(256, "--probe-mb", help="MB to read for the disk probe."),
+    no_disk_probe: bool = typer.Option(False, "--no-disk-probe", help="Skip the bandwidth probe."),
+    storage: str = typer.Option("auto", "--storage", help="Storage backend for reading headers."),
+) -> None:
+    """Check toolchain, plugins, CPU, memory, disk and (optionally) a model directory."""
+    if probe_mb < 1:
+        raise UsageError(f"--probe-mb must be >= 1, got {probe_mb}")
+    report = run_doctor(model_dir, probe_bytes=probe_mb * 1_000_000,
+                        disk_probe=not no_disk_probe, storage=storage)
+    render(report, Console(soft_wrap=True, highlight=False))
+    if report.exit_code:
+        raise typer.Exit(report.exit_code)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("doctor")(doctor)

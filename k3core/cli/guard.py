@@ -1,0 +1,39 @@
+"""How every command fails: one ``k3: error: ...`` line and the error's exit code.
+
+Every refusal is a ``K3Error``: the message is printed once to stderr and the process exits
+with the error's code (see ``docs/exit-codes.md``). Ctrl-C stops cleanly with exit 130 after
+output files are either complete or absent.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import typer
+
+from k3core.api.errors import K3Error
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def fail(message: str, code: int) -> typer.Exit:
+    print(f"k3: error: {message}", file=sys.stderr)
+    return typer.Exit(code)
+
+
+def guarded(fn: F) -> F:
+    """Turn K3Error into one message and its exit code; Ctrl-C into exit 130."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except K3Error as exc:
+            raise fail(str(exc), int(exc.exit_code)) from None
+        except KeyboardInterrupt:
+            raise fail("interrupted", 130) from None
+
+    return wrapper  # type: ignore[return-value]

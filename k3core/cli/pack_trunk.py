@@ -1,0 +1,66 @@
+"""``k3 pack-trunk MODEL_DIR TRUNK_DIR``: pack every layer's trunk into one aligned file."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import typer
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TransferSpeedColumn,
+)
+
+from k3core.api.errors import UsageError
+from k3core.checkpoint.index import CheckpointIndex
+from k3core.cli.guard import guarded
+from k3core.model.config import load_config
+from k3core.plugins.registry import get_registry
+from k3core.trunk.pack import pack_trunk as pack
+from k3core.trunk.plan import gb_ceil, human
+
+
+@guarded
+def pack_trunk(
+    model_dir: Path = typer.Argument(..., help="Directory with the safetensors shards."),
+    trunk_dir: Path = typer.Argument(..., help="Directory to write trunk.bin and trunk.json into."),
+    storage: str = typer.Option("auto", "--storage", help="Storage backend to read the shards with."),
+    config: Path = typer.Option(None, "--config", help="Model config (default MODEL_DIR/config.json)."),
+    force: bool = typer.Option(False, "--force", help="Replace a packed trunk already in TRUNK_DIR."),
+) -> None:
+    """Copy every layer's non-expert tensors into TRUNK_DIR/trunk.bin (4096-aligned runs)."""
+    if not model_dir.is_dir():
+        raise UsageError(f"model directory {model_dir} does not exist")
+    cfg_path = config or model_dir / "config.json"
+    if not cfg_path.is_file():
+        raise UsageError(f"no config at {cfg_path}; pass --config PATH")
+    cfg = load_config(cfg_path)
+    backend, sname, note = get_registry().create("storage", storage)
+    if note:
+        print(f"note: {note}")
+    t0 = time.perf_counter()
+    with CheckpointIndex.open(model_dir, backend) as index:
+        columns = (TextColumn("pack-trunk"), BarColumn(), TextColumn("{task.fields[layers]}"),
+                   DownloadColumn(binary_units=False), TransferSpeedColumn(), TimeElapsedColumn())
+        with Progress(*columns) as bar:
+            task = bar.add_task("pack", total=None, layers="")
+
+            def on_layer(done: int, n: int, nbytes: int, total: int) -> None:
+                bar.update(task, completed=nbytes, total=total, layers=f"layer {done}/{n}")
+
+            man = pack(index, cfg, trunk_dir, backend, force=force, progress=on_layer)
+    secs = time.perf_counter() - t0
+    largest = max(lay.nbytes for lay in man.layers)
+    print(f"packed {man.n_layers} layers, {human(man.total_bytes)} into "
+          f"{man.bin_path} in {secs:.2f} s ({man.total_bytes / max(secs, 1e-9) / 1e6:.0f} MB/s, "
+          f"storage '{sname}')")
+    print(f"largest layer run {human(largest)} (the streaming slot size; "
+          f"--trunk-gb {gb_ceil(largest)} is the floor)")
+
+
+def register(app: typer.Typer) -> None:
+    app.command("pack-trunk")(pack_trunk)

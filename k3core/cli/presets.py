@@ -1,0 +1,86 @@
+"""``k3 presets`` (the table), ``k3 presets show NAME``, ``k3 presets validate FILE``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from k3core.api.errors import K3Error, PluginError
+from k3core.cli.guard import guarded
+from k3core.plugins.registry import KIND_WORDS, get_registry
+from k3core.run.presets import Preset, list_presets, load_preset, read_preset_file, table_lines
+
+presets_app = typer.Typer(
+    help="List, show and validate memory presets (see docs/presets.md).",
+    no_args_is_help=False,
+    invoke_without_command=True,
+)
+
+
+@presets_app.callback(invoke_without_command=True)
+@guarded
+def presets(ctx: typer.Context) -> None:
+    """Print the preset table: trunk / expert-cache budgets in GB and a note for each."""
+    if ctx.invoked_subcommand is not None:
+        return
+    problems: list[K3Error] = []
+    rows = list_presets(on_error=problems.append)
+    for line in table_lines(rows):
+        print(line)
+    for exc in problems:
+        print(f"k3: warning: skipped a user preset: {exc}")
+
+
+def _describe(p: Preset) -> list[str]:
+    lines = [f"{key}: {value}" for key, value in p.model_dump().items()
+             if value is not None and value != ""]
+    lines.append(f"# from: {p.origin}")
+    return lines
+
+
+@presets_app.command("show")
+@guarded
+def show(
+    name: str = typer.Argument(..., help="A preset name (see `k3 presets`), `auto`, or a path."),
+    model: Path = typer.Option(None, "--model", help="Plan `auto` for this model directory "
+                               "(default: Kimi K3's planned sizes)."),
+) -> None:
+    """Print one preset's settings and where it was read from."""
+    cfg = None
+    if model is not None:
+        from k3core.model.config import load_config
+
+        cfg = load_config(model)
+    for line in _describe(load_preset(name, cfg=cfg)):
+        print(line)
+
+
+@presets_app.command("validate")
+@guarded
+def validate(file: Path = typer.Argument(..., help="A preset YAML file.")) -> None:
+    """Check a preset file: exit 0 when valid, 2 with every problem named."""
+    preset = read_preset_file(file)
+    reg = get_registry()
+    unknown = []
+    for kind, plugin in preset.plugins().items():
+        if plugin == "auto":
+            continue
+        if plugin not in reg.names(kind):
+            choices = ", ".join(reg.names(kind)) or "(none)"
+            unknown.append(f"{KIND_WORDS[kind]} {plugin!r} is not registered (registered: "
+                           f"{choices})")
+            continue
+        avail = reg.probe(kind, plugin)
+        if not avail.ok:
+            print(f"k3: warning: {KIND_WORDS[kind]} {plugin!r} is not available on this "
+                  f"machine: {avail.reason}")
+    if unknown:
+        raise PluginError(f"{file}: " + "; ".join(unknown))
+    print(f"{file}: valid preset {preset.name!r} (trunk {preset.trunk_gb:.2f} GB / expert "
+          f"cache {preset.cache_gb:.2f} GB" + (", ultra-low-memory" if preset.ultra_low_memory
+                                              else "") + ")")
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(presets_app, name="presets")

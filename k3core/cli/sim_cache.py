@@ -1,0 +1,141 @@
+"""``k3 sim-cache TRACE``: replay a recorded expert trace under every cache policy and Belady.
+
+The trace is an ``expert_trace.bin`` (``k3 run --dump-cache-trace DIR``, or the reference
+engine's). Sizes come as ``--slots`` or ``--cache-gb`` (decimal GB, converted with the
+expert's byte size like the reference's ``sim_cache.py``); the defaults are the reference's
+twelve budgets. ``--model DIR`` takes top-k, the layer and expert counts and the expert size
+from that model, so a trace k3 recorded from a synthetic model is replayed with its own
+shape. See ``docs/expert-cache.md``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import typer
+
+from k3core.api.errors import OutputError, UsageError
+from k3core.cli.guard import guarded
+
+
+def parse_numbers(text: str, flag: str, *, integer: bool) -> list[Any]:
+    """``"455,911"`` -> ``[455, 911]``; every piece a positive finite number (else exit 2)."""
+    pieces = [p for p in text.replace(" ", ",").split(",") if p]
+    if not pieces:
+        raise UsageError(f"{flag}: no sizes in {text!r}")
+    out: list[Any] = []
+    for p in pieces:
+        try:
+            v: Any = int(p) if integer else float(p)
+        except ValueError:
+            kind = "whole numbers of slots" if integer else "numbers of GB"
+            raise UsageError(f"bad {flag} value {p!r}: sizes are positive {kind}, e.g. 455,911") from None
+        if not (math.isfinite(v) and v > 0):
+            raise UsageError(f"bad {flag} value {p!r}: sizes must be positive")
+        out.append(v)
+    return out
+
+
+def model_shape(model_dir: Path) -> dict[str, int]:
+    """top-k, MoE layer count, the highest layer index, experts and the largest expert's bytes
+    of ``model_dir`` (the pool is MoE layers x experts, as the simulator counts Kimi K3's)."""
+    from k3_storage.plain import PlainStorage
+
+    from k3core.checkpoint.index import CheckpointIndex
+    from k3core.experts.locator import ExpertLocator
+    from k3core.run.engine import EngineOptions, read_model_config
+
+    if not model_dir.is_dir():
+        raise UsageError(f"--model {model_dir}: not a directory")
+    cfg = read_model_config(EngineOptions(model_dir))
+    moe = [L for L in range(cfg.n_layers) if not cfg.is_dense(L)]
+    if not moe:
+        raise UsageError(f"--model {model_dir}: the model has no MoE layers")
+    with CheckpointIndex.open(model_dir, PlainStorage()) as index:
+        nbytes = ExpertLocator(cfg, index).max_bytes(range(cfg.n_layers))
+    return {"topk": cfg.topk, "n_layers": len(moe), "max_layer": cfg.n_layers - 1,
+            "n_experts": cfg.n_experts, "expert_bytes": nbytes}
+
+
+def check_visits(pairs: np.ndarray, topk: int) -> None:
+    """Every layer visit of the trace must be whole positions of ``topk`` requests."""
+    from k3core.experts.simulator import TraceView
+
+    for start, end, layer, _ in TraceView.of(pairs).visits:
+        if (end - start) % topk:
+            raise UsageError(
+                f"the trace's visit of layer {layer} at request {start} has {end - start} "
+                f"requests, not a multiple of top-k {topk}; give the model's top-k with "
+                "--topk or --model DIR"
+            )
+
+
+@guarded
+def sim_cache(
+    trace: Path = typer.Argument(..., help="expert_trace.bin (k3 run --dump-cache-trace, or the reference's)."),
+    slots: str = typer.Option(None, "--slots", help="Cache sizes in slots, e.g. 455,911,1823."),
+    cache_gb: str = typer.Option(None, "--cache-gb", help="Cache sizes in GB (1e9 B), e.g. 8,16,32 (default: the reference's 12 sizes)."),
+    expert_bytes: int = typer.Option(None, "--expert-bytes", help="Bytes of one expert (default 17547264, Kimi K3's; or --model's)."),
+    topk: int = typer.Option(None, "--topk", help="Experts per position (default 16, Kimi K3's; or --model's)."),
+    model: Path = typer.Option(None, "--model", help="Take top-k, layer/expert counts and the expert size from this model directory."),
+    policy: list[str] = typer.Option([], "--policy", help="Replay only this policy (repeatable; default: every registered one)."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object (hit rates as fractions 0..1)."),
+    plot: Path = typer.Option(None, "--plot", help="Also write hit rate versus slots as a PNG."),
+) -> None:
+    """Replay TRACE under every cache policy and Belady: hit rate and bytes read per token."""
+    from k3core.experts.simulator import EXPERT_BYTES, MODEL_TOPK, simulate
+    from k3core.experts.trace import read_trace
+
+    if slots is not None and cache_gb is not None:
+        raise UsageError("give cache sizes as --slots or as --cache-gb, not both")
+    slot_list = parse_numbers(slots, "--slots", integer=True) if slots is not None else None
+    gb_list = parse_numbers(cache_gb, "--cache-gb", integer=False) if cache_gb is not None else None
+    for flag, v in (("--expert-bytes", expert_bytes), ("--topk", topk)):
+        if v is not None and v < 1:
+            raise UsageError(f"{flag} must be a positive whole number, got {v}")
+    if plot is not None:
+        parent = plot.parent if str(plot.parent) else Path(".")
+        if not parent.is_dir():
+            raise OutputError(f"--plot {plot}: {parent} is not a directory")
+    shape = model_shape(model) if model is not None else None
+    k = topk or (shape["topk"] if shape else MODEL_TOPK)
+    nbytes = expert_bytes or (shape["expert_bytes"] if shape else EXPERT_BYTES)
+    pairs = read_trace(trace, n_layers=shape["max_layer"] if shape else None,
+                       n_experts=shape["n_experts"] if shape else None)
+    check_visits(pairs, k)
+    moe_layers = shape["n_layers"] if shape else len(np.unique(pairs[:, 0]))
+    sizes = slot_list if slot_list is not None else None
+    if sizes is not None and all(s < k + 1 for s in sizes):
+        raise UsageError(f"every size is under top-k + 1 = {k + 1} slots (the engine refuses those)")
+    from rich.console import Console
+
+    status = Console(stderr=True)
+    with status.status("replaying the trace", spinner="dots") as st:
+        result = simulate(
+            pairs, slots_list=sizes, cache_gb=gb_list if sizes is None else None,
+            policies=policy or None, expert_bytes=nbytes, requests_per_token=k * moe_layers,
+            topk=k, n_layers=shape["n_layers"] if shape else None,
+            n_experts=shape["n_experts"] if shape else None,
+            progress=lambda name, n: st.update(f"replaying {name} at {n} slots"),
+        )
+    if not result.rows:
+        raise UsageError(f"every size is under top-k + 1 = {k + 1} slots (the engine refuses those); "
+                         f"{nbytes:,}-byte experts")
+    if plot is not None:
+        result.plot(plot)
+    if as_json:
+        print(json.dumps(result.to_json(), indent=2, allow_nan=False))
+        return
+    print(result.to_text())
+    if result.skipped_slots:
+        print(f"skipped sizes under top-k + 1 = {k + 1} slots: {', '.join(map(str, result.skipped_slots))}")
+    if plot is not None:
+        print(f"wrote {plot}")
+
+
+def register(app: typer.Typer) -> None:
+    app.command("sim-cache")(sim_cache)

@@ -1,1 +1,0 @@
-"""One module per ``k3`` subcommand; each exposes ``register(app)``."""

@@ -1,0 +1,324 @@
+"""The routed-expert cache: fixed slots of packed experts, batched parallel reads, a policy.
+
+Mechanics (the policy plugin only decides *what stays resident*):
+
+* the arena is ``slots`` fixed-size, 4096-aligned slots; a slot is EMPTY, INFLIGHT (a read
+  into it is under way) or holds a key (``layer << 20 | expert``);
+* each MoE layer visit is served in batches: requests are walked in order, the policy is
+  told of every hit and every miss (``on_hit``/``admit``/``choose_victim``), slots are
+  reserved serially in the calling thread, then the misses are read in parallel by a pool of
+  reader threads (the storage backends release the GIL) in file-offset order, and only a
+  read that completed in full is published; the batch's keys are protected from eviction
+  until the MoE has used them;
+* ``prefetch`` schedules the first batch as soon as the routing is known, so the reads
+  overlap the shared experts and the latent down-projection; ``run_layer`` waits only for
+  what is still missing (the *exposed* wait);
+* ``use`` is called once per distinct expert of a visit: a request of an expert an earlier
+  batch of the same visit already served is counted as reuse and not read or used again;
+* a failed or short read is never served: the slot goes back to EMPTY, the drop is counted
+  and the forward pass fails with ``ExpertDropError`` (exit 4: the result would be corrupt).
+
+Honest metrics: a *hit* is a request served from a slot whose bytes were resident before the
+current step began; an expert read earlier in the same step (by the prefetcher or an earlier
+batch) counts as *reuse*, not as a hit.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from k3core.api.cache_policy import CachePolicy, make_key
+from k3core.api.errors import ExpertDropError, K3Error, PluginError
+from k3core.api.experts import ExpertSource, ExpertStats, ExpertWeights
+from k3core.api.storage import aligned_empty
+from k3core.checkpoint.index import CheckpointIndex
+from k3core.experts.locator import ExpertLocator, ExpertRef
+
+ALIGN = 4096
+
+
+def slot_stride(slot_bytes: int) -> int:
+    """Bytes per slot: the expert plus one alignment unit, so an expert can sit in its slot at
+    the same offset modulo 4096 as in its file and an O_DIRECT read lands in place (the
+    storage backend then needs no bounce buffer for the aligned middle of the read)."""
+    return -(-(slot_bytes + ALIGN) // ALIGN) * ALIGN
+
+
+def _skew(ref: ExpertRef) -> int:
+    return ref.offset % ALIGN if ref.contiguous else 0
+
+
+@dataclass
+class _Member:
+    expert: int
+    ref: ExpertRef
+    buf: np.ndarray
+    slot: int | None  # None: transient (not retained)
+    future: Future[float] | None = None  # a read in flight for this batch
+
+
+@dataclass
+class _Visit:
+    layer: int
+    keys: list[int]
+    experts: list[int]
+    pos: int = 0
+    batch: dict[int, _Member] = field(default_factory=dict)
+    done: set[int] = field(default_factory=set)  # keys already used by an earlier batch
+
+
+class ExpertCache(ExpertSource):
+    """Serves routed experts from a slot arena filled through the checkpoint's storage."""
+
+    def __init__(
+        self,
+        index: CheckpointIndex,
+        locator: ExpertLocator,
+        policy: CachePolicy,
+        slots: int,
+        slot_bytes: int,
+        *,
+        readers: int = 4,
+        recorder: object | None = None,
+    ):
+        self.index = index
+        self.locator = locator
+        self.policy = policy
+        self.capacity = slots
+        self.stride = slot_stride(slot_bytes)
+        self.slot_bytes = slot_bytes
+        self.arena = aligned_empty(slots * self.stride, ALIGN)
+        self.slot_of: dict[int, int] = {}
+        self.key_of: list[int | None] = [None] * slots
+        self.free = list(range(slots - 1, -1, -1))
+        self.published: dict[int, int] = {}  # key -> step its bytes became valid
+        self.step = 0
+        self.stats = ExpertStats()
+        self.stats.extra.update({"reuse": 0, "transient": 0, "read_wall_seconds": 0.0})
+        self.recorder = recorder
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(max_workers=max(1, readers), thread_name_prefix="k3-expert")
+        self._visit: _Visit | None = None
+
+    # ---- ExpertSource ------------------------------------------------------------------------
+    def begin_step(self) -> None:
+        self.step += 1
+        self.policy.begin_token()
+
+    def get_many(self, layer: int, experts: Sequence[int]) -> list[ExpertWeights]:
+        raise K3Error("ExpertCache serves through run_layer (weights live only inside a batch)")
+
+    def prefetch(self, layer: int, requests: Sequence[int]) -> None:
+        if self._visit is not None:
+            self._finish_visit()
+        experts = [int(e) for e in requests]
+        keys = [make_key(layer, e) for e in experts]
+        if self.recorder is not None:
+            self.recorder.record_many(layer, experts)  # type: ignore[attr-defined]
+        self.stats.requests += len(keys)
+        self.policy.begin_layer(layer, keys)
+        self._visit = _Visit(layer, keys, experts)
+        self._schedule(self._visit)
+
+    def run_layer(
+        self, layer: int, requests: Sequence[int], use: Callable[[int, ExpertWeights], None]
+    ) -> None:
+        v = self._visit
+        if v is None or v.layer != layer:
+            self.prefetch(layer, requests)
+            v = self._visit
+        assert v is not None
+        try:
+            while True:
+                self._wait(v)
+                for key, m in v.batch.items():
+                    use(m.expert, self.locator.views(m.ref, m.buf))
+                    v.done.add(key)
+                v.batch.clear()
+                if v.pos >= len(v.keys):
+                    break
+                self._schedule(v)
+        except BaseException:  # an error or Ctrl-C mid-layer: no unfinished read stays mapped
+            self._abandon(v)
+            raise
+        finally:
+            self._visit = None
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+    # ---- batches -----------------------------------------------------------------------------
+    def _schedule(self, v: _Visit) -> None:
+        """Walk requests from ``v.pos``: policy events, slot reservation, reads submitted.
+
+        If the walk is refused part way (a policy's invalid victim, an oversized expert), the
+        slots it reserved are handed back EMPTY before the error goes on: a reserved slot
+        whose read was never submitted must not be served later as a hit.
+        """
+        misses: list[_Member] = []
+        try:
+            self._walk(v, misses)
+        except BaseException:
+            for m in misses:
+                self._drop(make_key(v.layer, m.expert), m)
+                v.batch.pop(make_key(v.layer, m.expert), None)
+            raise
+        for m in sorted(misses, key=lambda m: (str(m.ref.path), m.ref.offset)):
+            m.future = self._pool.submit(self._read, m.ref, m.buf)
+
+    def _walk(self, v: _Visit, misses: list[_Member]) -> None:
+        batch = v.batch
+        protected = set(batch)
+        while v.pos < len(v.keys) and len(batch) < self.capacity:
+            key, e = v.keys[v.pos], v.experts[v.pos]
+            v.pos += 1
+            if key in batch:
+                self.policy.on_hit(key)
+                self.stats.extra["reuse"] += 1
+                continue
+            slot = self.slot_of.get(key)
+            if key in v.done:
+                # served by an earlier batch of this visit: ``use`` has all its positions, so
+                # it is neither read nor used again (the policy hears of it while resident)
+                if slot is not None:
+                    self.policy.on_hit(key)
+                self.stats.extra["reuse"] += 1
+                continue
+            if slot is not None:
+                self.policy.on_hit(key)
+                if self.published.get(key, self.step) < self.step:
+                    self.stats.hits += 1
+                else:
+                    self.stats.extra["reuse"] += 1
+                ref = self.locator.ref(v.layer, e)
+                batch[key] = _Member(e, ref, self._slot_buf(slot, ref), slot)
+                protected.add(key)
+                continue
+            self.stats.misses += 1
+            ref = self.locator.ref(v.layer, e)
+            if ref.nbytes > self.slot_bytes:
+                raise K3Error(f"expert {v.layer}/{e} is {ref.nbytes} bytes, larger than a cache slot")
+            slot = self._reserve(key, protected)
+            if slot is None:
+                self.stats.extra["transient"] += 1
+                skew = _skew(ref)
+                buf = aligned_empty(ref.nbytes + skew, ALIGN)[skew:]
+            else:
+                buf = self._slot_buf(slot, ref)
+            m = _Member(e, ref, buf, slot)
+            batch[key] = m
+            protected.add(key)
+            misses.append(m)
+
+    def _reserve(self, key: int, protected: set[int]) -> int | None:
+        if not self.policy.admit(key, protected):
+            return None
+        if self.free:
+            slot = self.free.pop()
+        else:
+            victim = self.policy.choose_victim(protected)
+            if victim is None:
+                return None
+            if victim in protected or victim not in self.slot_of:
+                what = "protected (in use by this batch)" if victim in protected else "not resident"
+                raise PluginError(
+                    f"cache policy '{self.policy.name}' chose victim {victim:#x}, which is {what}; "
+                    "refusing to evict it"
+                )
+            slot = self.slot_of.pop(victim)
+            self.published.pop(victim, None)
+            self.policy.on_evict(victim)
+            self.stats.evictions += 1
+        self.slot_of[key] = slot
+        self.key_of[slot] = key
+        self.policy.on_insert(key)
+        return slot
+
+    def _slot_buf(self, slot: int, ref: ExpertRef) -> np.ndarray:
+        start = slot * self.stride + _skew(ref)
+        return self.arena[start : start + ref.nbytes]
+
+    def _read(self, ref: ExpertRef, buf: np.ndarray) -> float:
+        """Reader thread: fill ``buf`` completely or raise. Returns the seconds spent."""
+        t0 = time.perf_counter()
+        what = f"routed expert {ref.layer}/{ref.expert}"
+        if ref.contiguous:
+            self.index.read_at(ref.path, ref.offset, buf, what)
+        else:
+            for p in ref.parts:
+                self.index.read_at(p.path, p.file_off, buf[p.slot_off : p.slot_off + p.nbytes], what)
+        dt = time.perf_counter() - t0
+        with self._lock:
+            self.stats.bytes_read += ref.nbytes
+            self.stats.read_seconds += dt
+        return dt
+
+    def _wait(self, v: _Visit) -> None:
+        """Wait for the batch's reads; publish complete ones; fail on any failed one."""
+        t0 = time.perf_counter()
+        failed: list[tuple[_Member, Exception]] = []
+        for key, m in v.batch.items():
+            if m.future is None:
+                continue
+            try:
+                m.future.result()
+            except Exception as exc:  # a failed read is never served
+                failed.append((m, exc))
+                self._drop(key, m)
+            except BaseException:  # Ctrl-C while waiting: an interrupt, not a failed read
+                self._abandon(v)
+                raise
+            else:
+                if m.slot is not None:  # a transient buffer is never looked up again
+                    self.published[key] = self.step
+            m.future = None
+        self.stats.exposed_wait_seconds += time.perf_counter() - t0
+        if failed:
+            self.stats.drops += len(failed)
+            m, err = failed[0]
+            v.batch.clear()
+            what = f"routed expert {v.layer}/{m.expert}"
+            why = err.message if isinstance(err, K3Error) else repr(err)
+            why = why.removeprefix(f"{what}: ")
+            raise ExpertDropError(
+                f"{what} could not be read ({why}); refusing a partial MoE sum: "
+                f"{len(failed)} expert(s) dropped, the run is invalid"
+            )
+
+    def _abandon(self, v: _Visit) -> None:
+        """Give up a batch: no slot keeps a read that has not completed (nor is counted)."""
+        for key, m in v.batch.items():
+            if m.future is not None:
+                # a read already under way still writes into its slot: retire the slot
+                self._drop(key, m, reuse=m.future.cancel() or m.future.done())
+                m.future = None
+        v.batch.clear()
+
+    def _drop(self, key: int, m: _Member, reuse: bool = True) -> None:
+        if m.slot is not None and self.slot_of.get(key) == m.slot:
+            del self.slot_of[key]
+            self.key_of[m.slot] = None
+            if reuse:
+                self.free.append(m.slot)
+            self.published.pop(key, None)
+            self.policy.on_evict(key)
+
+    def _finish_visit(self) -> None:
+        v = self._visit
+        self._visit = None
+        if v is not None:
+            try:
+                self._wait(v)
+            finally:
+                v.batch.clear()
+
+    # ---- reporting ---------------------------------------------------------------------------
+    @property
+    def resident(self) -> int:
+        return len(self.slot_of)

@@ -1,0 +1,143 @@
+"""Where each routed expert's bytes are: located once from the checkpoint index.
+
+An expert is three matrices (``w1`` gate, ``w3`` up, ``w2`` down), each MXFP4 (packed bytes
+plus E8M0 scales: six tensors) or, in the oracle, dense. In the released checkpoint the six
+tensors of an expert are one contiguous run (w1, w2, w3; packed then scale), read with one
+call; when they are not, each tensor is read on its own into its place in the slot. Either
+way the slot holds the tensors at the offsets this layout records.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import pairwise
+from pathlib import Path
+
+import numpy as np
+
+from k3core.api.errors import CheckpointError
+from k3core.api.experts import ExpertWeights
+from k3core.api.kernels import Mxfp4
+from k3core.checkpoint.index import CheckpointIndex, TensorInfo
+from k3core.model import names
+from k3core.model.config import ModelConfig
+from k3core.model.sources import checked_mxfp4
+
+_FIELDS = ("weight_packed", "weight_scale")
+
+
+@dataclass(frozen=True)
+class Part:
+    """One tensor of an expert: where it sits in the slot and where it comes from."""
+
+    key: str  # e.g. "w1.weight_packed"
+    slot_off: int
+    nbytes: int
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    file_off: int
+    path: Path  # the shard holding this tensor (an expert may straddle two shards)
+
+
+@dataclass(frozen=True)
+class ExpertRef:
+    layer: int
+    expert: int
+    path: Path
+    offset: int  # start of the run (contiguous) or of the first part
+    nbytes: int  # bytes the slot needs
+    contiguous: bool
+    parts: tuple[Part, ...]
+
+
+class ExpertLocator:
+    """``(layer, expert) -> ExpertRef``, built lazily per layer and checked against the config."""
+
+    def __init__(self, cfg: ModelConfig, index: CheckpointIndex):
+        self.cfg = cfg
+        self.index = index
+        self._refs: dict[tuple[int, int], ExpertRef] = {}
+        lat, inter = cfg.latent, cfg.moe_inter
+        self.logical = {"w1": (inter, lat), "w3": (inter, lat), "w2": (lat, inter)}
+
+    def ref(self, layer: int, expert: int) -> ExpertRef:
+        key = (layer, expert)
+        r = self._refs.get(key)
+        if r is None:
+            r = self._locate(layer, expert)
+            self._refs[key] = r
+        return r
+
+    def max_bytes(self, layers: range) -> int:
+        """Slot size: the largest expert over ``layers`` (checks every MoE layer's expert 0)."""
+        sizes = [self.ref(L, 0).nbytes for L in layers if not self.cfg.is_dense(L)]
+        return max(sizes) if sizes else 0
+
+    def _infos(self, layer: int, expert: int) -> list[tuple[str, TensorInfo]]:
+        out = []
+        for part in names.EXPERT_PARTS:
+            packed = names.expert_name(layer, expert, part, "weight_packed")
+            if packed in self.index:
+                for f in _FIELDS:
+                    out.append((f"{part}.{f}", self.index.info(names.expert_name(layer, expert, part, f))))
+            else:
+                dense = names.expert_name(layer, expert, part, "weight")
+                if dense not in self.index:
+                    raise CheckpointError(f"missing routed expert tensor {packed}")
+                out.append((f"{part}.weight", self.index.info(dense)))
+        return out
+
+    def _locate(self, layer: int, expert: int) -> ExpertRef:
+        if not 0 <= expert < self.cfg.n_experts:
+            raise CheckpointError(f"expert {expert} outside 0..{self.cfg.n_experts - 1}")
+        infos = self._infos(layer, expert)
+        paths = {i.path for _, i in infos}
+        ordered = sorted(infos, key=lambda kv: (str(kv[1].path), kv[1].offset))
+        start = ordered[0][1].offset
+        contiguous = len(paths) == 1 and all(
+            a.offset + a.nbytes == b.offset for (_, a), (_, b) in pairwise(ordered)
+        )
+        parts = []
+        pos = 0
+        for key, info in ordered:
+            slot_off = info.offset - start if contiguous else pos
+            parts.append(Part(key, slot_off, info.nbytes, info.shape, info.np_dtype, info.offset, info.path))
+            pos += info.nbytes
+        total = ordered[-1][1].offset + ordered[-1][1].nbytes - start if contiguous else pos
+        path = ordered[0][1].path
+        ref = ExpertRef(layer, expert, path, start, total, contiguous, tuple(parts))
+        self._check(ref)
+        return ref
+
+    def _check(self, ref: ExpertRef) -> None:
+        # sizes from the headers first: a part claiming more than the config's expert can
+        # hold is refused before the zero buffer below is allocated
+        (rows, cols), n = self.logical["w1"], len(self.logical)
+        limit = n * rows * cols * 4  # three dense float32 matrices: the largest legal form
+        if ref.nbytes > limit:
+            raise CheckpointError(
+                f"routed expert {ref.layer}/{ref.expert}: its tensors hold {ref.nbytes} bytes; "
+                f"an expert of this config holds at most {limit} (shapes disagree with the "
+                "config)")
+        # build views over a zero buffer: validates shapes/dtypes once per expert
+        self.views(ref, np.zeros(ref.nbytes, dtype=np.uint8))
+
+    def views(self, ref: ExpertRef, buf: np.ndarray) -> ExpertWeights:
+        """ExpertWeights over ``buf`` (the slot bytes laid out as ``ref`` says), zero-copy."""
+        arrays = {}
+        for p in ref.parts:
+            a = buf[p.slot_off : p.slot_off + p.nbytes].view(p.dtype).reshape(p.shape)
+            arrays[p.key] = a
+        mats: dict[str, Mxfp4 | np.ndarray] = {}
+        for part, (rows, cols) in self.logical.items():
+            what = names.expert_name(ref.layer, ref.expert, part, "weight_packed")
+            if f"{part}.weight_packed" in arrays:
+                mats[part] = checked_mxfp4(
+                    arrays[f"{part}.weight_packed"], arrays[f"{part}.weight_scale"], rows, cols, what
+                )
+            else:
+                w = arrays[f"{part}.weight"]
+                if tuple(w.shape) != (rows, cols) or w.dtype not in (np.float32, np.uint16):
+                    raise CheckpointError(f"{what}: dense expert of shape {list(w.shape)} / {w.dtype}")
+                mats[part] = w
+        return ExpertWeights(mats["w1"], mats["w3"], mats["w2"])

@@ -1,0 +1,285 @@
+"""Expert-request traces: ``expert_trace.bin`` and ``expert_hist.json`` (``--dump-cache-trace``).
+
+Format (the reference engine's, so traces move between engines and its ``sim_cache.py``):
+
+``expert_trace.bin``
+    Every expert request in order, recorded before the request is served (so it reflects
+    what the model asked for, not the cache state), prefill and decode alike; prefetch and
+    speculative reads are not requests and are not recorded. A flat sequence of
+    little-endian int32 pairs ``(layer, expert)``, no header, 8 bytes per request (the
+    reference writes host order; every machine k3 targets is little-endian, and k3 writes
+    little-endian explicitly).
+``expert_hist.json``
+    ``{"n_layers": L, "n_experts": E, "counts": {"layer,expert": count, ...}}``: the request
+    count of every expert over the whole run, zero entries omitted.
+
+Both files are written to temporary names in the target directory and renamed only when
+both are complete, so a reader never sees half a trace (and a full disk leaves neither). Reading refuses, with one line and exit 2
+(:class:`TraceError`), anything that is not a plausible trace: a missing or empty file, an
+odd number of int32 values, negative or out-of-range layers or experts, or a file larger
+than :data:`MAX_TRACE_BYTES`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from k3core.api.cache_policy import KEY_SHIFT
+from k3core.api.errors import OutputError, UsageError
+
+TRACE_NAME = "expert_trace.bin"
+HIST_NAME = "expert_hist.json"
+MAX_TRACE_BYTES = 1 << 30  # 1 GiB: ~134 M requests, ~91,000 tokens of the real model
+_DTYPE = np.dtype("<i4")
+
+
+class TraceError(UsageError):
+    """A trace file that cannot be used (exit 2)."""
+
+
+# ---- reading --------------------------------------------------------------------------
+def read_trace(
+    path: str | os.PathLike[str],
+    n_layers: int | None = None,
+    n_experts: int | None = None,
+) -> np.ndarray:
+    """Read ``expert_trace.bin`` as an ``(N, 2)`` int32 array of ``(layer, expert)``.
+
+    ``n_layers``/``n_experts`` bound the values when given: layers must lie in
+    ``0..n_layers`` (the one-based MoE layer numbers; 0 is allowed for engines that count
+    from zero) and experts in ``0..n_experts-1``. Without them only the key range
+    (``expert < 2**20``, ``layer < 2**11``) is enforced.
+    """
+    p = Path(path)
+    try:
+        size = p.stat().st_size
+    except FileNotFoundError:
+        raise TraceError(f"trace {p}: no such file") from None
+    except OSError as exc:
+        raise TraceError(f"trace {p}: cannot read it ({exc.strerror or exc})") from None
+    if p.is_dir():
+        raise TraceError(f"trace {p}: is a directory, expected an {TRACE_NAME} file")
+    if size == 0:
+        raise TraceError(f"trace {p}: the file is empty (no requests)")
+    if size > MAX_TRACE_BYTES:
+        raise TraceError(
+            f"trace {p}: {size:,} bytes is larger than the {MAX_TRACE_BYTES:,}-byte limit "
+            f"for a trace; is this really an {TRACE_NAME}?"
+        )
+    if size % 4:
+        raise TraceError(f"trace {p}: {size} bytes is not a whole number of int32 values")
+    try:
+        raw = np.fromfile(p, dtype=_DTYPE)
+    except OSError as exc:
+        raise TraceError(f"trace {p}: cannot read it ({exc})") from None
+    return validate_pairs(raw, n_layers, n_experts, where=f"trace {p}")
+
+
+def parse_trace_bytes(
+    data: bytes, n_layers: int | None = None, n_experts: int | None = None
+) -> np.ndarray:
+    """:func:`read_trace` for bytes already in memory (same checks, same errors)."""
+    if len(data) == 0:
+        raise TraceError("trace: the data is empty (no requests)")
+    if len(data) > MAX_TRACE_BYTES:
+        raise TraceError(f"trace: {len(data):,} bytes is over the {MAX_TRACE_BYTES:,}-byte limit")
+    if len(data) % 4:
+        raise TraceError(f"trace: {len(data)} bytes is not a whole number of int32 values")
+    return validate_pairs(np.frombuffer(data, dtype=_DTYPE), n_layers, n_experts, where="trace")
+
+
+def validate_pairs(
+    raw: np.ndarray, n_layers: int | None, n_experts: int | None, *, where: str = "trace"
+) -> np.ndarray:
+    """Check a flat integer array of pairs and return it as ``(N, 2)`` native int32."""
+    if raw.size == 0:
+        raise TraceError(f"{where}: no requests")
+    if raw.size % 2:
+        raise TraceError(
+            f"{where}: {raw.size} int32 values is an odd count; a trace holds (layer, expert) pairs"
+        )
+    flat = np.asarray(raw)
+    if not np.issubdtype(flat.dtype, np.integer):
+        raise TraceError(f"{where}: expected integers, got {flat.dtype}")
+    pairs = flat.reshape(-1, 2)
+    layers, experts = pairs[:, 0], pairs[:, 1]
+    max_layer = (1 << (31 - KEY_SHIFT)) - 1 if n_layers is None else int(n_layers)
+    max_expert = (1 << KEY_SHIFT) - 1 if n_experts is None else int(n_experts) - 1
+    for name, col, hi in (("layer", layers, max_layer), ("expert", experts, max_expert)):
+        bad = np.flatnonzero((col < 0) | (col > hi))
+        if bad.size:
+            i = int(bad[0])
+            raise TraceError(
+                f"{where}: request {i} has {name} {int(col[i])}, outside 0..{hi} "
+                f"({bad.size} such request(s)); is this a trace of this model?"
+            )
+    pairs = pairs.astype(np.int32, copy=True)
+    return pairs
+
+
+def trace_keys(pairs: np.ndarray) -> np.ndarray:
+    """Cache keys (``layer << 20 | expert``) of an ``(N, 2)`` trace, as int64."""
+    pairs = np.asarray(pairs)
+    return (pairs[:, 0].astype(np.int64) << KEY_SHIFT) | pairs[:, 1].astype(np.int64)
+
+
+def read_hist(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Read ``expert_hist.json``; returns ``{"n_layers", "n_experts", "counts": {(l, e): n}}``."""
+    p = Path(path)
+    try:
+        doc = json.loads(p.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise TraceError(f"histogram {p}: no such file") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise TraceError(f"histogram {p}: not a readable JSON file ({exc})") from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("counts"), dict):
+        raise TraceError(f"histogram {p}: expected an object with a 'counts' map")
+    try:
+        nl, ne = int(doc["n_layers"]), int(doc["n_experts"])
+        counts: dict[tuple[int, int], int] = {}
+        for k, v in doc["counts"].items():
+            ls, es = str(k).split(",")
+            layer, expert, n = int(ls), int(es), int(v)
+            if not (0 <= layer <= nl and 0 <= expert < ne and n > 0):
+                raise ValueError(f"entry {k!r}: {v!r}")
+            counts[(layer, expert)] = n
+    except (KeyError, TypeError, ValueError) as exc:
+        raise TraceError(f"histogram {p}: malformed ({exc})") from None
+    return {"n_layers": nl, "n_experts": ne, "counts": counts}
+
+
+# ---- writing --------------------------------------------------------------------------
+def histogram(pairs: np.ndarray) -> dict[tuple[int, int], int]:
+    """Request count per ``(layer, expert)`` of a trace."""
+    keys, counts = np.unique(trace_keys(pairs), return_counts=True)
+    mask = (1 << KEY_SHIFT) - 1
+    return {(int(k) >> KEY_SHIFT, int(k) & mask): int(c) for k, c in zip(keys, counts, strict=True)}
+
+
+def write_trace(
+    directory: str | os.PathLike[str],
+    pairs: Any,
+    hist: Mapping[tuple[int, int], int] | None = None,
+    *,
+    n_layers: int | None = None,
+    n_experts: int | None = None,
+) -> tuple[Path, Path]:
+    """Write ``expert_trace.bin`` and ``expert_hist.json`` into an existing ``directory``.
+
+    ``pairs`` is an ``(N, 2)`` array-like of ``(layer, expert)`` in request order; ``hist``
+    the per-expert request counts (computed from ``pairs`` when omitted; the engine passes
+    its own whole-run histogram). ``n_layers``/``n_experts`` default to the largest layer seen
+    and the largest expert + 1. Each file appears complete or not at all; any failure is an
+    :class:`~k3core.api.errors.OutputError` (exit 3). Returns the two paths.
+    """
+    d = Path(directory)
+    if not d.is_dir():
+        raise OutputError(f"cannot write the cache trace: {d} is not an existing directory")
+    arr = np.asarray(pairs, dtype=np.int64).reshape(-1, 2)
+    if arr.size and (arr.min() < 0 or arr.max() > np.iinfo(np.int32).max):
+        raise OutputError("cannot write the cache trace: a layer or expert is outside int32")
+    if hist is None:
+        hist = histogram(arr) if arr.size else {}
+    nl = int(n_layers) if n_layers is not None else int(arr[:, 0].max(initial=0))
+    ne = int(n_experts) if n_experts is not None else int(arr[:, 1].max(initial=-1)) + 1
+    doc = {
+        "n_layers": nl,
+        "n_experts": ne,
+        "counts": {f"{layer},{expert}": int(n) for (layer, expert), n in sorted(hist.items()) if n},
+    }
+    trace_path, hist_path = d / TRACE_NAME, d / HIST_NAME
+    hist_bytes = (json.dumps(doc, separators=(",", ":")) + "\n").encode()
+    staged: list[str] = []
+    target = trace_path
+    try:  # both files complete under temporary names first: a full disk leaves neither
+        staged.append(_stage(trace_path, arr.astype(_DTYPE).tobytes()))
+        target = hist_path
+        staged.append(_stage(hist_path, hist_bytes))
+        for tmp, final in zip(list(staged), (trace_path, hist_path), strict=True):
+            target = final
+            os.replace(tmp, final)
+            staged.remove(tmp)
+    except OSError as exc:
+        raise OutputError(f"cannot write {target}: {exc.strerror or exc}") from None
+    finally:
+        for tmp in staged:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+    return trace_path, hist_path
+
+
+def _stage(path: Path, data: bytes) -> str:
+    """Write ``data`` to a new temporary file next to ``path``; returns its name."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    return tmp
+
+
+class TraceRecorder:
+    """Collects requests as the cache serves them; writes both files at the end of a run.
+
+    The cache calls :meth:`record` (or :meth:`record_many` for a batch) once per request,
+    before serving it. Memory: 8 bytes per request in growable int32 chunks plus one counter
+    per ``(layer, expert)`` (``n_layers + 1`` by ``n_experts``, never reset).
+    """
+
+    _CHUNK = 1 << 16  # requests per chunk
+
+    def __init__(self, n_layers: int, n_experts: int):
+        self.n_layers, self.n_experts = int(n_layers), int(n_experts)
+        self._chunks: list[np.ndarray] = []
+        self._buf = np.empty((self._CHUNK, 2), dtype=np.int32)
+        self._fill = 0
+        self.counts = np.zeros((self.n_layers + 1, self.n_experts), dtype=np.int64)
+
+    def __len__(self) -> int:
+        return len(self._chunks) * self._CHUNK + self._fill
+
+    def record(self, layer: int, expert: int) -> None:
+        self.counts[layer, expert] += 1  # IndexError for a bad id is a caller bug
+        self._buf[self._fill] = (layer, expert)
+        self._fill += 1
+        if self._fill == self._CHUNK:
+            self._chunks.append(self._buf)
+            self._buf = np.empty((self._CHUNK, 2), dtype=np.int32)
+            self._fill = 0
+
+    def record_many(self, layer: int, experts: Iterable[int]) -> None:
+        for e in experts:
+            self.record(layer, int(e))
+
+    def pairs(self) -> np.ndarray:
+        """All recorded requests so far as an ``(N, 2)`` int32 array."""
+        return np.concatenate([*self._chunks, self._buf[: self._fill]], axis=0)
+
+    def hist(self) -> dict[tuple[int, int], int]:
+        layers, experts = np.nonzero(self.counts)
+        return {
+            (int(layer), int(e)): int(self.counts[layer, e])
+            for layer, e in zip(layers, experts, strict=True)
+        }
+
+    def write(self, directory: str | os.PathLike[str]) -> tuple[Path, Path]:
+        """Write ``expert_trace.bin`` and ``expert_hist.json`` into ``directory``."""
+        return write_trace(
+            directory, self.pairs(), self.hist(), n_layers=self.n_layers, n_experts=self.n_experts
+        )

@@ -1,0 +1,99 @@
+"""The decode loop: full recompute (the default) or incremental, greedy or seeded sampling.
+
+Full recompute re-runs the whole prefix from a fresh state every step (O(T^2)); incremental
+decoding feeds the prompt once and then one token per step, carrying the KDA state, the
+conv history and the MLA KV cache. Both give bit-identical logits.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from k3core.model.forward import Model
+from k3core.model.sampling import argmax
+from k3core.model.state import SequenceState
+
+
+@dataclass
+class Step:
+    index: int
+    token: int
+    seconds: float
+
+
+@dataclass
+class RunResult:
+    prompt_ids: list[int]
+    generated_ids: list[int] = field(default_factory=list)
+    steps: list[Step] = field(default_factory=list)
+    first_logits: np.ndarray | None = None
+    step_logits: list[np.ndarray] = field(default_factory=list)
+    stopped_at: int = -1
+    prefill_seconds: float = 0.0
+
+    @property
+    def full_ids(self) -> list[int]:
+        return self.prompt_ids + self.generated_ids
+
+    @property
+    def wall_seconds(self) -> float:
+        return sum(s.seconds for s in self.steps) + self.prefill_seconds
+
+    @property
+    def seconds_per_token(self) -> float:
+        return sum(s.seconds for s in self.steps) / len(self.steps) if self.steps else 0.0
+
+
+def generate(
+    model: Model,
+    prompt_ids: Sequence[int],
+    n_gen: int,
+    *,
+    incremental: bool = False,
+    stop_ids: Sequence[int] = (),
+    pick: Callable[[np.ndarray], int] = argmax,
+    on_step: Callable[[Step], None] | None = None,
+    before_step: Callable[[int], None] | None = None,
+    keep_logits: bool = False,
+) -> RunResult:
+    """Generate up to ``n_gen`` tokens after ``prompt_ids``; stops after emitting a stop id."""
+    res = RunResult(list(int(i) for i in prompt_ids))
+    ids = list(res.prompt_ids)
+    state = SequenceState(model.cfg, len(ids) + max(n_gen, 1)) if incremental else None
+    if n_gen == 0:  # prefill only (warms the state; --dump-logits still has its vector)
+        t0 = time.perf_counter()
+        st = state or SequenceState(model.cfg, len(ids), shared_kda_slot=model.shared_kda_slot)
+        res.first_logits = model.forward(np.array(ids), st)[-1]
+        res.prefill_seconds = time.perf_counter() - t0
+        return res
+    stops = set(stop_ids)
+    for g in range(n_gen):
+        if before_step is not None:
+            before_step(g)
+        t0 = time.perf_counter()
+        if incremental:
+            assert state is not None
+            feed = ids if g == 0 else ids[-1:]
+            logits = model.forward(np.array(feed), state)[-1]
+        else:
+            fresh = SequenceState(model.cfg, len(ids), shared_kda_slot=model.shared_kda_slot)
+            logits = model.forward(np.array(ids), fresh)[-1]
+        if g == 0:
+            res.first_logits = logits
+        if keep_logits:
+            res.step_logits.append(logits)
+        tok = pick(logits)
+        ids.append(tok)
+        res.generated_ids.append(tok)
+        step = Step(g, tok, time.perf_counter() - t0)
+        res.steps.append(step)
+        if on_step is not None:
+            on_step(step)
+        if tok in stops:
+            res.stopped_at = tok
+            break
+    return res

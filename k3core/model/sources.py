@@ -1,0 +1,145 @@
+"""Where the trunk and the model tables come from.
+
+The model graph asks a :class:`TrunkSource` for one layer at a time, in the fixed walk
+order, and releases it when done; a resident source keeps every layer, a streamed source
+(``k3core.trunk.stream``) cycles them through a pinned set and a ring. :class:`ModelTables`
+holds the embedding, the final norms and the head (streamed in ultra-low-memory mode).
+A *tensor reader* is anything with ``read(name) -> ndarray`` and ``__contains__``:
+the checkpoint index, or the oracle adapter used by the tests.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import Protocol
+
+import numpy as np
+
+from k3core.api.errors import CheckpointError
+from k3core.api.experts import ExpertWeights
+from k3core.api.kernels import KernelBackend, Mxfp4
+from k3core.model import names
+from k3core.model.config import ModelConfig
+from k3core.model.layer_params import LayerParams, _vec, prepare_layer, trunk_suffixes
+
+
+class TensorReader(Protocol):
+    def read(self, name: str) -> np.ndarray: ...
+
+    def __contains__(self, name: object) -> bool: ...
+
+
+class TrunkSource(ABC):
+    """Serves bound layers in walk order; a layer stays valid until released."""
+
+    @abstractmethod
+    def acquire(self, layer: int) -> LayerParams: ...
+
+    def release(self, layer: int) -> None:  # noqa: B027 - resident sources keep everything
+        """The caller is done with ``layer`` (its slot may be reused)."""
+
+    def close(self) -> None:  # noqa: B027
+        """Stop reader threads and free buffers."""
+
+
+class ResidentTrunk(TrunkSource):
+    """Every layer bound once, up front."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        reader: TensorReader,
+        n_layers: int,
+        progress: Callable[[int], None] | None = None,
+    ):
+        self.layers: list[LayerParams] = []
+        for L in range(n_layers):
+            raw = {s: reader.read(names.layer_name(L, s)) for s in _present(cfg, reader, L)}
+            self.layers.append(prepare_layer(cfg, L, raw))
+            if progress:
+                progress(L)
+
+    def acquire(self, layer: int) -> LayerParams:
+        return self.layers[layer]
+
+
+def _present(cfg: ModelConfig, reader: TensorReader, layer: int) -> list[str]:
+    want = trunk_suffixes(cfg, layer)
+    missing = [s for s in want if names.layer_name(layer, s) not in reader]
+    if missing:
+        raise CheckpointError(
+            f"layer {layer}: missing tensor {names.layer_name(layer, missing[0])}"
+            + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
+            + "; is the shard set complete? (--layers N runs only the first N layers)"
+        )
+    return want
+
+
+class ModelTables:
+    """Embedding, final norm, model-level AttnRes fold and the head, resident."""
+
+    def __init__(self, cfg: ModelConfig, reader: TensorReader):
+        self.cfg = cfg
+        E, V = cfg.hidden, cfg.vocab
+        for n in names.MODEL_TABLES:
+            if n not in reader:
+                raise CheckpointError(f"missing model tensor {n}")
+        self.embed_w = _checked(reader.read(names.EMBED), (V, E), names.EMBED)
+        self.head_w = _checked(reader.read(names.LM_HEAD), (V, E), names.LM_HEAD)
+        self.norm = _vec(_checked(reader.read(names.NORM), (E,), names.NORM))
+        rn = _vec(_checked(reader.read(names.OUT_RES_NORM), (E,), names.OUT_RES_NORM))
+        rp = _vec(_checked(reader.read(names.OUT_RES_PROJ), (1, E), names.OUT_RES_PROJ))
+        self.fold_out = rn * rp
+
+    def embed(self, ids: np.ndarray) -> np.ndarray:
+        rows = self.embed_w[ids]
+        if rows.dtype == np.uint16:
+            return (rows.astype(np.uint32) << 16).view(np.float32)
+        return np.ascontiguousarray(rows, dtype=np.float32)
+
+    def logits(self, kernels: KernelBackend, x: np.ndarray) -> np.ndarray:
+        w = self.head_w if self.head_w.dtype != np.float16 else self.head_w.astype(np.float32)
+        return kernels.matmul(w, x)
+
+
+def _checked(a: np.ndarray, shape: tuple[int, ...], name: str) -> np.ndarray:
+    if tuple(a.shape) != shape:
+        raise CheckpointError(f"{name} has shape {list(a.shape)}, expected {list(shape)}")
+    if a.dtype.type not in (np.uint16, np.float16, np.float32):
+        raise CheckpointError(f"{name} has dtype {a.dtype}, expected bf16, f16 or f32")
+    return a
+
+
+def expert_from_reader(cfg: ModelConfig, reader: TensorReader, layer: int, e: int) -> ExpertWeights:
+    """Load one routed expert's three matrices (MXFP4 packed, or dense for the oracle)."""
+    Lt, inter = cfg.latent, cfg.moe_inter
+    shapes = {"w1": (inter, Lt), "w3": (inter, Lt), "w2": (Lt, inter)}
+    parts: dict[str, Mxfp4 | np.ndarray] = {}
+    for part, (rows, cols) in shapes.items():
+        packed = names.expert_name(layer, e, part, "weight_packed")
+        if packed in reader:
+            p = reader.read(packed)
+            s = reader.read(names.expert_name(layer, e, part, "weight_scale"))
+            parts[part] = checked_mxfp4(p, s, rows, cols, packed)
+        else:
+            dense = names.expert_name(layer, e, part, "weight")
+            if dense not in reader:
+                raise CheckpointError(f"missing routed expert tensor {packed}")
+            w = reader.read(dense)
+            if tuple(w.shape) != (rows, cols):
+                raise CheckpointError(f"{dense} has shape {list(w.shape)}, expected {[rows, cols]}")
+            parts[part] = w.astype(np.float32) if w.dtype == np.float16 else w
+    return ExpertWeights(parts["w1"], parts["w3"], parts["w2"])
+
+
+def checked_mxfp4(p: np.ndarray, s: np.ndarray, rows: int, cols: int, name: str) -> Mxfp4:
+    """Validate packed/scale shapes against the logical ``[rows, cols]``."""
+    if p.dtype != np.uint8 or s.dtype != np.uint8:
+        raise CheckpointError(f"{name}: MXFP4 tensors must be U8")
+    if cols % 32 or tuple(p.shape) != (rows, cols // 2) or tuple(s.shape) != (rows, cols // 32):
+        raise CheckpointError(
+            f"{name}: packed {list(p.shape)} / scales {list(s.shape)} do not describe a "
+            f"[{rows}, {cols}] MXFP4 matrix (packed cols = in/2, scale cols = in/32)"
+        )
+    return Mxfp4(np.ascontiguousarray(p), np.ascontiguousarray(s))

@@ -1,0 +1,113 @@
+"""Per-sequence decoding state: KDA recurrent matrices, conv history, MLA KV cache.
+
+One :class:`SequenceState` per sequence, so full recompute (a fresh state every step),
+incremental decoding (one state carried across steps) and any later saved session share
+the same object. The KV cache is allocated once for the whole request (its size is part
+of the memory plan) and refuses to overflow rather than silently reuse rows.
+
+``shared_kda_slot=True`` (ultra-low-memory, full recompute only) keeps one KDA slot and
+clears it for each layer: in a single pass from position 0 a layer's recurrent state is
+dead once the layer returns. Incremental decoding carries every layer's state to the next
+step, so it still needs one slot per layer; a shared-slot state refuses a second pass.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from k3core.api.errors import K3Error
+from k3core.model.config import ModelConfig
+
+
+@dataclass
+class KDAState:
+    S: np.ndarray  # [H, D, D] float32, row = key channel
+    conv: dict[str, np.ndarray]  # "q"/"k"/"v" -> [P, K-1] raw pre-conv inputs, oldest first
+
+
+@dataclass
+class KVCache:
+    k_nope: np.ndarray  # [cap, H, n]
+    k_rope: np.ndarray  # [cap, r]
+    v: np.ndarray  # [cap, H, dv]
+
+    @property
+    def capacity(self) -> int:
+        return int(self.k_nope.shape[0])
+
+
+@dataclass
+class SequenceState:
+    """The carried state of one sequence; ``pos`` positions have been consumed."""
+
+    cfg: ModelConfig
+    capacity: int
+    pos: int = 0
+    kda: dict[int, KDAState] = field(default_factory=dict)
+    kv: dict[int, KVCache] = field(default_factory=dict)
+    shared_kda_slot: bool = False
+    _shared_layer: int | None = field(default=None, repr=False)
+
+    def kda_state(self, layer: int) -> KDAState:
+        if self.shared_kda_slot:
+            return self._shared_kda(layer)
+        st = self.kda.get(layer)
+        if st is None:
+            st = self.kda[layer] = _new_kda(self.cfg)
+        return st
+
+    def _shared_kda(self, layer: int) -> KDAState:
+        if self.pos != 0:
+            raise K3Error("a shared KDA slot serves one full-recompute pass from position 0; "
+                          "incremental decoding needs one slot per layer")
+        st = self.kda.get(-1)  # the one shared slot
+        if st is None:
+            st = self.kda[-1] = _new_kda(self.cfg)
+        elif self._shared_layer != layer:
+            st.S.fill(0)
+            for h in st.conv.values():
+                h.fill(0)
+        self._shared_layer = layer
+        return st
+
+    def kv_cache(self, layer: int) -> KVCache:
+        kv = self.kv.get(layer)
+        if kv is None:
+            c = self.cfg
+            cap = self.capacity
+            kv = KVCache(
+                np.zeros((cap, c.n_heads, c.qk_nope), dtype=np.float32),
+                np.zeros((cap, c.qk_rope), dtype=np.float32),
+                np.zeros((cap, c.n_heads, c.v_head), dtype=np.float32),
+            )
+            self.kv[layer] = kv
+        return kv
+
+    def check_room(self, n_new: int) -> None:
+        if self.pos + n_new > self.capacity:
+            raise K3Error(
+                f"KV cache overflow: {self.pos} positions cached + {n_new} new > capacity "
+                f"{self.capacity}; refusing rather than overwriting cached positions"
+            )
+
+
+def _new_kda(c: ModelConfig) -> KDAState:
+    H, D, K = c.kda_heads, c.kda_head_dim, c.conv_k
+    return KDAState(
+        np.zeros((H, D, D), dtype=np.float32),
+        {x: np.zeros((H * D, K - 1), dtype=np.float32) for x in "qkv"},
+    )
+
+
+def kv_bytes_per_position(cfg: ModelConfig) -> int:
+    """Bytes of expanded KV cache one position costs across all MLA layers."""
+    per_layer = cfg.n_heads * (cfg.qk_nope + cfg.v_head) + cfg.qk_rope
+    return 4 * per_layer * cfg.n_mla
+
+
+def recurrent_bytes_per_layer(cfg: ModelConfig) -> int:
+    """Bytes of KDA state plus conv history for one KDA layer."""
+    P = cfg.kda_heads * cfg.kda_head_dim
+    return 4 * (cfg.kda_heads * cfg.kda_head_dim**2 + 3 * P * (cfg.conv_k - 1))

@@ -1,0 +1,287 @@
+"""The plugin registry: finds kernel, storage and cache plugins and resolves names.
+
+Rules (design section 2):
+
+* plugins come from the ``k3`` entry-point group; built-ins use the same group;
+* an unknown name is an error listing the registered names and a close match;
+* a registered but unavailable implementation is an error with the reason and the fix;
+* an explicit choice never falls back; only ``auto`` picks (highest available priority)
+  and says what it picked;
+* two plugins claiming one name is an error naming both;
+* ``K3_DISABLE_PLUGINS=1`` loads only the plugins shipped with k3 itself;
+  ``K3_DISABLE_BACKENDS=a,b`` marks those implementations unavailable (tests use it to
+  force the fallback paths).
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from dataclasses import dataclass, field
+from importlib import metadata
+from typing import Any
+
+import pluggy
+
+from k3core.api import hookspecs
+from k3core.api.errors import K3Error, PluginError
+from k3core.api.specs import Availability, Kind, PluginSpec
+
+K3_DIST = "k3"
+HOOKS: dict[Kind, str] = {
+    "kernel": "k3_kernel_backends",
+    "storage": "k3_storage_backends",
+    "cache": "k3_cache_policies",
+}
+KIND_WORDS: dict[Kind, str] = {
+    "kernel": "kernel backend",
+    "storage": "storage backend",
+    "cache": "cache policy",
+}
+
+
+@dataclass
+class Entry:
+    """One registered implementation and where it came from."""
+
+    spec: PluginSpec
+    origin: str  # "dist==version (module)"
+    conflict_with: str | None = None
+
+
+@dataclass
+class BrokenPlugin:
+    """An entry point that failed to load or whose hook failed."""
+
+    name: str
+    origin: str
+    reason: str
+
+
+@dataclass
+class Registry:
+    """All specs by kind and name, plus plugins that failed to load."""
+
+    entries: dict[Kind, dict[str, Entry]] = field(default_factory=dict)
+    broken: list[BrokenPlugin] = field(default_factory=list)
+    _probes: dict[tuple[Kind, str], Availability] = field(default_factory=dict)
+
+    # ---- construction -------------------------------------------------------------
+    @classmethod
+    def discover(cls) -> Registry:
+        """Load every entry point of the ``k3`` group and collect the specs."""
+        reg = cls(entries={k: {} for k in HOOKS})
+        only_builtin = os.environ.get("K3_DISABLE_PLUGINS", "") not in ("", "0")
+        for ep in sorted(_entry_points(), key=lambda e: e.name):
+            dist = ep.dist.name if ep.dist is not None else "?"
+            version = ep.dist.version if ep.dist is not None else "?"
+            origin = f"{dist}=={version} ({ep.value})"
+            if only_builtin and _norm(dist) != K3_DIST:
+                continue
+            try:
+                plugin = ep.load()
+            except (Exception, SystemExit) as exc:  # a third-party plugin may do anything
+                reg.broken.append(BrokenPlugin(ep.name, origin, f"failed to import: {_brief(exc)}"))
+                continue
+            reg.add_plugin(plugin, origin, ep.name)
+        return reg
+
+    def add_plugin(self, plugin: Any, origin: str, name: str = "") -> None:
+        """Register one plugin object (module or instance with hook implementations)."""
+        pm = pluggy.PluginManager(hookspecs.PROJECT)
+        pm.add_hookspecs(hookspecs)
+        try:
+            pm.register(plugin, name=name or origin)
+        except (Exception, SystemExit) as exc:
+            self.broken.append(BrokenPlugin(name, origin, f"not a valid k3 plugin: {_brief(exc)}"))
+            return
+        for kind, hook in HOOKS.items():
+            try:
+                results = getattr(pm.hook, hook)()
+            except (Exception, SystemExit) as exc:
+                self.broken.append(BrokenPlugin(name, origin, f"{hook}() raised {_brief(exc)}"))
+                continue
+            for specs in results:
+                if specs is None:
+                    continue
+                if not isinstance(specs, (list, tuple)):
+                    self.broken.append(BrokenPlugin(
+                        name, origin, f"{hook}() returned {_brief(specs)}, not a list of specs"))
+                    continue
+                for spec in specs:
+                    self._add(kind, spec, origin, name)
+
+    def _add(self, kind: Kind, spec: Any, origin: str, plugin_name: str) -> None:
+        problem = spec_problem(kind, spec)
+        if problem:
+            self.broken.append(BrokenPlugin(plugin_name, origin, f"{HOOKS[kind]}() {problem}"))
+            return
+        if spec.kind != kind:
+            self.broken.append(
+                BrokenPlugin(
+                    plugin_name,
+                    origin,
+                    f"returned a {spec.kind} spec '{spec.name}' from {HOOKS[kind]}()",
+                )
+            )
+            return
+        table = self.entries.setdefault(kind, {})
+        existing = table.get(spec.name)
+        if existing is not None:
+            existing.conflict_with = origin
+            return
+        table[spec.name] = Entry(spec, origin)
+
+    # ---- queries ---------------------------------------------------------------------
+    def names(self, kind: Kind) -> list[str]:
+        return sorted(self.entries.get(kind, {}))
+
+    def probe(self, kind: Kind, name: str) -> Availability:
+        """Cached availability of one implementation (a raising probe counts as unavailable)."""
+        key = (kind, name)
+        if key not in self._probes:
+            self._probes[key] = self._probe_uncached(kind, name)
+        return self._probes[key]
+
+    def _probe_uncached(self, kind: Kind, name: str) -> Availability:
+        disabled = {s.strip() for s in os.environ.get("K3_DISABLE_BACKENDS", "").split(",")}
+        if name in disabled:
+            return Availability.no(
+                f"disabled by K3_DISABLE_BACKENDS={os.environ['K3_DISABLE_BACKENDS']}",
+                "unset K3_DISABLE_BACKENDS",
+            )
+        entry = self.entries.get(kind, {}).get(name)
+        if entry is None:
+            return Availability.no(f"no {KIND_WORDS[kind]} named '{name}' is registered")
+        try:
+            result = entry.spec.probe()
+        except (Exception, SystemExit) as exc:
+            return Availability.no(f"its probe raised {_brief(exc)}", _hint(entry.spec))
+        if not isinstance(result, Availability):
+            return Availability.no(f"its probe returned {_brief(result)}, not an Availability")
+        if not isinstance(result.reason, str) or not isinstance(result.hint, str):
+            return Availability.no(f"its probe returned {_brief(result)} (reason and hint must "
+                                   "be strings)")
+        return result
+
+    def resolve(self, kind: Kind, name: str) -> tuple[PluginSpec, str]:
+        """Return ``(spec, note)`` for ``name`` (or ``auto``); never falls back."""
+        word = KIND_WORDS[kind]
+        table = self.entries.get(kind, {})
+        if name == "auto":
+            ranked = sorted(table.values(), key=lambda e: (-e.spec.priority, e.spec.name))
+            for ranked_entry in ranked:
+                spec = ranked_entry.spec
+                if ranked_entry.conflict_with is None and self.probe(kind, spec.name).ok:
+                    return spec, f"auto picked {word} '{spec.name}'"
+            raise PluginError(f"no {word} is available on this machine", hint="run `k3 backends`")
+        entry = table.get(name)
+        if entry is None:
+            choices = ", ".join(self.names(kind)) or "(none)"
+            close = difflib.get_close_matches(name, self.names(kind), n=1)
+            broken = [b for b in self.broken if b.name == name]
+            msg = f"unknown {word} '{name}'; registered: {choices}"
+            if close:
+                msg += f" (did you mean '{close[0]}'?)"
+            if broken:
+                msg += f"; plugin '{name}' from {broken[0].origin} {broken[0].reason}"
+            raise PluginError(msg)
+        if entry.conflict_with is not None:
+            raise PluginError(
+                f"{word} '{name}' is claimed by two plugins: {entry.origin} and "
+                f"{entry.conflict_with}",
+                hint="uninstall one of them, or set K3_DISABLE_PLUGINS=1 to use only built-ins",
+            )
+        avail = self.probe(kind, name)
+        if not avail.ok:
+            raise PluginError(
+                f"{word} '{name}' is not available here: {avail.reason}",
+                hint=avail.hint or _hint(entry.spec) or None,
+            )
+        return entry.spec, ""
+
+    def create(self, kind: Kind, name: str, **kwargs: Any) -> tuple[Any, str, str]:
+        """Resolve and instantiate; returns ``(instance, resolved_name, note)``."""
+        spec, note = self.resolve(kind, name)
+        try:
+            factory = spec.load()
+            instance = factory(**kwargs)
+        except K3Error:  # a refusal with its own message (and exit code)
+            raise
+        except (Exception, SystemExit) as exc:
+            raise PluginError(
+                f"{KIND_WORDS[kind]} '{spec.name}' failed to start: {_brief(exc)}",
+                hint=_hint(spec) or None,
+            ) from None
+        base = _base_class(kind)
+        if not isinstance(instance, base):
+            raise PluginError(
+                f"{KIND_WORDS[kind]} '{spec.name}' is broken: its factory {spec.factory} built "
+                f"{_brief(instance)}, not a {base.__module__}.{base.__name__}")
+        return instance, spec.name, note
+
+
+def spec_problem(kind: Kind, spec: Any) -> str:
+    """Why ``spec`` cannot be registered as a ``kind`` implementation ('' when it can)."""
+    if not isinstance(spec, PluginSpec):
+        return f"returned something that is not a spec: {_brief(spec)}"
+    name = spec.name
+    if not isinstance(name, str) or not name or not name.isprintable() or len(name) > 64:
+        return f"returned a spec with a bad name {_brief(name)}"
+    if spec.kind != kind:
+        return f"returned the {spec.kind} spec {name!r} from the {kind} hook"
+    if not isinstance(spec.factory, str) or not spec.factory.partition(":")[0]:
+        return f"returned spec {name!r} whose factory {_brief(spec.factory)} is not 'module:attr'"
+    if isinstance(spec.priority, bool) or not isinstance(spec.priority, int):
+        return f"returned spec {name!r} whose priority {_brief(spec.priority)} is not an integer"
+    if not callable(spec.probe):
+        return f"returned spec {name!r} whose probe is not callable"
+    return ""
+
+
+def _brief(obj: Any, limit: int = 160) -> str:
+    """``repr(obj)`` cut to one short line (plugins are untrusted; so is their output)."""
+    try:
+        text = repr(obj)
+    except Exception as exc:  # a hostile __repr__
+        text = f"<unprintable {type(obj).__name__}: {type(exc).__name__}>"
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _base_class(kind: Kind) -> type:
+    """The class every instance of ``kind`` must derive from (imported late: no cycles)."""
+    if kind == "kernel":
+        from k3core.api.kernels import KernelBackend
+
+        return KernelBackend
+    if kind == "storage":
+        from k3core.api.storage import StorageBackend
+
+        return StorageBackend
+    from k3core.api.cache_policy import CachePolicy
+
+    return CachePolicy
+
+
+def _hint(spec: PluginSpec) -> str:
+    return spec.install_hint if isinstance(spec.install_hint, str) else ""
+
+
+def _norm(dist: str) -> str:
+    return dist.lower().replace("_", "-")
+
+
+def _entry_points() -> list[metadata.EntryPoint]:
+    return list(metadata.entry_points(group=hookspecs.PROJECT))
+
+
+_CACHED: Registry | None = None
+
+
+def get_registry(refresh: bool = False) -> Registry:
+    """The process-wide registry (discovered once)."""
+    global _CACHED
+    if _CACHED is None or refresh:
+        _CACHED = Registry.discover()
+    return _CACHED

@@ -1,0 +1,257 @@
+"""The memory plan: every large buffer of a run, summed BEFORE anything large is allocated.
+
+Rows (engine.md 2.1, plus what a Python process costs by itself):
+
+=====================  ============================================================
+trunk                  the ``--trunk-gb`` budget when streaming (never more than the
+                       whole trunk), else the bytes of every bound layer
+embed + lm_head        the model tables; in ultra-low-memory mode one stream chunk,
+                       two alignment pads and the three hidden-size vectors
+expert cache           the ``--cache-gb`` budget rounded down to whole slots (never
+                       more than every expert of the model)
+recurrent state        KDA state + conv history for every KDA layer run; one slot in
+                       ultra-low-memory full recompute
+buffers                activations and per-layer scratch for T = prompt + gen + 1
+                       positions, estimated from the model's widths
+KV cache               incremental only: T x the expanded per-position KV bytes
+python + libraries     this process's resident set when the plan is made (measured)
+=====================  ============================================================
+
+:meth:`MemoryPlan.check` refuses (``MemoryPlanError``, exit 1) when the total exceeds 95 %
+of the memory available; :func:`check_kv` refuses (``UsageError``, exit 2) a request whose
+KV cache alone exceeds 90 % of it, before anything else is computed. Sizes in messages are
+decimal (1 GB = 10^9 bytes). The plan is a forecast; the run report quotes the measured peak.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import psutil
+
+from k3core.api.errors import MemoryPlanError, UsageError
+from k3core.model.config import ModelConfig
+from k3core.model.sizes import ALIGN, ModelSizes, sizes_from_config
+from k3core.model.state import kv_bytes_per_position, recurrent_bytes_per_layer
+
+#: bytes of lm_head read per chunk in ultra-low-memory mode
+STREAM_CHUNK = 64 << 20
+#: refuse when the plan exceeds this share of available memory
+PLAN_LIMIT = 0.95
+#: refuse when the KV cache alone exceeds this share of available memory
+KV_LIMIT = 0.90
+
+
+def human(n: float) -> str:
+    """Decimal units, two places (the reference's ``human()``: 1 GB = 10^9 bytes)."""
+    for unit, div in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(n) >= div:
+            return f"{n / div:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+
+def available_bytes() -> int:
+    """Memory the kernel says can be handed out now without swapping (MemAvailable)."""
+    return int(psutil.virtual_memory().available)
+
+
+def total_bytes() -> int:
+    return int(psutil.virtual_memory().total)
+
+
+def process_rss() -> int:
+    """This interpreter's resident set right now (Python, NumPy, the imported libraries)."""
+    return int(psutil.Process().memory_info().rss)
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """The planned bytes of one run and the memory available when it was planned."""
+
+    trunk: int
+    tables: int
+    expert_cache: int
+    recurrent: int
+    buffers: int
+    kv_cache: int
+    baseline: int
+    available: int
+    streamed: bool = True
+    ultra: bool = False
+    positions: int = 0
+    cache_slots: int | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def total(self) -> int:
+        return (self.trunk + self.tables + self.expert_cache + self.recurrent + self.buffers
+                + self.kv_cache + self.baseline)
+
+    def rows(self) -> list[tuple[str, int]]:
+        """``(label, bytes)`` for the seven rows, then ``TOTAL``."""
+        trunk = "trunk (STREAMED)" if self.streamed else "trunk (resident)"
+        tables = "embed + lm_head (STREAMED)" if self.ultra else "embed + lm_head"
+        return [
+            (trunk, self.trunk),
+            (tables, self.tables),
+            ("expert cache", self.expert_cache),
+            ("recurrent state", self.recurrent),
+            ("buffers", self.buffers),
+            ("KV cache", self.kv_cache),
+            ("python + libraries", self.baseline),
+            ("TOTAL", self.total),
+        ]
+
+    def lines(self) -> list[str]:
+        """The ``memory plan`` block as the run report prints it."""
+        out = ["memory plan"]
+        out += [f"  {label:<28}{human(n):>12}" for label, n in self.rows()]
+        out.append(f"  {'available':<28}{human(self.available):>12}")
+        return out
+
+    def fits(self) -> bool:
+        return self.total <= PLAN_LIMIT * self.available
+
+    def check(self) -> None:
+        """Refuse (exit 1) when the plan exceeds 95 % of the memory available."""
+        if self.fits():
+            return
+        short = self.total - self.available
+        shortfall = (f"a shortfall of {human(short)}" if short > 0 else
+                     f"over the {PLAN_LIMIT:.0%} safety line by "
+                     f"{human(self.total - PLAN_LIMIT * self.available)}")
+        raise MemoryPlanError(
+            f"REFUSING TO START: this needs {human(self.total)} and the machine has "
+            f"{human(self.available)} available, {shortfall}. Options: a larger box, a smaller "
+            "--cache-gb or --trunk-gb (or a smaller --preset), or fewer --layers."
+        )
+
+
+def check_kv(cfg: ModelConfig, positions: int, available: int | None = None,
+             n_layers: int | None = None) -> int:
+    """Refuse (exit 2) a request whose KV cache alone exceeds 90 % of available memory.
+
+    Returns the KV bytes. ``positions`` is prompt + gen + 1.
+    """
+    kv = kv_bytes(cfg, positions, n_layers)
+    avail = available_bytes() if available is None else available
+    if kv > KV_LIMIT * avail:
+        raise UsageError(
+            f"the KV cache for {positions} positions needs {human(kv)} "
+            f"({kv_bytes(cfg, 1, n_layers) / 1e6:.2f} MB/position) and the machine has "
+            f"{human(avail)} available: this is a memory limit, not an engine ceiling; ask for a "
+            "shorter request (fewer prompt tokens or a smaller --gen), or drop --incremental "
+            "(full recompute carries no KV cache)"
+        )
+    return kv
+
+
+def kv_bytes(cfg: ModelConfig, positions: int, n_layers: int | None = None) -> int:
+    """Expanded fp32 KV bytes for ``positions`` over the MLA layers among those run."""
+    if n_layers is None or n_layers >= cfg.n_layers:
+        return positions * kv_bytes_per_position(cfg)
+    n_mla = sum(1 for L in range(n_layers) if cfg.is_mla(L))
+    per_layer = kv_bytes_per_position(cfg) // max(cfg.n_mla, 1)
+    return positions * per_layer * n_mla
+
+
+def buffer_bytes(cfg: ModelConfig, positions: int, n_layers: int | None = None) -> int:
+    """Activations and per-layer scratch for ``positions`` tokens (an estimate).
+
+    The reference's shape, ``(T*hidden + T*maxb*hidden + scratch(T) + vocab) * 4``, with
+    ``maxb`` = AttnRes blocks + 2 and scratch(T) the widest layer's per-token temporaries
+    (KDA projections, MLA query/key/value with their float64 copies, the MLP intermediates)
+    times two for the kernels' own temporaries.
+    """
+    c = cfg
+    T = positions
+    L = n_layers or c.n_layers
+    maxb = L // max(c.attn_res_block, 1) + 2
+    P = c.kda_heads * c.kda_head_dim
+    kda = 6 * P + c.kda_heads + c.kda_head_dim
+    mla = (c.q_lora + c.kv_lora + c.qk_rope + c.n_heads * (2 * c.qk_nope + c.qk_rope + 3 * c.v_head)
+           + 4 * c.n_heads * (c.qk_nope + c.qk_rope + c.v_head))  # + float64 keys/values
+    mlp = max(3 * c.dense_inter,
+              c.n_experts + c.topk * (c.latent + 2 * c.moe_inter) + 3 * c.n_shared * c.moe_inter)
+    scratch = 2 * T * max(kda, mla, mlp)
+    return 4 * (T * c.hidden + T * maxb * c.hidden + scratch + c.vocab)
+
+
+def plan_memory(
+    cfg: ModelConfig,
+    *,
+    streamed: bool,
+    cache_bytes: int,
+    prompt_len: int,
+    gen: int,
+    incremental: bool,
+    n_layers: int | None = None,
+    trunk_budget: int | None = None,
+    trunk_bytes_resident: int | None = None,
+    ultra: bool = False,
+    sizes: ModelSizes | None = None,
+    expert_bytes: int | None = None,
+    stream_chunk: int = STREAM_CHUNK,
+    baseline: int | None = None,
+    available: int | None = None,
+) -> MemoryPlan:
+    """Sum every buffer of a run.
+
+    ``streamed`` runs need ``trunk_budget`` (bytes of pinned layers + ring); resident runs
+    take ``trunk_bytes_resident`` or, when omitted, the planned bytes of the layers run.
+    ``sizes`` defaults to :func:`sizes_from_config`; ``expert_bytes`` overrides its expert size
+    (slots are rounded down to whole ones). ``baseline`` defaults to this process's RSS and
+    ``available`` to MemAvailable: tests inject both.
+    """
+    if prompt_len < 0 or gen < 0 or cache_bytes < 0:
+        raise UsageError("prompt length, --gen and --cache-gb must not be negative")
+    L = cfg.n_layers if n_layers is None else n_layers
+    if not 1 <= L <= cfg.n_layers:
+        raise UsageError(f"--layers must be in 1..{cfg.n_layers}, got {L}")
+    sz = (sizes or sizes_from_config(cfg)).first(L)
+    notes: list[str] = []
+    whole = sz.trunk_bytes
+    if streamed:
+        if trunk_budget is None or trunk_budget < 0:
+            raise UsageError("a streamed trunk needs a non-negative trunk budget (--trunk-gb)")
+        trunk = min(trunk_budget, whole + ALIGN * L)
+        if trunk < trunk_budget:
+            notes.append(f"trunk budget {human(trunk_budget)} exceeds the whole trunk; planning "
+                         f"{human(trunk)}")
+    else:
+        trunk = whole if trunk_bytes_resident is None else trunk_bytes_resident
+    E = cfg.hidden
+    if ultra:
+        tables = min(stream_chunk, sz.tables_bytes) + 2 * ALIGN + 3 * E * 4
+    else:
+        tables = sz.tables_bytes
+    slot = sz.expert_slot_bytes if expert_bytes is None else _slot(expert_bytes)
+    cache, slots = cache_bytes, None
+    if slot:
+        slots = min(cache_bytes // slot, sz.n_experts * sz.n_moe_layers)
+        cache = slots * slot
+    n_kda = sum(1 for i in range(L) if not cfg.is_mla(i))
+    per_layer = recurrent_bytes_per_layer(cfg)
+    recurrent = per_layer * (min(n_kda, 1) if ultra and not incremental else n_kda)
+    T = prompt_len + gen + 1
+    kv = kv_bytes(cfg, T, L) if incremental else 0
+    return MemoryPlan(
+        trunk=trunk,
+        tables=tables,
+        expert_cache=cache,
+        recurrent=recurrent,
+        buffers=buffer_bytes(cfg, T, L),
+        kv_cache=kv,
+        baseline=process_rss() if baseline is None else baseline,
+        available=available_bytes() if available is None else available,
+        streamed=streamed,
+        ultra=ultra,
+        positions=T,
+        cache_slots=slots,
+        notes=notes,
+    )
+
+
+def _slot(expert_bytes: int) -> int:
+    return -(-(expert_bytes + 2 * ALIGN) // ALIGN) * ALIGN if expert_bytes > 0 else 0

@@ -1,0 +1,375 @@
+"""The Kimi K3 tokenizer: tiktoken ranks, the Kimi split pattern, added tokens read by id.
+
+Built the way model.md section 9 item 8 decides: a :class:`tiktoken.Encoding` over the
+ranks of ``tiktoken.model``, the Kimi ``pat_str`` (:data:`KIMI_PAT_STR`) and the added
+tokens of ``tokenizer_config.json``'s ``added_tokens_decoder``, each bound to the id its key
+names (never to a list position).
+
+Ids. ``0 .. n_ranks-1`` are BPE ranks; the named added tokens sit above them; every other id
+below the model's ``vocab_size`` is an unnamed reserved id and decodes as
+``<|reserved_token_{id}|>`` (section 9 item 7). ``vocab_size`` is the model's: pass the
+config's value to :meth:`Tokenizer.from_dir`, or let it default to one past the highest
+rank or named id (which is the model's vocabulary for the released files, where ``[PAD]``
+is 163839). Decoding an id outside ``0 .. vocab_size-1`` is a :class:`UsageError`.
+
+Encoding. With ``allow_special`` (the default, as the reference's tools encode), the text is
+cut at occurrences of named added tokens, scanning left to right and taking the longest
+token at a position (a definite rule; tiktoken's own special-token alternation has no
+defined order for tokens that prefix each other); each occurrence becomes its id, and each
+span between is encoded by tiktoken with no special handling. Without ``allow_special``
+the whole text is ordinary text. No BOS or EOS is ever added here. Reserved names are not
+recognised in text: they are what unnamed ids decode to, not tokens one can type.
+
+Long text. Text longer than :data:`MAX_ENCODE_CHARS` code points, or holding a run of more
+than :data:`MAX_RUN_CHARS` whitespace or non-whitespace characters, is first cut the way the
+first-party wrapper is described to cut it (:func:`_chunks`; before the added-token scan,
+as there). Below those limits, which covers every ordinary prompt, the result is exactly
+tiktoken's; past them tiktoken alone fails (a run of a million spaces overflows its regex
+engine's backtracking stack), so its answer is not defined there anyway.
+
+Bytes. :meth:`Tokenizer.encode_bytes` takes a prompt file's bytes verbatim. Valid UTF-8
+is encoded exactly as :meth:`encode` encodes the decoded text. Bytes that are not valid
+UTF-8 cannot go through tiktoken (it encodes ``str``, and lone surrogates would be replaced),
+so the input is cut into maximal valid runs and invalid bytes: each valid run is encoded as
+text, each invalid byte becomes the rank of its single byte. :meth:`decode_bytes` therefore
+gives back the file byte for byte. ``decode`` replaces invalid UTF-8 with U+FFFD, and the
+streaming :class:`IncrementalDecoder` never cuts a character in two: incomplete trailing
+bytes wait for the next ids.
+"""
+
+from __future__ import annotations
+
+import codecs
+import operator
+import re
+from collections.abc import Iterable, Iterator, Mapping
+from pathlib import Path
+
+import tiktoken
+
+from k3core.api.errors import TokenizerError, UsageError
+from k3core.tokenizer.files import (
+    MAX_TIKTOKEN_MODEL_BYTES,
+    MAX_TOKEN_ID,
+    MAX_TOKENIZER_CONFIG_BYTES,
+    AddedToken,
+    parse_tiktoken_model,
+    parse_tokenizer_config,
+    read_capped,
+)
+
+#: The Kimi split regex (model.md section 5): o200k's pattern with a leading Han-run rule,
+#: Han taken out of the letter classes by ``&&`` intersection, and no ``/`` in rule 5's tail.
+KIMI_PAT_STR = "|".join(
+    [
+        r"[\p{Han}]+",
+        r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*"
+        r"[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+        r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+"
+        r"[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+        r"\p{N}{1,3}",
+        r" ?[^\s\p{L}\p{N}]+[\r\n]*",
+        r"\s*[\r\n]+",
+        r"\s+(?!\S)",
+        r"\s+",
+    ]
+)
+
+MODEL_FILE = "tiktoken.model"
+CONFIG_FILE = "tokenizer_config.json"
+
+_ESCAPED = re.compile("[\udc80-\udcff]+")
+
+#: The first-party wrapper's limits: text is encoded in chunks of at most this many code
+#: points, and no chunk holds a run of whitespace or non-whitespace longer than the second.
+MAX_ENCODE_CHARS = 400_000
+MAX_RUN_CHARS = 25_000
+_RUN = re.compile(r"\s+|\S+")  # re's \s for str is exactly str.isspace
+
+
+def reserved_name(token_id: int) -> str:
+    """What an unnamed reserved id decodes to."""
+    return f"<|reserved_token_{token_id}|>"
+
+
+class Tokenizer:
+    """Encode text or bytes to ids and back; see the module docstring for the rules."""
+
+    def __init__(
+        self,
+        ranks: dict[bytes, int],
+        added: Mapping[int, AddedToken],
+        *,
+        vocab_size: int | None = None,
+        source: str = "tokenizer",
+        config_source: str | None = None,
+    ):
+        n_ranks = len(ranks)
+        rank_bytes: list[bytes] = [b""] * n_ranks
+        for token, rank in ranks.items():
+            if not 0 <= rank < n_ranks or rank_bytes[rank]:
+                raise TokenizerError(f"{source}: ranks are not exactly 0..{n_ranks - 1}")
+            rank_bytes[rank] = token
+        missing = [b for b in range(256) if bytes([b]) not in ranks]
+        if missing:
+            raise TokenizerError(
+                f"{source}: {len(missing)} of the 256 single bytes have no rank (first: "
+                f"{missing[0]:#04x}); a byte-level BPE needs them all"
+            )
+        where = config_source or source
+        for tid, tok in added.items():
+            if tid < n_ranks:
+                raise TokenizerError(
+                    f"{where}: added token {tok.content!r} has id {tid}, which is a BPE rank "
+                    f"(the {n_ranks} ranks are 0..{n_ranks - 1})"
+                )
+        if len({tok.content for tok in added.values()}) != len(added):
+            raise TokenizerError(f"{where}: two added tokens share one content")
+        top = max([n_ranks - 1, *added])
+        if vocab_size is None:
+            vocab_size = top + 1
+        elif not isinstance(vocab_size, int) or isinstance(vocab_size, bool):
+            raise UsageError(f"vocab_size must be an integer, not {vocab_size!r}")
+        elif vocab_size <= top:
+            raise TokenizerError(
+                f"{source}: the model's vocab_size {vocab_size} is too small for this tokenizer "
+                f"(it uses ids up to {top})"
+            )
+        elif vocab_size > MAX_TOKEN_ID + 1:
+            raise UsageError(f"vocab_size {vocab_size} is over {MAX_TOKEN_ID + 1}")
+        self.vocab_size: int = vocab_size
+        self.n_ranks: int = n_ranks
+        self.source = source
+        self._rank_bytes = rank_bytes
+        self._byte_rank = [ranks[bytes([b])] for b in range(256)]
+        self._added = dict(added)
+        self._added_bytes = {tid: tok.content.encode("utf-8") for tid, tok in added.items()}
+        self._special_tokens = {tok.content: tid for tid, tok in added.items()}
+        try:
+            self._enc = tiktoken.Encoding(
+                name="kimi-k3",
+                pat_str=KIMI_PAT_STR,
+                mergeable_ranks=ranks,
+                special_tokens=self._special_tokens,
+            )
+        except (ValueError, RuntimeError) as e:
+            raise TokenizerError(f"{source}: tiktoken refused the vocabulary: {e}") from None
+        by_length = sorted(self._special_tokens, key=lambda s: (-len(s), s))
+        self._special_re = re.compile("|".join(map(re.escape, by_length))) if by_length else None
+
+    @classmethod
+    def from_dir(cls, path: str | Path, *, vocab_size: int | None = None) -> Tokenizer:
+        """Read ``tiktoken.model`` and ``tokenizer_config.json`` from a directory."""
+        d = Path(path)
+        if not d.is_dir():
+            raise TokenizerError(f"{d}: not a directory holding {MODEL_FILE} and {CONFIG_FILE}")
+        return cls.from_files(d / MODEL_FILE, d / CONFIG_FILE, vocab_size=vocab_size)
+
+    @classmethod
+    def from_files(
+        cls, model_path: str | Path, config_path: str | Path, *, vocab_size: int | None = None
+    ) -> Tokenizer:
+        """Read the two files from explicit paths."""
+        mp, cp = Path(model_path), Path(config_path)
+        ranks = parse_tiktoken_model(read_capped(mp, MAX_TIKTOKEN_MODEL_BYTES), str(mp))
+        added = parse_tokenizer_config(read_capped(cp, MAX_TOKENIZER_CONFIG_BYTES), str(cp))
+        return cls(ranks, added, vocab_size=vocab_size, source=str(mp), config_source=str(cp))
+
+    # ---- facts -------------------------------------------------------------------------
+
+    @property
+    def encoding(self) -> tiktoken.Encoding:
+        """The underlying tiktoken encoding (ranks, pattern, named added tokens)."""
+        return self._enc
+
+    @property
+    def special_tokens(self) -> dict[str, int]:
+        """Named added tokens: content -> id."""
+        return dict(self._special_tokens)
+
+    @property
+    def special_ids(self) -> frozenset[int]:
+        """Ids of the named added tokens (those in ``added_tokens_decoder``)."""
+        return frozenset(self._added)
+
+    @property
+    def added_tokens(self) -> dict[int, AddedToken]:
+        """Id -> the ``added_tokens_decoder`` entry, with its ``special`` flag."""
+        return dict(self._added)
+
+    def is_reserved(self, token_id: int) -> bool:
+        """True for an unnamed id between the ranks and ``vocab_size``."""
+        return self.n_ranks <= token_id < self.vocab_size and token_id not in self._added
+
+    def special_token_id(self, content: str) -> int:
+        """The id of a named added token, e.g. ``"[EOS]"``."""
+        try:
+            return self._special_tokens[content]
+        except KeyError:
+            raise UsageError(f"{content!r} is not a named token of this tokenizer") from None
+
+    def id_to_token_bytes(self, token_id: int) -> bytes:
+        """The bytes one id decodes to."""
+        return self._bytes_of(self._check_id(token_id))
+
+    # ---- encoding ----------------------------------------------------------------------
+
+    def encode(self, text: str, allow_special: bool = True) -> list[int]:
+        """Ids for ``text``; named added tokens in it become their ids when allowed."""
+        if not isinstance(text, str):
+            raise UsageError(f"encode takes text (str), not {type(text).__name__}")
+        out: list[int] = []
+        for chunk in _chunks(text):
+            out += self._encode_chunk(chunk, allow_special)
+        return out
+
+    def _encode_chunk(self, text: str, allow_special: bool) -> list[int]:
+        if not allow_special or self._special_re is None:
+            return self._ordinary(text)
+        out: list[int] = []
+        pos = 0
+        for m in self._special_re.finditer(text):
+            if m.start() > pos:
+                out += self._ordinary(text[pos : m.start()])
+            out.append(self._special_tokens[m.group()])
+            pos = m.end()
+        if pos < len(text):
+            out += self._ordinary(text[pos:])
+        return out
+
+    def _ordinary(self, text: str) -> list[int]:
+        try:
+            return self._enc.encode_ordinary(text)
+        except Exception:
+            raise
+        except BaseException as e:  # a Rust panic inside tiktoken arrives as BaseException
+            if type(e).__name__ != "PanicException":
+                raise
+            raise UsageError(
+                f"tiktoken could not encode a {len(text)}-character span: {e}"
+            ) from None
+
+    def encode_bytes(self, data: bytes, allow_special: bool = True) -> list[int]:
+        """Ids for raw bytes (a prompt file); any bytes at all round-trip exactly."""
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise UsageError(f"encode_bytes takes bytes, not {type(data).__name__}")
+        raw = bytes(data)
+        try:
+            return self.encode(raw.decode("utf-8"), allow_special)
+        except UnicodeDecodeError:
+            pass
+        text = raw.decode("utf-8", "surrogateescape")
+        out: list[int] = []
+        pos = 0
+        for m in _ESCAPED.finditer(text):
+            if m.start() > pos:
+                out += self.encode(text[pos : m.start()], allow_special)
+            out += [self._byte_rank[b] for b in m.group().encode("utf-8", "surrogateescape")]
+            pos = m.end()
+        if pos < len(text):
+            out += self.encode(text[pos:], allow_special)
+        return out
+
+    # ---- decoding ----------------------------------------------------------------------
+
+    def decode_bytes(self, ids: Iterable[int]) -> bytes:
+        """The exact bytes of ``ids`` (every id checked before anything is returned)."""
+        rank_bytes, n_ranks = self._rank_bytes, self.n_ranks
+        parts: list[bytes] = []
+        for raw_id in ids:
+            tid = self._check_id(raw_id)
+            parts.append(rank_bytes[tid] if tid < n_ranks else self._bytes_of(tid))
+        return b"".join(parts)
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Text of ``ids``; invalid UTF-8 becomes U+FFFD."""
+        return self.decode_bytes(ids).decode("utf-8", "replace")
+
+    def incremental_decoder(self) -> IncrementalDecoder:
+        """A streaming decoder for ids that arrive one at a time."""
+        return IncrementalDecoder(self)
+
+    def _bytes_of(self, tid: int) -> bytes:
+        if tid < self.n_ranks:
+            return self._rank_bytes[tid]
+        named = self._added_bytes.get(tid)
+        return named if named is not None else reserved_name(tid).encode("ascii")
+
+    def _check_id(self, raw_id: object) -> int:
+        if isinstance(raw_id, bool):
+            raise UsageError(f"token id {raw_id!r} is not an integer")
+        try:
+            tid = operator.index(raw_id)  # type: ignore[arg-type]
+        except TypeError:
+            raise UsageError(f"token id {raw_id!r} is not an integer") from None
+        if not 0 <= tid < self.vocab_size:
+            raise UsageError(
+                f"token id {tid} is outside the model's vocabulary 0..{self.vocab_size - 1}"
+            )
+        return tid
+
+
+class IncrementalDecoder:
+    """Text out as ids come in, never splitting a UTF-8 character.
+
+    ``push`` returns the text that is complete so far; bytes of a character whose remaining
+    bytes have not arrived are held back. ``flush`` ends the stream (held bytes that never
+    completed become U+FFFD). The pieces concatenate to ``Tokenizer.decode`` of all ids.
+    """
+
+    def __init__(self, tokenizer: Tokenizer):
+        self._tok = tokenizer
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def push(self, ids: int | Iterable[int]) -> str:
+        """Feed one id or several; return the text they complete."""
+        batch = [ids] if not isinstance(ids, Iterable) else ids
+        data = self._tok.decode_bytes(batch)
+        return self._utf8.decode(data, final=False)
+
+    def flush(self) -> str:
+        """End of stream: whatever is held back, then a fresh start."""
+        text = self._utf8.decode(b"", final=True)
+        self._utf8.reset()
+        return text
+
+    @property
+    def pending(self) -> bytes:
+        """Bytes held back because they end in an incomplete character."""
+        return bytes(self._utf8.getstate()[0])
+
+
+def _chunks(text: str) -> Iterator[str]:
+    """Cut text the way the first-party wrapper does before calling tiktoken.
+
+    Windows of :data:`MAX_ENCODE_CHARS` code points, each cut further so that no piece
+    holds more than :data:`MAX_RUN_CHARS` consecutive whitespace or non-whitespace
+    characters (``str.isspace``). Text within both limits is one chunk, so it is encoded
+    exactly as tiktoken encodes it; past them tiktoken's regex engine gives up (a run of
+    about a million spaces overflows its backtracking stack).
+    """
+    if len(text) <= MAX_ENCODE_CHARS and not _has_long_run(text):
+        yield text
+        return
+    for w in range(0, len(text), MAX_ENCODE_CHARS):
+        window = text[w : w + MAX_ENCODE_CHARS]
+        if not _has_long_run(window):
+            yield window
+            continue
+        start, run, in_space = 0, 0, window[0].isspace()
+        for i, ch in enumerate(window):
+            is_space = ch.isspace()
+            if is_space != in_space:
+                run, in_space = 1, is_space
+            else:
+                run += 1
+                if run > MAX_RUN_CHARS:
+                    yield window[start:i]
+                    start, run = i, 1
+        yield window[start:]
+
+
+def _has_long_run(text: str) -> bool:
+    if len(text) <= MAX_RUN_CHARS:
+        return False
+    return any(m.end() - m.start() > MAX_RUN_CHARS for m in _RUN.finditer(text))

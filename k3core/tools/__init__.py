@@ -1,0 +1,5 @@
+"""What surrounds a run: doctor, download, benchmarks, the synthetic checkpoint writer,
+budget reports, logit comparison.
+
+May import: every room but ``cli``.
+"""

@@ -1,0 +1,77 @@
+"""The scratch file the disk probe reads: an existing file, or one written for the probe.
+
+Given a directory, :func:`probe_file` writes ``nbytes`` of random (incompressible) data
+under a temporary name there, flushes it to the device, asks the OS to drop it from the
+page cache and removes it afterwards, whatever happens. It refuses with the numbers when
+the directory lacks the free space (keeping 1 GiB spare).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+
+from k3core.api.errors import UsageError
+from k3core.tools.bench.pagecache import drop_cached
+
+SPARE_BYTES = 1 << 30
+WRITE_CHUNK = 64 << 20
+
+
+@contextmanager
+def probe_file(target: Path, nbytes: int, seed: int = 0) -> Iterator[tuple[Path, list[str]]]:
+    """Yield ``(file to read, notes)``; see the module docstring."""
+    if target.is_file():
+        yield target, [f"measured the existing file {target}"]
+        return
+    if not target.is_dir():
+        raise UsageError(f"{target}: no such file or directory")
+    if nbytes < 1 << 20:
+        raise UsageError(f"probe file size {nbytes} is below 1 MiB")
+    free = shutil.disk_usage(target).free
+    if free < nbytes + SPARE_BYTES:
+        raise UsageError(
+            f"{target}: the probe file needs {nbytes / 1e9:.2f} GB plus 1 GiB spare, "
+            f"only {free / 1e9:.2f} GB free",
+            hint="probe a smaller size or another directory",
+        )
+    try:
+        fd, name = tempfile.mkstemp(prefix=".k3-diskbench-", suffix=".tmp", dir=target)
+    except OSError as exc:
+        raise UsageError(f"{target}: cannot write a probe file: {exc.strerror}") from exc
+    path = Path(name)
+    try:
+        seconds = _fill(fd, nbytes, seed)
+        os.close(fd)
+        fd = -1
+        drop_cached(path)
+        note = (
+            f"wrote a {nbytes / 1e9:.2f} GB probe file at {nbytes / seconds / 1e6:,.0f} MB/s "
+            f"(including fsync); removed afterwards"
+        )
+        yield path, [note]
+    finally:
+        if fd >= 0:
+            os.close(fd)
+        path.unlink(missing_ok=True)
+
+
+def _fill(fd: int, nbytes: int, seed: int) -> float:
+    rng = np.random.default_rng(seed)
+    t0 = time.perf_counter()
+    left = nbytes
+    while left:
+        block = rng.bytes(min(WRITE_CHUNK, left))
+        view = memoryview(block)
+        while view:
+            view = view[os.write(fd, view) :]
+        left -= len(block)
+    os.fsync(fd)
+    return time.perf_counter() - t0

@@ -1,0 +1,2 @@
+"""``k3 download``: a pinned, verified, resumable download from the Hub.
+"""

@@ -1,0 +1,2 @@
+"""``k3 synth``: deterministic synthetic checkpoints in the released layout.
+"""

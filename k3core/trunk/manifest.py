@@ -1,0 +1,397 @@
+"""The packed trunk's manifest (``trunk.json``): what it says, and every check before use.
+
+``k3 pack-trunk`` copies each layer's non-expert tensors verbatim into one ``trunk.bin``,
+one run per layer at a 4096-aligned offset with its length padded to 4096, so a layer is
+one aligned read (O_DIRECT needs no fix-up). ``trunk.json`` describes it::
+
+    {"format": "k3-trunk", "version": 1, "align": 4096, "n_layers": N,
+     "total_bytes": size of trunk.bin, "source_fingerprint": CheckpointIndex.fingerprint(),
+     "source_sample": "sha256:..." (k3core.trunk.sample: sampled bytes of every run),
+     "config_fingerprint": ModelConfig.fingerprint(),
+     "layers": [{"layer": L, "file_off": ..., "nbytes": padded run, "span": unpadded run,
+                 "checksum": "crc32:xxxxxxxx" (of the span bytes),
+                 "tensors": {full name: {"off": relative to the run, "nbytes", "dtype",
+                                         "shape"}}}, ...]}
+
+A manifest is untrusted input. :func:`open_trunk` refuses, with one ``CheckpointError``
+(exit 1) naming the problem, a file over the size cap, anything but strict JSON, a field of
+the wrong type or out of range, layers other than ``0..n-1`` each once, runs that are
+unaligned, overlap or leave ``trunk.bin`` (whose size must equal ``total_bytes``), tensors
+that escape their run or overlap, or whose dtype/shape/size/relative position disagree with
+the checkpoint, a trunk packed from another checkpoint (other headers, or the same headers
+but other weights: the sampled bytes differ) or for another model shape, and a trunk with
+fewer layers than the run needs. ``verify=True`` re-checksums every layer.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from itertools import pairwise
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from k3core.api.errors import CheckpointError, StorageError
+from k3core.api.safejson import JSONRejected, parse_json, show
+from k3core.api.storage import StorageBackend, aligned_empty
+from k3core.checkpoint.index import CheckpointIndex
+from k3core.checkpoint.safetensors_header import DTYPES
+from k3core.model import names
+from k3core.model.config import ModelConfig
+from k3core.model.layer_params import trunk_suffixes
+from k3core.trunk.sample import check_samples
+
+FORMAT = "k3-trunk"
+VERSION = 1
+ALIGN = 4096
+MANIFEST_NAME = "trunk.json"
+DATA_NAME = "trunk.bin"
+#: a manifest larger than this is refused (93 layers x ~30 tensors is ~0.5 MB)
+MAX_MANIFEST_BYTES = 16 * 1024 * 1024
+MAX_LAYERS = 100_000
+MAX_TENSORS_PER_LAYER = 4096
+MAX_RANK = 8
+#: bytes checksummed per read while verifying
+VERIFY_CHUNK = 64 * 1024 * 1024
+_CHECKSUM_RE = re.compile(r"^crc32:[0-9a-f]{8}$")
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+
+
+@dataclass(frozen=True)
+class TrunkTensor:
+    name: str
+    off: int  # relative to the layer's run
+    nbytes: int
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def np_dtype(self) -> np.dtype:
+        return DTYPES[self.dtype]
+
+
+@dataclass(frozen=True)
+class TrunkLayer:
+    layer: int
+    file_off: int
+    nbytes: int  # padded to ALIGN: what one read fetches
+    span: int  # the tensors' bytes, unpadded
+    checksum: str
+    tensors: dict[str, TrunkTensor]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "layer": self.layer, "file_off": self.file_off, "nbytes": self.nbytes,
+            "span": self.span, "checksum": self.checksum,
+            "tensors": {t.name: {"off": t.off, "nbytes": t.nbytes, "dtype": t.dtype,
+                                 "shape": list(t.shape)} for t in self.tensors.values()},
+        }
+
+
+@dataclass(frozen=True)
+class TrunkManifest:
+    """A validated packed trunk; ``layers[L].layer == L``."""
+
+    trunk_dir: Path
+    align: int
+    layers: tuple[TrunkLayer, ...]
+    source_fingerprint: str
+    source_sample: str
+    config_fingerprint: tuple[int, ...]
+    total_bytes: int
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def bin_path(self) -> Path:
+        return self.trunk_dir / DATA_NAME
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT, "version": VERSION, "align": self.align,
+            "n_layers": self.n_layers, "total_bytes": self.total_bytes,
+            "source_fingerprint": self.source_fingerprint,
+            "source_sample": self.source_sample,
+            "config_fingerprint": list(self.config_fingerprint),
+            "layers": [lay.to_json() for lay in self.layers],
+        }
+
+
+def crc_tag(crc: int) -> str:
+    return f"crc32:{crc & 0xFFFFFFFF:08x}"
+
+
+def round_up(n: int, align: int = ALIGN) -> int:
+    return -(-n // align) * align
+
+
+# ---- reading and checking ------------------------------------------------------------------
+def open_trunk(
+    trunk_dir: str | Path,
+    index: CheckpointIndex,
+    cfg: ModelConfig,
+    n_layers: int | None = None,
+    *,
+    verify: bool = False,
+    storage: StorageBackend | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> TrunkManifest:
+    """Read and check ``trunk_dir`` against ``index`` and ``cfg``; needs ``n_layers`` layers."""
+    root = Path(trunk_dir)
+    if not root.is_dir():
+        raise CheckpointError(f"trunk directory {root} does not exist (pack one with "
+                              "`k3 pack-trunk MODEL_DIR TRUNK_DIR`)")
+    doc = _load(root / MANIFEST_NAME)
+    man = parse_manifest(doc, root, index, cfg, n_layers or cfg.n_layers)
+    _check_bin(man)
+    layers = [(lay.layer, *run_source(lay, index), lay.span, lay.file_off) for lay in man.layers]
+    check_samples(root, man.bin_path, index, storage or index.storage, layers, man.source_sample)
+    if verify:
+        verify_trunk(man, storage or index.storage, progress)
+    return man
+
+
+def _load(path: Path) -> Any:
+    try:
+        if not path.is_file():
+            raise CheckpointError(f"{path}: no trunk manifest (not packed, or packing did not "
+                                  "finish); run `k3 pack-trunk`")
+        if path.stat().st_size > MAX_MANIFEST_BYTES:
+            raise CheckpointError(f"{path}: larger than the {MAX_MANIFEST_BYTES >> 20} MiB "
+                                  "limit for a trunk manifest")
+        with open(path, "rb") as fh:
+            data = fh.read(MAX_MANIFEST_BYTES + 1)
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    try:
+        return parse_json(data)
+    except JSONRejected as exc:
+        raise CheckpointError(f"{path}: {exc}") from None
+
+
+class _Bad(Exception):
+    pass
+
+
+def _int(d: dict[str, Any], key: str, lo: int = 0, hi: int = 1 << 62) -> int:
+    v = d.get(key)
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise _Bad(f"{key} must be an integer, got {_kind(v)}")
+    if not lo <= v <= hi:
+        raise _Bad(f"{key} = {v} is out of range {lo}..{hi}")
+    return v
+
+
+def _kind(v: Any) -> str:
+    if v is None:
+        return "nothing (missing or null)"
+    return type(v).__name__ if not isinstance(v, str) else f"string {show(v, 40)}"
+
+
+def parse_manifest(doc: Any, root: Path, index: CheckpointIndex, cfg: ModelConfig,
+                   n_needed: int) -> TrunkManifest:
+    """Check a parsed ``trunk.json`` document; raise ``CheckpointError`` naming the problem."""
+    where = root / MANIFEST_NAME
+    try:
+        man = _parse_root(doc, root)
+    except _Bad as exc:
+        raise CheckpointError(f"{where}: {exc}") from None
+    if man.source_fingerprint != index.fingerprint():
+        raise CheckpointError(f"trunk at {root} was packed from a different checkpoint than "
+                              f"{index.model_dir}; repack it with `k3 pack-trunk "
+                              f"{index.model_dir} {root} --force`")
+    if man.config_fingerprint != tuple(cfg.fingerprint()):
+        raise CheckpointError(f"trunk at {root} was packed for a different model shape "
+                              f"({list(man.config_fingerprint)} vs {list(cfg.fingerprint())})")
+    if man.n_layers < n_needed:
+        raise CheckpointError(f"trunk at {root} has {man.n_layers} layers but this run needs "
+                              f"{n_needed}")
+    for lay in man.layers:
+        try:
+            _check_against_index(lay, index, cfg if lay.layer < cfg.n_layers else None)
+        except _Bad as exc:
+            raise CheckpointError(f"{where}: layer {lay.layer}: {exc}") from None
+    return man
+
+
+def _parse_root(doc: Any, root: Path) -> TrunkManifest:
+    if not isinstance(doc, dict):
+        raise _Bad(f"must be a JSON object, got {_kind(doc)}")
+    if doc.get("format") != FORMAT:
+        raise _Bad(f"format must be {FORMAT!r}, got {_kind(doc.get('format'))}")
+    version = _int(doc, "version", 0, 1 << 31)
+    if version != VERSION:
+        raise _Bad(f"version {version} is not supported (this k3 reads version {VERSION}); "
+                   "repack the trunk")
+    align = _int(doc, "align", 1, 1 << 30)
+    if align != ALIGN:
+        raise _Bad(f"align must be {ALIGN}, got {align}; repack the trunk")
+    n = _int(doc, "n_layers", 1, MAX_LAYERS)
+    total = _int(doc, "total_bytes")
+    fp = doc.get("source_fingerprint")
+    if not isinstance(fp, str) or not _HEX64.match(fp):
+        raise _Bad("source_fingerprint must be 64 lowercase hex digits")
+    sample = doc.get("source_sample")
+    if not isinstance(sample, str) or not sample.startswith("sha256:") or not _HEX64.match(
+            sample[7:]):
+        raise _Bad("source_sample must be 'sha256:' and 64 lowercase hex digits")
+    cfp = doc.get("config_fingerprint")
+    if (not isinstance(cfp, list) or len(cfp) > 64
+            or not all(isinstance(x, int) and not isinstance(x, bool) for x in cfp)):
+        raise _Bad("config_fingerprint must be a list of integers")
+    raw_layers = doc.get("layers")
+    if not isinstance(raw_layers, list):
+        raise _Bad(f"layers must be a list, got {_kind(raw_layers)}")
+    if len(raw_layers) != n:
+        raise _Bad(f"n_layers is {n} but layers lists {len(raw_layers)}")
+    layers: list[TrunkLayer | None] = [None] * n
+    for i, raw in enumerate(raw_layers):
+        try:
+            lay = _parse_layer(raw, n, total)
+        except _Bad as exc:
+            raise _Bad(f"layers[{i}]: {exc}") from None
+        if layers[lay.layer] is not None:
+            raise _Bad(f"layer {lay.layer} is listed twice")
+        layers[lay.layer] = lay
+    done = [lay for lay in layers if lay is not None]  # all present: n entries, no repeats
+    runs = sorted(done, key=lambda lay: lay.file_off)
+    for a, b in pairwise(runs):
+        if a.file_off + a.nbytes > b.file_off:
+            raise _Bad(f"layer {a.layer}'s run overlaps layer {b.layer}'s in {DATA_NAME}")
+    return TrunkManifest(root, align, tuple(done), fp, sample, tuple(cfp), total)
+
+
+def _parse_layer(raw: Any, n: int, total: int) -> TrunkLayer:
+    if not isinstance(raw, dict):
+        raise _Bad(f"must be an object, got {_kind(raw)}")
+    L = _int(raw, "layer", 0, n - 1)
+    try:
+        off = _int(raw, "file_off")
+        nbytes = _int(raw, "nbytes", ALIGN)
+        span = _int(raw, "span", 1)
+        if off % ALIGN or nbytes % ALIGN:
+            raise _Bad(f"file_off {off} and nbytes {nbytes} must be multiples of {ALIGN}")
+        if not nbytes - ALIGN < span <= nbytes:
+            raise _Bad(f"span {span} does not pad to nbytes {nbytes} (align {ALIGN})")
+        if off + nbytes > total:
+            raise _Bad(f"run [{off}, {off + nbytes}) ends past total_bytes {total}")
+        checksum = raw.get("checksum")
+        if not isinstance(checksum, str) or not _CHECKSUM_RE.match(checksum):
+            raise _Bad("checksum must be 'crc32:' and 8 lowercase hex digits")
+        tensors = raw.get("tensors")
+        if not isinstance(tensors, dict) or not tensors:
+            raise _Bad("tensors must be a non-empty object")
+        if len(tensors) > MAX_TENSORS_PER_LAYER:
+            raise _Bad(f"{len(tensors)} tensors is more than {MAX_TENSORS_PER_LAYER}")
+        parsed = {name: _parse_tensor(name, t, L, span) for name, t in tensors.items()}
+        ordered = sorted(parsed.values(), key=lambda t: (t.off, t.nbytes))
+        for a, b in pairwise(ordered):
+            if a.off + a.nbytes > b.off:
+                raise _Bad(f"tensors {show(a.name)} and {show(b.name)} overlap")
+    except _Bad as exc:
+        raise _Bad(f"layer {L}: {exc}") from None
+    return TrunkLayer(L, off, nbytes, span, checksum, parsed)
+
+
+def _parse_tensor(name: str, t: Any, L: int, span: int) -> TrunkTensor:
+    split = names.split_layer_name(name)
+    if split is None or split[0] != L or names.is_routed_expert(split[1]):
+        raise _Bad(f"tensor {show(name)} is not a trunk tensor of layer {L}")
+    if not isinstance(t, dict):
+        raise _Bad(f"tensor {show(name)} must be an object")
+    try:
+        off = _int(t, "off")
+        nbytes = _int(t, "nbytes")
+        dtype = t.get("dtype")
+        if not isinstance(dtype, str) or dtype not in DTYPES:
+            raise _Bad(f"dtype must be one of {', '.join(DTYPES)}, got {_kind(dtype)}")
+        shape = t.get("shape")
+        if (not isinstance(shape, list) or len(shape) > MAX_RANK or not all(
+                isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 1 << 40
+                for x in shape)):
+            raise _Bad(f"shape must be a list of at most {MAX_RANK} non-negative integers")
+        if math.prod(shape) * DTYPES[dtype].itemsize != nbytes:
+            raise _Bad(f"shape {shape} of {dtype} is not {nbytes} bytes")
+        if off + nbytes > span:
+            raise _Bad(f"[{off}, {off + nbytes}) escapes its run of {span} bytes")
+    except _Bad as exc:
+        raise _Bad(f"tensor {show(name)}: {exc}") from None
+    return TrunkTensor(name, off, nbytes, dtype, tuple(shape))
+
+
+def _check_against_index(lay: TrunkLayer, index: CheckpointIndex, cfg: ModelConfig | None) -> None:
+    """Same tensors, dtypes, shapes, sizes and relative positions as in the checkpoint."""
+    if cfg is not None:
+        for s in trunk_suffixes(cfg, lay.layer):
+            if names.layer_name(lay.layer, s) not in lay.tensors:
+                raise _Bad(f"tensor {names.layer_name(lay.layer, s)} is missing")
+    base: int | None = None
+    for t in lay.tensors.values():
+        info = index.tensors.get(t.name)
+        if info is None:
+            raise _Bad(f"tensor {show(t.name)} is not in the checkpoint")
+        if (info.dtype, info.shape, info.nbytes) != (t.dtype, t.shape, t.nbytes):
+            raise _Bad(f"tensor {show(t.name)} is {t.dtype} {list(t.shape)} here but "
+                       f"{info.dtype} {list(info.shape)} in the checkpoint")
+        rel = info.offset - t.off
+        if base is None:
+            base = rel
+        elif rel != base:
+            raise _Bad(f"tensor {show(t.name)} is not where the verbatim copy puts it")
+
+
+def run_source(lay: TrunkLayer, index: CheckpointIndex) -> tuple[Path, int]:
+    """The shard and absolute start of a checked layer's run in the checkpoint."""
+    t = next(iter(lay.tensors.values()))
+    info = index.info(t.name)
+    return info.path, info.offset - t.off
+
+
+def _check_bin(man: TrunkManifest) -> None:
+    path = man.bin_path
+    try:
+        st = os.stat(path)
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot open the packed trunk: "
+                              f"{exc.strerror or exc}") from None
+    if not os.path.isfile(path):
+        raise CheckpointError(f"{path}: not a regular file")
+    if st.st_size != man.total_bytes:
+        raise CheckpointError(f"{path} is {st.st_size} bytes but {MANIFEST_NAME} says "
+                              f"{man.total_bytes}; truncated or replaced, repack the trunk")
+
+
+def verify_trunk(man: TrunkManifest, storage: StorageBackend,
+                 progress: Callable[[int, int], None] | None = None) -> None:
+    """Re-read every run and compare its checksum; ``CheckpointError`` on a mismatch."""
+    buf = aligned_empty(min(VERIFY_CHUNK, max(lay.nbytes for lay in man.layers)), ALIGN)
+    f = storage.open(man.bin_path)
+    try:
+        for lay in man.layers:
+            crc = 0
+            done = 0
+            while done < lay.span:
+                n = min(buf.nbytes, round_up(lay.span - done))
+                try:
+                    f.read_into(lay.file_off + done, buf[:n])
+                except StorageError as exc:
+                    raise CheckpointError(f"{man.bin_path}: layer {lay.layer}: "
+                                          f"{exc.message}") from None
+                crc = zlib.crc32(buf[: min(n, lay.span - done)].data, crc)
+                done += n
+            if crc_tag(crc) != lay.checksum:
+                raise CheckpointError(f"{man.bin_path}: layer {lay.layer} fails its checksum "
+                                      f"({crc_tag(crc)}, manifest {lay.checksum}); the file "
+                                      "is damaged, repack the trunk")
+            if progress:
+                progress(lay.layer + 1, man.n_layers)
+    finally:
+        f.close()

@@ -1,0 +1,231 @@
+"""Packing the trunk: every layer's non-expert tensors, verbatim, into one aligned file.
+
+In the released layout each layer's trunk tensors already sit in one contiguous run inside
+one shard, so packing is one range copy per layer: layer ``L``'s run goes to a 4096-aligned
+offset of ``trunk.bin`` and is padded with zeros to a multiple of 4096 (see
+:mod:`k3core.trunk.manifest` for ``trunk.json``). A layer whose trunk tensors span two
+shards, or leave a gap (which would drag expert bytes along), is refused before anything
+is written. Bytes are read through a storage backend in bounded chunks and checksummed
+(CRC-32 of the unpadded run) on the way.
+
+Atomic: ``trunk.bin`` and ``trunk.json`` are written under temporary names and fsynced;
+an old ``trunk.json`` is removed, then the new ``trunk.bin`` and ``trunk.json`` are renamed
+into place, in that order. Whatever fails or is interrupted, the directory never holds a
+manifest that describes bytes it does not have. A write failure (full disk, unwritable
+directory) is an ``OutputError`` (exit 3) and leaves no temporary file behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from k3core.api.errors import CheckpointError, OutputError, StorageError, UsageError
+from k3core.api.storage import StorageBackend, aligned_empty
+from k3core.checkpoint.bounds import check_bind_shapes
+from k3core.checkpoint.index import CheckpointIndex, TensorInfo
+from k3core.model import names
+from k3core.model.config import ModelConfig
+from k3core.model.layer_params import trunk_suffixes
+from k3core.trunk.manifest import (
+    ALIGN,
+    DATA_NAME,
+    MANIFEST_NAME,
+    TrunkLayer,
+    TrunkManifest,
+    TrunkTensor,
+    crc_tag,
+    round_up,
+)
+from k3core.trunk.sample import source_sample
+
+#: bytes copied per read (bounds the packer's memory whatever the layer size)
+COPY_CHUNK = 64 * 1024 * 1024
+
+PackProgress = Callable[[int, int, int, int], None]  # (layers done, layers, bytes done, total)
+
+
+@dataclass(frozen=True)
+class LayerRun:
+    """Where one layer's trunk tensors sit in the checkpoint: one shard, one run."""
+
+    layer: int
+    path: Path
+    start: int  # absolute offset of the first tensor in the shard
+    span: int
+    tensors: tuple[TensorInfo, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return round_up(self.span)
+
+
+def layer_run(index: CheckpointIndex, cfg: ModelConfig, layer: int) -> LayerRun:
+    """Find layer ``layer``'s run; refuse two shards or a gap."""
+    infos = []
+    for s in trunk_suffixes(cfg, layer):
+        name = names.layer_name(layer, s)
+        if name not in index:
+            raise CheckpointError(f"layer {layer}: trunk tensor {name} is not in the checkpoint")
+        infos.append(index.info(name))
+    paths = sorted({i.path.name for i in infos})
+    if len(paths) > 1:
+        raise CheckpointError(f"layer {layer}: trunk tensors span {len(paths)} shards "
+                              f"({', '.join(paths[:4])}); a packed layer must be one run "
+                              "inside one shard")
+    infos.sort(key=lambda i: (i.offset, i.nbytes))
+    start = infos[0].offset
+    span = max(i.offset + i.nbytes for i in infos) - start
+    covered = sum(i.nbytes for i in infos)
+    if covered != span:
+        raise CheckpointError(f"layer {layer}: trunk tensors are not one contiguous run: "
+                              f"{span - covered} bytes of gap (packing would drag expert "
+                              "bytes along)")
+    return LayerRun(layer, infos[0].path, start, span, tuple(infos))
+
+
+def plan_pack(index: CheckpointIndex, cfg: ModelConfig) -> list[LayerRun]:
+    check_bind_shapes(cfg, index, cfg.n_layers)  # a layer claiming terabytes is not copied
+    return [layer_run(index, cfg, L) for L in range(cfg.n_layers)]
+
+
+def pack_trunk(
+    index: CheckpointIndex,
+    cfg: ModelConfig,
+    trunk_dir: str | Path,
+    storage: StorageBackend,
+    *,
+    force: bool = False,
+    progress: PackProgress | None = None,
+) -> TrunkManifest:
+    """Pack every layer of ``index`` into ``trunk_dir``; returns the manifest written."""
+    out = Path(trunk_dir)
+    runs = plan_pack(index, cfg)
+    if (out / MANIFEST_NAME).exists() or (out / DATA_NAME).exists():
+        if not force:
+            raise UsageError(f"{out} already holds a packed trunk; pass --force to replace it")
+    created = not out.exists()
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise OutputError(f"cannot write the packed trunk to {out}: "
+                          f"{exc.strerror or exc}") from None
+    tmp_bin = out / f".{DATA_NAME}.partial-{os.getpid()}"
+    tmp_json = out / f".{MANIFEST_NAME}.partial-{os.getpid()}"
+    try:
+        layers = _write_bin(tmp_bin, runs, storage, progress)
+        sample = source_sample(index, ((r.path, r.start, r.span) for r in runs))
+        man = TrunkManifest(out, ALIGN, tuple(layers), index.fingerprint(), sample,
+                            tuple(cfg.fingerprint()), sum(r.nbytes for r in runs))
+        _write_file(tmp_json, json.dumps(man.to_json(), indent=1).encode() + b"\n")
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(out / MANIFEST_NAME)
+        os.replace(tmp_bin, out / DATA_NAME)
+        os.replace(tmp_json, out / MANIFEST_NAME)
+        _fsync_dir(out)
+    except OSError as exc:
+        raise OutputError(f"cannot write the packed trunk to {out}: "
+                          f"{exc.strerror or exc}") from None
+    finally:
+        for p in (tmp_bin, tmp_json):
+            with contextlib.suppress(OSError):
+                os.unlink(p)
+        if created and not (out / MANIFEST_NAME).exists():
+            with contextlib.suppress(OSError):
+                out.rmdir()  # only if empty: a failed pack leaves no directory it made
+    return man
+
+
+def _write_bin(path: Path, runs: list[LayerRun], storage: StorageBackend,
+               progress: PackProgress | None) -> list[TrunkLayer]:
+    total = sum(r.nbytes for r in runs)
+    buf = aligned_empty(min(COPY_CHUNK, max(r.nbytes for r in runs)), ALIGN)
+    layers: list[TrunkLayer] = []
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_BINARY", 0), 0o666)
+    try:
+        _reserve(fd, total)
+        pos = 0
+        for r in runs:
+            crc = _copy_run(fd, r, storage, buf)
+            tensors = {t.name: TrunkTensor(t.name, t.offset - r.start, t.nbytes, t.dtype, t.shape)
+                       for t in r.tensors}
+            layers.append(TrunkLayer(r.layer, pos, r.nbytes, r.span, crc_tag(crc), tensors))
+            pos += r.nbytes
+            if progress:
+                progress(r.layer + 1, len(runs), pos, total)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return layers
+
+
+def _copy_run(fd: int, r: LayerRun, storage: StorageBackend, buf: np.ndarray) -> int:
+    try:
+        src = storage.open(r.path)
+    except (StorageError, OSError) as exc:
+        raise CheckpointError(f"{r.path}: cannot open: {getattr(exc, 'message', exc)}") from None
+    crc = 0
+    try:
+        done = 0
+        while done < r.span:
+            n = min(buf.nbytes, r.span - done)
+            src.read_into(r.start + done, buf[:n])
+            crc = zlib.crc32(buf[:n].data, crc)
+            _write_all(fd, buf[:n].data)
+            done += n
+    except StorageError as exc:
+        raise StorageError(f"packing layer {r.layer}: {exc.message}") from None
+    finally:
+        src.close()
+    pad = r.nbytes - r.span
+    if pad:
+        _write_all(fd, memoryview(bytes(pad)))
+    return crc
+
+
+def _write_all(fd: int, data: memoryview) -> None:
+    while data:
+        n = os.write(fd, data)
+        if n <= 0:
+            raise OSError(errno.EIO, "write returned nothing")
+        data = data[n:]
+
+
+def _reserve(fd: int, total: int) -> None:
+    """Fail early on a full disk where the filesystem can preallocate."""
+    if not hasattr(os, "posix_fallocate") or total == 0:
+        return
+    try:
+        os.posix_fallocate(fd, 0, total)
+    except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+            raise
+        # EOPNOTSUPP / EINVAL: the filesystem cannot preallocate; the writes will tell
+
+
+def _write_file(path: Path, data: bytes) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_BINARY", 0), 0o666)
+    try:
+        _write_all(fd, memoryview(data))
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(path: Path) -> None:
+    if os.name != "posix":
+        return
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)

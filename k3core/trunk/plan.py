@@ -1,0 +1,173 @@
+"""How a trunk budget is split between pinned layers and a ring of streaming slots.
+
+Every token walks the layers in the same order, a cyclic scan on which an LRU of fewer
+slots than layers hits exactly 0 %. So k3 pins a fixed set of layers (a deterministic hit
+rate of pinned/layers) and streams the rest through a ring of equal slots, each as large
+as the largest unpinned run. The split is a fixed point (engine.md 3.4, the newer,
+largest-first revision):
+
+1. the floor is one slot of the largest run; a budget below it is refused (``UsageError``,
+   exit 2) naming the minimum;
+2. a budget that holds every run pins everything (no ring);
+3. otherwise the ring starts at the requested count (default 2, at most 8) and drops, down
+   to 1, while ``ring x slot`` exceeds the budget: a second slot is taken only if it fits;
+4. layers are pinned largest first (ties by index), continuing to smaller ones, while
+   ``pinned + ring x slot`` fits; the slot shrinks to the largest still-unpinned run and the
+   pinning repeats with the room that frees, until nothing changes (at most 8 passes);
+5. the ring never has more slots than there are unpinned layers.
+
+Sizes are the packed runs (multiples of 4096). The small vectors widened to float32 at bind
+time live outside the slots and are not counted here.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from k3core.api.errors import UsageError
+
+DEFAULT_RING = 2
+MAX_RING = 8
+MAX_PASSES = 8
+
+
+@dataclass(frozen=True)
+class TrunkPlan:
+    budget_bytes: int
+    sizes: tuple[int, ...]  # run bytes per walked layer
+    pinned: tuple[int, ...]  # sorted layer indices
+    ring: int  # streaming slots (0 when everything is pinned)
+    slot_bytes: int
+    requested_ring: int
+
+    @property
+    def pinned_bytes(self) -> int:
+        return sum(self.sizes[i] for i in self.pinned)
+
+    @property
+    def planned_bytes(self) -> int:
+        """What the trunk holds: pinned layers plus the ring."""
+        return self.pinned_bytes + self.ring * self.slot_bytes
+
+    @property
+    def floor_bytes(self) -> int:
+        return max(self.sizes)
+
+    @property
+    def streamed(self) -> tuple[int, ...]:
+        pinned = set(self.pinned)
+        return tuple(i for i in range(len(self.sizes)) if i not in pinned)
+
+    @property
+    def hit_rate(self) -> float:
+        return len(self.pinned) / len(self.sizes)
+
+    @property
+    def ring_held_short(self) -> bool:
+        """The ring has fewer slots than asked although more layers stream than it holds."""
+        return self.ring < min(self.requested_ring, len(self.streamed))
+
+    @property
+    def bytes_for_requested_ring(self) -> int:
+        """Budget that would give the requested ring at today's slot size and pinning."""
+        return self.pinned_bytes + self.requested_ring * self.slot_bytes
+
+
+def human(nbytes: float) -> str:
+    """Decimal units, as the run report uses them (1 GB = 10^9 B)."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if abs(nbytes) >= scale:
+            return f"{nbytes / scale:.2f} {unit}"
+    return f"{int(nbytes)} B"
+
+
+def gb_ceil(nbytes: int) -> str:
+    """``nbytes`` as decimal GB rounded up to the MB (a budget that surely suffices)."""
+    return f"{math.ceil(nbytes / 1e6) / 1e3:g}"
+
+
+def plan_trunk(sizes: Sequence[int], budget_bytes: int, ring: int = DEFAULT_RING) -> TrunkPlan:
+    """Split ``budget_bytes`` over runs of ``sizes`` (see the module docstring)."""
+    if not sizes:
+        raise UsageError("the trunk has no layers to stream")
+    if not 1 <= ring <= MAX_RING:
+        raise UsageError(f"--trunk-ring must be in 1..{MAX_RING}, got {ring}")
+    sizes = tuple(int(s) for s in sizes)
+    floor = max(sizes)
+    if budget_bytes < floor:
+        raise UsageError(
+            f"--trunk-gb {budget_bytes / 1e9:g} is below the floor: one ring slot for the "
+            f"largest layer needs {human(floor)} (--trunk-gb {gb_ceil(floor)})",
+            hint=f"pass --trunk-gb {gb_ceil(floor)} or more",
+        )
+    if budget_bytes >= sum(sizes):
+        return TrunkPlan(budget_bytes, sizes, tuple(range(len(sizes))), 0, 0, ring)
+    slot = floor
+    n_ring = ring
+    while n_ring > 1 and n_ring * slot > budget_bytes:
+        n_ring -= 1
+    order = sorted(range(len(sizes)), key=lambda i: (-sizes[i], i))
+    pinned: tuple[int, ...] = ()
+    for _ in range(MAX_PASSES):
+        cand = _greedy(order, sizes, budget_bytes - n_ring * slot)
+        unpinned = [sizes[i] for i in range(len(sizes)) if i not in set(cand)]
+        new_slot = max(unpinned)
+        if new_slot > slot:  # a different pick left a larger run unpinned: keep the last fit
+            break
+        changed = cand != pinned or new_slot != slot
+        pinned, slot = cand, new_slot
+        if not changed:
+            break
+    n_streamed = len(sizes) - len(pinned)
+    return TrunkPlan(budget_bytes, sizes, pinned, min(n_ring, n_streamed), slot, ring)
+
+
+def _greedy(order: list[int], sizes: tuple[int, ...], room: int) -> tuple[int, ...]:
+    picked = []
+    for i in order:
+        if sizes[i] <= room:
+            picked.append(i)
+            room -= sizes[i]
+    return tuple(sorted(picked))
+
+
+def plan_lines(plan: TrunkPlan, total_packed: int, n_layers: int) -> list[str]:
+    """The banner lines describing a plan (engine.md 2.1 item 7)."""
+    streamed = plan.streamed
+    lines = [
+        f"trunk plan    : {len(plan.pinned)}/{n_layers} layers PINNED "
+        f"({human(plan.pinned_bytes)}), ring {plan.ring} x {human(plan.slot_bytes)} "
+        f"= {human(plan.planned_bytes)} of a {human(plan.budget_bytes)} budget "
+        f"({human(total_packed)} packed)",
+    ]
+    if plan.pinned and streamed:
+        lines.append(f"pinned layers : {_ranges(plan.pinned)} (LARGEST FIRST); largest "
+                     f"unpinned run {human(plan.slot_bytes)} vs largest layer "
+                     f"{human(plan.floor_bytes)}")
+    elif not plan.pinned:
+        lines.append("pinned layers : nothing (every layer streams every token)")
+    else:
+        lines.append("pinned layers : all (nothing streams)")
+    if plan.ring_held_short:
+        lines.append(f"WARNING: ring held at {plan.ring} of {plan.requested_ring} slots; raise "
+                     f"--trunk-gb to {gb_ceil(plan.bytes_for_requested_ring)} for "
+                     f"{plan.requested_ring}")
+    if streamed and plan.ring < 2:
+        lines.append("note: one ring slot, so layers are read on demand (no read-ahead "
+                     "over the slot in use)")
+    lines.append(f"deterministic hit rate {100 * plan.hit_rate:.1f} % (pinned layers; a cyclic "
+                 "walk defeats LRU, so nothing else is cached)")
+    return lines
+
+
+def _ranges(ids: Sequence[int]) -> str:
+    """``[0, 1, 2, 5, 7, 8]`` -> ``"0-2,5,7-8"``."""
+    groups: list[list[int]] = []
+    for i in ids:
+        if groups and i == groups[-1][-1] + 1:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return ",".join(f"{g[0]}" if len(g) == 1 else f"{g[0]}-{g[-1]}" for g in groups)

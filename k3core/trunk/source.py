@@ -1,0 +1,146 @@
+"""Turning ``--trunk``, ``--trunk-gb``, ``--trunk-ring`` and ``--ultra-low-memory`` into parts.
+
+``open_engine`` calls :func:`check_trunk_options` before anything large happens, then
+:func:`open_streamed_trunk` when a packed trunk was given (without one the trunk stays
+resident, as before). Budgets are decimal GB (1 GB = 10^9 bytes); without ``--trunk-gb``
+every layer is pinned (read once from ``trunk.bin``, nothing streams).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from k3core.api.errors import UsageError
+from k3core.api.storage import StorageBackend
+from k3core.checkpoint.index import CheckpointIndex
+from k3core.model.config import ModelConfig
+from k3core.model.sources import ModelTables
+from k3core.trunk.manifest import open_trunk
+from k3core.trunk.plan import DEFAULT_RING, MAX_RING, human, plan_lines
+from k3core.trunk.stream import StreamedTrunk
+from k3core.trunk.tables import StreamedTables
+
+#: the largest --trunk-gb accepted (a typo guard: 1 PB)
+MAX_TRUNK_GB = 1e6
+
+
+def check_trunk_options(trunk_dir: Path | None, trunk_gb: float | None, ring: int | None,
+                        ultra_low_memory: bool, incremental: bool | None = None) -> None:
+    """Refuse impossible combinations with ``UsageError`` (exit 2)."""
+    if trunk_dir is None:
+        for flag, value in (("--trunk-gb", trunk_gb), ("--trunk-ring", ring)):
+            if value is not None:
+                raise UsageError(f"{flag} needs --trunk DIR (a packed trunk to stream from)")
+        if ultra_low_memory:
+            raise UsageError("--ultra-low-memory needs --trunk DIR (pack one with "
+                             "`k3 pack-trunk MODEL_DIR TRUNK_DIR`)")
+    if trunk_gb is not None and not (math.isfinite(trunk_gb) and 0 < trunk_gb <= MAX_TRUNK_GB):
+        raise UsageError(f"--trunk-gb must be a positive number of GB, got {trunk_gb}")
+    if ring is not None and not 1 <= ring <= MAX_RING:
+        raise UsageError(f"--trunk-ring must be in 1..{MAX_RING}, got {ring}")
+
+
+def open_streamed_trunk(
+    trunk_dir: Path,
+    cfg: ModelConfig,
+    index: CheckpointIndex,
+    storage: StorageBackend,
+    n_layers: int,
+    trunk_gb: float | None,
+    ring: int | None,
+    *,
+    storage_name: str = "",
+    verify: bool = False,
+    progress: Callable[[int], None] | None = None,
+) -> tuple[StreamedTrunk, list[str]]:
+    """Check the packed trunk and open it; returns the trunk and its banner lines."""
+    t0 = time.perf_counter()
+    man = open_trunk(trunk_dir, index, cfg, n_layers, verify=verify, storage=storage)
+    walked = sum(man.layers[L].nbytes for L in range(n_layers))
+    budget = walked if trunk_gb is None else int(trunk_gb * 1e9)
+    pinned_cb = None
+    if progress is not None:
+        pinned_cb = lambda done, total: progress(done - 1)  # noqa: E731
+    trunk = StreamedTrunk(cfg, man, storage, budget, n_layers, ring or DEFAULT_RING,
+                          progress=pinned_cb)
+    lines = [f"trunk on disk : {human(man.total_bytes)} total (STREAMED from {trunk_dir}, "
+             "not held in RAM)"]
+    if trunk_gb is None:
+        lines.append("note: no --trunk-gb, so every layer is pinned (read once from trunk.bin)")
+    lines += plan_lines(trunk.plan, walked, n_layers)
+    mode = "reader thread reads ahead" if trunk.has_reader else (
+        "read on demand" if trunk.plan.ring else "nothing streams")
+    lines.append(f"read mode     : storage '{storage_name or storage.name}', one 4096-aligned "
+                 f"read per layer, {mode}" + (", checksums verified" if verify else ""))
+    lines.append(f"trunk streaming enabled from {trunk_dir} in {time.perf_counter() - t0:.2f} s")
+    return trunk, lines
+
+
+def ultra_lines(tables: object, incremental: bool, n_layers: int) -> list[str]:
+    """Banner lines for ``--ultra-low-memory`` (engine.md 2.1 items 8 and 11)."""
+    if not isinstance(tables, StreamedTables):
+        return []
+    lines = [f"final norms: {human(3 * 4 * tables.cfg.hidden)} resident; embedding and "
+             f"lm_head STREAMED (lm_head in chunks of {tables.rows_per_chunk} rows)"]
+    if incremental:
+        lines.append(f"recurrent state: one slot per KDA layer ({n_layers} layers walk): "
+                     "incremental decoding carries every layer's state")
+    else:
+        lines.append(f"recurrent state: one slot, cleared and reused across {n_layers} layers")
+    return lines
+
+
+def report_lines(trunk: object, tables: object) -> list[str]:
+    """The end-of-run trunk report (engine.md 2.3 item 9) and the streamed-tables line."""
+    out: list[str] = []
+    if isinstance(trunk, StreamedTrunk):
+        out += trunk.stats.report_lines()
+    if isinstance(tables, StreamedTables):
+        out.append(tables.stats.report_line())
+    return out
+
+
+def report_json(trunk: object, tables: object) -> dict[str, object]:
+    """``--out`` fields: trunk counters and plan, model-table bytes, ultra flag."""
+    out: dict[str, object] = {"trunk_bytes_read": 0, "embedding_bytes_read": 0,
+                              "lm_head_bytes_read": 0,
+                              "ultra_low_memory": isinstance(tables, StreamedTables)}
+    if isinstance(trunk, StreamedTrunk):
+        out.update(trunk.stats.to_json())
+        plan = trunk.plan
+        out["trunk_plan"] = {"budget_bytes": plan.budget_bytes, "planned_bytes": plan.planned_bytes,
+                             "pinned": list(plan.pinned), "ring": plan.ring,
+                             "slot_bytes": plan.slot_bytes,
+                             "requested_ring": plan.requested_ring}
+    if isinstance(tables, StreamedTables):
+        out.update(tables.stats.to_json())
+        out["tables_resident_bytes"] = tables.resident_bytes
+    elif isinstance(tables, ModelTables):
+        out["tables_resident_bytes"] = (tables.embed_w.nbytes + tables.head_w.nbytes
+                                        + 3 * 4 * tables.cfg.hidden)
+    return out
+
+
+class StepTrunkLog:
+    """Per-step trunk figures (bytes, read seconds, exposed wait) for ``--out``: the ladder
+    uses them to compare steady-state steps with their own read and compute time."""
+
+    def __init__(self, trunk: object):
+        self.trunk = trunk if isinstance(trunk, StreamedTrunk) else None
+        self.steps: list[dict[str, float]] = []
+        self._last = (0, 0.0, 0.0)
+
+    def record(self) -> None:
+        if self.trunk is None:
+            return
+        st = self.trunk.stats
+        now = (st.bytes_read, st.read_seconds, st.exposed_wait_seconds)
+        self.steps.append({"bytes": now[0] - self._last[0], "read_seconds": now[1] - self._last[1],
+                           "wait_seconds": now[2] - self._last[2]})
+        self._last = now
+
+    def to_json(self) -> dict[str, object]:
+        return {"step_trunk": self.steps} if self.trunk is not None else {}

@@ -1,0 +1,259 @@
+"""Cache policies: the shared conformance suite for every built-in, then each one's own rules."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from k3_caches.cycle_eta import CycleETAPolicy
+from k3_caches.lru import LRUPolicy
+from k3_caches.replay import ReplayPolicy
+from k3_caches.s3fifo import S3FIFOPolicy
+
+from k3core.api.cache_policy import CachePolicy, key_expert, key_layer, make_key
+from k3core.api.errors import K3Error, PluginError
+from k3core.experts.simulator import TraceView, belady_hits, replay_policy
+from k3core.experts.trace import trace_keys
+from k3core.plugins.registry import get_registry
+from k3core.testing.cache_policy_conformance import (
+    CachePolicyConformance,
+    ContractViolation,
+    checked_replay,
+    small_traces,
+)
+from k3core.testing.synthetic_trace import full_recompute_trace, incremental_trace, routing
+
+BUILTINS = ["cycle-eta", "lru", "replay", "s3fifo"]
+
+
+class TestLRUConformance(CachePolicyConformance):
+    policy_name = "lru"
+
+
+class TestS3FIFOConformance(CachePolicyConformance):
+    policy_name = "s3fifo"
+
+
+class TestReplayConformance(CachePolicyConformance):
+    policy_name = "replay"
+
+
+class TestCycleETAConformance(CachePolicyConformance):
+    policy_name = "cycle-eta"
+
+
+class TestCycleETAShortMemoryConformance(CachePolicyConformance):
+    factory = CycleETAPolicy
+    options = {"horizon": 2, "max_age": 1, "shrink": 0.5}
+
+
+# ---- keys and registration ----------------------------------------------------------------
+def test_keys_round_trip() -> None:
+    for layer, expert in [(0, 0), (1, 895), (92, 0), (2047, (1 << 20) - 1)]:
+        k = make_key(layer, expert)
+        assert (key_layer(k), key_expert(k)) == (layer, expert)
+    assert make_key(3, 5) == 3 << 20 | 5
+
+
+def test_builtins_registered_and_auto_picks_cycle_eta() -> None:
+    reg = get_registry()
+    assert set(BUILTINS) <= set(reg.names("cache"))
+    spec, note = reg.resolve("cache", "auto")
+    assert spec.name == "cycle-eta" and "cycle-eta" in note
+    policy, name, _ = reg.create("cache", "lru", capacity=20, n_layers=92, n_experts=896)
+    assert isinstance(policy, CachePolicy) and name == "lru"
+
+
+def test_unknown_policy_names_the_registered_ones() -> None:
+    with pytest.raises(PluginError, match="registered: .*lru"):
+        get_registry().resolve("cache", "lruu")
+
+
+def test_replay_without_a_trace_is_refused() -> None:
+    with pytest.raises(PluginError, match="needs a trace"):
+        ReplayPolicy(10)
+    with pytest.raises(PluginError, match=r"\(N, 2\) integer array"):
+        ReplayPolicy(10, trace=np.zeros((3, 3), dtype=np.int32))
+
+
+def test_replay_reads_a_trace_file(tmp_path) -> None:
+    from k3core.experts.trace import write_trace
+
+    pairs = small_traces()["full-recompute"]
+    write_trace(tmp_path, pairs)
+    p = ReplayPolicy(12, trace=tmp_path / "expert_trace.bin", n_layers=6, n_experts=40)
+    starts = TraceView.of(pairs).batch_starts(4)
+    assert checked_replay(p, pairs, 12) == belady_hits(trace_keys(pairs), 12, batch_starts=starts)
+
+
+def test_bad_cycle_eta_options_refused() -> None:
+    with pytest.raises(K3Error, match="horizon"):
+        CycleETAPolicy(10, horizon=1)
+    with pytest.raises(K3Error, match="shrink"):
+        CycleETAPolicy(10, shrink=0)
+
+
+# ---- LRU ----------------------------------------------------------------------------------
+def test_lru_evicts_least_recent_unprotected() -> None:
+    p = LRUPolicy(3)
+    for k in (1, 2, 3):
+        p.on_insert(k)
+    p.on_hit(1)
+    assert p.choose_victim(set()) == 2
+    assert p.choose_victim({2}) == 3
+    assert p.choose_victim({1, 2, 3}) is None
+
+
+# ---- S3-FIFO ------------------------------------------------------------------------------
+def test_s3fifo_small_queue_ghost_and_promotion() -> None:
+    p = S3FIFOPolicy(10)  # small target 1
+    for k in range(10):
+        assert p.admit(k, set())
+        p.on_insert(k)
+    p.on_hit(0)  # touched while in small: promoted to main instead of evicted
+    v = p.choose_victim(set())
+    assert v == 1
+    p.on_evict(v)  # evicted from small: remembered in the ghost
+    p.on_insert(10)
+    p.on_evict(p.choose_victim(set()) or -1)
+    p.on_insert(1)  # a ghost hit goes straight to main
+    assert p._where[1][0] == 1
+    assert "ghost" in p.describe()
+
+
+def test_s3fifo_matches_the_references_figures_on_a_synthetic_trace() -> None:
+    # a direct transcription of the published rules (no protection needed at these sizes)
+    from collections import deque
+
+    keys = trace_keys(small_traces()["incremental-skewed"]).tolist()
+
+    def reference(cap: int) -> int:
+        small = max(1, int(cap * 0.1))
+        S: deque[int] = deque()
+        M: deque[int] = deque()
+        ghost: dict[int, None] = {}
+        freq: dict[int, int] = {}
+        hits = 0
+        for k in keys:
+            if k in freq:
+                hits += 1
+                freq[k] = min(freq[k] + 1, 3)
+                continue
+            while len(freq) >= cap:
+                if S and (len(S) >= small or not M):
+                    v = S.popleft()
+                    if freq[v] > 0:
+                        freq[v] = 0
+                        M.append(v)
+                        continue
+                    del freq[v]
+                    ghost[v] = None
+                    if len(ghost) > cap:
+                        del ghost[next(iter(ghost))]
+                    break
+                v = M.popleft()
+                if freq[v] > 0:
+                    freq[v] -= 1
+                    M.append(v)
+                    continue
+                del freq[v]
+                break
+            freq[k] = 0
+            if k in ghost:
+                del ghost[k]
+                M.append(k)
+            else:
+                S.append(k)
+        return hits
+
+    view = TraceView.of(small_traces()["incremental-skewed"])
+    for cap in (20, 40, 80):  # topk=1: nothing protected, as in the reference's simulator
+        assert replay_policy(S3FIFOPolicy(cap), view, cap, topk=1) == reference(cap)
+
+
+# ---- replay -------------------------------------------------------------------------------
+def test_replay_equals_belady_on_a_repeated_run() -> None:
+    # exactly Belady under the same protection rule, never above the unconstrained ceiling
+    for pairs in small_traces().values():
+        keys, starts = trace_keys(pairs), TraceView.of(pairs).batch_starts(4)
+        for cap in (8, 20, 60):
+            got = checked_replay(ReplayPolicy(cap, trace=pairs), pairs, cap)
+            assert got == belady_hits(keys, cap, batch_starts=starts)
+            assert got <= belady_hits(keys, cap)
+
+
+def test_replay_resynchronises_after_a_skipped_stretch() -> None:
+    pairs = small_traces()["incremental-sticky"]
+    live = np.concatenate([pairs[:300], pairs[340:]])  # the live run skips 40 requests
+    p = ReplayPolicy(20, trace=pairs)
+    hits = checked_replay(p, live, 20)
+    assert p.resyncs >= 1 and p.in_sync
+    assert hits >= 0.97 * belady_hits(trace_keys(live), 20)
+
+
+def test_replay_falls_back_to_lru_on_a_different_run() -> None:
+    recorded = incremental_trace(6, 40, 4, 40, skew=0.5, seed=11)
+    live = incremental_trace(6, 40, 4, 40, skew=0.5, seed=12)
+    live[:, 1] += 40  # another model's experts: nothing matches the recording
+    p = ReplayPolicy(20, trace=recorded, n_experts=80, sync_window=100)
+    hits = checked_replay(p, live, 20)
+    lru = checked_replay(LRUPolicy(20), live, 20)
+    assert not p.in_sync and "LRU fallback" in p.describe()
+    assert p.unsynced > 0
+    assert hits >= 0.8 * lru  # still a working cache, only residency differs
+
+
+# ---- cycle-eta ----------------------------------------------------------------------------
+def test_cycle_eta_keeps_a_stable_set_on_a_pure_cycle() -> None:
+    # every pass asks for the same 10 experts in each of 6 layers; 30 slots hold half of it:
+    # LRU evicts each expert just before it comes round, cycle-eta keeps 30 and hits them
+    pairs = np.array(
+        [(layer, e) for _ in range(12) for layer in range(1, 7) for e in range(10)],
+        dtype=np.int32,
+    )
+    view = TraceView.of(pairs)
+    assert replay_policy(LRUPolicy(30), view, 30, topk=10) == 0
+    got = replay_policy(CycleETAPolicy(30, n_layers=6, n_experts=10), view, 30, topk=10)
+    assert got >= 29 * 11  # ~30 hits on each pass after the first
+    assert belady_hits(trace_keys(pairs), 30) >= got
+
+
+def test_cycle_eta_learns_locality_and_popularity() -> None:
+    sticky = incremental_trace(8, 64, 4, 120, skew=0.3, stickiness=0.6, seed=4)
+    skewed = incremental_trace(8, 64, 4, 120, skew=1.2, seed=4)
+    for pairs, cap in ((sticky, 40), (skewed, 40), (skewed, 120)):
+        view = TraceView.of(pairs)
+        eta = replay_policy(CycleETAPolicy(cap, n_layers=8, n_experts=64), view, cap, topk=4)
+        lru = replay_policy(LRUPolicy(cap), view, cap, topk=4)
+        assert eta > lru
+    p = CycleETAPolicy(40, n_layers=8, n_experts=64)
+    replay_policy(p, TraceView.of(sticky), 40, topk=4)
+    h = p.hazard()
+    assert h[:, 0].min() > 3 * h[:, 5].max()  # just-used experts come back far more often
+    assert "cycle-eta" in p.describe()
+
+
+def test_cycle_eta_merges_a_visit_announced_in_pieces() -> None:
+    route = routing(6, 4, 30, 4, skew=0.5, seed=1)
+    pairs = full_recompute_trace(route, 3)
+    view = TraceView.of(pairs)
+    whole = replay_policy(CycleETAPolicy(24, n_layers=4, n_experts=30), view, 24, topk=4)
+
+    class Pieces(CycleETAPolicy):
+        def begin_layer(self, layer, keys):  # the cache announces one position at a time
+            for i in range(0, len(keys), 4):
+                super().begin_layer(layer, keys[i : i + 4])
+
+    pieces = replay_policy(Pieces(24, n_layers=4, n_experts=30), view, 24, topk=4)
+    assert pieces == whole
+
+
+def test_a_policy_breaking_the_contract_is_caught() -> None:
+    class Bad(LRUPolicy):
+        def choose_victim(self, protected):
+            return next(iter(protected), None) or super().choose_victim(protected)
+
+    pairs = small_traces()["full-recompute"]
+    with pytest.raises(ContractViolation, match="protected"):
+        checked_replay(Bad(5), pairs, 5)
+    with pytest.raises(PluginError, match="protected"):
+        replay_policy(Bad(5), TraceView.of(pairs), 5, topk=4)

@@ -1,0 +1,168 @@
+"""Ctrl-C during ``k3 run``: exit 130, "interrupted", no output file, threads stopped, fast.
+
+The subprocess test sends a real SIGINT to ``python -m k3core.cli run`` once the first decode
+step has been printed, with a streamed trunk (reader thread) and an expert cache (reader
+pool) busy, and ``--out``/``--dump-logits``/``--dump-cache-trace`` requested. The in-process
+test interrupts the decode loop from inside and checks that ``Engine.close`` really stopped
+the trunk reader thread and the expert reader pool.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from k3core.cli.app import app
+from k3core.model.config import ModelConfig
+from k3core.model.generate import generate
+from k3core.model.shapes import size_config
+from k3core.run.engine import EngineOptions, open_engine
+from k3core.testing.faulty_backend import disk_backed_dir
+from k3core.tools.synth.writer import synthesize
+
+PROMPT_SECONDS = 10.0  # generous: the measured figure is about 0.1 s
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory) -> Path:
+    return disk_backed_dir(tmp_path_factory.mktemp("interrupt"))
+
+
+@pytest.fixture(scope="module")
+def model(work) -> Path:
+    return synthesize(work / "m", ModelConfig.from_json_dict(size_config("tiny")), 5)
+
+
+@pytest.fixture(scope="module")
+def trunk(model, work) -> Path:
+    out = work / "t"
+    assert CliRunner().invoke(app, ["pack-trunk", str(model), str(out)]).exit_code == 0
+    return out
+
+
+def _all_entries(d: Path) -> list[str]:
+    return sorted(str(p.relative_to(d)) for p in d.rglob("*"))
+
+
+def _default_sigint() -> None:
+    """A shell that starts the suite in the background ignores SIGINT, and children inherit
+    that; give the child the default disposition so Python installs its handler."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+@pytest.mark.parametrize("mode", [
+    ["--trunk", "{t}", "--trunk-gb", "0.0005", "--incremental", "--cache-gb", "0.0001"],
+    ["--full-recompute"],
+])
+@pytest.mark.parametrize("delay", [0.0, 0.05])
+def test_sigint_while_decoding(model, trunk, tmp_path, mode, delay) -> None:
+    out = tmp_path / "out"
+    (out / "trace").mkdir(parents=True)
+    args = [a.replace("{t}", str(trunk)) for a in mode]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("K3_")}
+    p = subprocess.Popen(
+        [sys.executable, "-m", "k3core.cli", "run", str(model), "--ids", "3,7,11", "--gen", "4096",
+         *args, "--out", str(out / "run.json"), "--dump-logits", str(out / "logits.bin"),
+         "--dump-cache-trace", str(out / "trace")],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+        preexec_fn=_default_sigint)
+    try:
+        assert p.stdout is not None
+        seen = []
+        for line in p.stdout:  # wait for the first decode step of the live table
+            seen.append(line)
+            if line.split()[:1] == ["0"]:
+                break
+        else:
+            pytest.fail("the run ended before a step was printed:\n" + "".join(seen))
+        time.sleep(delay)
+        t0 = time.monotonic()
+        p.send_signal(signal.SIGINT)
+        rest, err = p.communicate(timeout=60)
+        took = time.monotonic() - t0
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert p.returncode == 130, err
+    assert err.strip().splitlines()[-1] == "k3: error: interrupted", err
+    assert "Traceback" not in err and "generated ids" not in rest
+    assert took < PROMPT_SECONDS, f"took {took:.1f} s to stop"
+    assert _all_entries(out) == ["trace"]  # no output, no temporary file
+
+
+def test_interrupt_stops_every_thread(model, trunk) -> None:
+    before = set(threading.enumerate())
+    engine = open_engine(EngineOptions(model, trunk_dir=trunk, trunk_gb=0.0005, ring=3,
+                                       cache=_small_cache()))
+    trunk_src = engine.model.trunk
+    assert trunk_src.has_reader  # type: ignore[attr-defined]
+
+    def stop(step: int) -> None:
+        if step == 2:
+            raise KeyboardInterrupt
+
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            generate(engine.model, [3, 7, 11], 50, incremental=True, before_step=stop)
+        pool_threads = list(engine.experts._pool._threads)  # type: ignore[attr-defined]
+        assert pool_threads, "the expert reader pool never started"
+    finally:
+        t0 = time.monotonic()
+        engine.close()
+        took = time.monotonic() - t0
+    assert took < PROMPT_SECONDS
+    assert not trunk_src._thread.is_alive()  # type: ignore[attr-defined]
+    assert not any(t.is_alive() for t in pool_threads)
+    assert {t for t in threading.enumerate() if t.is_alive()} <= before
+
+
+def _small_cache():
+    from k3core.experts.setup import CacheOptions
+
+    return CacheOptions(cache_gb=0.0001)
+
+
+def test_ctrl_c_while_waiting_for_an_expert_read_is_an_interrupt(model, monkeypatch) -> None:
+    """Ctrl-C while the decode loop waits on a routed-expert read is an interrupt (exit
+    130), not a failed read: it must not be counted as a drop (exit 4), and no slot may keep
+    the unfinished read."""
+    from k3core.model import names
+    from k3core.testing.faulty_backend import register_faulty, unregister_faulty
+
+    cfg = ModelConfig.from_json_dict(size_config("tiny"))
+    moe = next(L for L in range(cfg.n_layers) if not cfg.is_dense(L))
+    register_faulty()
+    monkeypatch.setenv("K3_FAULT_INNER", "plain")
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # even if started ignored
+    try:
+        engine = open_engine(EngineOptions(model, storage="faulty"))
+        shard = engine.index.info(names.layer_name(moe, "input_layernorm.weight")).path
+        storage = engine.storage
+        storage.match = shard.name  # type: ignore[attr-defined]
+        gate = threading.Event()
+        for e in range(cfg.n_experts):  # every expert read of the first MoE layer waits
+            storage.gates[engine.experts.locator.ref(moe, e).offset] = gate  # type: ignore
+        timer = threading.Timer(0.5, lambda: os.kill(os.getpid(), signal.SIGINT))
+        timer.start()
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                generate(engine.model, [3, 7, 11], 2, incremental=True)
+        finally:
+            gate.set()
+            timer.cancel()
+            engine.close()
+        cache = engine.experts
+        assert cache.stats.drops == 0  # type: ignore[attr-defined]
+        assert not any(k >> 20 == moe for k in cache.slot_of)  # type: ignore[attr-defined]
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        unregister_faulty()

@@ -1,0 +1,129 @@
+"""The memory plan: rows, the reference's figures for Kimi K3, and both refusals."""
+
+from __future__ import annotations
+
+import pytest
+
+from k3core.api.errors import MemoryPlanError, UsageError
+from k3core.model.config import ModelConfig
+from k3core.model.shapes import size_config
+from k3core.model.sizes import sizes_from_config
+from k3core.model.state import kv_bytes_per_position, recurrent_bytes_per_layer
+from k3core.run.memory_plan import check_kv, human, kv_bytes, plan_memory
+
+GB = 1_000_000_000
+K3 = ModelConfig.from_json_dict(size_config("real"))
+TINY = ModelConfig.from_json_dict(size_config("tiny"))
+
+
+def plan(cfg=K3, **kw):
+    args = dict(streamed=True, trunk_budget=3 * GB, cache_bytes=1 * GB, prompt_len=5, gen=8,
+                incremental=True, baseline=50_000_000, available=20 * GB)
+    args.update(kw)
+    return plan_memory(cfg, **args)
+
+
+def test_planned_sizes_are_the_released_checkpoints():
+    s = sizes_from_config(K3)
+    assert s.trunk_bytes == 108_811_877_376  # model.md 2.2: per-layer families
+    assert s.tables_bytes == 4_697_663_488  # embed + lm_head + three vectors, bf16
+    assert s.expert_bytes == 17_547_264 and s.n_moe_layers == 92
+    assert s.expert_bytes_per_token == 16 * 92 * 17_547_264  # 25.83 GB
+    assert s.layer_bytes.index(s.largest_layer) == 0 and round(s.largest_layer / 1e6) == 2341
+
+
+def test_rows_and_total():
+    p = plan()
+    labels = [label for label, _ in p.rows()]
+    assert labels == ["trunk (STREAMED)", "embed + lm_head", "expert cache", "recurrent state",
+                      "buffers", "KV cache", "python + libraries", "TOTAL"]
+    assert sum(n for _, n in p.rows()[:-1]) == p.total
+    assert p.trunk == 3 * GB and p.tables == 4_697_663_488
+    assert p.cache_slots == 1 * GB // 17_555_456 and p.expert_cache == p.cache_slots * 17_555_456
+    assert p.recurrent == 69 * recurrent_bytes_per_layer(K3)
+    assert p.kv_cache == 14 * kv_bytes_per_position(K3)
+    assert p.baseline == 50_000_000 and p.available == 20 * GB
+    assert "memory plan" in p.lines()[0] and "available" in p.lines()[-1]
+
+
+def test_resident_ultra_and_full_recompute_rows():
+    r = plan(streamed=False, trunk_budget=None)
+    assert r.rows()[0] == ("trunk (resident)", sizes_from_config(K3).trunk_bytes)
+    assert plan(streamed=False, trunk_bytes_resident=123).trunk == 123
+    u = plan(ultra=True, incremental=False)
+    assert u.rows()[1][0] == "embed + lm_head (STREAMED)" and u.tables < 100_000_000
+    assert u.recurrent == recurrent_bytes_per_layer(K3) and u.kv_cache == 0
+    assert plan(ultra=True, incremental=True).recurrent == 69 * recurrent_bytes_per_layer(K3)
+    ultra = plan(trunk_budget=int(2.5 * GB), cache_bytes=int(0.31 * GB), ultra=True,
+                 incremental=False)
+    assert 2.5 * GB < ultra.total < 3.2 * GB  # the reference quotes "~3 GB planned"
+
+
+def test_budgets_never_exceed_what_the_model_can_use():
+    p = plan(TINY, trunk_budget=110 * GB, cache_bytes=109 * GB)
+    s = sizes_from_config(TINY)
+    assert p.trunk <= s.trunk_bytes + 4096 * TINY.n_layers and p.notes
+    assert p.expert_cache == s.expert_pool_bytes
+
+
+def test_layers_limit_the_plan():
+    p = plan(n_layers=4)
+    assert p.recurrent == 3 * recurrent_bytes_per_layer(K3)  # layers 0..2 KDA, 3 MLA
+    assert p.kv_cache == kv_bytes(K3, 14, 4) == 14 * kv_bytes_per_position(K3) // 24
+    with pytest.raises(UsageError):
+        plan(n_layers=0)
+
+
+def test_check_refuses_with_numbers():
+    p = plan(available=9 * GB)
+    assert not p.fits()
+    with pytest.raises(MemoryPlanError) as exc:
+        p.check()
+    msg = str(exc.value)
+    assert exc.value.exit_code == 1
+    assert msg.startswith("REFUSING TO START: this needs ")
+    assert f"the machine has {human(9 * GB)} available, a shortfall of " \
+           f"{human(p.total - 9 * GB)}" in msg and "Options:" in msg
+    plan(available=20 * GB).check()  # fits: no exception
+
+
+def test_check_counts_the_five_percent_margin():
+    p = plan(available=20 * GB)
+    edge = plan(available=int(p.total / 0.95) - 1_000)
+    assert not edge.fits() and "safety line" in _refusal(edge)
+    plan(available=int(p.total / 0.95) + 1_000).check()
+
+
+def _refusal(p):
+    with pytest.raises(MemoryPlanError) as exc:
+        p.check()
+    return str(exc.value)
+
+
+def test_kv_refusal_is_a_usage_error():
+    per = kv_bytes_per_position(K3)
+    assert abs(per - 2_370_000) < 10_000  # the reference's 2.37 MB/position
+    assert check_kv(K3, 4096, available=100 * GB) == 4096 * per
+    with pytest.raises(UsageError) as exc:
+        check_kv(K3, 32_768, available=50 * GB)  # 77.7 GB > 45 GB
+    msg = str(exc.value)
+    assert exc.value.exit_code == 2
+    assert "memory limit" in msg and "--incremental" in msg and "GB" in msg
+
+
+def test_negative_request_is_refused():
+    with pytest.raises(UsageError):
+        plan(gen=-1)
+    with pytest.raises(UsageError):
+        plan(trunk_budget=None)
+
+
+def test_baseline_defaults_to_this_process():
+    p = plan_memory(TINY, streamed=True, trunk_budget=GB, cache_bytes=0, prompt_len=1, gen=1,
+                    incremental=False, available=GB)
+    assert 10_000_000 < p.baseline < 4 * GB
+
+
+def test_human_units():
+    assert human(2_370_000) == "2.37 MB" and human(4_697_663_488) == "4.70 GB"
+    assert human(1_560_936_091_448) == "1.56 TB" and human(12) == "12 B"

@@ -1,0 +1,83 @@
+"""The kernel benchmark runs every backend on the same inputs, reports bandwidth ratios and
+flags outputs that differ between backends (small cases here; real widths in the CLI)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from k3core.api.errors import UsageError
+from k3core.tools.bench.kernels import (
+    COLUMNS,
+    Case,
+    _matvec_bf16,
+    _matvec_mxfp4,
+    default_cases,
+    format_table,
+    run_kernel_bench,
+)
+
+
+def small_cases() -> list[Case]:
+    return [_matvec_bf16(64, 320, "small"), _matvec_mxfp4(48, 256, "small")]
+
+
+def test_bench_two_backends_agree():
+    result = run_kernel_bench(["numpy", "avx2"], threads=1, repeat=2, cases=small_cases(),
+                              memory_bytes=64 << 20)
+    assert result.memory_read_gbps > 0
+    ran = {t.backend for t in result.timings} | set(result.skipped)
+    assert ran == {"numpy", "avx2"}
+    assert all(t.matches for t in result.timings), result.rows()
+    for row in result.rows():
+        assert len(row) == len(COLUMNS)
+    doc = json.loads(result.to_json())
+    assert doc["threads"] == 1 and doc["repeat"] == 2 and len(doc["timings"]) == len(result.timings)
+    assert "memory read bandwidth" in format_table(result)
+
+
+def test_bench_reports_unavailable_backend(monkeypatch):
+    monkeypatch.setenv("K3_DISABLE_BACKENDS", "avx2")
+    from k3core.plugins import registry
+
+    monkeypatch.setattr(registry, "_CACHED", None)
+    result = run_kernel_bench(["avx2"], threads=1, repeat=1, cases=small_cases(),
+                              memory_bytes=16 << 20)
+    assert "disabled by K3_DISABLE_BACKENDS" in result.skipped["avx2"]
+    assert result.timings == []
+    monkeypatch.setattr(registry, "_CACHED", None)
+
+
+def test_bench_refuses_bad_counts():
+    with pytest.raises(UsageError):
+        run_kernel_bench(["numpy"], threads=0, repeat=1)
+
+
+def test_default_cases_are_the_real_widths():
+    cases = {c.op: c for c in default_cases()}
+    assert cases["matmul_bf16 (KDA q/k/v/g proj)"].nbytes == 12288 * 7168 * 2
+    assert cases["matmul_mxfp4 (expert w1/w3)"].nbytes == 3072 * 3584 // 2 + 3072 * 3584 // 32
+    rng = np.random.default_rng(0)
+    w, x = cases["matmul_mxfp4 (expert w2)"].make(rng)
+    assert w.shape == (3584, 3072) and x.shape == (1, 3072)
+
+
+def test_in_place_state_does_not_break_the_digest_comparison():
+    kda = next(c for c in default_cases() if c.op == "kda_recurrent")
+    small = Case(
+        kda.op,
+        "4 x 16 x 16",
+        lambda rng: (
+            *(rng.standard_normal((1, 4, 16), dtype=np.float32) for _ in range(3)),
+            rng.uniform(0.9, 1.0, (1, 4, 16)).astype(np.float32),
+            rng.uniform(0.0, 1.0, (1, 4)).astype(np.float32),
+            rng.standard_normal((4, 16, 16), dtype=np.float32),
+        ),
+        kda.call,
+        4 * 16 * 16 * 4,
+    )
+    result = run_kernel_bench(["avx2", "numpy"], threads=1, repeat=3, cases=[small],
+                              memory_bytes=16 << 20)
+    assert [t.matches for t in result.timings] == [True, True]
