@@ -16,9 +16,10 @@ from fuzz_common import instrumented, main, tiny_model
 with instrumented(__name__):
     from k3core.api.errors import CheckpointError, K3Error
     from k3core.api.safejson import JSONRejected, parse_json
+    from k3core.api.units import ALIGN
     from k3core.checkpoint.index import CheckpointIndex
     from k3core.model.config import load_config
-    from k3core.trunk.manifest import ALIGN, MANIFEST_NAME, parse_manifest
+    from k3core.trunk.manifest import MANIFEST_NAME, parse_manifest
 
 
 @cache

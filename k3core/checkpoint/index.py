@@ -28,6 +28,7 @@ import numpy as np
 from k3core.api.errors import CheckpointError, StorageError
 from k3core.api.safejson import JSONRejected, encodable, parse_json, show
 from k3core.api.storage import StorageBackend, StorageFile, aligned_empty
+from k3core.api.units import ALIGN
 from k3core.checkpoint.safetensors_header import DTYPES, header_length, parse_header
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -126,8 +127,8 @@ class CheckpointIndex:
         """The tensor as a new array, typed and shaped (BF16 as ``uint16`` bit patterns)."""
         t = self.info(name)
         # placed at the file offset's remainder modulo 4096, so O_DIRECT reads land in place
-        skew = t.offset % 4096
-        raw = aligned_empty(t.nbytes + skew, 4096)[skew:]
+        skew = t.offset % ALIGN
+        raw = aligned_empty(t.nbytes + skew, ALIGN)[skew:]
         out = raw.view(t.np_dtype).reshape(t.shape) if t.nbytes else np.empty(t.shape, t.np_dtype)
         if t.nbytes:
             self._read(t.path, t.offset, out, what=f"tensor {show(name)}")

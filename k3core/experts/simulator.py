@@ -48,8 +48,8 @@ from k3core.api.cache_policy import CachePolicy
 from k3core.api.errors import PluginError, UsageError
 from k3core.experts.sim_result import BELADY, SimResult, SimRow, plot_result
 from k3core.experts.trace import read_trace, trace_keys, validate_pairs
+from k3core.model.sizes import EXPERT_BYTES
 
-EXPERT_BYTES = 17_547_264  # one released K3 expert, packed MXFP4 (gate, up, down + scales)
 DEFAULT_CACHE_GB = (8, 16, 32, 64, 128, 192, 256, 384, 512, 768, 1024, 1450)
 MODEL_LAYERS, MODEL_EXPERTS, MODEL_TOPK = 92, 896, 16
 

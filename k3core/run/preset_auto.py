@@ -25,13 +25,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from k3core.api.errors import UsageError
+from k3core.api.units import ALIGN, align_up, human
 from k3core.model.config import ModelConfig
-from k3core.model.sizes import ALIGN, ModelSizes, align_up, sizes_from_config
+from k3core.model.sizes import ModelSizes, sizes_from_config
 from k3core.model.state import recurrent_bytes_per_layer
 from k3core.run.memory_plan import (
     available_bytes,
     buffer_bytes,
-    human,
     kv_bytes,
     process_rss,
     total_bytes,

@@ -15,11 +15,12 @@ from typing import Any
 
 from k3core.api.errors import UsageError
 from k3core.api.storage import StorageBackend
+from k3core.api.units import human
 from k3core.checkpoint.index import CheckpointIndex
 from k3core.model import names
 from k3core.model.config import ModelConfig, load_config
 from k3core.model.sizes import ModelSizes, sizes_from_index
-from k3core.run.memory_plan import MemoryPlan, human, plan_memory
+from k3core.run.memory_plan import MemoryPlan, plan_memory
 from k3core.run.presets import Preset
 
 

@@ -40,6 +40,7 @@ import numpy as np
 from k3core.api.errors import CheckpointError, StorageError
 from k3core.api.safejson import JSONRejected, parse_json, show
 from k3core.api.storage import StorageBackend, aligned_empty
+from k3core.api.units import ALIGN, align_up
 from k3core.checkpoint.index import CheckpointIndex
 from k3core.checkpoint.safetensors_header import DTYPES
 from k3core.model import names
@@ -49,7 +50,6 @@ from k3core.trunk.sample import check_samples
 
 FORMAT = "k3-trunk"
 VERSION = 1
-ALIGN = 4096
 MANIFEST_NAME = "trunk.json"
 DATA_NAME = "trunk.bin"
 #: a manifest larger than this is refused (93 layers x ~30 tensors is ~0.5 MB)
@@ -127,10 +127,6 @@ class TrunkManifest:
 
 def crc_tag(crc: int) -> str:
     return f"crc32:{crc & 0xFFFFFFFF:08x}"
-
-
-def round_up(n: int, align: int = ALIGN) -> int:
-    return -(-n // align) * align
 
 
 # ---- reading and checking ------------------------------------------------------------------
@@ -379,7 +375,7 @@ def verify_trunk(man: TrunkManifest, storage: StorageBackend,
             crc = 0
             done = 0
             while done < lay.span:
-                n = min(buf.nbytes, round_up(lay.span - done))
+                n = min(buf.nbytes, align_up(lay.span - done))
                 try:
                     f.read_into(lay.file_off + done, buf[:n])
                 except StorageError as exc:

@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from k3core.api.errors import UsageError
+from k3core.api.units import human
 
 DEFAULT_RING = 2
 MAX_RING = 8
@@ -73,14 +74,6 @@ class TrunkPlan:
     def bytes_for_requested_ring(self) -> int:
         """Budget that would give the requested ring at today's slot size and pinning."""
         return self.pinned_bytes + self.requested_ring * self.slot_bytes
-
-
-def human(nbytes: float) -> str:
-    """Decimal units, as the run report uses them (1 GB = 10^9 B)."""
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
-        if abs(nbytes) >= scale:
-            return f"{nbytes / scale:.2f} {unit}"
-    return f"{int(nbytes)} B"
 
 
 def gb_ceil(nbytes: int) -> str:

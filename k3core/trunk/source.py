@@ -15,11 +15,12 @@ from pathlib import Path
 
 from k3core.api.errors import UsageError
 from k3core.api.storage import StorageBackend
+from k3core.api.units import human
 from k3core.checkpoint.index import CheckpointIndex
 from k3core.model.config import ModelConfig
 from k3core.model.sources import ModelTables
 from k3core.trunk.manifest import open_trunk
-from k3core.trunk.plan import DEFAULT_RING, MAX_RING, human, plan_lines
+from k3core.trunk.plan import DEFAULT_RING, MAX_RING, plan_lines
 from k3core.trunk.stream import StreamedTrunk
 from k3core.trunk.tables import StreamedTables
 

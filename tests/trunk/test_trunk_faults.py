@@ -17,6 +17,7 @@ from k3_storage.plain import PlainStorage
 from typer.testing import CliRunner
 
 from k3core.api.errors import CheckpointError, K3Error, StorageError
+from k3core.api.units import ALIGN
 from k3core.checkpoint.index import CheckpointIndex
 from k3core.cli.app import app
 from k3core.model.config import ModelConfig
@@ -31,7 +32,7 @@ from k3core.testing.faulty_backend import (
     unregister_faulty,
 )
 from k3core.tools.synth.writer import synthesize
-from k3core.trunk.manifest import ALIGN, DATA_NAME, MANIFEST_NAME, open_trunk, parse_manifest
+from k3core.trunk.manifest import DATA_NAME, MANIFEST_NAME, open_trunk, parse_manifest
 from k3core.trunk.sample import windows
 
 runner = CliRunner()

@@ -21,11 +21,12 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from k3core.api.units import ALIGN
+from k3core.model.sizes import EXPERT_BYTES
+
 DiskResult = tuple[str, int, float]
 DiskMeasure = Callable[[Path], list[DiskResult]]
 
-#: one routed expert of Kimi K3: the engine's typical random read
-EXPERT_READ = 17_547_264
 DEFAULT_PROBE_BYTES = 256 << 20
 
 
@@ -41,7 +42,7 @@ def diskbench_measure(path: str | Path, *, max_bytes: int = DEFAULT_PROBE_BYTES)
     from k3core.tools.bench.io import raw_bandwidth
 
     size = Path(path).stat().st_size
-    read_size = max(4096, min(EXPERT_READ, size // 4) // 4096 * 4096)
+    read_size = max(ALIGN, min(EXPERT_BYTES, size // 4) // ALIGN * ALIGN)  # an expert-sized read
     if size < read_size:
         return []
     reads = max(1, min(40, max_bytes // read_size))
@@ -59,12 +60,12 @@ def diskbench_measure(path: str | Path, *, max_bytes: int = DEFAULT_PROBE_BYTES)
 
 
 def pread_qd1(path: str | Path, *, max_bytes: int = DEFAULT_PROBE_BYTES,
-              block: int = EXPERT_READ, seed: int = 0) -> list[DiskResult]:
+              block: int = EXPERT_BYTES, seed: int = 0) -> list[DiskResult]:
     """Random ``block``-sized reads at QD1 over ``path`` until ``max_bytes`` are read."""
     p = Path(path)
     size = p.stat().st_size
-    block = max(4096, min(block, size, max_bytes))
-    if size < 4096:
+    block = max(ALIGN, min(block, size, max_bytes))
+    if size < ALIGN:
         return []
     fd = os.open(p, os.O_RDONLY)
     try:
@@ -74,7 +75,7 @@ def pread_qd1(path: str | Path, *, max_bytes: int = DEFAULT_PROBE_BYTES,
         done = 0
         t0 = time.perf_counter()
         while done < max_bytes:
-            off = rng.randrange(0, max(size - block, 0) + 1) // 4096 * 4096
+            off = rng.randrange(0, max(size - block, 0) + 1) // ALIGN * ALIGN
             _drop_cache(fd)  # every read from the device, not from memory
             got = os.preadv(fd, [view], off) if hasattr(os, "preadv") else _pread(fd, view, off)
             if got <= 0:

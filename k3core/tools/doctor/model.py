@@ -17,12 +17,12 @@ from typing import Literal
 from k3core.api.errors import K3Error
 from k3core.api.safejson import JSONRejected, parse_json, show
 from k3core.api.storage import StorageBackend
+from k3core.api.units import human
 from k3core.checkpoint.index import INDEX_NAME, MAX_INDEX_BYTES, CheckpointIndex
 from k3core.model import names
 from k3core.model.config import ModelConfig, load_config
 from k3core.model.layer_params import trunk_suffixes
 from k3core.model.sizes import ModelSizes, sizes_from_index
-from k3core.run.memory_plan import human
 
 Status = Literal["ok", "warn", "fail", "info"]
 TOKENIZER_FILES = ("tiktoken.model", "tokenizer_config.json")
