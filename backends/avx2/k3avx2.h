@@ -13,9 +13,6 @@
 
 /* ---- runtime ------------------------------------------------------------------ */
 void k3_set_threads(int n);
-int k3_get_threads(void);
-int k3_omp_max_threads(void);
-int k3_has_avx512(void);
 int k3_contract_values(double *out, int cap);
 int k3_gil_rendezvous(int parties, double timeout_s);
 double k3_read_bandwidth(const uint8_t *buf, size_t nbytes, int repeat, uint64_t *checksum);
