@@ -51,7 +51,7 @@ void k3__free(void *p);
  * All arithmetic is plain C on IEEE values. When exactly one operand is NaN the hardware
  * returns it quieted, as NumPy does. When two NaNs meet, NumPy's own choice of payload
  * depends on its SIMD path (the array length), so the contract does not fix it
- * (docs/kernel-backends.md). Never pass a NaN through without arithmetic: the compiler may
+ * (docs/kernel-contract.md §5). Never pass a NaN through without arithmetic: the compiler may
  * fold (float)(double)x to x and skip the quieting that NumPy's conversion performs. */
 static inline double k3_nan_d(void) {
     union { uint64_t u; double d; } v = {UINT64_C(0x7FF8000000000000)};

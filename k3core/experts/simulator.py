@@ -25,7 +25,7 @@ How a trace is replayed (:func:`replay_policy`)
 
 ``belady`` is computed separately and exactly (:func:`belady_hits`): evict the resident whose
 next use is furthest; do not retain a missed key whose next use is later than every
-resident's. It does not protect the current batch, as in the reference's ``sim_cache.py``, so
+resident's. It does not protect the current batch, as in the reference's simulator (docs/engine-behaviours.md §8), so
 it is the true ceiling; policies that use future knowledge (``offline = True``, e.g. ``replay``)
 are reported but never chosen as the best online policy.
 

@@ -1,6 +1,6 @@
 """Expert-request traces: ``expert_trace.bin`` and ``expert_hist.json`` (``--dump-cache-trace``).
 
-Format (the reference engine's, so traces move between engines and its ``sim_cache.py``):
+Format (the reference engine's, so traces move between engines; docs/engine-behaviours.md §8):
 
 ``expert_trace.bin``
     Every expert request in order, recorded before the request is served (so it reflects

@@ -1,6 +1,6 @@
 """The model's shape, read from ``config.json`` with confidence or not at all.
 
-Two layouts are accepted and never guessed between (model.md 1.1, engine.md 5.1):
+Two layouts are accepted and never guessed between (docs/model.md §2, docs/engine-behaviours.md §6):
 
 * **nested** (the released file): the text model under ``text_config``, the KDA block and
   the layer map under ``text_config.linear_attn_config``, SiTU betas spelled
@@ -11,8 +11,8 @@ Two layouts are accepted and never guessed between (model.md 1.1, engine.md 5.1)
 Each key is looked up in ``text_config``, then ``linear_attn_config`` (nested, or at the
 root in the flat shape), then the root, primary spelling before alias; the first hit wins.
 The KDA-block keys (head count and width, conv kernel, gate bound, layer lists,
-``use_full_rank_gate``) are looked up in ``linear_attn_config`` first, as model.md 1.1
-advises, so a ``text_config.head_dim`` meant for something else can never be taken for the
+``use_full_rank_gate``) are looked up in ``linear_attn_config`` first, as docs/model.md §2
+says, so a ``text_config.head_dim`` meant for something else can never be taken for the
 KDA head width. A key spelled both ways in one object with two different values is refused.
 
 Every required key must be present: a default would silently build a different model (a
@@ -20,7 +20,7 @@ flat-only reader on the nested file gets the right SiTU betas by luck and an emp
 map, i.e. an all-KDA model). Only ``mla_use_output_gate``, ``moe_renormalize`` and
 ``latent_moe_use_norm`` default (to true). All problems are reported in one
 :class:`~k3core.api.errors.ConfigError` (exit 2). Released keys the forward pass does not read
-but whose other values would change the model (model.md 1.3) are asserted when present.
+but whose other values would change the model (docs/model.md §2) are asserted when present.
 """
 
 from __future__ import annotations

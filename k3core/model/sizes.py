@@ -3,7 +3,7 @@
 Two sources, one record:
 
 * :func:`sizes_from_config` plans from ``config.json`` alone, with the released dtypes
-  (model.md 2.2: bf16 matrices and norm gains; f32 conv kernels, ``A_log`` padded to
+  (docs/model.md §3: bf16 matrices and norm gains; f32 conv kernels, ``A_log`` padded to
   ``head_dim``, ``dt_bias``, ``o_norm`` and the router's correction bias; MXFP4 experts at
   0.53125 bytes per weight). For Kimi K3 this gives exactly the released figures: a
   108,811,877,376-byte trunk, 4,697,663,488 bytes of tables, 17,547,264 bytes per expert.

@@ -1,6 +1,6 @@
 """The memory plan: every large buffer of a run, summed BEFORE anything large is allocated.
 
-Rows (engine.md 2.1, plus what a Python process costs by itself):
+Rows (docs/engine-behaviours.md §3 item 5, plus what a Python process costs by itself):
 
 =====================  ============================================================
 trunk                  the ``--trunk-gb`` budget when streaming (never more than the

@@ -1,6 +1,6 @@
 """The ``auto`` preset: budgets computed from the memory actually available.
 
-The reference engine's algorithm (engine.md 1.5), written in terms of the model's planned
+The reference engine's algorithm (docs/engine-behaviours.md §2), written in terms of the model's planned
 sizes so it works for any model, not only Kimi K3:
 
 * ``reserve`` = 2 GB + 2 % of available + the model tables (embedding + lm_head) + the rest

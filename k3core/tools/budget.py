@@ -1,6 +1,6 @@
 """``k3 budget``: what stays resident, what streams, and what each preset would plan.
 
-Tensors are classified by name from the checkpoint index (``tools/budget.py``'s rule):
+Tensors are classified by name from the checkpoint index (the reference's rule, docs/engine-behaviours.md §9):
 routed experts (``block_sparse_moe.experts.E.*``) stream; everything else of a layer is
 trunk, shared experts included (they run on every token); the embedding, final norms and
 lm_head are the model tables; tensors outside the text model (vision) are counted apart.

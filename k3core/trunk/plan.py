@@ -3,7 +3,7 @@
 Every token walks the layers in the same order, a cyclic scan on which an LRU of fewer
 slots than layers hits exactly 0 %. So k3 pins a fixed set of layers (a deterministic hit
 rate of pinned/layers) and streams the rest through a ring of equal slots, each as large
-as the largest unpinned run. The split is a fixed point (engine.md 3.4, the newer,
+as the largest unpinned run. The split is a fixed point (docs/engine-behaviours.md §4, the newer,
 largest-first revision):
 
 1. the floor is one slot of the largest run; a budget below it is refused (``UsageError``,
@@ -127,7 +127,7 @@ def _greedy(order: list[int], sizes: tuple[int, ...], room: int) -> tuple[int, .
 
 
 def plan_lines(plan: TrunkPlan, total_packed: int, n_layers: int) -> list[str]:
-    """The banner lines describing a plan (engine.md 2.1 item 7)."""
+    """The banner lines describing a plan (docs/engine-behaviours.md §3, item 6)."""
     streamed = plan.streamed
     lines = [
         f"trunk plan    : {len(plan.pinned)}/{n_layers} layers PINNED "

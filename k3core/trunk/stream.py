@@ -77,7 +77,7 @@ def _advise_hugepages(buf: np.ndarray) -> None:
 
 @dataclass
 class TrunkStats:
-    """Whole-run trunk counters (engine.md 2.3 item 9)."""
+    """Whole-run trunk counters (docs/engine-behaviours.md §3)."""
 
     n_layers: int
     pinned: int

@@ -27,7 +27,7 @@ def plan(cfg=K3, **kw):
 
 def test_planned_sizes_are_the_released_checkpoints():
     s = sizes_from_config(K3)
-    assert s.trunk_bytes == 108_811_877_376  # model.md 2.2: per-layer families
+    assert s.trunk_bytes == 108_811_877_376  # docs/model.md §9: per-layer families
     assert s.tables_bytes == 4_697_663_488  # embed + lm_head + three vectors, bf16
     assert s.expert_bytes == 17_547_264 and s.n_moe_layers == 92
     assert s.expert_bytes_per_token == 16 * 92 * 17_547_264  # 25.83 GB

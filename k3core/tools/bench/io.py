@@ -2,7 +2,7 @@
 
 ``dd`` measures one sequential stream at queue depth 1 and misleads (badly on network
 storage). The engine reads whole experts (17,547,264 bytes on the real checkpoint) at
-random offsets, several at once, so this probe does the same (engine.md 5.8, 7.5):
+random offsets, several at once, so this probe does the same (docs/engine-behaviours.md §7):
 
 * random, aligned, non-overlapping reads of ``read_size`` bytes (default the expert size,
   and 4 MiB), ``reads`` of them per measurement (default 40, the reference ``devbw.py``);

@@ -204,7 +204,7 @@ def _matvec_mxfp4(rows: int, cols: int, what: str) -> Case:
 
 
 def default_cases() -> list[Case]:
-    """The real Kimi K3 widths (spec section 2): E 7168, P 12288, Lt 3584, I 3072."""
+    """The real Kimi K3 widths (docs/model.md §1): E 7168, P 12288, Lt 3584, I 3072."""
     H, D, E = 96, 128, 7168
     mla_pos, n, r, dv = 1024, 128, 64, 128
 
