@@ -3,7 +3,7 @@
  * thread count. Every definition mirrors backends/exact_numpy.py operation for operation.
  *
  * The K3C_* constants are NOT written here: backends/avx2_build.py generates them from
- * k3core/contract.py (as C99 hex floats) and places them before this header.
+ * k3core/api/contract.py (as C99 hex floats) and places them before this header.
  */
 #ifndef K3AVX2_INTERNAL_H
 #define K3AVX2_INTERNAL_H

@@ -89,7 +89,7 @@ int k3_gil_rendezvous(int parties, double timeout_s) {
 }
 
 /* The contract constants this build was compiled with, in the order the Python side
- * checks them against k3core/contract.py (a stale build is refused, never used):
+ * checks them against k3core/api/contract.py (a stale build is refused, never used):
  * LANES, MXFP4_GROUP, EXP_HI, EXP_LO, LOG2E, LN2_HI, LN2_LO, EXPM1_SERIES_MAX, TANH_SAT,
  * L2_EPS, ROUTER_EPS, EXP_COEF[], EXPM1_COEF[], E2M1[16], E8M0[256].
  * Returns the number of values (writes at most `cap`). */
