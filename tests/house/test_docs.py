@@ -42,6 +42,7 @@ def test_every_cited_markdown_file_is_in_the_repository():
         here = (ROOT / f).parent
         for n, line in enumerate((ROOT / f).read_text().splitlines(), 1):
             for m in _MD.findall(line):
-                if not ((ROOT / m).exists() or (here / m).exists()):
+                if not any(c.exists() and c.resolve().is_relative_to(ROOT)
+                           for c in (ROOT / m, here / m)):
                     bad.append(f"{f}:{n}: {m}")
     assert bad == []
