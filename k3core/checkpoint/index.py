@@ -28,12 +28,12 @@ import numpy as np
 from k3core.api.errors import CheckpointError, StorageError
 from k3core.api.safejson import JSONRejected, encodable, parse_json, show
 from k3core.api.storage import StorageBackend, StorageFile, aligned_empty
-from k3core.api.units import ALIGN
+from k3core.api.units import ALIGN, human
 from k3core.checkpoint.safetensors_header import DTYPES, header_length, parse_header
 
 INDEX_NAME = "model.safetensors.index.json"
 #: an index.json larger than this is refused (the real one, 497,220 names, is ~50 MB)
-MAX_INDEX_BYTES = 512 * 1024 * 1024
+MAX_INDEX_BYTES = 512_000_000
 
 
 @dataclass(frozen=True)
@@ -237,7 +237,7 @@ def _read_index(root: Path) -> dict[str, str] | None:
         if not path.is_file():
             raise CheckpointError(f"{path}: not a regular file")
         if path.stat().st_size > MAX_INDEX_BYTES:
-            raise CheckpointError(f"{path}: larger than the {MAX_INDEX_BYTES >> 20} MiB limit")
+            raise CheckpointError(f"{path}: larger than the {human(MAX_INDEX_BYTES)} limit")
         with open(path, "rb") as fh:
             data = fh.read(MAX_INDEX_BYTES + 1)
     except OSError as exc:

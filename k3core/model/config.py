@@ -32,10 +32,11 @@ from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, mo
 
 from k3core.api.errors import ConfigError
 from k3core.api.safejson import JSONRejected, parse_json
+from k3core.api.units import human
 from k3core.model.config_keys import read_fields, structural_problems
 
-#: config.json larger than this is refused before parsing (the real one is a few KiB)
-MAX_CONFIG_BYTES = 16 * 1024 * 1024
+#: config.json larger than this is refused before parsing (the real one is a few kB)
+MAX_CONFIG_BYTES = 16_000_000
 #: how many problems one message lists before "... and N more"
 MAX_LISTED = 32
 
@@ -122,7 +123,7 @@ class ModelConfig(BaseModel):
         """Parse and build from raw file bytes (UTF-8 JSON object, size-capped)."""
         if len(data) > MAX_CONFIG_BYTES:
             raise ConfigError(f"{source}: cannot be read with confidence: {len(data)} bytes "
-                              f"is larger than the {MAX_CONFIG_BYTES >> 20} MiB limit")
+                              f"is larger than the {human(MAX_CONFIG_BYTES)} limit")
         try:
             doc = parse_json(data)
         except JSONRejected as exc:
@@ -248,7 +249,7 @@ def load_config(path: str | Path) -> ModelConfig:
             raise ConfigError(f"{source}: cannot be read with confidence: not a regular file")
         if size > MAX_CONFIG_BYTES:
             raise ConfigError(f"{source}: cannot be read with confidence: {size} bytes is "
-                              f"larger than the {MAX_CONFIG_BYTES >> 20} MiB limit")
+                              f"larger than the {human(MAX_CONFIG_BYTES)} limit")
         with open(p, "rb") as f:
             data = f.read(MAX_CONFIG_BYTES + 1)
     except FileNotFoundError:

@@ -11,12 +11,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from k3core.api.errors import UsageError
+from k3core.api.units import human
 from k3core.run.idparse import check_vocab, parse_ids
 from k3core.tokenizer.encoding import Tokenizer
 
 #: the longest prompt k3 accepts (the reference's ceiling), and the largest prompt file
 MAX_PROMPT = 32_768
-MAX_PROMPT_FILE = 64 << 20
+MAX_PROMPT_FILE = 64_000_000
 
 
 @dataclass
@@ -80,7 +81,7 @@ def read_prompt_file(path: Path) -> bytes:
         if not path.is_file():
             raise UsageError(f"--prompt-file {path}: not a regular file")
         if size > MAX_PROMPT_FILE:
-            raise UsageError(f"--prompt-file {path}: {size} bytes is over the {MAX_PROMPT_FILE >> 20} MiB limit")
+            raise UsageError(f"--prompt-file {path}: {size} bytes is over the {human(MAX_PROMPT_FILE)} limit")
         return path.read_bytes()
     except OSError as exc:
         raise UsageError(f"--prompt-file {path}: cannot read it ({exc.strerror or exc})") from None

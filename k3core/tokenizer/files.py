@@ -34,8 +34,8 @@ from typing import Any
 
 from k3core.api.errors import TokenizerError
 
-MAX_TIKTOKEN_MODEL_BYTES = 16 * 1024 * 1024  # the released file is about 2.3 MB
-MAX_TOKENIZER_CONFIG_BYTES = 4 * 1024 * 1024  # the released file is a few KB
+MAX_TIKTOKEN_MODEL_BYTES = 16_000_000  # the released file is about 2.3 MB
+MAX_TOKENIZER_CONFIG_BYTES = 4_000_000  # the released file is a few KB
 MAX_RANKS = 1 << 20  # the released file has 163,584
 MAX_TOKEN_ID = (1 << 31) - 1  # ids travel as int32 elsewhere in the engine
 

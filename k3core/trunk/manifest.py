@@ -40,7 +40,7 @@ import numpy as np
 from k3core.api.errors import CheckpointError, StorageError
 from k3core.api.safejson import JSONRejected, parse_json, show
 from k3core.api.storage import StorageBackend, aligned_empty
-from k3core.api.units import ALIGN, align_up
+from k3core.api.units import ALIGN, align_up, human
 from k3core.checkpoint.index import CheckpointIndex
 from k3core.checkpoint.safetensors_header import DTYPES
 from k3core.model import names
@@ -53,7 +53,7 @@ VERSION = 1
 MANIFEST_NAME = "trunk.json"
 DATA_NAME = "trunk.bin"
 #: a manifest larger than this is refused (93 layers x ~30 tensors is ~0.5 MB)
-MAX_MANIFEST_BYTES = 16 * 1024 * 1024
+MAX_MANIFEST_BYTES = 16_000_000
 MAX_LAYERS = 100_000
 MAX_TENSORS_PER_LAYER = 4096
 MAX_RANK = 8
@@ -161,7 +161,7 @@ def _load(path: Path) -> Any:
             raise CheckpointError(f"{path}: no trunk manifest (not packed, or packing did not "
                                   "finish); run `k3 pack-trunk`")
         if path.stat().st_size > MAX_MANIFEST_BYTES:
-            raise CheckpointError(f"{path}: larger than the {MAX_MANIFEST_BYTES >> 20} MiB "
+            raise CheckpointError(f"{path}: larger than the {human(MAX_MANIFEST_BYTES)} "
                                   "limit for a trunk manifest")
         with open(path, "rb") as fh:
             data = fh.read(MAX_MANIFEST_BYTES + 1)

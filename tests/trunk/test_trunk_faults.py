@@ -150,7 +150,7 @@ def _drop_layer(d: dict, L: int) -> dict:
 def test_oversized_manifest_is_refused(model, trunk, work) -> None:
     d = _variant(trunk, work, "huge", manifest=b" " * (17 * 1024 * 1024))
     res = _run(model, d)
-    assert res.exit_code == 1 and "MiB limit" in _err(res)
+    assert res.exit_code == 1 and "MB limit" in _err(res)
 
 
 def test_trunk_from_another_checkpoint(model, trunk, work) -> None:

@@ -105,7 +105,7 @@ def _shards_present(root: Path, mc: ModelCheck) -> bool:
         return True
     try:
         if index_path.stat().st_size > MAX_INDEX_BYTES:
-            raise ValueError(f"larger than {MAX_INDEX_BYTES >> 20} MiB")
+            raise ValueError(f"larger than {human(MAX_INDEX_BYTES)}")
         doc = parse_json(index_path.read_bytes())
         wm = doc.get("weight_map") if isinstance(doc, dict) else None
         if not isinstance(wm, dict) or not all(isinstance(v, str) for v in wm.values()):
