@@ -26,9 +26,10 @@ from typing import Any
 import numpy as np
 
 from k3core.api.errors import CheckpointError, StorageError
+from k3core.api.files import FileRejected, read_capped
 from k3core.api.safejson import JSONRejected, encodable, parse_json, show
 from k3core.api.storage import StorageBackend, StorageFile, aligned_empty
-from k3core.api.units import ALIGN, human
+from k3core.api.units import ALIGN
 from k3core.checkpoint.safetensors_header import DTYPES, header_length, parse_header
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -234,14 +235,9 @@ def _read_index(root: Path) -> dict[str, str] | None:
     if not path.exists() and not path.is_symlink():
         return None
     try:
-        if not path.is_file():
-            raise CheckpointError(f"{path}: not a regular file")
-        if path.stat().st_size > MAX_INDEX_BYTES:
-            raise CheckpointError(f"{path}: larger than the {human(MAX_INDEX_BYTES)} limit")
-        with open(path, "rb") as fh:
-            data = fh.read(MAX_INDEX_BYTES + 1)
-    except OSError as exc:
-        raise CheckpointError(f"{path}: cannot read: {exc.strerror or exc}") from None
+        data = read_capped(path, MAX_INDEX_BYTES)
+    except FileRejected as exc:
+        raise CheckpointError(f"{path}: {exc}") from None
     try:
         doc = parse_json(data)
     except JSONRejected as exc:

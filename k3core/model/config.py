@@ -31,6 +31,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
 
 from k3core.api.errors import ConfigError
+from k3core.api.files import FileRejected, read_capped
 from k3core.api.safejson import JSONRejected, parse_json
 from k3core.api.units import human
 from k3core.model.config_keys import read_fields, structural_problems
@@ -244,19 +245,9 @@ def load_config(path: str | Path) -> ModelConfig:
         p = p / "config.json"
     source = str(p)
     try:
-        size = p.stat().st_size
-        if not p.is_file():
-            raise ConfigError(f"{source}: cannot be read with confidence: not a regular file")
-        if size > MAX_CONFIG_BYTES:
-            raise ConfigError(f"{source}: cannot be read with confidence: {size} bytes is "
-                              f"larger than the {human(MAX_CONFIG_BYTES)} limit")
-        with open(p, "rb") as f:
-            data = f.read(MAX_CONFIG_BYTES + 1)
-    except FileNotFoundError:
-        raise ConfigError(f"{source}: cannot be read with confidence: no such file") from None
-    except OSError as exc:
-        raise ConfigError(f"{source}: cannot be read with confidence: {exc.strerror or exc}"
-                          ) from None
+        data = read_capped(p, MAX_CONFIG_BYTES)
+    except FileRejected as exc:
+        raise ConfigError(f"{source}: cannot be read with confidence: {exc}") from None
     return ModelConfig.from_json_bytes(data, source=source)
 
 

@@ -31,6 +31,7 @@ import yaml
 from pydantic import ValidationError
 
 from k3core.api.errors import K3Error
+from k3core.api.files import FileRejected, read_capped
 from k3core.api.units import human
 
 if TYPE_CHECKING:
@@ -159,16 +160,12 @@ def _problems(exc: ValidationError) -> list[str]:
 def read_preset_file(path: str | Path) -> Preset:
     """Read and validate the preset at ``path``."""
     p = Path(path)
+    if not p.is_file():
+        raise PresetError(f"{p}: no such preset file")
     try:
-        if not p.is_file():
-            raise PresetError(f"{p}: no such preset file")
-        if p.stat().st_size > MAX_PRESET_BYTES:
-            raise PresetError(f"{p}: larger than the {human(MAX_PRESET_BYTES)} limit "
-                              "for a preset")
-        with open(p, "rb") as fh:
-            data = fh.read(MAX_PRESET_BYTES + 1)
-    except OSError as exc:
-        raise PresetError(f"{p}: cannot read: {exc.strerror or exc}") from None
+        data = read_capped(p, MAX_PRESET_BYTES)
+    except FileRejected as exc:
+        raise PresetError(f"{p}: {exc} (a preset)") from None
     return parse_preset(data, str(p)).with_origin(str(p))
 
 

@@ -27,11 +27,11 @@ from __future__ import annotations
 import binascii
 import json
 import re
-import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from k3core.api import files
 from k3core.api.errors import TokenizerError
 
 MAX_TIKTOKEN_MODEL_BYTES = 16_000_000  # the released file is about 2.3 MB
@@ -56,25 +56,9 @@ class AddedToken:
 def read_capped(path: Path, cap: int) -> bytes:
     """The bytes of a regular file no bigger than ``cap``; refuse anything else."""
     try:
-        st = path.stat()
-    except FileNotFoundError:
-        raise TokenizerError(f"{path}: no such file") from None
-    except OSError as e:
-        raise TokenizerError(f"{path}: cannot read: {e.strerror or e}") from None
-    if not stat.S_ISREG(st.st_mode):
-        raise TokenizerError(f"{path}: not a regular file")
-    if st.st_size > cap:
-        raise TokenizerError(
-            f"{path}: {st.st_size} bytes is over the {cap}-byte limit for this file"
-        )
-    try:
-        with open(path, "rb") as f:
-            data = f.read(cap + 1)
-    except OSError as e:
-        raise TokenizerError(f"{path}: cannot read: {e.strerror or e}") from None
-    if len(data) > cap:
-        raise TokenizerError(f"{path}: grew past the {cap}-byte limit while being read")
-    return data
+        return files.read_capped(path, cap)
+    except files.FileRejected as exc:
+        raise TokenizerError(f"{path}: {exc}") from None
 
 
 def parse_tiktoken_model(data: bytes, source: str) -> dict[bytes, int]:

@@ -38,9 +38,10 @@ from typing import Any
 import numpy as np
 
 from k3core.api.errors import CheckpointError, StorageError
+from k3core.api.files import FileRejected, read_capped
 from k3core.api.safejson import JSONRejected, parse_json, show
 from k3core.api.storage import StorageBackend, aligned_empty
-from k3core.api.units import ALIGN, align_up, human
+from k3core.api.units import ALIGN, align_up
 from k3core.checkpoint.index import CheckpointIndex
 from k3core.checkpoint.safetensors_header import DTYPES
 from k3core.model import names
@@ -156,17 +157,13 @@ def open_trunk(
 
 
 def _load(path: Path) -> Any:
+    if not path.is_file():
+        raise CheckpointError(f"{path}: no trunk manifest (not packed, or packing did not "
+                              "finish); run `k3 pack-trunk`")
     try:
-        if not path.is_file():
-            raise CheckpointError(f"{path}: no trunk manifest (not packed, or packing did not "
-                                  "finish); run `k3 pack-trunk`")
-        if path.stat().st_size > MAX_MANIFEST_BYTES:
-            raise CheckpointError(f"{path}: larger than the {human(MAX_MANIFEST_BYTES)} "
-                                  "limit for a trunk manifest")
-        with open(path, "rb") as fh:
-            data = fh.read(MAX_MANIFEST_BYTES + 1)
-    except OSError as exc:
-        raise CheckpointError(f"{path}: cannot read: {exc.strerror or exc}") from None
+        data = read_capped(path, MAX_MANIFEST_BYTES)
+    except FileRejected as exc:
+        raise CheckpointError(f"{path}: {exc} (a trunk manifest)") from None
     try:
         return parse_json(data)
     except JSONRejected as exc:

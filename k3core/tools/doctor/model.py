@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Literal
 
 from k3core.api.errors import K3Error
+from k3core.api.files import FileRejected, read_capped
 from k3core.api.safejson import JSONRejected, parse_json, show
 from k3core.api.storage import StorageBackend
 from k3core.api.units import human
@@ -104,13 +105,11 @@ def _shards_present(root: Path, mc: ModelCheck) -> bool:
             return False
         return True
     try:
-        if index_path.stat().st_size > MAX_INDEX_BYTES:
-            raise ValueError(f"larger than {human(MAX_INDEX_BYTES)}")
-        doc = parse_json(index_path.read_bytes())
+        doc = parse_json(read_capped(index_path, MAX_INDEX_BYTES))
         wm = doc.get("weight_map") if isinstance(doc, dict) else None
         if not isinstance(wm, dict) or not all(isinstance(v, str) for v in wm.values()):
             raise ValueError("no usable weight_map")
-    except (OSError, ValueError, JSONRejected) as exc:
+    except (FileRejected, ValueError, JSONRejected) as exc:
         mc.add("shards", "fail", f"{index_path}: cannot be read: {exc}")
         return False
     held = Counter(wm.values())
