@@ -25,14 +25,13 @@ whose ``special`` (when present) is not a boolean; two ids with the same content
 from __future__ import annotations
 
 import binascii
-import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from k3core.api import files
 from k3core.api.errors import TokenizerError
+from k3core.api.safejson import JSONRejected, parse_json
 
 MAX_TIKTOKEN_MODEL_BYTES = 16_000_000  # the released file is about 2.3 MB
 MAX_TOKENIZER_CONFIG_BYTES = 4_000_000  # the released file is a few KB
@@ -122,13 +121,16 @@ def parse_tokenizer_config(data: bytes, source: str) -> dict[int, AddedToken]:
             f"{source}: {len(data)} bytes is over the {MAX_TOKENIZER_CONFIG_BYTES}-byte limit"
         )
     try:
-        text = data.decode("utf-8")
+        data.decode("utf-8")
     except UnicodeDecodeError as e:
         line = data[: e.start].count(b"\n") + 1
         raise TokenizerError(
             f"{source} line {line}: not UTF-8 (byte {data[e.start]:#04x} at offset {e.start})"
         ) from None
-    doc = _load_json(text, source)
+    try:
+        doc = parse_json(data)
+    except JSONRejected as e:
+        raise TokenizerError(f"{source}: {e}") from None
     if not isinstance(doc, dict):
         raise TokenizerError(f"{source}: top level is {_kind(doc)}, expected an object")
     if "added_tokens_decoder" not in doc:
@@ -166,36 +168,6 @@ def parse_tokenizer_config(data: bytes, source: str) -> dict[int, AddedToken]:
         id_of_content[content] = tid
         added[tid] = AddedToken(tid, content, special)
     return added
-
-
-class _DuplicateKey(Exception):
-    pass
-
-
-def _pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in pairs:
-        if k in out:
-            raise _DuplicateKey(k)
-        out[k] = v
-    return out
-
-
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not JSON")
-
-
-def _load_json(text: str, source: str) -> Any:
-    try:
-        return json.loads(text, object_pairs_hook=_pairs, parse_constant=_no_constant)
-    except json.JSONDecodeError as e:
-        raise TokenizerError(f"{source} line {e.lineno} column {e.colno}: {e.msg}") from None
-    except _DuplicateKey as e:
-        raise TokenizerError(f"{source}: duplicate key {e.args[0]!r}") from None
-    except RecursionError:
-        raise TokenizerError(f"{source}: JSON nested too deeply") from None
-    except ValueError as e:  # NaN/Infinity, integers too long to convert
-        raise TokenizerError(f"{source}: invalid JSON: {e}") from None
 
 
 def _kind(value: object) -> str:
