@@ -31,6 +31,7 @@ from k3core.testing.faulty_backend import (
     register_faulty,
     unregister_faulty,
 )
+from k3core.testing.manifest_promises import check_accepted
 from k3core.tools.synth.writer import synthesize
 from k3core.trunk.manifest import DATA_NAME, MANIFEST_NAME, open_trunk, parse_manifest
 from k3core.trunk.sample import windows
@@ -320,21 +321,6 @@ def fuzz_env(work):
     idx.close()
 
 
-def _check_accepted(man, idx) -> None:
-    """An accepted manifest keeps every promise the streamer relies on."""
-    assert [lay.layer for lay in man.layers] == list(range(man.n_layers))
-    runs = sorted(man.layers, key=lambda lay: lay.file_off)
-    for a, b in zip(runs, runs[1:], strict=False):
-        assert a.file_off + a.nbytes <= b.file_off
-    for lay in man.layers:
-        assert lay.file_off % ALIGN == 0 and lay.nbytes % ALIGN == 0
-        assert lay.file_off + lay.nbytes <= man.total_bytes
-        for t in lay.tensors.values():
-            info = idx.info(t.name)
-            assert 0 <= t.off and t.off + t.nbytes <= lay.span
-            assert (info.dtype, info.shape, info.nbytes) == (t.dtype, t.shape, t.nbytes)
-
-
 @settings(max_examples=10_000, deadline=None, derandomize=True, database=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(st.binary(min_size=8, max_size=24))
@@ -350,7 +336,7 @@ def test_fuzzed_manifest_is_accepted_safely_or_refused(fuzz_env, data) -> None:
     except K3Error as exc:
         assert isinstance(exc, CheckpointError) and exc.message
         return
-    _check_accepted(man, idx)
+    check_accepted(man, idx)
 
 
 @settings(max_examples=500, deadline=None, derandomize=True, database=None,
@@ -372,4 +358,4 @@ def test_fuzzed_manifest_bytes_are_refused_cleanly(fuzz_env, work, pos, junk) ->
     except K3Error as exc:
         assert exc.message
         return
-    _check_accepted(man, idx)
+    check_accepted(man, idx)
