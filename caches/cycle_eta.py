@@ -81,6 +81,7 @@ from collections.abc import Container, Sequence
 from typing import Any
 
 import numpy as np
+from k3_caches.lazy_heap import top_unprotected
 
 from k3core.api.cache_policy import EXPERT_MASK, KEY_SHIFT, CachePolicy, key_layer
 from k3core.api.errors import UsageError
@@ -229,20 +230,8 @@ class CycleETAPolicy(CachePolicy):
     def _peek_victim(self, protected: Container[int]) -> int | None:
         if not self._heap_live:
             self._build_heap()
-        heap, aside, found = self._heap, [], None
-        while heap:
-            _, ver, key = heap[0]
-            if self._ver.get(key) != ver or key not in self._eta:
-                heapq.heappop(heap)
-                continue
-            if key in protected:
-                aside.append(heapq.heappop(heap))
-                continue
-            found = key
-            break
-        for item in aside:
-            heapq.heappush(heap, item)
-        return found
+        return top_unprotected(
+            self._heap, lambda e: self._ver.get(e[2]) == e[1] and e[2] in self._eta, protected)
 
     # ---- events ------------------------------------------------------------------------
     def begin_token(self) -> None:

@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from k3_caches.lazy_heap import top_unprotected
 
 from k3core.api.cache_policy import CachePolicy
 from k3core.api.errors import PluginError
@@ -171,20 +172,7 @@ class ReplayPolicy(CachePolicy):
     def _belady_victim(self, protected: Container[int]) -> int | None:
         if not self._heap_live:
             self._build_heap()
-        heap, aside, found = self._heap, [], None
-        while heap:
-            neg, _, key = heap[0]
-            if self._nu.get(key) != -neg:
-                heapq.heappop(heap)
-                continue
-            if key in protected:
-                aside.append(heapq.heappop(heap))
-                continue
-            found = key
-            break
-        for item in aside:
-            heapq.heappush(heap, item)
-        return found
+        return top_unprotected(self._heap, lambda e: self._nu.get(e[2]) == -e[0], protected)
 
     def _lru_victim(self, protected: Container[int]) -> int | None:
         for key in self._lru:

@@ -9,9 +9,9 @@ the small queue while it holds at least its share (a touched key is promoted to 
 instead, its frequency reset to 0), otherwise from main (a touched key has its frequency
 decremented and is requeued). Protected keys are requeued; if both queues bounce their
 whole length there is no victim. With nothing protected this reproduces the reference
-``tools/sim_cache.py`` figures on the shipped trace (35.32, 36.11, 42.68, 49.97 % at 455,
-911, 1,823, 3,647 slots; the reference's ghost set forgets a key readmitted from it a little
-differently, which shows at larger sizes only).
+simulator's figures on the shipped trace (docs/engine-behaviours.md §8: 35.32, 36.11, 42.68,
+49.97 % at 455, 911, 1,823, 3,647 slots; the reference's ghost set forgets a key readmitted
+from it a little differently, which shows at larger sizes only).
 
 Every event is amortised O(1). Queue entries carry a generation number so an ``on_evict``
 the policy did not choose (a failed read, say) just leaves a stale entry to skip.

@@ -10,7 +10,7 @@ Run one: ``.venv/bin/python fuzz/fuzz_config.py -max_total_time=60`` (any libFuz
 works), or all of them: ``make fuzz FUZZ_SECONDS=60``. Each starts from a seed corpus made
 from a synthetic tiny model (``build/fuzz/corpus/<target>/``, kept between runs so coverage
 accumulates). Without atheris installed the harnesses still import, so the test suite runs
-each one over its seeds (``tests/test_fuzz_harnesses.py``).
+each one over its seeds (``tests/fuzz/test_fuzz_harnesses.py``).
 """
 
 from __future__ import annotations

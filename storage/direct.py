@@ -1,7 +1,7 @@
 """The ``direct`` storage backend: Linux ``O_DIRECT`` reads, bypassing the page cache.
 
 Each streamed layer and each expert is read once and not reused before eviction, so the
-page cache only costs memory and a copy (engine.md 3.7). Reads go through
+page cache only costs memory and a copy (docs/engine-behaviours.md §5). Reads go through
 :class:`k3_storage.aligned_file.AlignedFile`: aligned payloads land straight in the caller's
 buffer, anything else is widened to aligned windows through a per-thread bounce buffer.
 

@@ -1,7 +1,7 @@
 /* k3avx2.h - the public C interface of the avx2 kernel backend (k3_backends._k3avx2).
  *
  * Every function implements one operation of the bit-exact kernel contract in
- * k3core/kernels.py; the numeric constants come from k3core/contract.py through the
+ * k3core/api/kernels.py; the numeric constants come from k3core/api/contract.py through the
  * header the build script generates (backends/avx2_build.py). Arrays are C-contiguous;
  * the caller (backends/avx2_backend.py) validates shapes and allocates outputs.
  *
@@ -13,9 +13,6 @@
 
 /* ---- runtime ------------------------------------------------------------------ */
 void k3_set_threads(int n);
-int k3_get_threads(void);
-int k3_omp_max_threads(void);
-int k3_has_avx512(void);
 int k3_contract_values(double *out, int cap);
 int k3_gil_rendezvous(int parties, double timeout_s);
 double k3_read_bandwidth(const uint8_t *buf, size_t nbytes, int repeat, uint64_t *checksum);

@@ -1,5 +1,5 @@
 /* k3avx2_attention.c - shortconv, kda_gate, kda_recurrent, mla_attention and attn_res
- * (k3core/kernels.py "attention building blocks"). Channels, heads or tokens are split
+ * (k3core/api/kernels.py "attention building blocks"). Channels, heads or tokens are split
  * across threads; every lane sum runs on one thread in the contract's order. */
 #include "k3avx2_internal.h"
 

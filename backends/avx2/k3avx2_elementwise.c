@@ -1,5 +1,5 @@
 /* k3avx2_elementwise.c - rmsnorm, l2norm, sigmoid, silu, exp and situ_glu
- * (k3core/kernels.py "normalisation and activations"). Scalar float64 code in the
+ * (k3core/api/kernels.py "normalisation and activations"). Scalar float64 code in the
  * reference's operation order; rows / elements are split across threads. */
 #include "k3avx2_internal.h"
 

@@ -3,7 +3,7 @@
  * thread count. Every definition mirrors backends/exact_numpy.py operation for operation.
  *
  * The K3C_* constants are NOT written here: backends/avx2_build.py generates them from
- * k3core/contract.py (as C99 hex floats) and places them before this header.
+ * k3core/api/contract.py (as C99 hex floats) and places them before this header.
  */
 #ifndef K3AVX2_INTERNAL_H
 #define K3AVX2_INTERNAL_H
@@ -51,7 +51,7 @@ void k3__free(void *p);
  * All arithmetic is plain C on IEEE values. When exactly one operand is NaN the hardware
  * returns it quieted, as NumPy does. When two NaNs meet, NumPy's own choice of payload
  * depends on its SIMD path (the array length), so the contract does not fix it
- * (docs/kernel-backends.md). Never pass a NaN through without arithmetic: the compiler may
+ * (docs/kernel-contract.md §5). Never pass a NaN through without arithmetic: the compiler may
  * fold (float)(double)x to x and skip the quieting that NumPy's conversion performs. */
 static inline double k3_nan_d(void) {
     union { uint64_t u; double d; } v = {UINT64_C(0x7FF8000000000000)};

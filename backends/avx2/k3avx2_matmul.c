@@ -1,5 +1,5 @@
 /* k3avx2_matmul.c - y[t, o] = f32(lsum_i d(W[o, i]) * d(x[t, i])) for bf16, float32 and
- * MXFP4 weights (k3core/kernels.py "matmul").
+ * MXFP4 weights (k3core/api/kernels.py "matmul").
  *
  * Lane order: column i of a row goes to lane i % 32. The 32 float64 lanes live in 8 ymm
  * registers; every product is exact in float64, so only the order of the additions

@@ -1,4 +1,4 @@
-/* k3avx2_router.c - router (k3core/kernels.py): s = sigmoid(logits); c = s + bias;
+/* k3avx2_router.c - router (k3core/api/kernels.py): s = sigmoid(logits); c = s + bias;
  * pick k by repeated maximum of c (ties to the lowest index, NaN never preferred), listed in
  * selection order; w = s[idx]; optional renormalisation; w * f32(scale). */
 #include "k3avx2_internal.h"

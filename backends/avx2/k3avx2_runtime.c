@@ -1,4 +1,4 @@
-/* k3avx2_runtime.c - thread count, aligned scratch, CPU feature query, the memory read
+/* k3avx2_runtime.c - thread count, aligned scratch, the memory read
  * bandwidth probe used by the kernel benchmark, and the GIL rendezvous diagnostic. */
 #include "k3avx2_internal.h"
 
@@ -11,27 +11,7 @@
 static _Thread_local int g_threads = 1;
 
 void k3_set_threads(int n) { g_threads = n < 1 ? 1 : n; }
-int k3_get_threads(void) { return g_threads; }
 int k3__threads(void) { return g_threads; }
-
-int k3_omp_max_threads(void) {
-#ifdef _OPENMP
-    return omp_get_max_threads();
-#else
-    return 1;
-#endif
-}
-
-
-int k3_has_avx512(void) {
-#if defined(__GNUC__)
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512vl");
-#else
-    return 0;
-#endif
-}
 
 void *k3__alloc(size_t bytes) {
     void *p = NULL;
@@ -109,7 +89,7 @@ int k3_gil_rendezvous(int parties, double timeout_s) {
 }
 
 /* The contract constants this build was compiled with, in the order the Python side
- * checks them against k3core/contract.py (a stale build is refused, never used):
+ * checks them against k3core/api/contract.py (a stale build is refused, never used):
  * LANES, MXFP4_GROUP, EXP_HI, EXP_LO, LOG2E, LN2_HI, LN2_LO, EXPM1_SERIES_MAX, TANH_SAT,
  * L2_EPS, ROUTER_EPS, EXP_COEF[], EXPM1_COEF[], E2M1[16], E8M0[256].
  * Returns the number of values (writes at most `cap`). */

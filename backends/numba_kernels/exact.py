@@ -180,14 +180,6 @@ def dot_into(acc, a, b, offset):
 
 
 @njit(**JIT)
-def dot_f32(a, b, acc):
-    """lsum(d(a) * d(b)) of two equally long 1-D float32 arrays (``acc`` is scratch)."""
-    acc[:] = 0.0
-    dot_into(acc, a, b, 0)
-    return fold(acc)
-
-
-@njit(**JIT)
 def max_nan(s, n):
     """``np.max(s[:n])``: the largest value, NaN if any is NaN (n >= 1)."""
     m = s[0]

@@ -40,7 +40,6 @@ class ExpertStats:
     read_seconds: float = 0.0
     exposed_wait_seconds: float = 0.0
     drops: int = 0
-    nan_scale_bytes: int = 0
     extra: dict[str, float] = field(default_factory=dict)
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from k3core.api.errors import StorageError
+from k3core.api.units import ALIGN
 
 Buffer = np.ndarray | memoryview
 
@@ -141,7 +142,7 @@ class _Timer:
             self.stats.add(self.nbytes, time.perf_counter() - self.t0)
 
 
-def aligned_empty(nbytes: int, align: int = 4096) -> np.ndarray:
+def aligned_empty(nbytes: int, align: int = ALIGN) -> np.ndarray:
     """A ``uint8`` array of ``nbytes`` whose data pointer is a multiple of ``align``."""
     raw = np.empty(nbytes + align, dtype=np.uint8)
     start = (-raw.ctypes.data) % align

@@ -26,13 +26,15 @@ from typing import Any
 import numpy as np
 
 from k3core.api.errors import CheckpointError, StorageError
+from k3core.api.files import FileRejected, read_capped
 from k3core.api.safejson import JSONRejected, encodable, parse_json, show
 from k3core.api.storage import StorageBackend, StorageFile, aligned_empty
+from k3core.api.units import ALIGN
 from k3core.checkpoint.safetensors_header import DTYPES, header_length, parse_header
 
 INDEX_NAME = "model.safetensors.index.json"
 #: an index.json larger than this is refused (the real one, 497,220 names, is ~50 MB)
-MAX_INDEX_BYTES = 512 * 1024 * 1024
+MAX_INDEX_BYTES = 512_000_000
 
 
 @dataclass(frozen=True)
@@ -126,8 +128,8 @@ class CheckpointIndex:
         """The tensor as a new array, typed and shaped (BF16 as ``uint16`` bit patterns)."""
         t = self.info(name)
         # placed at the file offset's remainder modulo 4096, so O_DIRECT reads land in place
-        skew = t.offset % 4096
-        raw = aligned_empty(t.nbytes + skew, 4096)[skew:]
+        skew = t.offset % ALIGN
+        raw = aligned_empty(t.nbytes + skew, ALIGN)[skew:]
         out = raw.view(t.np_dtype).reshape(t.shape) if t.nbytes else np.empty(t.shape, t.np_dtype)
         if t.nbytes:
             self._read(t.path, t.offset, out, what=f"tensor {show(name)}")
@@ -233,14 +235,9 @@ def _read_index(root: Path) -> dict[str, str] | None:
     if not path.exists() and not path.is_symlink():
         return None
     try:
-        if not path.is_file():
-            raise CheckpointError(f"{path}: not a regular file")
-        if path.stat().st_size > MAX_INDEX_BYTES:
-            raise CheckpointError(f"{path}: larger than the {MAX_INDEX_BYTES >> 20} MiB limit")
-        with open(path, "rb") as fh:
-            data = fh.read(MAX_INDEX_BYTES + 1)
-    except OSError as exc:
-        raise CheckpointError(f"{path}: cannot read: {exc.strerror or exc}") from None
+        data = read_capped(path, MAX_INDEX_BYTES)
+    except FileRejected as exc:
+        raise CheckpointError(f"{path}: {exc}") from None
     try:
         doc = parse_json(data)
     except JSONRejected as exc:

@@ -23,6 +23,7 @@ import numpy as np
 
 from k3core.api.errors import CheckpointError
 from k3core.api.safejson import JSONRejected, encodable, parse_json, show
+from k3core.api.units import human
 
 #: safetensors dtype -> NumPy dtype of the array ``read`` returns (BF16 as its bit patterns)
 DTYPES: dict[str, np.dtype] = {
@@ -31,7 +32,7 @@ DTYPES: dict[str, np.dtype] = {
     "F16": np.dtype("<f2"),
     "F32": np.dtype("<f4"),
 }
-MAX_HEADER_BYTES = 100 * 1024 * 1024
+MAX_HEADER_BYTES = 100_000_000
 MAX_RANK = 8
 _U64 = 1 << 64
 
@@ -54,7 +55,7 @@ def header_length(prefix: bytes, file_size: int, path: Path) -> int:
         raise CheckpointError(f"{path}: header length is 0; not a safetensors file")
     if n > MAX_HEADER_BYTES:
         raise CheckpointError(f"{path}: header length {n} is larger than the "
-                              f"{MAX_HEADER_BYTES >> 20} MiB limit; not a safetensors file "
+                              f"{human(MAX_HEADER_BYTES)} limit; not a safetensors file "
                               "or damaged")
     if 8 + n > file_size:
         raise CheckpointError(f"{path}: header length {n} runs past the end of the file "

@@ -17,9 +17,11 @@ from rich.console import Console
 from rich.table import Table
 
 from k3core.api.errors import UsageError
+from k3core.api.units import ALIGN
 from k3core.cli.bench_ladder import bench_ladder
 from k3core.cli.guard import guarded
-from k3core.tools.bench.io import EXPERT_BYTES, DiskBenchResult, probe_disk
+from k3core.model.sizes import EXPERT_BYTES
+from k3core.tools.bench.io import DiskBenchResult, probe_disk
 from k3core.tools.bench.kernels import format_table, run_kernel_bench
 
 bench_app = typer.Typer(help="Benchmarks: kernels, storage I/O, the memory ladder.", no_args_is_help=True)
@@ -64,7 +66,7 @@ def io(
 ) -> None:
     """Random reads the way the engine reads, per storage backend and raw, same run."""
     try:
-        sizes = [int(round(float(x) * 1e6)) // 4096 * 4096 or 4096 for x in read_mb.split(",") if x]
+        sizes = [int(round(float(x) * 1e6)) // ALIGN * ALIGN or ALIGN for x in read_mb.split(",") if x]
         qds = [int(x) for x in depths.split(",") if x]
     except ValueError as exc:
         raise UsageError(f"bench io: {exc}") from None

@@ -7,11 +7,12 @@ from pathlib import Path
 import typer
 
 from k3core.api.errors import OutputError, UsageError
+from k3core.api.units import human
 from k3core.checkpoint.index import CheckpointIndex
 from k3core.cli.guard import guarded
-from k3core.experts.cache import slot_stride
 from k3core.experts.locator import ExpertLocator
 from k3core.model.config import load_config
+from k3core.model.sizes import slot_bytes
 from k3core.plugins.registry import get_registry
 from k3core.run.idparse import check_vocab, parse_ids
 from k3core.tools.bench.ladder import (
@@ -27,7 +28,6 @@ from k3core.tools.bench.ladder import (
     write_tsv,
 )
 from k3core.trunk.manifest import open_trunk
-from k3core.trunk.plan import human
 
 
 @guarded
@@ -60,7 +60,7 @@ def bench_ladder(
         man = open_trunk(trunk_dir, index, cfg)
         rest = fixed_bytes(cfg, index, len(prompt) + gen + 1)
         if cache_gb is None:
-            stride = slot_stride(ExpertLocator(cfg, index).max_bytes(range(cfg.n_layers)))
+            stride = slot_bytes(ExpertLocator(cfg, index).max_bytes(range(cfg.n_layers)))
             cache_gb = (cfg.topk + 1) * stride / 1e9 * 1.001
     sizes = [lay.nbytes for lay in man.layers[: cfg.n_layers]]
     rung_budgets = parse_budgets(budgets) if budgets else default_budgets(sizes)

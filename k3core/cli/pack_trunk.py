@@ -16,12 +16,13 @@ from rich.progress import (
 )
 
 from k3core.api.errors import UsageError
+from k3core.api.units import human
 from k3core.checkpoint.index import CheckpointIndex
 from k3core.cli.guard import guarded
 from k3core.model.config import load_config
 from k3core.plugins.registry import get_registry
 from k3core.trunk.pack import pack_trunk as pack
-from k3core.trunk.plan import gb_ceil, human
+from k3core.trunk.plan import gb_ceil
 
 
 @guarded

@@ -37,17 +37,10 @@ from k3core.api.cache_policy import CachePolicy, make_key
 from k3core.api.errors import ExpertDropError, K3Error, PluginError
 from k3core.api.experts import ExpertSource, ExpertStats, ExpertWeights
 from k3core.api.storage import aligned_empty
+from k3core.api.units import ALIGN
 from k3core.checkpoint.index import CheckpointIndex
 from k3core.experts.locator import ExpertLocator, ExpertRef
-
-ALIGN = 4096
-
-
-def slot_stride(slot_bytes: int) -> int:
-    """Bytes per slot: the expert plus one alignment unit, so an expert can sit in its slot at
-    the same offset modulo 4096 as in its file and an O_DIRECT read lands in place (the
-    storage backend then needs no bounce buffer for the aligned middle of the read)."""
-    return -(-(slot_bytes + ALIGN) // ALIGN) * ALIGN
+from k3core.model import sizes
 
 
 def _skew(ref: ExpertRef) -> int:
@@ -91,7 +84,7 @@ class ExpertCache(ExpertSource):
         self.locator = locator
         self.policy = policy
         self.capacity = slots
-        self.stride = slot_stride(slot_bytes)
+        self.stride = sizes.slot_bytes(slot_bytes)  # the memory plan counts the same stride
         self.slot_bytes = slot_bytes
         self.arena = aligned_empty(slots * self.stride, ALIGN)
         self.slot_of: dict[int, int] = {}

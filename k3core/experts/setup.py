@@ -12,10 +12,12 @@ from pathlib import Path
 from typing import Any
 
 from k3core.api.errors import UsageError
+from k3core.api.units import gb_bytes
 from k3core.checkpoint.index import CheckpointIndex
-from k3core.experts.cache import ExpertCache, slot_stride
+from k3core.experts.cache import ExpertCache
 from k3core.experts.locator import ExpertLocator
 from k3core.experts.trace import TraceRecorder
+from k3core.model import sizes
 from k3core.model.config import ModelConfig
 from k3core.plugins.registry import Registry
 
@@ -33,19 +35,19 @@ def expert_slots(cfg: ModelConfig, n_layers: int, slot_bytes: int, cache_gb: flo
     """Slots for ``cache_gb`` (decimal GB), at most every expert; refuses fewer than top-k + 1."""
     moe = sum(1 for L in range(n_layers) if not cfg.is_dense(L))
     total = moe * cfg.n_experts
-    stride = slot_stride(slot_bytes)
+    stride = sizes.slot_bytes(slot_bytes)
     if cache_gb is None:
         return total
     if not cache_gb >= 0:
         raise UsageError(f"--cache-gb must be a non-negative number, got {cache_gb}")
-    slots = int(round(cache_gb * 1e9)) // stride
+    slots = sizes.cache_slots(gb_bytes(cache_gb), slot_bytes, total)
     if slots < cfg.topk + 1:
         need = (cfg.topk + 1) * stride / 1e9
         raise UsageError(
             f"--cache-gb {cache_gb:g} gives {slots} expert slots of {stride / 1e6:.2f} MB; "
             f"at least top-k + 1 = {cfg.topk + 1} are needed ({need:.3f} GB)"
         )
-    return min(slots, total)
+    return slots
 
 
 def build_expert_cache(

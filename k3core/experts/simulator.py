@@ -25,7 +25,7 @@ How a trace is replayed (:func:`replay_policy`)
 
 ``belady`` is computed separately and exactly (:func:`belady_hits`): evict the resident whose
 next use is furthest; do not retain a missed key whose next use is later than every
-resident's. It does not protect the current batch, as in the reference's ``sim_cache.py``, so
+resident's. It does not protect the current batch, as in the reference's simulator (docs/engine-behaviours.md §8), so
 it is the true ceiling; policies that use future knowledge (``offline = True``, e.g. ``replay``)
 are reported but never chosen as the best online policy.
 
@@ -48,8 +48,8 @@ from k3core.api.cache_policy import CachePolicy
 from k3core.api.errors import PluginError, UsageError
 from k3core.experts.sim_result import BELADY, SimResult, SimRow, plot_result
 from k3core.experts.trace import read_trace, trace_keys, validate_pairs
+from k3core.model.sizes import EXPERT_BYTES
 
-EXPERT_BYTES = 17_547_264  # one released K3 expert, packed MXFP4 (gate, up, down + scales)
 DEFAULT_CACHE_GB = (8, 16, 32, 64, 128, 192, 256, 384, 512, 768, 1024, 1450)
 MODEL_LAYERS, MODEL_EXPERTS, MODEL_TOPK = 92, 896, 16
 

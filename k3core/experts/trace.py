@@ -1,6 +1,6 @@
 """Expert-request traces: ``expert_trace.bin`` and ``expert_hist.json`` (``--dump-cache-trace``).
 
-Format (the reference engine's, so traces move between engines and its ``sim_cache.py``):
+Format (the reference engine's, so traces move between engines; docs/engine-behaviours.md §8):
 
 ``expert_trace.bin``
     Every expert request in order, recorded before the request is served (so it reflects
@@ -36,7 +36,7 @@ from k3core.api.errors import OutputError, UsageError
 
 TRACE_NAME = "expert_trace.bin"
 HIST_NAME = "expert_hist.json"
-MAX_TRACE_BYTES = 1 << 30  # 1 GiB: ~134 M requests, ~91,000 tokens of the real model
+MAX_TRACE_BYTES = 10**9  # 1 GB: 125 M requests, ~85,000 tokens of the real model
 _DTYPE = np.dtype("<i4")
 
 

@@ -1,6 +1,6 @@
 """The model's shape, read from ``config.json`` with confidence or not at all.
 
-Two layouts are accepted and never guessed between (model.md 1.1, engine.md 5.1):
+Two layouts are accepted and never guessed between (docs/model.md §2, docs/engine-behaviours.md §6):
 
 * **nested** (the released file): the text model under ``text_config``, the KDA block and
   the layer map under ``text_config.linear_attn_config``, SiTU betas spelled
@@ -11,8 +11,8 @@ Two layouts are accepted and never guessed between (model.md 1.1, engine.md 5.1)
 Each key is looked up in ``text_config``, then ``linear_attn_config`` (nested, or at the
 root in the flat shape), then the root, primary spelling before alias; the first hit wins.
 The KDA-block keys (head count and width, conv kernel, gate bound, layer lists,
-``use_full_rank_gate``) are looked up in ``linear_attn_config`` first, as model.md 1.1
-advises, so a ``text_config.head_dim`` meant for something else can never be taken for the
+``use_full_rank_gate``) are looked up in ``linear_attn_config`` first, as docs/model.md §2
+says, so a ``text_config.head_dim`` meant for something else can never be taken for the
 KDA head width. A key spelled both ways in one object with two different values is refused.
 
 Every required key must be present: a default would silently build a different model (a
@@ -20,7 +20,7 @@ flat-only reader on the nested file gets the right SiTU betas by luck and an emp
 map, i.e. an all-KDA model). Only ``mla_use_output_gate``, ``moe_renormalize`` and
 ``latent_moe_use_norm`` default (to true). All problems are reported in one
 :class:`~k3core.api.errors.ConfigError` (exit 2). Released keys the forward pass does not read
-but whose other values would change the model (model.md 1.3) are asserted when present.
+but whose other values would change the model (docs/model.md §2) are asserted when present.
 """
 
 from __future__ import annotations
@@ -31,11 +31,13 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
 
 from k3core.api.errors import ConfigError
+from k3core.api.files import FileRejected, read_capped
 from k3core.api.safejson import JSONRejected, parse_json
+from k3core.api.units import human
 from k3core.model.config_keys import read_fields, structural_problems
 
-#: config.json larger than this is refused before parsing (the real one is a few KiB)
-MAX_CONFIG_BYTES = 16 * 1024 * 1024
+#: config.json larger than this is refused before parsing (the real one is a few kB)
+MAX_CONFIG_BYTES = 16_000_000
 #: how many problems one message lists before "... and N more"
 MAX_LISTED = 32
 
@@ -122,7 +124,7 @@ class ModelConfig(BaseModel):
         """Parse and build from raw file bytes (UTF-8 JSON object, size-capped)."""
         if len(data) > MAX_CONFIG_BYTES:
             raise ConfigError(f"{source}: cannot be read with confidence: {len(data)} bytes "
-                              f"is larger than the {MAX_CONFIG_BYTES >> 20} MiB limit")
+                              f"is larger than the {human(MAX_CONFIG_BYTES)} limit")
         try:
             doc = parse_json(data)
         except JSONRejected as exc:
@@ -243,19 +245,9 @@ def load_config(path: str | Path) -> ModelConfig:
         p = p / "config.json"
     source = str(p)
     try:
-        size = p.stat().st_size
-        if not p.is_file():
-            raise ConfigError(f"{source}: cannot be read with confidence: not a regular file")
-        if size > MAX_CONFIG_BYTES:
-            raise ConfigError(f"{source}: cannot be read with confidence: {size} bytes is "
-                              f"larger than the {MAX_CONFIG_BYTES >> 20} MiB limit")
-        with open(p, "rb") as f:
-            data = f.read(MAX_CONFIG_BYTES + 1)
-    except FileNotFoundError:
-        raise ConfigError(f"{source}: cannot be read with confidence: no such file") from None
-    except OSError as exc:
-        raise ConfigError(f"{source}: cannot be read with confidence: {exc.strerror or exc}"
-                          ) from None
+        data = read_capped(p, MAX_CONFIG_BYTES)
+    except FileRejected as exc:
+        raise ConfigError(f"{source}: cannot be read with confidence: {exc}") from None
     return ModelConfig.from_json_bytes(data, source=source)
 
 

@@ -73,7 +73,7 @@ KEYS: tuple[Key, ...] = (
     Key("full_attn_layers", ("full_attn_layers",), "layers", kda=True),
 )
 
-#: released keys the forward pass does not read, asserted when present (model.md 1.3):
+#: released keys the forward pass does not read, asserted when present (docs/model.md §2):
 #: (key, required value, what another value would mean)
 PINNED: tuple[tuple[str, Any, str], ...] = (
     ("mla_use_nope", True, "rotary embeddings, which this engine does not implement"),

@@ -1,4 +1,4 @@
-"""The Kimi K3 forward pass, written once against the kernel interface (model.md section 3).
+"""The Kimi K3 forward pass, written once against the kernel interface (docs/model.md §5).
 
 The graph never asks which kernel backend, storage backend or cache policy it runs on. All
 long reductions and transcendentals go through :class:`k3core.api.kernels.KernelBackend`;
@@ -77,7 +77,7 @@ class Model:
             raise K3Error("the forward pass produced non-finite logits; refusing to pick a token")
         return logits
 
-    # ---- one decoder layer with block attention residuals (model.md 3.6) -----------------------
+    # ---- one decoder layer with block attention residuals (docs/model.md §5.2) ------------------
     def layer(self, p: LayerParams, h: np.ndarray, blocks: list[np.ndarray], st: SequenceState) -> np.ndarray:
         eps = self.cfg.rms_eps
         pref: np.ndarray | None = h
@@ -93,7 +93,7 @@ class Model:
         m = self.dense_mlp(p, xn) if p.dense else self.moe(p, xn)
         return pref + m
 
-    # ---- KDA (model.md 3.8) --------------------------------------------------------------------
+    # ---- KDA (docs/model.md §5.4) ---------------------------------------------------------------
     def kda(self, p: LayerParams, x: np.ndarray, st: SequenceState) -> np.ndarray:
         c, k = self.cfg, self.k
         T, H, D = x.shape[0], c.kda_heads, c.kda_head_dim
@@ -113,7 +113,7 @@ class Model:
         o = o * k.sigmoid(k.matmul(p["self_attn.g_proj.weight"], x))
         return k.matmul(p["self_attn.o_proj.weight"], o)
 
-    # ---- gated MLA, NoPE (model.md 3.9) --------------------------------------------------------
+    # ---- gated MLA, NoPE (docs/model.md §5.5) ---------------------------------------------------
     def mla(self, p: LayerParams, x: np.ndarray, st: SequenceState) -> np.ndarray:
         c, k = self.cfg, self.k
         T, H, n, r, dv = x.shape[0], c.n_heads, c.qk_nope, c.qk_rope, c.v_head
@@ -133,7 +133,7 @@ class Model:
             o = o * k.sigmoid(k.matmul(p["self_attn.g_proj.weight"], x))
         return k.matmul(p["self_attn.o_proj.weight"], o)
 
-    # ---- MLPs (model.md 3.10-3.12) -----------------------------------------------------------------
+    # ---- MLPs (docs/model.md §5.6-5.7, SiTU §4.5) ---------------------------------------------------
     def situ_mlp(self, gate_w: np.ndarray, up_w: np.ndarray, down_w: np.ndarray, x: np.ndarray) -> np.ndarray:
         c, k = self.cfg, self.k
         a = k.situ_glu(k.matmul(gate_w, x), k.matmul(up_w, x), c.situ_b1, c.situ_b2)

@@ -1,4 +1,4 @@
-"""Tensor names of the released checkpoint layout (model.md section 2.2).
+"""Tensor names of the released checkpoint layout (docs/model.md §3).
 
 Text tensors are prefixed ``language_model.model.`` except the head
 (``language_model.lm_head.weight``). Inside k3 a layer's tensors are addressed by their

@@ -3,7 +3,7 @@
 Two sources, one record:
 
 * :func:`sizes_from_config` plans from ``config.json`` alone, with the released dtypes
-  (model.md 2.2: bf16 matrices and norm gains; f32 conv kernels, ``A_log`` padded to
+  (docs/model.md §3: bf16 matrices and norm gains; f32 conv kernels, ``A_log`` padded to
   ``head_dim``, ``dt_bias``, ``o_norm`` and the router's correction bias; MXFP4 experts at
   0.53125 bytes per weight). For Kimi K3 this gives exactly the released figures: a
   108,811,877,376-byte trunk, 4,697,663,488 bytes of tables, 17,547,264 bytes per expert.
@@ -16,11 +16,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from k3core.api.units import ALIGN, align_up
 from k3core.model import names
 from k3core.model.config import ModelConfig
 from k3core.model.layer_params import expected_shapes
 
-ALIGN = 4096
+#: one routed expert of the released Kimi K3: w1, w3 (3072 x 3584) and w2 (3584 x 3072) in
+#: MXFP4, packed nibbles plus E8M0 scales; :func:`sizes_from_config` derives the same figure
+EXPERT_BYTES = 17_547_264
 #: suffixes held as float32 in the released checkpoint (everything else 1-D is bf16)
 _F32_SUFFIXES = (
     "conv1d.weight",
@@ -30,8 +33,20 @@ _F32_SUFFIXES = (
 )
 
 
-def align_up(n: int, align: int = ALIGN) -> int:
-    return -(-n // align) * align
+def slot_bytes(expert_bytes: int) -> int:
+    """One expert-cache slot: the expert plus one alignment unit, rounded up to ``ALIGN``.
+
+    The extra unit lets an expert sit in its slot at the same offset modulo 4096 as in its
+    file, so an O_DIRECT read lands in place. The cache allocates this stride and the memory
+    plan counts it: both call this function (``0`` for a model without experts).
+    """
+    return align_up(expert_bytes + ALIGN) if expert_bytes > 0 else 0
+
+
+def cache_slots(cache_bytes: int, expert_bytes: int, most: int) -> int:
+    """Whole slots a cache budget of ``cache_bytes`` holds, never more than ``most``."""
+    stride = slot_bytes(expert_bytes)
+    return min(cache_bytes // stride, most) if stride else 0
 
 
 @dataclass(frozen=True)
@@ -57,8 +72,8 @@ class ModelSizes:
 
     @property
     def expert_slot_bytes(self) -> int:
-        """One expert-cache slot: the expert plus two alignment pads, 4096-aligned."""
-        return align_up(self.expert_bytes + 2 * ALIGN) if self.expert_bytes else 0
+        """One expert-cache slot for this model's expert (:func:`slot_bytes`)."""
+        return slot_bytes(self.expert_bytes)
 
     @property
     def expert_pool_bytes(self) -> int:

@@ -1,6 +1,6 @@
 """The plugin registry: finds kernel, storage and cache plugins and resolves names.
 
-Rules (design section 2):
+Rules (docs/plugins.md §3):
 
 * plugins come from the ``k3`` entry-point group; built-ins use the same group;
 * an unknown name is an error listing the registered names and a close match;

@@ -1,6 +1,6 @@
 """The memory plan: every large buffer of a run, summed BEFORE anything large is allocated.
 
-Rows (engine.md 2.1, plus what a Python process costs by itself):
+Rows (docs/engine-behaviours.md §3 item 5, plus what a Python process costs by itself):
 
 =====================  ============================================================
 trunk                  the ``--trunk-gb`` budget when streaming (never more than the
@@ -30,8 +30,9 @@ from dataclasses import dataclass, field
 import psutil
 
 from k3core.api.errors import MemoryPlanError, UsageError
+from k3core.api.units import ALIGN, human
 from k3core.model.config import ModelConfig
-from k3core.model.sizes import ALIGN, ModelSizes, sizes_from_config
+from k3core.model.sizes import ModelSizes, cache_slots, sizes_from_config, slot_bytes
 from k3core.model.state import kv_bytes_per_position, recurrent_bytes_per_layer
 
 #: bytes of lm_head read per chunk in ultra-low-memory mode
@@ -40,15 +41,6 @@ STREAM_CHUNK = 64 << 20
 PLAN_LIMIT = 0.95
 #: refuse when the KV cache alone exceeds this share of available memory
 KV_LIMIT = 0.90
-
-
-def human(n: float) -> str:
-    """Decimal units, two places (the reference's ``human()``: 1 GB = 10^9 bytes)."""
-    for unit, div in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if abs(n) >= div:
-            return f"{n / div:.2f} {unit}"
-    return f"{int(n)} B"
-
 
 
 def available_bytes() -> int:
@@ -226,11 +218,11 @@ def plan_memory(
         tables = min(stream_chunk, sz.tables_bytes) + 2 * ALIGN + 3 * E * 4
     else:
         tables = sz.tables_bytes
-    slot = sz.expert_slot_bytes if expert_bytes is None else _slot(expert_bytes)
+    expert = sz.expert_bytes if expert_bytes is None else expert_bytes
     cache, slots = cache_bytes, None
-    if slot:
-        slots = min(cache_bytes // slot, sz.n_experts * sz.n_moe_layers)
-        cache = slots * slot
+    if expert > 0:
+        slots = cache_slots(cache_bytes, expert, sz.n_experts * sz.n_moe_layers)
+        cache = slots * slot_bytes(expert)
     n_kda = sum(1 for i in range(L) if not cfg.is_mla(i))
     per_layer = recurrent_bytes_per_layer(cfg)
     recurrent = per_layer * (min(n_kda, 1) if ultra and not incremental else n_kda)
@@ -251,7 +243,3 @@ def plan_memory(
         cache_slots=slots,
         notes=notes,
     )
-
-
-def _slot(expert_bytes: int) -> int:
-    return -(-(expert_bytes + 2 * ALIGN) // ALIGN) * ALIGN if expert_bytes > 0 else 0

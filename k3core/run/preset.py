@@ -16,7 +16,7 @@ from k3core.api.specs import Kind
 #: shipped presets in the order ``k3 presets`` lists them
 SHIPPED = ("ultra", "laptop", "desktop", "workstation", "server", "max")
 AUTO = "auto"
-MAX_PRESET_BYTES = 64 * 1024
+MAX_PRESET_BYTES = 64_000
 MAX_GB = 1_000_000.0
 MAX_DEPTH = 1  # a top-level mapping of scalars: no nested values at all
 MAX_EVENTS = 2_000

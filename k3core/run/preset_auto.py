@@ -1,6 +1,6 @@
 """The ``auto`` preset: budgets computed from the memory actually available.
 
-The reference engine's algorithm (engine.md 1.5), written in terms of the model's planned
+The reference engine's algorithm (docs/engine-behaviours.md §2), written in terms of the model's planned
 sizes so it works for any model, not only Kimi K3:
 
 * ``reserve`` = 2 GB + 2 % of available + the model tables (embedding + lm_head) + the rest
@@ -25,13 +25,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from k3core.api.errors import UsageError
+from k3core.api.units import ALIGN, align_up, human
 from k3core.model.config import ModelConfig
-from k3core.model.sizes import ALIGN, ModelSizes, align_up, sizes_from_config
+from k3core.model.sizes import ModelSizes, sizes_from_config
 from k3core.model.state import recurrent_bytes_per_layer
 from k3core.run.memory_plan import (
     available_bytes,
     buffer_bytes,
-    human,
     kv_bytes,
     process_rss,
     total_bytes,

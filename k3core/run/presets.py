@@ -1,6 +1,6 @@
 """Memory presets: declarative YAML files naming two budgets and a few optional settings.
 
-A preset is data, never code. Files are read as UTF-8 (at most 64 KiB), scanned as YAML
+A preset is data, never code. Files are read as UTF-8 (at most 64 kB), scanned as YAML
 events first (no construction: anchors, aliases, explicit tags such as
 ``!!python/object`` and nesting are refused, as are duplicate keys), then loaded with
 ``yaml.safe_load`` and validated by :class:`Preset` (``extra="forbid"``: an unknown key is
@@ -31,6 +31,8 @@ import yaml
 from pydantic import ValidationError
 
 from k3core.api.errors import K3Error
+from k3core.api.files import FileRejected, read_capped
+from k3core.api.units import human
 
 if TYPE_CHECKING:
     from k3core.model.config import ModelConfig
@@ -59,14 +61,14 @@ def parse_preset(text: str | bytes, source: str = "<preset>") -> Preset:
     if isinstance(text, bytes):
         if len(text) > MAX_PRESET_BYTES:
             raise PresetError(f"{source}: {len(text)} bytes is larger than the "
-                              f"{MAX_PRESET_BYTES // 1024} KiB limit for a preset")
+                              f"{human(MAX_PRESET_BYTES)} limit for a preset")
         try:
             text = text.decode("utf-8")
         except UnicodeDecodeError as exc:
             raise PresetError(f"{source}: not UTF-8 text ({exc.reason} at byte {exc.start})"
                               ) from None
     if len(text) > MAX_PRESET_BYTES:
-        raise PresetError(f"{source}: larger than the {MAX_PRESET_BYTES // 1024} KiB limit")
+        raise PresetError(f"{source}: larger than the {human(MAX_PRESET_BYTES)} limit")
     _scan_events(text, source)
     try:
         doc = yaml.safe_load(text)
@@ -158,16 +160,12 @@ def _problems(exc: ValidationError) -> list[str]:
 def read_preset_file(path: str | Path) -> Preset:
     """Read and validate the preset at ``path``."""
     p = Path(path)
+    if not p.is_file():
+        raise PresetError(f"{p}: no such preset file")
     try:
-        if not p.is_file():
-            raise PresetError(f"{p}: no such preset file")
-        if p.stat().st_size > MAX_PRESET_BYTES:
-            raise PresetError(f"{p}: larger than the {MAX_PRESET_BYTES // 1024} KiB limit "
-                              "for a preset")
-        with open(p, "rb") as fh:
-            data = fh.read(MAX_PRESET_BYTES + 1)
-    except OSError as exc:
-        raise PresetError(f"{p}: cannot read: {exc.strerror or exc}") from None
+        data = read_capped(p, MAX_PRESET_BYTES)
+    except FileRejected as exc:
+        raise PresetError(f"{p}: {exc} (a preset)") from None
     return parse_preset(data, str(p)).with_origin(str(p))
 
 

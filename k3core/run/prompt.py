@@ -11,12 +11,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from k3core.api.errors import UsageError
+from k3core.api.files import FileRejected, read_capped
 from k3core.run.idparse import check_vocab, parse_ids
 from k3core.tokenizer.encoding import Tokenizer
 
 #: the longest prompt k3 accepts (the reference's ceiling), and the largest prompt file
 MAX_PROMPT = 32_768
-MAX_PROMPT_FILE = 64 << 20
+MAX_PROMPT_FILE = 64_000_000
 
 
 @dataclass
@@ -76,11 +77,6 @@ def prompt_ids(spec: PromptSpec, tok: Tokenizer | None, vocab: int, bos_id: int 
 
 def read_prompt_file(path: Path) -> bytes:
     try:
-        size = path.stat().st_size
-        if not path.is_file():
-            raise UsageError(f"--prompt-file {path}: not a regular file")
-        if size > MAX_PROMPT_FILE:
-            raise UsageError(f"--prompt-file {path}: {size} bytes is over the {MAX_PROMPT_FILE >> 20} MiB limit")
-        return path.read_bytes()
-    except OSError as exc:
-        raise UsageError(f"--prompt-file {path}: cannot read it ({exc.strerror or exc})") from None
+        return read_capped(path, MAX_PROMPT_FILE)
+    except FileRejected as exc:
+        raise UsageError(f"--prompt-file {path}: cannot read it: {exc}") from None

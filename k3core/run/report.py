@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.table import Table
 
 from k3core.api.experts import ExpertStats
-from k3core.run.memory_plan import human
+from k3core.api.units import human
 
 
 def gb(n: float) -> str:

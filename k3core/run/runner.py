@@ -14,15 +14,16 @@ from typing import Any
 
 from k3core import __version__
 from k3core.api.errors import UsageError
+from k3core.api.units import ALIGN, gb_bytes, human
 from k3core.experts.cache import ExpertCache
 from k3core.experts.setup import CacheOptions
 from k3core.model.generate import RunResult, Step, generate
 from k3core.model.sampling import Sampler, argmax
-from k3core.model.sizes import ALIGN, sizes_from_config
+from k3core.model.sizes import sizes_from_config
 from k3core.plugins.registry import get_registry
 from k3core.run.engine import Engine, EngineOptions, open_engine, read_model_config
 from k3core.run.idparse import check_vocab
-from k3core.run.memory_plan import check_kv, human, plan_memory
+from k3core.run.memory_plan import check_kv, plan_memory
 from k3core.run.outputs import check_writable, write_json_atomic, write_logits
 from k3core.run.presets import check_plugins, load_preset
 from k3core.run.prompt import PromptSpec, load_tokenizer, prompt_ids
@@ -160,7 +161,7 @@ def execute(r: RunRequest, rep: RunReport | None = None) -> dict[str, Any]:
         check_kv(cfg, positions, n_layers=n_layers)
     trunk_gb = s.trunk_gb if streamed and (r.trunk_gb is not None or preset is not None) else None
     plan = plan_memory(
-        cfg, streamed=streamed, cache_bytes=int(s.cache_gb * 1e9), prompt_len=len(ids), gen=r.gen,
+        cfg, streamed=streamed, cache_bytes=gb_bytes(s.cache_gb), prompt_len=len(ids), gen=r.gen,
         incremental=incremental, n_layers=n_layers,
         trunk_budget=_trunk_budget(cfg, n_layers, trunk_gb) if streamed else None,
         ultra=bool(s.ultra_low_memory),

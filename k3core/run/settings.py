@@ -4,7 +4,7 @@
 plus, for every field, the layer that set it (``"flag --threads"``, ``"env K3_THREADS"``,
 ``"preset laptop"``, ``"default"``) so a run can print how it was configured.
 
-Environment variables (engine.md 1.4):
+Environment variables (docs/engine-behaviours.md §1):
 
 ==================  =========================================================
 ``K3_MODEL_DIR``    the checkpoint directory (``model_dir``)

@@ -1,13 +1,13 @@
 """The Kimi K3 tokenizer: tiktoken ranks, the Kimi split pattern, added tokens read by id.
 
-Built the way model.md section 9 item 8 decides: a :class:`tiktoken.Encoding` over the
+Built the way docs/model.md §8 item 8 decides: a :class:`tiktoken.Encoding` over the
 ranks of ``tiktoken.model``, the Kimi ``pat_str`` (:data:`KIMI_PAT_STR`) and the added
 tokens of ``tokenizer_config.json``'s ``added_tokens_decoder``, each bound to the id its key
 names (never to a list position).
 
 Ids. ``0 .. n_ranks-1`` are BPE ranks; the named added tokens sit above them; every other id
 below the model's ``vocab_size`` is an unnamed reserved id and decodes as
-``<|reserved_token_{id}|>`` (section 9 item 7). ``vocab_size`` is the model's: pass the
+``<|reserved_token_{id}|>`` (docs/model.md §8 item 7). ``vocab_size`` is the model's: pass the
 config's value to :meth:`Tokenizer.from_dir`, or let it default to one past the highest
 rank or named id (which is the model's vocabulary for the released files, where ``[PAD]``
 is 163839). Decoding an id outside ``0 .. vocab_size-1`` is a :class:`UsageError`.
@@ -58,7 +58,7 @@ from k3core.tokenizer.files import (
     read_capped,
 )
 
-#: The Kimi split regex (model.md section 5): o200k's pattern with a leading Han-run rule,
+#: The Kimi split regex (docs/model.md §7): o200k's pattern with a leading Han-run rule,
 #: Han taken out of the letter classes by ``&&`` intersection, and no ``/`` in rule 5's tail.
 KIMI_PAT_STR = "|".join(
     [

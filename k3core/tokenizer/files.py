@@ -25,17 +25,16 @@ whose ``special`` (when present) is not a boolean; two ids with the same content
 from __future__ import annotations
 
 import binascii
-import json
 import re
-import stat
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
+from k3core.api import files
 from k3core.api.errors import TokenizerError
+from k3core.api.safejson import JSONRejected, parse_json
 
-MAX_TIKTOKEN_MODEL_BYTES = 16 * 1024 * 1024  # the released file is about 2.3 MB
-MAX_TOKENIZER_CONFIG_BYTES = 4 * 1024 * 1024  # the released file is a few KB
+MAX_TIKTOKEN_MODEL_BYTES = 16_000_000  # the released file is about 2.3 MB
+MAX_TOKENIZER_CONFIG_BYTES = 4_000_000  # the released file is a few KB
 MAX_RANKS = 1 << 20  # the released file has 163,584
 MAX_TOKEN_ID = (1 << 31) - 1  # ids travel as int32 elsewhere in the engine
 
@@ -56,25 +55,9 @@ class AddedToken:
 def read_capped(path: Path, cap: int) -> bytes:
     """The bytes of a regular file no bigger than ``cap``; refuse anything else."""
     try:
-        st = path.stat()
-    except FileNotFoundError:
-        raise TokenizerError(f"{path}: no such file") from None
-    except OSError as e:
-        raise TokenizerError(f"{path}: cannot read: {e.strerror or e}") from None
-    if not stat.S_ISREG(st.st_mode):
-        raise TokenizerError(f"{path}: not a regular file")
-    if st.st_size > cap:
-        raise TokenizerError(
-            f"{path}: {st.st_size} bytes is over the {cap}-byte limit for this file"
-        )
-    try:
-        with open(path, "rb") as f:
-            data = f.read(cap + 1)
-    except OSError as e:
-        raise TokenizerError(f"{path}: cannot read: {e.strerror or e}") from None
-    if len(data) > cap:
-        raise TokenizerError(f"{path}: grew past the {cap}-byte limit while being read")
-    return data
+        return files.read_capped(path, cap)
+    except files.FileRejected as exc:
+        raise TokenizerError(f"{path}: {exc}") from None
 
 
 def parse_tiktoken_model(data: bytes, source: str) -> dict[bytes, int]:
@@ -138,13 +121,16 @@ def parse_tokenizer_config(data: bytes, source: str) -> dict[int, AddedToken]:
             f"{source}: {len(data)} bytes is over the {MAX_TOKENIZER_CONFIG_BYTES}-byte limit"
         )
     try:
-        text = data.decode("utf-8")
+        data.decode("utf-8")
     except UnicodeDecodeError as e:
         line = data[: e.start].count(b"\n") + 1
         raise TokenizerError(
             f"{source} line {line}: not UTF-8 (byte {data[e.start]:#04x} at offset {e.start})"
         ) from None
-    doc = _load_json(text, source)
+    try:
+        doc = parse_json(data)
+    except JSONRejected as e:
+        raise TokenizerError(f"{source}: {e}") from None
     if not isinstance(doc, dict):
         raise TokenizerError(f"{source}: top level is {_kind(doc)}, expected an object")
     if "added_tokens_decoder" not in doc:
@@ -182,36 +168,6 @@ def parse_tokenizer_config(data: bytes, source: str) -> dict[int, AddedToken]:
         id_of_content[content] = tid
         added[tid] = AddedToken(tid, content, special)
     return added
-
-
-class _DuplicateKey(Exception):
-    pass
-
-
-def _pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in pairs:
-        if k in out:
-            raise _DuplicateKey(k)
-        out[k] = v
-    return out
-
-
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not JSON")
-
-
-def _load_json(text: str, source: str) -> Any:
-    try:
-        return json.loads(text, object_pairs_hook=_pairs, parse_constant=_no_constant)
-    except json.JSONDecodeError as e:
-        raise TokenizerError(f"{source} line {e.lineno} column {e.colno}: {e.msg}") from None
-    except _DuplicateKey as e:
-        raise TokenizerError(f"{source}: duplicate key {e.args[0]!r}") from None
-    except RecursionError:
-        raise TokenizerError(f"{source}: JSON nested too deeply") from None
-    except ValueError as e:  # NaN/Infinity, integers too long to convert
-        raise TokenizerError(f"{source}: invalid JSON: {e}") from None
 
 
 def _kind(value: object) -> str:

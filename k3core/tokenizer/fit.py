@@ -11,7 +11,7 @@ Layout for a model ``vocab_size`` V (refused below 256):
   corpus (:func:`k3core.tokenizer.bpe_train.train_bpe`), topped up by seeded fill tokens
   (:func:`k3core.tokenizer.bpe_train.fill_tokens`) when the corpus runs out, so the file always has
   exactly ``n_ranks`` ranks;
-* the block is laid out like the released one (model.md section 5), scaled: a named token
+* the block is laid out like the released one (docs/model.md §7), scaled: a named token
   at offset ``o`` of the real 256-id block goes to ``block_start + o`` when ``o < S - 2``;
   ``[UNK]`` and ``[PAD]`` (offsets 254 and 255, the last two ids) stay the last two ids
   when the block has room for them. With ``V >= 512`` the block is the full 256 ids and every

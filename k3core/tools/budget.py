@@ -1,6 +1,6 @@
 """``k3 budget``: what stays resident, what streams, and what each preset would plan.
 
-Tensors are classified by name from the checkpoint index (``tools/budget.py``'s rule):
+Tensors are classified by name from the checkpoint index (the reference's rule, docs/engine-behaviours.md §9):
 routed experts (``block_sparse_moe.experts.E.*``) stream; everything else of a layer is
 trunk, shared experts included (they run on every token); the embedding, final norms and
 lm_head are the model tables; tensors outside the text model (vision) are counted apart.
@@ -15,11 +15,12 @@ from typing import Any
 
 from k3core.api.errors import UsageError
 from k3core.api.storage import StorageBackend
+from k3core.api.units import human
 from k3core.checkpoint.index import CheckpointIndex
 from k3core.model import names
 from k3core.model.config import ModelConfig, load_config
 from k3core.model.sizes import ModelSizes, sizes_from_index
-from k3core.run.memory_plan import MemoryPlan, human, plan_memory
+from k3core.run.memory_plan import MemoryPlan, plan_memory
 from k3core.run.presets import Preset
 
 

@@ -38,8 +38,10 @@ from typing import Any
 import numpy as np
 
 from k3core.api.errors import CheckpointError, StorageError
+from k3core.api.files import FileRejected, read_capped
 from k3core.api.safejson import JSONRejected, parse_json, show
 from k3core.api.storage import StorageBackend, aligned_empty
+from k3core.api.units import ALIGN, align_up
 from k3core.checkpoint.index import CheckpointIndex
 from k3core.checkpoint.safetensors_header import DTYPES
 from k3core.model import names
@@ -49,11 +51,10 @@ from k3core.trunk.sample import check_samples
 
 FORMAT = "k3-trunk"
 VERSION = 1
-ALIGN = 4096
 MANIFEST_NAME = "trunk.json"
 DATA_NAME = "trunk.bin"
 #: a manifest larger than this is refused (93 layers x ~30 tensors is ~0.5 MB)
-MAX_MANIFEST_BYTES = 16 * 1024 * 1024
+MAX_MANIFEST_BYTES = 16_000_000
 MAX_LAYERS = 100_000
 MAX_TENSORS_PER_LAYER = 4096
 MAX_RANK = 8
@@ -129,10 +130,6 @@ def crc_tag(crc: int) -> str:
     return f"crc32:{crc & 0xFFFFFFFF:08x}"
 
 
-def round_up(n: int, align: int = ALIGN) -> int:
-    return -(-n // align) * align
-
-
 # ---- reading and checking ------------------------------------------------------------------
 def open_trunk(
     trunk_dir: str | Path,
@@ -160,17 +157,13 @@ def open_trunk(
 
 
 def _load(path: Path) -> Any:
+    if not path.is_file():
+        raise CheckpointError(f"{path}: no trunk manifest (not packed, or packing did not "
+                              "finish); run `k3 pack-trunk`")
     try:
-        if not path.is_file():
-            raise CheckpointError(f"{path}: no trunk manifest (not packed, or packing did not "
-                                  "finish); run `k3 pack-trunk`")
-        if path.stat().st_size > MAX_MANIFEST_BYTES:
-            raise CheckpointError(f"{path}: larger than the {MAX_MANIFEST_BYTES >> 20} MiB "
-                                  "limit for a trunk manifest")
-        with open(path, "rb") as fh:
-            data = fh.read(MAX_MANIFEST_BYTES + 1)
-    except OSError as exc:
-        raise CheckpointError(f"{path}: cannot read: {exc.strerror or exc}") from None
+        data = read_capped(path, MAX_MANIFEST_BYTES)
+    except FileRejected as exc:
+        raise CheckpointError(f"{path}: {exc} (a trunk manifest)") from None
     try:
         return parse_json(data)
     except JSONRejected as exc:
@@ -379,7 +372,7 @@ def verify_trunk(man: TrunkManifest, storage: StorageBackend,
             crc = 0
             done = 0
             while done < lay.span:
-                n = min(buf.nbytes, round_up(lay.span - done))
+                n = min(buf.nbytes, align_up(lay.span - done))
                 try:
                     f.read_into(lay.file_off + done, buf[:n])
                 except StorageError as exc:

@@ -30,20 +30,19 @@ import numpy as np
 
 from k3core.api.errors import CheckpointError, OutputError, StorageError, UsageError
 from k3core.api.storage import StorageBackend, aligned_empty
+from k3core.api.units import ALIGN, align_up
 from k3core.checkpoint.bounds import check_bind_shapes
 from k3core.checkpoint.index import CheckpointIndex, TensorInfo
 from k3core.model import names
 from k3core.model.config import ModelConfig
 from k3core.model.layer_params import trunk_suffixes
 from k3core.trunk.manifest import (
-    ALIGN,
     DATA_NAME,
     MANIFEST_NAME,
     TrunkLayer,
     TrunkManifest,
     TrunkTensor,
     crc_tag,
-    round_up,
 )
 from k3core.trunk.sample import source_sample
 
@@ -65,7 +64,7 @@ class LayerRun:
 
     @property
     def nbytes(self) -> int:
-        return round_up(self.span)
+        return align_up(self.span)
 
 
 def layer_run(index: CheckpointIndex, cfg: ModelConfig, layer: int) -> LayerRun:

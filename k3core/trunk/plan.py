@@ -3,7 +3,7 @@
 Every token walks the layers in the same order, a cyclic scan on which an LRU of fewer
 slots than layers hits exactly 0 %. So k3 pins a fixed set of layers (a deterministic hit
 rate of pinned/layers) and streams the rest through a ring of equal slots, each as large
-as the largest unpinned run. The split is a fixed point (engine.md 3.4, the newer,
+as the largest unpinned run. The split is a fixed point (docs/engine-behaviours.md §4, the newer,
 largest-first revision):
 
 1. the floor is one slot of the largest run; a budget below it is refused (``UsageError``,
@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from k3core.api.errors import UsageError
+from k3core.api.units import human
 
 DEFAULT_RING = 2
 MAX_RING = 8
@@ -73,14 +74,6 @@ class TrunkPlan:
     def bytes_for_requested_ring(self) -> int:
         """Budget that would give the requested ring at today's slot size and pinning."""
         return self.pinned_bytes + self.requested_ring * self.slot_bytes
-
-
-def human(nbytes: float) -> str:
-    """Decimal units, as the run report uses them (1 GB = 10^9 B)."""
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
-        if abs(nbytes) >= scale:
-            return f"{nbytes / scale:.2f} {unit}"
-    return f"{int(nbytes)} B"
 
 
 def gb_ceil(nbytes: int) -> str:
@@ -134,7 +127,7 @@ def _greedy(order: list[int], sizes: tuple[int, ...], room: int) -> tuple[int, .
 
 
 def plan_lines(plan: TrunkPlan, total_packed: int, n_layers: int) -> list[str]:
-    """The banner lines describing a plan (engine.md 2.1 item 7)."""
+    """The banner lines describing a plan (docs/engine-behaviours.md §3, item 6)."""
     streamed = plan.streamed
     lines = [
         f"trunk plan    : {len(plan.pinned)}/{n_layers} layers PINNED "

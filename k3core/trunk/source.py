@@ -15,11 +15,12 @@ from pathlib import Path
 
 from k3core.api.errors import UsageError
 from k3core.api.storage import StorageBackend
+from k3core.api.units import human
 from k3core.checkpoint.index import CheckpointIndex
 from k3core.model.config import ModelConfig
 from k3core.model.sources import ModelTables
 from k3core.trunk.manifest import open_trunk
-from k3core.trunk.plan import DEFAULT_RING, MAX_RING, human, plan_lines
+from k3core.trunk.plan import DEFAULT_RING, MAX_RING, plan_lines
 from k3core.trunk.stream import StreamedTrunk
 from k3core.trunk.tables import StreamedTables
 
@@ -80,7 +81,7 @@ def open_streamed_trunk(
 
 
 def ultra_lines(tables: object, incremental: bool, n_layers: int) -> list[str]:
-    """Banner lines for ``--ultra-low-memory`` (engine.md 2.1 items 8 and 11)."""
+    """Banner lines for ``--ultra-low-memory`` (docs/engine-behaviours.md §3, items 7 and 9)."""
     if not isinstance(tables, StreamedTables):
         return []
     lines = [f"final norms: {human(3 * 4 * tables.cfg.hidden)} resident; embedding and "
@@ -94,7 +95,7 @@ def ultra_lines(tables: object, incremental: bool, n_layers: int) -> list[str]:
 
 
 def report_lines(trunk: object, tables: object) -> list[str]:
-    """The end-of-run trunk report (engine.md 2.3 item 9) and the streamed-tables line."""
+    """The end-of-run trunk report (docs/engine-behaviours.md §3) and the streamed-tables line."""
     out: list[str] = []
     if isinstance(trunk, StreamedTrunk):
         out += trunk.stats.report_lines()

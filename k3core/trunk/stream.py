@@ -39,12 +39,13 @@ import numpy as np
 
 from k3core.api.errors import CheckpointError, K3Error, StorageError
 from k3core.api.storage import StorageBackend, StorageFile, aligned_empty
+from k3core.api.units import ALIGN, align_up, human
 from k3core.model import names
 from k3core.model.config import ModelConfig
 from k3core.model.layer_params import LayerParams, prepare_layer
 from k3core.model.sources import TrunkSource
-from k3core.trunk.manifest import ALIGN, TrunkLayer, TrunkManifest
-from k3core.trunk.plan import DEFAULT_RING, TrunkPlan, human, plan_trunk
+from k3core.trunk.manifest import TrunkLayer, TrunkManifest
+from k3core.trunk.plan import DEFAULT_RING, TrunkPlan, plan_trunk
 
 EMPTY, READING, READY = "empty", "reading", "ready"
 HUGE_PAGE = 2 * 1024 * 1024
@@ -60,7 +61,7 @@ def slot_buffer(nbytes: int) -> np.ndarray:
         buf = aligned_empty(size, HUGE_PAGE)
         _advise_hugepages(buf)
         return buf
-    return aligned_empty(max(ALIGN, -(-nbytes // ALIGN) * ALIGN), ALIGN)
+    return aligned_empty(max(ALIGN, align_up(nbytes)), ALIGN)
 
 
 def _advise_hugepages(buf: np.ndarray) -> None:
@@ -76,7 +77,7 @@ def _advise_hugepages(buf: np.ndarray) -> None:
 
 @dataclass
 class TrunkStats:
-    """Whole-run trunk counters (engine.md 2.3 item 9)."""
+    """Whole-run trunk counters (docs/engine-behaviours.md §3)."""
 
     n_layers: int
     pinned: int

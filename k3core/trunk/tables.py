@@ -20,12 +20,12 @@ import numpy as np
 
 from k3core.api.errors import CheckpointError, K3Error
 from k3core.api.kernels import KernelBackend
+from k3core.api.units import human
 from k3core.checkpoint.index import CheckpointIndex, TensorInfo
 from k3core.model import names
 from k3core.model.config import ModelConfig
 from k3core.model.layer_params import _vec
 from k3core.model.sources import ModelTables
-from k3core.trunk.plan import human
 
 DEFAULT_CHUNK_BYTES = 64 * 1024 * 1024
 

@@ -17,10 +17,10 @@ from k3core.api.cache_policy import make_key
 from k3core.api.errors import ExpertDropError
 from k3core.checkpoint.index import CheckpointIndex
 from k3core.cli.app import app
-from k3core.experts.cache import slot_stride
 from k3core.model import names
 from k3core.model.config import ModelConfig
 from k3core.model.shapes import size_config
+from k3core.model.sizes import slot_bytes as slot_stride
 from k3core.testing.disk import disk_tmpdir
 from k3core.testing.expert_cache_conformance import (
     FIXTURE_SHARD,

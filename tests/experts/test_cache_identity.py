@@ -15,9 +15,9 @@ import pytest
 from typer.testing import CliRunner
 
 from k3core.cli.app import app
-from k3core.experts.cache import slot_stride  # noqa: E402
 from k3core.model.config import ModelConfig
 from k3core.model.shapes import size_config
+from k3core.model.sizes import slot_bytes  # noqa: E402
 from k3core.plugins.registry import get_registry
 from k3core.testing.disk import disk_tmpdir
 from k3core.testing.expert_cache_conformance import scatter_experts
@@ -28,7 +28,7 @@ runner = CliRunner()
 PROMPT = "3,7,11,5,9"
 GEN = 4
 TOPK = 4
-SLOT = slot_stride(6528)  # one expert of this model is 6,528 bytes
+SLOT = slot_bytes(6528)  # one expert of this model is 6,528 bytes
 SIZES = {"floor": TOPK + 1, "mid": 40, "all": None}  # slots; None: no --cache-gb
 POLICIES = sorted(get_registry().names("cache"))
 

@@ -28,7 +28,7 @@ from k3core.testing.fixtures import fixtures_dir
 from k3core.testing.synthetic_trace import incremental_trace
 
 TARGET_SLOTS = (455, 911, 1823, 3647)
-# the reference's published replay of this trace (README section 13), in percent
+# the reference's published replay of this trace (docs/engine-behaviours.md §8), in percent
 PUBLISHED_LRU = {455: 36.24, 911: 36.24, 1823: 36.24, 3647: 36.24}
 PUBLISHED_BELADY = {455: 39.42, 911: 42.61, 1823: 48.99, 3647: 61.74}
 # what the best online policy must close of the LRU-to-Belady gap at each size
@@ -184,7 +184,7 @@ def test_simulate_takes_a_path_and_refuses_bad_arrays(tmp_path) -> None:
 
 
 def test_s3fifo_reproduces_the_references_own_simulator(shipped: np.ndarray) -> None:
-    # the reference's sim_cache.py s3fifo() (nothing protected, so topk=1 here) gives
+    # the reference simulator's S3-FIFO (nothing protected, so topk=1 here) gives
     # 35.32 / 36.11 / 42.68 / 49.97 % on this trace at the four target sizes
     from k3_caches.s3fifo import S3FIFOPolicy
 

@@ -37,7 +37,7 @@ def refused(d: Any, *needles: str) -> str:
 
 
 def released_full() -> dict[str, Any]:
-    """The published full-size config (model.md 1.2-1.3), with the keys k3 asserts."""
+    """The published full-size config (docs/model.md §1-2), with the keys k3 asserts."""
     full = [4, 8, 12, 16, 20, 24, 28, 32, 36, 40, 44, 48, 52, 56, 60, 64, 68, 72, 76, 80,
             84, 88, 92, 93]
     text = {

@@ -5,11 +5,13 @@ from __future__ import annotations
 import pytest
 
 from k3core.api.errors import MemoryPlanError, UsageError
+from k3core.api.units import ALIGN, align_up, gb_bytes, human
+from k3core.experts.setup import expert_slots
 from k3core.model.config import ModelConfig
 from k3core.model.shapes import size_config
-from k3core.model.sizes import sizes_from_config
+from k3core.model.sizes import EXPERT_BYTES, sizes_from_config, slot_bytes
 from k3core.model.state import kv_bytes_per_position, recurrent_bytes_per_layer
-from k3core.run.memory_plan import check_kv, human, kv_bytes, plan_memory
+from k3core.run.memory_plan import check_kv, kv_bytes, plan_memory
 
 GB = 1_000_000_000
 K3 = ModelConfig.from_json_dict(size_config("real"))
@@ -25,7 +27,7 @@ def plan(cfg=K3, **kw):
 
 def test_planned_sizes_are_the_released_checkpoints():
     s = sizes_from_config(K3)
-    assert s.trunk_bytes == 108_811_877_376  # model.md 2.2: per-layer families
+    assert s.trunk_bytes == 108_811_877_376  # docs/model.md §9: per-layer families
     assert s.tables_bytes == 4_697_663_488  # embed + lm_head + three vectors, bf16
     assert s.expert_bytes == 17_547_264 and s.n_moe_layers == 92
     assert s.expert_bytes_per_token == 16 * 92 * 17_547_264  # 25.83 GB
@@ -39,7 +41,7 @@ def test_rows_and_total():
                       "buffers", "KV cache", "python + libraries", "TOTAL"]
     assert sum(n for _, n in p.rows()[:-1]) == p.total
     assert p.trunk == 3 * GB and p.tables == 4_697_663_488
-    assert p.cache_slots == 1 * GB // 17_555_456 and p.expert_cache == p.cache_slots * 17_555_456
+    assert p.cache_slots == 1 * GB // 17_551_360 and p.expert_cache == p.cache_slots * 17_551_360
     assert p.recurrent == 69 * recurrent_bytes_per_layer(K3)
     assert p.kv_cache == 14 * kv_bytes_per_position(K3)
     assert p.baseline == 50_000_000 and p.available == 20 * GB
@@ -127,3 +129,21 @@ def test_baseline_defaults_to_this_process():
 def test_human_units():
     assert human(2_370_000) == "2.37 MB" and human(4_697_663_488) == "4.70 GB"
     assert human(1_560_936_091_448) == "1.56 TB" and human(12) == "12 B"
+    assert human(1_500) == "1.50 kB" and human(999) == "999 B"
+
+
+def test_one_expert_size_and_one_slot_formula():
+    """The released expert size is derived, and a slot is the expert plus one 4096 unit."""
+    assert sizes_from_config(K3).expert_bytes == EXPERT_BYTES == 4284 * ALIGN
+    assert slot_bytes(EXPERT_BYTES) == 4285 * ALIGN == align_up(EXPERT_BYTES + ALIGN)
+    assert slot_bytes(EXPERT_BYTES + 1) == 4286 * ALIGN and slot_bytes(0) == 0
+
+
+@pytest.mark.parametrize("cache_gb", [0.3, 1, 16, 64, 123.456789, 1450])
+def test_the_plan_counts_the_slots_the_engine_makes(cache_gb):
+    """The memory plan and the expert cache divide the same budget by the same stride."""
+    engine = expert_slots(K3, K3.n_layers, EXPERT_BYTES, cache_gb)
+    p = plan(cache_bytes=gb_bytes(cache_gb))
+    assert p.cache_slots == engine and p.expert_cache == engine * slot_bytes(EXPERT_BYTES)
+    if cache_gb == 64:
+        assert engine == 3646

@@ -24,7 +24,7 @@ from k3core.run.presets import (
 
 runner = CliRunner()
 GB = 1_000_000_000
-#: the reference's table (engine.md 1.5): trunk GB, cache GB, ultra
+#: the reference's table (docs/engine-behaviours.md §2): trunk GB, cache GB, ultra
 REFERENCE = {
     "ultra": (2.5, 0.31, True),
     "laptop": (3.0, 1.0, False),

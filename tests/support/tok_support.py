@@ -2,7 +2,7 @@
 
 The reference encoding here is built independently of ``k3core.tokenizer.encoding``: its own parse
 of ``tiktoken.model``, its own read of ``added_tokens_decoder``, and the split pattern
-restated from model.md section 5.
+restated from docs/model.md §7.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ from k3core.tokenizer.fit import (
     write_tokenizer,
 )
 
-# model.md section 5, the released table
+# docs/model.md §7, the released table
 RELEASED = {
     163584: "[BOS]",
     163585: "[EOS]",

@@ -44,7 +44,7 @@ def test_probe_directory_writes_and_removes_its_file() -> None:
     assert r.file_size == 4 << 20 and "probe file" in r.notes[0]
     rows = r.rows()
     assert len(rows) == 8 and all(len(row) == len(DiskBenchResult.HEADER) for row in rows)
-    assert rows[0][:4] == (RAW_DIRECT, "256 KiB", "1", "6") and rows[0][7] == "bypassed"
+    assert rows[0][:4] == (RAW_DIRECT, "262.14 kB", "1", "6") and rows[0][7] == "bypassed"
     assert "cached" in rows[2][7]  # buffered rows say what the page cache held
     assert r.mb_per_s(RAW_BUFFERED, 256 * KIB, 3) == r.samples[3].mb_per_s
     assert r.mb_per_s(RAW_BUFFERED, 1, 3) is None

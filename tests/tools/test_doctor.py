@@ -15,7 +15,6 @@ from k3core.cli.app import app
 from k3core.model.config import ModelConfig
 from k3core.model.names import expert_name, layer_name
 from k3core.model.shapes import size_config
-from k3core.tools.doctor.disk_probe import pread_qd1
 from k3core.tools.doctor.machine import GIB, cpu_flags, preset_for_memory, run_doctor
 from k3core.tools.synth.writer import synthesize, write_shard
 
@@ -142,9 +141,3 @@ def test_cpu_flags_parser(tmp_path):
     assert {"avx2", "fma"} <= (cpu_flags(str(f)) or set())
     assert cpu_flags(str(tmp_path / "none")) is None
 
-
-def test_fallback_probe_reads_the_file(tmp_path):
-    f = tmp_path / "blob"
-    f.write_bytes(b"\1" * (1 << 20))
-    [(mode, depth, mbs)] = pread_qd1(f, max_bytes=1 << 20, block=1 << 18)
-    assert (mode, depth) == ("buffered", 1) and mbs > 0

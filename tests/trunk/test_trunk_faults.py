@@ -17,6 +17,7 @@ from k3_storage.plain import PlainStorage
 from typer.testing import CliRunner
 
 from k3core.api.errors import CheckpointError, K3Error, StorageError
+from k3core.api.units import ALIGN
 from k3core.checkpoint.index import CheckpointIndex
 from k3core.cli.app import app
 from k3core.model.config import ModelConfig
@@ -30,8 +31,9 @@ from k3core.testing.faulty_backend import (
     register_faulty,
     unregister_faulty,
 )
+from k3core.testing.manifest_promises import check_accepted
 from k3core.tools.synth.writer import synthesize
-from k3core.trunk.manifest import ALIGN, DATA_NAME, MANIFEST_NAME, open_trunk, parse_manifest
+from k3core.trunk.manifest import DATA_NAME, MANIFEST_NAME, open_trunk, parse_manifest
 from k3core.trunk.sample import windows
 
 runner = CliRunner()
@@ -149,7 +151,7 @@ def _drop_layer(d: dict, L: int) -> dict:
 def test_oversized_manifest_is_refused(model, trunk, work) -> None:
     d = _variant(trunk, work, "huge", manifest=b" " * (17 * 1024 * 1024))
     res = _run(model, d)
-    assert res.exit_code == 1 and "MiB limit" in _err(res)
+    assert res.exit_code == 1 and "MB limit" in _err(res)
 
 
 def test_trunk_from_another_checkpoint(model, trunk, work) -> None:
@@ -319,21 +321,6 @@ def fuzz_env(work):
     idx.close()
 
 
-def _check_accepted(man, idx) -> None:
-    """An accepted manifest keeps every promise the streamer relies on."""
-    assert [lay.layer for lay in man.layers] == list(range(man.n_layers))
-    runs = sorted(man.layers, key=lambda lay: lay.file_off)
-    for a, b in zip(runs, runs[1:], strict=False):
-        assert a.file_off + a.nbytes <= b.file_off
-    for lay in man.layers:
-        assert lay.file_off % ALIGN == 0 and lay.nbytes % ALIGN == 0
-        assert lay.file_off + lay.nbytes <= man.total_bytes
-        for t in lay.tensors.values():
-            info = idx.info(t.name)
-            assert 0 <= t.off and t.off + t.nbytes <= lay.span
-            assert (info.dtype, info.shape, info.nbytes) == (t.dtype, t.shape, t.nbytes)
-
-
 @settings(max_examples=10_000, deadline=None, derandomize=True, database=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(st.binary(min_size=8, max_size=24))
@@ -349,7 +336,7 @@ def test_fuzzed_manifest_is_accepted_safely_or_refused(fuzz_env, data) -> None:
     except K3Error as exc:
         assert isinstance(exc, CheckpointError) and exc.message
         return
-    _check_accepted(man, idx)
+    check_accepted(man, idx)
 
 
 @settings(max_examples=500, deadline=None, derandomize=True, database=None,
@@ -371,4 +358,4 @@ def test_fuzzed_manifest_bytes_are_refused_cleanly(fuzz_env, work, pos, junk) ->
     except K3Error as exc:
         assert exc.message
         return
-    _check_accepted(man, idx)
+    check_accepted(man, idx)

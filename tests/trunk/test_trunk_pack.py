@@ -20,6 +20,7 @@ from k3_storage.plain import PlainStorage
 from typer.testing import CliRunner
 
 from k3core.api.errors import CheckpointError, StorageError
+from k3core.api.units import ALIGN
 from k3core.checkpoint.index import CheckpointIndex
 from k3core.cli.app import app
 from k3core.model import names
@@ -30,7 +31,7 @@ from k3core.plugins.registry import get_registry
 from k3core.testing.faulty_backend import FaultyStorage, available_storage, disk_backed_dir
 from k3core.tools.bench.ladder import K3_CMD
 from k3core.tools.synth.writer import synthesize
-from k3core.trunk.manifest import ALIGN, DATA_NAME, MANIFEST_NAME, open_trunk
+from k3core.trunk.manifest import DATA_NAME, MANIFEST_NAME, open_trunk
 from k3core.trunk.pack import pack_trunk
 from k3core.trunk.sample import windows
 

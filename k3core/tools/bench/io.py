@@ -2,7 +2,7 @@
 
 ``dd`` measures one sequential stream at queue depth 1 and misleads (badly on network
 storage). The engine reads whole experts (17,547,264 bytes on the real checkpoint) at
-random offsets, several at once, so this probe does the same (engine.md 5.8, 7.5):
+random offsets, several at once, so this probe does the same (docs/engine-behaviours.md §7):
 
 * random, aligned, non-overlapping reads of ``read_size`` bytes (default the expert size,
   and 4 MiB), ``reads`` of them per measurement (default 40, the reference ``devbw.py``);
@@ -33,14 +33,14 @@ import numpy as np
 
 from k3core.api.errors import StorageError, UsageError
 from k3core.api.storage import StorageBackend, aligned_empty
+from k3core.api.units import ALIGN, align_up, human
+from k3core.model.sizes import EXPERT_BYTES
 from k3core.tools.bench.pagecache import cached_fraction, describe_cache, drop_cached
 
-EXPERT_BYTES = 17_547_264
 DEFAULT_READ_SIZES = (EXPERT_BYTES, 4 << 20)
 DEFAULT_DEPTHS = (1, 4, 16)
 DEFAULT_PROBE_BYTES = 1 << 30
 DEFAULT_READS = 40
-ALIGN = 4096
 RAW_DIRECT = "raw O_DIRECT"
 RAW_BUFFERED = "raw buffered"
 
@@ -80,7 +80,7 @@ class DiskBenchResult:
         return [
             (
                 s.method,
-                _size(s.read_size),
+                human(s.read_size),
                 str(s.depth),
                 str(s.reads),
                 f"{s.nbytes / 1e6:,.0f}",
@@ -98,10 +98,6 @@ class DiskBenchResult:
         return None
 
 
-def _size(n: int) -> str:
-    return f"{n / (1 << 20):.1f} MiB" if n >= 1 << 20 else f"{n / 1024:.0f} KiB"
-
-
 # ---- the measurement loop -------------------------------------------------------------
 def read_offsets(file_size: int, read_size: int, count: int, seed: int = 0) -> list[int]:
     """``count`` random aligned offsets of non-overlapping ``read_size`` reads in the file.
@@ -110,7 +106,7 @@ def read_offsets(file_size: int, read_size: int, count: int, seed: int = 0) -> l
     until all are used, then reshuffled (so repeats only happen when ``count`` exceeds the
     number of slots).
     """
-    stride = -(-read_size // ALIGN) * ALIGN
+    stride = align_up(read_size)
     if read_size <= 0 or read_size > file_size:
         raise UsageError(f"read size {read_size} does not fit a {file_size}-byte file")
     nslots = (file_size - read_size) // stride + 1

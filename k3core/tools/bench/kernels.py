@@ -19,7 +19,7 @@ of each output is recorded and outputs that differ between backends are flagged 
 must not: the kernel contract is bit-exact).
 
 Memory bandwidth: a read-reduction loop in C (the avx2 module's ``k3_read_bandwidth``:
-256-bit loads, each thread streaming its own slice) over a buffer of ``max(1 GiB,
+256-bit loads, each thread streaming its own slice) over a buffer of ``max(2^30 bytes,
 8 x LLC)``, best of 5 passes. When that module cannot run here, NumPy's single-threaded
 XOR reduction is used instead and the result says so.
 
@@ -44,6 +44,7 @@ import numpy as np
 
 from k3core.api.errors import K3Error, UsageError
 from k3core.api.kernels import KernelBackend, Mxfp4
+from k3core.api.units import human
 from k3core.plugins.registry import get_registry
 
 GiB = 1 << 30
@@ -103,8 +104,8 @@ class BenchResult:
     def summary(self) -> str:
         return (
             f"memory read bandwidth: {self.memory_read_gbps:.2f} GB/s ({self.memory_method}, "
-            f"{self.memory_bytes / GiB:.1f} GiB buffer, {self.threads} thread(s)); "
-            f"LLC {self.llc_bytes >> 20} MiB; median of {self.repeat}"
+            f"{human(self.memory_bytes)} buffer, {self.threads} thread(s)); "
+            f"LLC {human(self.llc_bytes)}; median of {self.repeat}"
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -116,7 +117,7 @@ class BenchResult:
 
 # --- the machine -------------------------------------------------------------------------------
 def llc_bytes() -> int:
-    """Size of the last-level cache (Linux sysfs), 32 MiB when unknown."""
+    """Size of the last-level cache (Linux sysfs), 2^25 bytes when unknown."""
     best = 0
     for size in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
         text = size.read_text().strip().upper()
@@ -204,7 +205,7 @@ def _matvec_mxfp4(rows: int, cols: int, what: str) -> Case:
 
 
 def default_cases() -> list[Case]:
-    """The real Kimi K3 widths (spec section 2): E 7168, P 12288, Lt 3584, I 3072."""
+    """The real Kimi K3 widths (docs/model.md §1): E 7168, P 12288, Lt 3584, I 3072."""
     H, D, E = 96, 128, 7168
     mla_pos, n, r, dv = 1024, 128, 64, 128
 

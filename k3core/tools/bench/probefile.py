@@ -3,7 +3,7 @@
 Given a directory, :func:`probe_file` writes ``nbytes`` of random (incompressible) data
 under a temporary name there, flushes it to the device, asks the OS to drop it from the
 page cache and removes it afterwards, whatever happens. It refuses with the numbers when
-the directory lacks the free space (keeping 1 GiB spare).
+the directory lacks the free space (keeping 1 GB spare).
 """
 
 from __future__ import annotations
@@ -19,9 +19,11 @@ from pathlib import Path
 import numpy as np
 
 from k3core.api.errors import UsageError
+from k3core.api.units import human
 from k3core.tools.bench.pagecache import drop_cached
 
-SPARE_BYTES = 1 << 30
+SPARE_BYTES = 10**9
+MIN_PROBE_BYTES = 10**6
 WRITE_CHUNK = 64 << 20
 
 
@@ -33,13 +35,13 @@ def probe_file(target: Path, nbytes: int, seed: int = 0) -> Iterator[tuple[Path,
         return
     if not target.is_dir():
         raise UsageError(f"{target}: no such file or directory")
-    if nbytes < 1 << 20:
-        raise UsageError(f"probe file size {nbytes} is below 1 MiB")
+    if nbytes < MIN_PROBE_BYTES:
+        raise UsageError(f"probe file size {nbytes} is below {human(MIN_PROBE_BYTES)}")
     free = shutil.disk_usage(target).free
     if free < nbytes + SPARE_BYTES:
         raise UsageError(
-            f"{target}: the probe file needs {nbytes / 1e9:.2f} GB plus 1 GiB spare, "
-            f"only {free / 1e9:.2f} GB free",
+            f"{target}: the probe file needs {human(nbytes)} plus {human(SPARE_BYTES)} spare, "
+            f"only {human(free)} free",
             hint="probe a smaller size or another directory",
         )
     try:

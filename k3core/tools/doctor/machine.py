@@ -23,9 +23,9 @@ from pathlib import Path
 
 import psutil
 
-from k3core.model.sizes import align_up
+from k3core.api.units import align_up, human
 from k3core.plugins.registry import KIND_WORDS, Registry, get_registry
-from k3core.run.memory_plan import human, plan_memory
+from k3core.run.memory_plan import plan_memory
 from k3core.tools.doctor.disk_probe import (
     DEFAULT_PROBE_BYTES,
     DiskMeasure,

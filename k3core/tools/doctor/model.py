@@ -15,14 +15,15 @@ from pathlib import Path
 from typing import Literal
 
 from k3core.api.errors import K3Error
+from k3core.api.files import FileRejected, read_capped
 from k3core.api.safejson import JSONRejected, parse_json, show
 from k3core.api.storage import StorageBackend
+from k3core.api.units import human
 from k3core.checkpoint.index import INDEX_NAME, MAX_INDEX_BYTES, CheckpointIndex
 from k3core.model import names
 from k3core.model.config import ModelConfig, load_config
 from k3core.model.layer_params import trunk_suffixes
 from k3core.model.sizes import ModelSizes, sizes_from_index
-from k3core.run.memory_plan import human
 
 Status = Literal["ok", "warn", "fail", "info"]
 TOKENIZER_FILES = ("tiktoken.model", "tokenizer_config.json")
@@ -104,13 +105,11 @@ def _shards_present(root: Path, mc: ModelCheck) -> bool:
             return False
         return True
     try:
-        if index_path.stat().st_size > MAX_INDEX_BYTES:
-            raise ValueError(f"larger than {MAX_INDEX_BYTES >> 20} MiB")
-        doc = parse_json(index_path.read_bytes())
+        doc = parse_json(read_capped(index_path, MAX_INDEX_BYTES))
         wm = doc.get("weight_map") if isinstance(doc, dict) else None
         if not isinstance(wm, dict) or not all(isinstance(v, str) for v in wm.values()):
             raise ValueError("no usable weight_map")
-    except (OSError, ValueError, JSONRejected) as exc:
+    except (FileRejected, ValueError, JSONRejected) as exc:
         mc.add("shards", "fail", f"{index_path}: cannot be read: {exc}")
         return False
     held = Counter(wm.values())

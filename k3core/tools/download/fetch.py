@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from k3core.api.errors import UsageError
-from k3core.run.memory_plan import human
+from k3core.api.units import human
 from k3core.tools.download.hub import (
     DownloadError,
     HfHubClient,

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from k3core.api.safejson import JSONRejected, parse_json
+from k3core.api.units import human
 from k3core.checkpoint.index import INDEX_NAME
-from k3core.run.memory_plan import human
 from k3core.tools.download.hub import RemoteFile
 
 CHUNK = 8 << 20
