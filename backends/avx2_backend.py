@@ -29,7 +29,7 @@ from numpy.typing import NDArray
 
 from k3core.api.errors import PluginError
 from k3core.api.hookspecs import hookimpl
-from k3core.api.kernels import F32, U16, KernelBackend, Mxfp4
+from k3core.api.kernels import F32, U16, KernelBackend, Mxfp4, force_parallel_from_env
 from k3core.api.specs import KernelBackendSpec
 
 _ENOMEM = -1
@@ -81,7 +81,7 @@ def _inplace(op: str, name: str, a: Any) -> NDArray[np.float32]:
     return a
 
 
-#: the thread count this OS thread last gave the C library (mirrors its per-thread state)
+#: the (thread count, forced) this OS thread last gave the C library (its per-thread state)
 _LAST_SET = threading.local()
 
 
@@ -90,7 +90,7 @@ class Avx2Backend(KernelBackend):
 
     name = "avx2"
 
-    def __init__(self, threads: int | None = None) -> None:
+    def __init__(self, threads: int | None = None, force_parallel: bool | None = None) -> None:
         cpu = avx2_probe.check_cpu()
         if not cpu.ok:
             raise PluginError(f"kernel backend 'avx2' is not available here: {cpu.reason}",
@@ -105,6 +105,7 @@ class Avx2Backend(KernelBackend):
             ) from exc
         self._ffi = mod.ffi
         self._lib = mod.lib
+        self._forced = force_parallel_from_env() if force_parallel is None else bool(force_parallel)
         self.set_threads(default_threads() if threads is None else threads)
 
     # --- threads -----------------------------------------------------------------------
@@ -113,11 +114,21 @@ class Avx2Backend(KernelBackend):
             raise ValueError(f"avx2: thread count must be an integer >= 1, got {n!r}")
         self._threads = int(n)
         self._lib.k3_set_threads(self._threads)
-        _LAST_SET.n = self._threads
+        self._lib.k3_set_force_parallel(1 if self._forced else 0)
+        _LAST_SET.n = (self._threads, self._forced)
 
     @property
     def threads(self) -> int:
         return self._threads
+
+    def set_force_parallel(self, on: bool) -> None:
+        self._forced = bool(on)
+        self._lib.k3_set_force_parallel(1 if self._forced else 0)
+        _LAST_SET.n = (self._threads, self._forced)
+
+    @property
+    def parallel_forced(self) -> bool:
+        return self._forced
 
     # --- plumbing ----------------------------------------------------------------------
     def _p(self, ctype: str, a: np.ndarray) -> Any:
@@ -140,9 +151,11 @@ class Avx2Backend(KernelBackend):
         # the C library keeps the count per calling OS thread; set it before a call whenever
         # this OS thread last set another count (backends with different counts, several
         # Python threads), and skip the foreign call on the decode loop's hot path otherwise
-        if getattr(_LAST_SET, "n", None) != self._threads:
+        mine = (self._threads, self._forced)
+        if getattr(_LAST_SET, "n", None) != mine:
             self._lib.k3_set_threads(self._threads)
-            _LAST_SET.n = self._threads
+            self._lib.k3_set_force_parallel(1 if self._forced else 0)
+            _LAST_SET.n = mine
 
     # --- matrix products -----------------------------------------------------------------
     def _matmul_x(self, x: Any, cols: int) -> NDArray[np.float32]:

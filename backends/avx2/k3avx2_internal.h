@@ -30,6 +30,10 @@ _Static_assert(K3C_MXFP4_GROUP == 32, "the MXFP4 kernel assumes one scale per 32
 
 /* ---- threads ------------------------------------------------------------------ */
 int k3__threads(void);
+/* 1 when the calling thread asked for every parallel path regardless of the thresholds
+ * below (k3_set_force_parallel: the conformance tests use it so that the small test models
+ * really run the multi-threaded code). */
+int k3__forced(void);
 /* Parallel-for over independent outputs; `work` says whether spawning threads pays off.
  * Results never depend on the thread count: each output is computed by one thread. */
 /* Work (multiply-adds or elements times ~their cost) below which an op runs on the calling
@@ -40,9 +44,13 @@ int k3__threads(void);
 #define K3_PAR_ELEMENTS (INT64_C(1) << 15)  /* transcendental elements */
 #define K3_PAR_ROWS (INT64_C(1) << 17)      /* norm elements */
 #define K3_PAR_ATTENTION (INT64_C(1) << 20) /* lane-sum terms of an attention op */
+/* Whether `work` reaches `threshold`, or the thresholds are switched off (k3__forced);
+ * counts the regions that will run on more than one thread (k3_parallel_regions). */
+int k3__par(int big);
+#define K3_BIG(work, threshold) k3__par((work) >= (threshold) || k3__forced())
 #define K3_PRAGMA(x) _Pragma(#x)
-#define K3_PARALLEL_FOR(work) \
-    K3_PRAGMA(omp parallel for num_threads(k3__threads()) schedule(static) if(work))
+#define K3_PARALLEL_FOR(cond) \
+    K3_PRAGMA(omp parallel for num_threads(k3__threads()) schedule(static) if(cond))
 
 void *k3__alloc(size_t bytes); /* 64-byte aligned, NULL on failure */
 void k3__free(void *p);

@@ -220,7 +220,8 @@ static int matmul(enum wkind kind, const void *w, const uint8_t *scales, int64_t
     const int64_t tb = token_block(T, cp);
     double *xd = (double *)k3__alloc((size_t)(tb * cp) * sizeof(double));
     if (!xd) return K3_ENOMEM;
-    const int64_t big = rows * cols * T >= K3_PAR_MATMUL;
+    const int64_t big = K3_BIG(rows * cols * T, K3_PAR_MATMUL);
+    const int chunk = k3__forced() ? 1 : ROW_CHUNK; /* forced: rows spread over every thread */
     /* Tokens in blocks whose float64 activations stay in L2; within a block each row is
      * read from memory once and from cache for the block's other tokens. Rows go out in
      * chunks as threads free up: on a busy machine a thread that loses its core does not
@@ -228,7 +229,7 @@ static int matmul(enum wkind kind, const void *w, const uint8_t *scales, int64_t
     for (int64_t t0 = 0; t0 < T; t0 += tb) {
         const int64_t t1 = t0 + tb < T ? t0 + tb : T;
         widen_x(xd, x + t0 * cols, t1 - t0, cols, cp, kind == W_MXFP4);
-        K3_PRAGMA(omp parallel for num_threads(k3__threads()) schedule(dynamic, ROW_CHUNK) if (big))
+        K3_PRAGMA(omp parallel for num_threads(k3__threads()) schedule(dynamic, chunk) if (big))
         for (int64_t o = 0; o < rows; ++o)
             for (int64_t t = t0; t < t1; ++t)
                 y[t * rows + o] = row_dot(kind, w, scales, o, cols, xd + (t - t0) * cp);

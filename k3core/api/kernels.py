@@ -83,6 +83,7 @@ Conformance is proved with :class:`k3core.testing.kernel_conformance.KernelConfo
 
 from __future__ import annotations
 
+import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import cast
@@ -93,6 +94,25 @@ from numpy.typing import NDArray
 F32 = NDArray[np.float32]
 U8 = NDArray[np.uint8]
 U16 = NDArray[np.uint16]
+
+#: Environment variable that makes backends created without an explicit choice take every
+#: parallel path (``KernelBackend.set_force_parallel``): ``1`` on, ``0`` or unset off.
+FORCE_PARALLEL_ENV = "K3_FORCE_PARALLEL"
+
+
+def force_parallel_from_env() -> bool:
+    """``K3_FORCE_PARALLEL``: ``1``/``true``/``yes`` on, ``0``/``false``/``no``/unset off."""
+    raw = os.environ.get(FORCE_PARALLEL_ENV, "").strip().lower()
+    if raw in ("", "0", "false", "no", "off"):
+        return False
+    if raw in ("1", "true", "yes", "on"):
+        return True
+    from k3core.api.errors import PluginError
+
+    raise PluginError(
+        f"{FORCE_PARALLEL_ENV}={raw!r} is not a switch",
+        hint=f"set {FORCE_PARALLEL_ENV} to 1 or 0, or unset it",
+    )
 
 
 @dataclass(frozen=True)
@@ -126,6 +146,20 @@ class KernelBackend(ABC):
     @property
     def threads(self) -> int:
         return 1
+
+    def set_force_parallel(self, on: bool) -> None:  # noqa: B027 - optional
+        """Take every parallel code path whenever more than one thread is set, however small
+        the work (off by default; ``K3_FORCE_PARALLEL=1`` switches it on at creation).
+
+        A backend normally keeps small kernels on one thread (waking a worker costs more
+        than they take); the conformance suite switches this on so that the multi-threaded
+        code runs on the small test models too. Results never depend on it. A backend
+        without thresholds may ignore it.
+        """
+
+    @property
+    def parallel_forced(self) -> bool:
+        return False
 
     # --- matrix products ------------------------------------------------------------------
     @abstractmethod

@@ -18,9 +18,11 @@ in-place state. The one tolerance: a NaN output must be NaN in both, but its sig
 are not compared (hardware NaN propagation is not part of the contract; see
 ``docs/kernel-contract.md``). The last tests run the 13-layer oracle model end to end and
 compare its logits byte for byte (full recompute and incremental decoding), and so does the
-``tiny-flat`` model (released tensor layout: bf16 trunk, MXFP4 experts).
+``tiny-flat`` model (released tensor layout: bf16 trunk, MXFP4 experts), once more at 1, 2
+and 3 threads with every parallel path forced (``KernelBackend.set_force_parallel``), since
+the small models would otherwise stay below every backend's threading threshold.
 
-Subclasses may override :attr:`KernelConformance.THREADS`.
+Subclasses may override :attr:`KernelConformance.THREADS` and ``FORCED_THREADS``.
 """
 
 from __future__ import annotations
@@ -203,6 +205,8 @@ class KernelConformance:
 
     #: Thread counts every op is checked at (``backend.set_threads(n)``).
     THREADS: Sequence[int] = (1, 2)
+    #: Thread counts of the whole-model runs with every parallel path forced.
+    FORCED_THREADS: Sequence[int] = (1, 2, 3)
 
     @pytest.fixture
     def backend(self) -> KernelBackend:  # pragma: no cover - subclasses override
@@ -434,6 +438,33 @@ class KernelConformance:
         assert len(got) == len(want)
         for step, (g, w) in enumerate(zip(got, want, strict=True)):
             assert_same_bits(g, w, f"{model} logits ({mode}) step {step}")
+
+
+    @pytest.mark.parametrize("threads", [1, 2, 3], ids=lambda n: f"threads{n}")
+    @pytest.mark.parametrize("model", ["oracle", "tiny-flat"])
+    @pytest.mark.parametrize("incremental", [False, True], ids=["full", "incremental"])
+    def test_model_logits_parallel_forced(
+        self, backend: KernelBackend, threads: int, model: str, incremental: bool
+    ) -> None:
+        """The whole models again with every parallel path taken (``set_force_parallel``):
+        the small test models stay below every work threshold, so without it the
+        multi-threaded code would never run here. Same bytes at 1, 2 and 3 threads."""
+        if threads not in self.FORCED_THREADS:
+            pytest.skip(f"thread count {threads} not in {type(self).__name__}.FORCED_THREADS")
+        backend.set_threads(threads)
+        if backend.threads < threads:
+            pytest.skip(f"{backend.name} runs at most {backend.threads} threads in this process")
+        want = _reference_logits(model, incremental)
+        backend.set_force_parallel(True)
+        try:
+            net, prompt = _build_model(model, backend)
+            got = _decode_logits(net, prompt, incremental)
+        finally:
+            backend.set_force_parallel(False)
+        mode = "incremental" if incremental else "full recompute"
+        assert len(got) == len(want)
+        for step, (g, w) in enumerate(zip(got, want, strict=True)):
+            assert_same_bits(g, w, f"{model} logits ({mode}, {threads} threads forced) step {step}")
 
 
 # ---------------------------------------------------------------------------------------

@@ -22,6 +22,7 @@ from k3_backends import avx2_probe
 
 from k3core.api.errors import PluginError
 from k3core.api.kernels import Mxfp4
+from k3core.testing.kernel_conformance import KernelConformance
 
 pytestmark = pytest.mark.skipif(
     not avx2_probe.check_cpu().ok, reason=f"avx2 backend cannot run here: {avx2_probe.check_cpu().reason}"
@@ -528,3 +529,19 @@ def test_read_only_and_strided_inputs(avx2, ref):
     wm.packed.setflags(write=False)
     xm = rand(rng, 1, 64)
     same(avx2.matmul_mxfp4(wm, xm), ref.matmul_mxfp4(wm, xm))
+
+
+class TestEveryKernelSplitAcrossThreads(KernelConformance):
+    """The conformance suite with every parallel region forced at three threads, so even the
+    small test shapes are divided between threads (by default they would run on one)."""
+
+    @pytest.fixture
+    def backend(self):
+        from k3_backends.avx2_backend import Avx2Backend
+
+        return Avx2Backend(threads=3, force_parallel=True)
+
+    @pytest.fixture
+    def kb(self, backend):  # one thread count (three) instead of the base class's 1 and 2
+        backend.set_threads(3)
+        return backend
