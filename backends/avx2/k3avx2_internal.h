@@ -52,6 +52,9 @@ int k3__par(int big);
 #define K3_PARALLEL_FOR(cond) \
     K3_PRAGMA(omp parallel for num_threads(k3__threads()) schedule(static) if(cond))
 
+/* The storage kinds of a matrix product's weights. */
+enum k3_wkind { K3_W_BF16, K3_W_F32, K3_W_MXFP4 };
+
 void *k3__alloc(size_t bytes); /* 64-byte aligned, NULL on failure */
 void k3__free(void *p);
 
