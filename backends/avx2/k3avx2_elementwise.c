@@ -45,10 +45,5 @@ void k3_exp(const float *x, int64_t n, float *y) {
 /* f32((b1 * tanh_d(g / b1) * sig_d(g)) * (b2 * tanh_d(u / b2))), float64 left to right. */
 void k3_situ_glu(const float *g, const float *u, int64_t n, double b1, double b2, float *y) {
     K3_PARALLEL_FOR(K3_BIG(n, K3_PAR_ELEMENTS))
-    for (int64_t i = 0; i < n; ++i) {
-        double gd = (double)g[i], ud = (double)u[i];
-        double a = b1 * k3_tanh_d(gd / b1) * k3_sig_d(gd);
-        double c = b2 * k3_tanh_d(ud / b2);
-        y[i] = (float)(a * c);
-    }
+    for (int64_t i = 0; i < n; ++i) y[i] = k3_situ_f(g[i], u[i], b1, b2);
 }

@@ -106,6 +106,14 @@ static inline float k3_silu_f(float x) {
     return (float)(xd * k3_sig_d(xd));
 }
 
+/* f32((b1 * tanh_d(g / b1) * sig_d(g)) * (b2 * tanh_d(u / b2))), float64 left to right. */
+static inline float k3_situ_f(float g, float u, double b1, double b2) {
+    double gd = (double)g, ud = (double)u;
+    double a = b1 * k3_tanh_d(gd / b1) * k3_sig_d(gd);
+    double c = b2 * k3_tanh_d(ud / b2);
+    return (float)(a * c);
+}
+
 /* ---- the lane sum ------------------------------------------------------------------- */
 /* Fold 32 float64 lanes in halves (lane j += lane j+h for h = 16..1); returns lane 0. */
 static inline double k3_fold32(double *acc) {

@@ -230,41 +230,83 @@ static inline float row_dot(enum k3_wkind kind, const void *w, const uint8_t *sc
     return row_mxfp4((const uint8_t *)w + o * (cols / 2), scales + o * (cols / 32), cols / 32, x);
 }
 
-static int matmul(enum k3_wkind kind, const void *w, const uint8_t *scales, int64_t rows,
-                  int64_t cols, const float *x, int64_t T, float *y) {
+/* Row o of one matrix for the nt tokens of a widened block (xd: nt x cp; y: the block's
+ * first token, y[t * rows + o]). */
+static inline void do_row(enum k3_wkind kind, int blocked, const void *w, const uint8_t *sc,
+                          int64_t o, int64_t rows, int64_t cols, int64_t cp, const double *xd,
+                          int64_t nt, float *y) {
+    if (blocked) {
+        if (kind == K3_W_BF16)
+            k3__row512_bf16(w, sc, o, rows, cols, cp, xd, nt, y);
+        else if (kind == K3_W_F32)
+            k3__row512_f32(w, sc, o, rows, cols, cp, xd, nt, y);
+        else
+            k3__row512_mxfp4(w, sc, o, rows, cols, cp, xd, nt, y);
+        return;
+    }
+    for (int64_t t = 0; t < nt; ++t) y[t * rows + o] = row_dot(kind, w, sc, o, cols, xd + t * cp);
+}
+
+/* One matrix of a group that shares its input: y[t * rows + o]. */
+typedef struct {
+    const void *w;
+    const uint8_t *sc;
+    int64_t rows;
+    float *y;
+} k3_mat;
+
+/* Inside a parallel region: every row of every matrix of `m` for one token block (rows go
+ * out in chunks as threads free up; ends with the worksharing barrier). */
+static void group_rows(enum k3_wkind kind, int blocked, const k3_mat *m, int n, int64_t cols,
+                       int64_t cp, const double *xd, int64_t t0, int64_t nt, int chunk) {
+    int64_t total = 0;
+    for (int i = 0; i < n; ++i) total += m[i].rows;
+    K3_PRAGMA(omp for schedule(dynamic, chunk))
+    for (int64_t g = 0; g < total; ++g) {
+        int i = 0;
+        int64_t o = g;
+        while (o >= m[i].rows) o -= m[i++].rows;
+        do_row(kind, blocked, m[i].w, m[i].sc, o, m[i].rows, cols, cp, xd, nt,
+               m[i].y + t0 * m[i].rows);
+    }
+}
+
+/* The multi-token path: AVX-512 with four tokens per decode (also one MXFP4 token). */
+static inline int use_blocked(enum k3_wkind kind, int64_t T) {
+    return (T >= 2 || kind == K3_W_MXFP4) && g_avx512;
+}
+
+/* Several matrices over the same x in one parallel region: x widened once per token block.
+ * Tokens in blocks whose float64 activations stay in L2; within a block each row is read
+ * from memory once and from cache for the block's other tokens. Rows go out in chunks as
+ * threads free up: on a busy machine a thread that loses its core does not hold the others
+ * back (the bits never depend on which thread ran a row). */
+static int matmul_group(enum k3_wkind kind, const k3_mat *m, int n, int64_t cols,
+                        const float *x, int64_t T) {
     const int64_t cp = ROUND32(cols);
     const int64_t tb = token_block(T, cp);
+    const int blocked = use_blocked(kind, T);
+    int64_t total = 0;
+    for (int i = 0; i < n; ++i) total += m[i].rows;
     double *xd = (double *)k3__alloc((size_t)(tb * cp) * sizeof(double));
     if (!xd) return K3_ENOMEM;
-    const int64_t big = K3_BIG(rows * cols * T, K3_PAR_MATMUL);
+    const int64_t big = K3_BIG(total * cols * T, K3_PAR_MATMUL);
     const int chunk = k3__forced() ? 1 : ROW_CHUNK; /* forced: rows spread over every thread */
-    /* Tokens in blocks whose float64 activations stay in L2; within a block each row is
-     * read from memory once and from cache for the block's other tokens. Rows go out in
-     * chunks as threads free up: on a busy machine a thread that loses its core does not
-     * hold the others back (the bits never depend on which thread ran a row). */
-    const int blocked = (T >= 2 || kind == K3_W_MXFP4) && g_avx512;
+    K3_PRAGMA(omp parallel num_threads(k3__threads()) if (big))
     for (int64_t t0 = 0; t0 < T; t0 += tb) {
-        const int64_t t1 = t0 + tb < T ? t0 + tb : T;
-        widen_x(xd, x + t0 * cols, t1 - t0, cols, cp, kind == K3_W_MXFP4 && !blocked);
-        if (blocked) {
-            K3_PRAGMA(omp parallel for num_threads(k3__threads()) schedule(dynamic, chunk) if (big))
-            for (int64_t o = 0; o < rows; ++o) {
-                if (kind == K3_W_BF16)
-                    k3__row512_bf16(w, scales, o, rows, cols, cp, xd, t1 - t0, y + t0 * rows);
-                else if (kind == K3_W_F32)
-                    k3__row512_f32(w, scales, o, rows, cols, cp, xd, t1 - t0, y + t0 * rows);
-                else
-                    k3__row512_mxfp4(w, scales, o, rows, cols, cp, xd, t1 - t0, y + t0 * rows);
-            }
-            continue;
-        }
-        K3_PRAGMA(omp parallel for num_threads(k3__threads()) schedule(dynamic, chunk) if (big))
-        for (int64_t o = 0; o < rows; ++o)
-            for (int64_t t = t0; t < t1; ++t)
-                y[t * rows + o] = row_dot(kind, w, scales, o, cols, xd + (t - t0) * cp);
+        const int64_t nt = t0 + tb < T ? tb : T - t0;
+        K3_PRAGMA(omp single)
+        widen_x(xd, x + t0 * cols, nt, cols, cp, kind == K3_W_MXFP4 && !blocked);
+        group_rows(kind, blocked, m, n, cols, cp, xd, t0, nt, chunk);
     }
     k3__free(xd);
     return 0;
+}
+
+static int matmul(enum k3_wkind kind, const void *w, const uint8_t *scales, int64_t rows,
+                  int64_t cols, const float *x, int64_t T, float *y) {
+    k3_mat m = {w, scales, rows, y};
+    return matmul_group(kind, &m, 1, cols, x, T);
 }
 
 int k3_matmul_bf16(const uint16_t *w, int64_t rows, int64_t cols, const float *x, int64_t T,
@@ -281,4 +323,63 @@ int k3_matmul_mxfp4(const uint8_t *packed, const uint8_t *scales, int64_t rows, 
                     const float *x, int64_t T, float *y) {
     if (cols % K3C_MXFP4_GROUP) return K3_EINVAL;
     return matmul(K3_W_MXFP4, packed, scales, rows, cols, x, T, y);
+}
+
+int k3_matmul_many(int kind, int n, void **w, uint8_t **scales, const int64_t *rows, int64_t cols,
+                   const float *x, int64_t T, float **y) {
+    if (n < 1 || n > 16 || kind < K3_W_BF16 || kind > K3_W_MXFP4) return K3_EINVAL;
+    if (kind == K3_W_MXFP4 && cols % K3C_MXFP4_GROUP) return K3_EINVAL;
+    k3_mat m[16];
+    for (int i = 0; i < n; ++i) {
+        m[i].w = w[i];
+        m[i].sc = scales ? scales[i] : NULL;
+        m[i].rows = rows[i];
+        m[i].y = y[i];
+    }
+    return matmul_group((enum k3_wkind)kind, m, n, cols, x, T);
+}
+
+/* ---- the SiTU MLP in one call -----------------------------------------------------------
+ * y = W2 . situ_glu(W1 . x, W3 . x, b1, b2): the same three products and the same
+ * elementwise SiTU as separate calls (the same bits), in one parallel region: the W1 and W3
+ * rows together, then SiTU, then the W2 rows, per token block. */
+int k3_situ_mlp(int kind, const void *w1, const uint8_t *s1, const void *w3, const uint8_t *s3,
+                const void *w2, const uint8_t *s2, int64_t inter, int64_t cols, int64_t out_rows,
+                const float *x, int64_t T, double b1, double b2, float *y) {
+    if (kind < K3_W_BF16 || kind > K3_W_MXFP4) return K3_EINVAL;
+    if (kind == K3_W_MXFP4 && (cols % K3C_MXFP4_GROUP || inter % K3C_MXFP4_GROUP)) return K3_EINVAL;
+    const enum k3_wkind kd = (enum k3_wkind)kind;
+    const int64_t cp = ROUND32(cols), ip = ROUND32(inter);
+    int64_t tb = token_block(T, cp > ip ? cp : ip);
+    const int blocked = use_blocked(kd, T);
+    double *xd = (double *)k3__alloc((size_t)(tb * cp) * sizeof(double));
+    double *ad = (double *)k3__alloc((size_t)(tb * ip) * sizeof(double));
+    float *h = (float *)k3__alloc((size_t)(3 * tb * inter) * sizeof(float));
+    if (!xd || !ad || !h) {
+        k3__free(xd);
+        k3__free(ad);
+        k3__free(h);
+        return K3_ENOMEM;
+    }
+    float *h1 = h, *h3 = h + tb * inter, *a = h + 2 * tb * inter;
+    const int64_t big = K3_BIG((2 * inter * cols + out_rows * inter) * T, K3_PAR_MATMUL);
+    const int chunk = k3__forced() ? 1 : ROW_CHUNK;
+    K3_PRAGMA(omp parallel num_threads(k3__threads()) if (big))
+    for (int64_t t0 = 0; t0 < T; t0 += tb) {
+        const int64_t nt = t0 + tb < T ? tb : T - t0;
+        const k3_mat up[2] = {{w1, s1, inter, h1}, {w3, s3, inter, h3}}; /* block-local */
+        const k3_mat down = {w2, s2, out_rows, y};
+        K3_PRAGMA(omp single)
+        widen_x(xd, x + t0 * cols, nt, cols, cp, kd == K3_W_MXFP4 && !blocked);
+        group_rows(kd, blocked, up, 2, cols, cp, xd, 0, nt, chunk);
+        K3_PRAGMA(omp for schedule(static))
+        for (int64_t i = 0; i < nt * inter; ++i) a[i] = k3_situ_f(h1[i], h3[i], b1, b2);
+        K3_PRAGMA(omp single)
+        widen_x(ad, a, nt, inter, ip, kd == K3_W_MXFP4 && !blocked);
+        group_rows(kd, blocked, &down, 1, inter, ip, ad, t0, nt, chunk);
+    }
+    k3__free(xd);
+    k3__free(ad);
+    k3__free(h);
+    return 0;
 }

@@ -85,6 +85,7 @@ from __future__ import annotations
 
 import os
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import cast
 
@@ -212,6 +213,23 @@ class KernelBackend(ABC):
     def router(
         self, logits: F32, bias: F32, k: int, renorm: bool, scale: float
     ) -> tuple[NDArray[np.int64], F32]: ...
+
+    # --- fused products: defaults are the separate ops (a backend may do them in one call) ----
+    def matmul_many(self, ws: Sequence[U16 | F32 | Mxfp4], x: F32) -> list[F32]:
+        """``[matmul(w, x) for w in ws]``: several matrices over the same input (q/k/v...).
+
+        A backend may widen ``x`` once and run every row of every matrix in one parallel
+        region; each output is the same lane sum, so the bits are the separate calls'.
+        """
+        return [self.matmul(w, x) for w in ws]
+
+    def situ_mlp(
+        self, w1: U16 | F32 | Mxfp4, w3: U16 | F32 | Mxfp4, w2: U16 | F32 | Mxfp4, x: F32,
+        b1: float, b2: float,
+    ) -> F32:
+        """``matmul(w2, situ_glu(matmul(w1, x), matmul(w3, x), b1, b2))``: a SiTU MLP (an
+        expert, the shared experts, the dense MLP) in one call, with exactly those bits."""
+        return self.matmul(w2, self.situ_glu(self.matmul(w1, x), self.matmul(w3, x), b1, b2))
 
     # --- dispatch helper ----------------------------------------------------------------------
     def matmul(self, w: U16 | F32 | Mxfp4, x: F32) -> F32:

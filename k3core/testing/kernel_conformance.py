@@ -284,6 +284,55 @@ class KernelConformance:
         want = compare(kb, "matmul_mxfp4", Mxfp4(packed, scales), x)
         assert np.all(want[:, 255] == 0.0), "scale byte 255 must contribute exactly zero"
 
+    # --- fused products (defaults compose the single ops; a backend may fuse them) ------------
+    @staticmethod
+    def _mx(rng: np.random.Generator, rows: int, cols: int) -> Mxfp4:
+        return Mxfp4(rng.integers(0, 256, (rows, cols // 2), dtype=np.uint8),
+                     rng.integers(100, 140, (rows, cols // 32), dtype=np.uint8))
+
+    @pytest.mark.parametrize("T", [1, 3, 6])
+    def test_matmul_many(self, kb: KernelBackend, T: int) -> None:
+        """Several matrices (mixed kinds, row counts, a group of one) over the same x equal
+        the reference's single products; no input is modified."""
+        rng = _rng("many", T)
+        x = activations(rng, (T, 96))
+        ws = [bf16_bits(rng, (5, 96), finite=True), bf16_bits(rng, (33, 96), finite=True),
+              activations(rng, (3, 96), scale=0.05), self._mx(rng, 7, 96), self._mx(rng, 2, 96),
+              bf16_bits(rng, (1, 96), finite=True)]
+        before = _snapshot(x, *ws)
+        with np.errstate(all="ignore"):
+            got = kb.matmul_many(ws, x)
+            want = [reference().matmul(w, x) for w in ws]
+        _check_unchanged(before, [x, *ws], "matmul_many")
+        assert len(got) == len(want)
+        for i, (g, w) in enumerate(zip(got, want, strict=True)):
+            assert_same_bits(g, w, f"matmul_many result {i}")
+
+    @pytest.mark.parametrize("kind", ["bf16", "f32", "mxfp4"])
+    @pytest.mark.parametrize("T", [1, 3, 6])
+    def test_situ_mlp(self, kb: KernelBackend, kind: str, T: int) -> None:
+        """``situ_mlp`` equals ``matmul(w2, situ_glu(matmul(w1, x), matmul(w3, x)))`` bit for
+        bit, at awkward widths and with gate values that saturate tanh and sigmoid."""
+        rng = _rng("situ-mlp", kind, T)
+        cols, inter, out = (96, 64, 40) if kind == "mxfp4" else (45, 33, 7)
+
+        def w(rows: int, c: int) -> Any:
+            if kind == "mxfp4":
+                return self._mx(rng, rows, c)
+            if kind == "bf16":
+                return bf16_bits(rng, (rows, c), finite=True)
+            return activations(rng, (rows, c), scale=0.3)
+
+        w1, w3, w2 = w(inter, cols), w(inter, cols), w(out, inter)
+        x = activations(rng, (T, cols), scale=3.0)
+        before = _snapshot(x, w1, w3, w2)
+        with np.errstate(all="ignore"):
+            got = kb.situ_mlp(w1, w3, w2, x, 4.0, 25.0)
+            r = reference()
+            want = r.matmul(w2, r.situ_glu(r.matmul(w1, x), r.matmul(w3, x), 4.0, 25.0))
+        _check_unchanged(before, [x, w1, w3, w2], "situ_mlp")
+        assert_same_bits(got, want, f"situ_mlp {kind}")
+
     # --- normalisation and activations ------------------------------------------------------
     @pytest.mark.parametrize("m", WIDTHS + [7168])
     @pytest.mark.parametrize("T", [1, 3])
