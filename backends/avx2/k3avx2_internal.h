@@ -40,7 +40,7 @@ int k3__forced(void);
  * thread: a parallel region costs microseconds on an idle machine, and far more on a busy
  * one, where every team member must be scheduled before the region can end. Every big
  * op of the real model is far above these; the tiny test models stay serial. */
-#define K3_PAR_MATMUL (INT64_C(1) << 21)    /* rows * cols * tokens */
+#define K3_PAR_MATMUL (INT64_C(1) << 17)    /* rows * cols * tokens (on the pool: cheap) */
 #define K3_PAR_ELEMENTS (INT64_C(1) << 15)  /* transcendental elements */
 #define K3_PAR_ROWS (INT64_C(1) << 17)      /* norm elements */
 #define K3_PAR_ATTENTION (INT64_C(1) << 20) /* lane-sum terms of an attention op */

@@ -255,20 +255,38 @@ typedef struct {
     float *y;
 } k3_mat;
 
-/* Inside a parallel region: every row of every matrix of `m` for one token block (rows go
- * out in chunks as threads free up; ends with the worksharing barrier). */
+/* Rows [b, e) of the concatenated rows of a group of matrices, for one token block. */
+typedef struct {
+    enum k3_wkind kind;
+    int blocked;
+    const k3_mat *m;
+    int n;
+    int64_t cols, cp, t0, nt;
+    const double *xd;
+} rows_job;
+
+static void rows_job_fn(void *ctx, int64_t b, int64_t e) {
+    const rows_job *j = (const rows_job *)ctx;
+    int i = 0;
+    int64_t o = b;
+    while (o >= j->m[i].rows) o -= j->m[i++].rows;
+    for (int64_t g = b; g < e; ++g, ++o) {
+        while (o >= j->m[i].rows) o -= j->m[i++].rows;
+        do_row(j->kind, j->blocked, j->m[i].w, j->m[i].sc, o, j->m[i].rows, j->cols, j->cp, j->xd,
+               j->nt, j->m[i].y + j->t0 * j->m[i].rows);
+    }
+}
+
+/* Every row of every matrix of `m` for one token block: on the pool when `par`. */
 static void group_rows(enum k3_wkind kind, int blocked, const k3_mat *m, int n, int64_t cols,
-                       int64_t cp, const double *xd, int64_t t0, int64_t nt, int chunk) {
+                       int64_t cp, const double *xd, int64_t t0, int64_t nt, int par) {
     int64_t total = 0;
     for (int i = 0; i < n; ++i) total += m[i].rows;
-    K3_PRAGMA(omp for schedule(dynamic, chunk))
-    for (int64_t g = 0; g < total; ++g) {
-        int i = 0;
-        int64_t o = g;
-        while (o >= m[i].rows) o -= m[i++].rows;
-        do_row(kind, blocked, m[i].w, m[i].sc, o, m[i].rows, cols, cp, xd, nt,
-               m[i].y + t0 * m[i].rows);
-    }
+    rows_job j = {kind, blocked, m, n, cols, cp, t0, nt, xd};
+    if (par)
+        k3__pool_run(rows_job_fn, &j, total, k3__forced() ? 1 : ROW_CHUNK, k3__threads());
+    else
+        rows_job_fn(&j, 0, total);
 }
 
 /* The multi-token path: AVX-512 with four tokens per decode (also one MXFP4 token). */
@@ -276,7 +294,8 @@ static inline int use_blocked(enum k3_wkind kind, int64_t T) {
     return (T >= 2 || kind == K3_W_MXFP4) && g_avx512;
 }
 
-/* Several matrices over the same x in one parallel region: x widened once per token block.
+/* Several matrices over the same x in one call: x widened once per token block, the rows of
+ * every matrix handed out together on the pool (k3avx2_pool.c).
  * Tokens in blocks whose float64 activations stay in L2; within a block each row is read
  * from memory once and from cache for the block's other tokens. Rows go out in chunks as
  * threads free up: on a busy machine a thread that loses its core does not hold the others
@@ -290,14 +309,11 @@ static int matmul_group(enum k3_wkind kind, const k3_mat *m, int n, int64_t cols
     for (int i = 0; i < n; ++i) total += m[i].rows;
     double *xd = (double *)k3__alloc((size_t)(tb * cp) * sizeof(double));
     if (!xd) return K3_ENOMEM;
-    const int64_t big = K3_BIG(total * cols * T, K3_PAR_MATMUL);
-    const int chunk = k3__forced() ? 1 : ROW_CHUNK; /* forced: rows spread over every thread */
-    K3_PRAGMA(omp parallel num_threads(k3__threads()) if (big))
+    const int par = K3_BIG(total * cols * T, K3_PAR_MATMUL);
     for (int64_t t0 = 0; t0 < T; t0 += tb) {
         const int64_t nt = t0 + tb < T ? tb : T - t0;
-        K3_PRAGMA(omp single)
         widen_x(xd, x + t0 * cols, nt, cols, cp, kind == K3_W_MXFP4 && !blocked);
-        group_rows(kind, blocked, m, n, cols, cp, xd, t0, nt, chunk);
+        group_rows(kind, blocked, m, n, cols, cp, xd, t0, nt, par);
     }
     k3__free(xd);
     return 0;
@@ -339,10 +355,21 @@ int k3_matmul_many(int kind, int n, void **w, uint8_t **scales, const int64_t *r
     return matmul_group((enum k3_wkind)kind, m, n, cols, x, T);
 }
 
+typedef struct {
+    const float *h1, *h3;
+    float *a;
+    double b1, b2;
+} situ_job;
+
+static void situ_job_fn(void *ctx, int64_t b, int64_t e) {
+    const situ_job *j = (const situ_job *)ctx;
+    for (int64_t i = b; i < e; ++i) j->a[i] = k3_situ_f(j->h1[i], j->h3[i], j->b1, j->b2);
+}
+
 /* ---- the SiTU MLP in one call -----------------------------------------------------------
  * y = W2 . situ_glu(W1 . x, W3 . x, b1, b2): the same three products and the same
- * elementwise SiTU as separate calls (the same bits), in one parallel region: the W1 and W3
- * rows together, then SiTU, then the W2 rows, per token block. */
+ * elementwise SiTU as separate calls (the same bits), in one call: the W1 and W3 rows
+ * together, then SiTU, then the W2 rows, per token block, each stage on the pool. */
 int k3_situ_mlp(int kind, const void *w1, const uint8_t *s1, const void *w3, const uint8_t *s3,
                 const void *w2, const uint8_t *s2, int64_t inter, int64_t cols, int64_t out_rows,
                 const float *x, int64_t T, double b1, double b2, float *y) {
@@ -362,21 +389,20 @@ int k3_situ_mlp(int kind, const void *w1, const uint8_t *s1, const void *w3, con
         return K3_ENOMEM;
     }
     float *h1 = h, *h3 = h + tb * inter, *a = h + 2 * tb * inter;
-    const int64_t big = K3_BIG((2 * inter * cols + out_rows * inter) * T, K3_PAR_MATMUL);
-    const int chunk = k3__forced() ? 1 : ROW_CHUNK;
-    K3_PRAGMA(omp parallel num_threads(k3__threads()) if (big))
+    const int par = K3_BIG((2 * inter * cols + out_rows * inter) * T, K3_PAR_MATMUL);
+    const k3_mat up[2] = {{w1, s1, inter, h1}, {w3, s3, inter, h3}}; /* block-local */
+    const k3_mat down = {w2, s2, out_rows, y};
     for (int64_t t0 = 0; t0 < T; t0 += tb) {
         const int64_t nt = t0 + tb < T ? tb : T - t0;
-        const k3_mat up[2] = {{w1, s1, inter, h1}, {w3, s3, inter, h3}}; /* block-local */
-        const k3_mat down = {w2, s2, out_rows, y};
-        K3_PRAGMA(omp single)
         widen_x(xd, x + t0 * cols, nt, cols, cp, kd == K3_W_MXFP4 && !blocked);
-        group_rows(kd, blocked, up, 2, cols, cp, xd, 0, nt, chunk);
-        K3_PRAGMA(omp for schedule(static))
-        for (int64_t i = 0; i < nt * inter; ++i) a[i] = k3_situ_f(h1[i], h3[i], b1, b2);
-        K3_PRAGMA(omp single)
+        group_rows(kd, blocked, up, 2, cols, cp, xd, 0, nt, par);
+        situ_job sj = {h1, h3, a, b1, b2};
+        if (par)
+            k3__pool_run(situ_job_fn, &sj, nt * inter, k3__forced() ? 1 : 64, k3__threads());
+        else
+            situ_job_fn(&sj, 0, nt * inter);
         widen_x(ad, a, nt, inter, ip, kd == K3_W_MXFP4 && !blocked);
-        group_rows(kd, blocked, &down, 1, inter, ip, ad, t0, nt, chunk);
+        group_rows(kd, blocked, &down, 1, inter, ip, ad, t0, nt, par);
     }
     k3__free(xd);
     k3__free(ad);
