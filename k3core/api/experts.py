@@ -4,6 +4,10 @@ The MoE block asks for one layer's selected experts in one batch (``get_many``) 
 back their weights exactly as stored (MXFP4 packed bytes and scales, or dense float32 for
 the oracle). The in-memory source here serves a model whose experts are all resident; the
 expert cache (``k3core.experts.cache``) serves them from disk through a policy plugin.
+
+An :class:`ExpertExecutor` goes one step further: it computes a layer's routed-expert
+outputs elsewhere (other processes or machines, ``k3core.cluster``), from the same latent
+rows, so the forward pass only sums what comes back.
 """
 
 from __future__ import annotations
@@ -99,3 +103,24 @@ class InMemoryExperts(ExpertSource):
                 self.stats.hits += 1
             out.append(w)
         return out
+
+
+class ExpertExecutor(ABC):
+    """Computes one MoE layer's routed-expert outputs somewhere else.
+
+    The contract that keeps the logits byte-identical to computing them in place: for every
+    distinct expert ``e`` of ``idx``, its output rows are the kernel backend's
+    ``situ_mlp(w1, w3, w2, z[rows])`` where ``rows`` are the rows routed to ``e`` in
+    ascending order (exactly what :meth:`ExpertSource.run_layer`'s ``use`` computes), with
+    the same kernel backend.
+    """
+
+    @abstractmethod
+    def submit(self, layer: int, idx: np.ndarray, z: np.ndarray) -> Callable[[], np.ndarray]:
+        """Send the work for ``layer`` (``idx`` ``[T, topk]`` expert ids, ``z`` ``[T, latent]``
+        float32) without waiting; the returned callable waits and returns ``outs``
+        ``[T, topk, latent]`` float32 (``outs[t, j]`` is expert ``idx[t, j]`` applied to
+        ``z[t]``). Raises ``K3Error`` when an expert cannot be computed (never partial)."""
+
+    def close(self) -> None:  # noqa: B027
+        """Release workers and connections."""

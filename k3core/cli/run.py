@@ -15,6 +15,7 @@ _M = "Memory"
 _G = "Generation"
 _X = "Plugins"
 _O = "Outputs and diagnostics"
+_C = "Cluster (docs/cluster.md)"
 
 
 @guarded
@@ -49,8 +50,15 @@ def run(
     dump_logits: Path = typer.Option(None, "--dump-logits", help="Write step 0's logits as raw float32.", rich_help_panel=_O),
     dump_cache_trace: Path = typer.Option(None, "--dump-cache-trace", help="Write expert_trace.bin and expert_hist.json into this directory.", rich_help_panel=_O),
     verify_trunk: bool = typer.Option(False, "--verify-trunk", help="Re-checksum every packed layer at open.", rich_help_panel=_O),
+    expert_workers: int = typer.Option(None, "--expert-workers", help="Routed experts on N Ray workers (a local cluster unless --ray-address; needs k3[ray]).", rich_help_panel=_C),
+    ray_address: str = typer.Option(None, "--ray-address", help="Join this Ray cluster (ray start --head) for the expert workers.", rich_help_panel=_C),
 ) -> None:
     """Generate tokens from MODEL_DIR (greedy unless a sampling flag is given)."""
+    remote = None
+    if expert_workers is not None or ray_address is not None:
+        from k3core.cluster.executor import ClusterExperts
+
+        remote = ClusterExperts(expert_workers, ray_address, cache_gb=cache_gb)
     execute(
         RunRequest(
             model_dir=model_dir, prompt=PromptSpec(prompt, prompt_file, ids, bos), gen=gen,
@@ -59,7 +67,7 @@ def run(
             stop_ids=list(stop_id), config=config, layers=layers, out=out, dump_logits=dump_logits,
             dump_cache_trace=dump_cache_trace, cache_trace=cache_trace, backend=backend,
             storage=storage, cache_policy=cache_policy, threads=threads, verify_trunk=verify_trunk,
-            temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+            temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, remote_experts=remote,
         )
     )
 

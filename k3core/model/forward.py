@@ -14,7 +14,7 @@ from collections.abc import Callable
 import numpy as np
 
 from k3core.api.errors import K3Error
-from k3core.api.experts import ExpertSource, ExpertWeights
+from k3core.api.experts import ExpertExecutor, ExpertSource, ExpertWeights
 from k3core.api.kernels import KernelBackend
 from k3core.model.config import ModelConfig
 from k3core.model.layer_params import LayerParams
@@ -48,6 +48,8 @@ class Model:
         self.on_layer: LayerHook | None = None
         #: full recompute reuses one KDA state slot across layers (ultra-low-memory)
         self.shared_kda_slot = False
+        #: routed experts computed elsewhere (k3core.cluster); None computes them here
+        self.executor: ExpertExecutor | None = None
 
     # ---- top level ------------------------------------------------------------------------
     def forward(self, ids: np.ndarray, state: SequenceState, all_logits: bool = False) -> np.ndarray:
@@ -152,7 +154,9 @@ class Model:
         logits, z = k.matmul_many([p[pre + "gate.weight"], p[pre + "routed_expert_down_proj.weight"]], x)
         idx, w = k.router(logits, p[pre + "gate.e_score_correction_bias"], c.topk, c.moe_renorm, c.routed_scale)
         requests = [int(e) for e in idx.reshape(-1)]
-        self.experts.prefetch(p.layer, requests)
+        remote = self.executor.submit(p.layer, idx, z) if self.executor is not None else None
+        if remote is None:
+            self.experts.prefetch(p.layer, requests)
         shared = None
         if c.n_shared > 0:
             shared = self.situ_mlp(
@@ -169,7 +173,10 @@ class Model:
             zz = np.ascontiguousarray(z[rows])
             outs[rows, slots] = k.situ_mlp(ew.w1, ew.w3, ew.w2, zz, c.situ_b1, c.situ_b2)
 
-        self.experts.run_layer(p.layer, requests, use)
+        if remote is not None:
+            outs = remote()  # the workers' outputs, waited for after the shared experts
+        else:
+            self.experts.run_layer(p.layer, requests, use)
         acc = np.zeros((T, c.latent), dtype=np.float32)
         for j in range(c.topk):
             acc = acc + w[:, j : j + 1] * outs[:, j]

@@ -73,6 +73,8 @@ class RunRequest:
     top_p: float | None = None
     top_k: int | None = None
     seed: int | None = None
+    #: routed experts computed elsewhere (k3core.cluster.executor.ClusterExperts)
+    remote_experts: Any = None
 
 
 def check_request(r: RunRequest) -> None:
@@ -196,11 +198,18 @@ def execute(r: RunRequest, rep: RunReport | None = None) -> dict[str, Any]:
     )
     t0 = time.perf_counter()
     engine = open_engine(eopts, cfg)
+    remote = r.remote_experts
     try:
+        if remote is not None:
+            remote.start(engine, rep.line)  # plan, bind, check shares: before the first token
         res = _decode(engine, rep, ids, r, incremental, sampler, tok, t0)
         record = _summary(engine, rep, res, r, tok, incremental, sampler)
         record["memory_plan"] = {"rows": dict(plan.rows()), "total": plan.total, "available": plan.available}
+        if remote is not None:
+            record["cluster"] = remote.report(rep.line)
     finally:
+        if remote is not None:
+            remote.close()
         engine.close()
     if r.dump_logits is not None and res.first_logits is not None:
         write_logits(r.dump_logits, res.first_logits)

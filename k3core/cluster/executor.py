@@ -1,0 +1,210 @@
+"""The head's side: routed experts computed by the workers of a :class:`WorkerPool`.
+
+:class:`ClusterExperts` is the :class:`ExpertExecutor` the forward pass is handed. ``start``
+(once the engine is open, before the first token) plans the shares by bytes, binds every
+worker to its share with the head's kernel backend, storage backend and cache policy, and
+refuses a worker whose share differs from the head's files. ``submit`` then sends, per MoE
+layer, every worker its experts' latent rows in one call each, all at once (the head
+computes its shared experts meanwhile); the callable it returns gathers the outputs into
+their ``[row, slot]`` places, so the head's weighted sum runs in the original order on the
+same bytes as on one node. Every wait is bounded: a worker that dies or does not answer
+stops the run with exit 4, naming the worker and the layer; no token is produced from a
+partial layer.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from k3core.api.errors import ExpertDropError, K3Error, UsageError
+from k3core.api.experts import ExpertExecutor
+from k3core.cluster.plan import SharePlan, plan_shares
+from k3core.cluster.pool import WorkerPool, import_ray, start_pool
+from k3core.cluster.share import check_share, share_digest
+from k3core.cluster.traffic import MAX_BYTES_PER_TOKEN, real_traffic, traffic
+from k3core.cluster.worker import WorkerSpec
+from k3core.experts.locator import ExpertLocator
+
+#: the longest one layer's calls may take before the run stops (exit 4)
+LAYER_TIMEOUT_S = 300.0
+#: binding a worker (indexing its checkpoint) and checksumming its share
+OPEN_TIMEOUT_S = 900.0
+
+Line = Callable[[str], None]
+
+
+class ClusterExperts(ExpertExecutor):
+    """Routed experts on Ray workers (see the module docstring)."""
+
+    def __init__(self, workers: int | None = None, address: str | None = None, *,
+                 cache_gb: float | None = None, pool: WorkerPool | None = None,
+                 layer_timeout_s: float = LAYER_TIMEOUT_S, open_timeout_s: float = OPEN_TIMEOUT_S):
+        import_ray()  # say how to get Ray before anything else runs (exit 2)
+        if workers is not None and workers < 1:
+            raise UsageError(f"--expert-workers must be >= 1, got {workers}")
+        self.workers, self.address, self.cache_gb = workers, address, cache_gb
+        self.layer_timeout_s, self.open_timeout_s = layer_timeout_s, open_timeout_s
+        self._given_pool = pool
+        self.pool: WorkerPool | None = None
+        self.plan: SharePlan | None = None
+        self.bound: list[dict[str, Any]] = []
+        self.sent = self.received = self.round_trips = self.calls = 0
+        self.steps = 0
+        self._last_layer = 1 << 30
+        self.actors: list[Any] = []
+        self._plan_json: dict[str, Any] = {}
+
+    # ---- before the first token --------------------------------------------------------------
+    def start(self, engine: Any, line: Line) -> None:
+        """Plan, bind and check every worker for ``engine`` (an opened ``k3core.run`` engine)."""
+        cfg, index, n_layers = engine.cfg, engine.index, engine.model.n_layers
+        locator = ExpertLocator(cfg, index)
+        pool = self._given_pool
+        n = self.workers or (len(pool.actors) if pool is not None else None)
+        if n is not None:
+            plan_shares(cfg, locator, n_layers, n)  # a refusal before any actor starts
+        if pool is None:
+            pool = start_pool(n, self.address)
+        self.pool = pool
+        n = n or len(pool.actors)
+        if n > len(pool.actors):
+            raise K3Error(f"{n} expert workers asked for, the pool has {len(pool.actors)}")
+        self.plan = plan = plan_shares(cfg, locator, n_layers, n)
+        for text in plan.lines():
+            line(text)
+        names = engine.names
+        specs = [WorkerSpec(str(index.model_dir), None, n_layers, names["kernel"],
+                            names["storage"], names["cache"] if names["cache"] != "none" else "auto",
+                            self.cache_gb, engine.kernels.threads, plan.owned(w)) for w in range(n)]
+        actors = pool.actors[:n]
+        self.bound = self._get([a.open.remote(s) for a, s in zip(actors, specs, strict=True)],
+                               self.open_timeout_s, "binding its share")
+        theirs = self._get([a.digest.remote() for a in actors], self.open_timeout_s,
+                           "checksumming its share")
+        for w in range(n):
+            check_share(pool.name(w), share_digest(index, locator, plan.owned(w)), theirs[w])
+        for w, b in enumerate(self.bound):
+            line(f"  {pool.name(w)}: kernel {b['kernel']}, storage {b['storage']}, cache {b['cache']} "
+                 f"({b['slots']} slots); share checked ({theirs[w].mode} checksum of "
+                 f"{theirs[w].nbytes} B)")
+        here = traffic(cfg, n, n_layers)
+        line(here.line("this model's"))
+        real = real_traffic(n)
+        line(real.line("real"))
+        if real.bytes_per_token > MAX_BYTES_PER_TOKEN:
+            line(f"NOTE: above {MAX_BYTES_PER_TOKEN / 1e6:.0f} MB a token at the real shape; "
+                 "fewer workers move less")
+        self._plan_json = {"plan": plan.to_json(), "traffic": here.to_json(),
+                           "traffic_real_shape": real.to_json()}
+        self.actors = actors
+        engine.model.executor = self
+
+    # ---- one MoE layer -----------------------------------------------------------------------
+    def submit(self, layer: int, idx: np.ndarray, z: np.ndarray) -> Callable[[], np.ndarray]:
+        assert self.plan is not None and self.pool is not None
+        if layer <= self._last_layer:  # layers run in ascending order: a new forward pass
+            self.steps += 1
+        self._last_layer = layer
+        owner = self.plan.owner[layer]
+        work: dict[int, list[tuple[int, np.ndarray, np.ndarray]]] = {}
+        for e in dict.fromkeys(int(x) for x in idx.reshape(-1)):
+            rows, slots = np.nonzero(idx == e)
+            work.setdefault(owner[e], []).append((e, rows, slots))
+        calls = []
+        for w, items in sorted(work.items()):
+            urows = np.unique(np.concatenate([r for _, r, _ in items]))
+            zu = np.ascontiguousarray(z[urows])
+            local = [np.searchsorted(urows, r) for _, r, _ in items]
+            experts = [e for e, _, _ in items]
+            ref = self.actors[w].compute.remote(self.steps, layer, experts, local, zu)
+            self.sent += zu.nbytes + sum(a.nbytes for a in local) + 8 * len(experts)
+            calls.append((w, ref, items))
+        self.round_trips += 1
+        self.calls += len(calls)
+        shape = (idx.shape[0], idx.shape[1], z.shape[1])
+
+        def wait() -> np.ndarray:
+            outs = np.empty(shape, dtype=np.float32)
+            deadline = time.monotonic() + self.layer_timeout_s
+            for w, ref, items in calls:
+                res = self._one(w, ref, layer, deadline)
+                if len(res) != len(items):
+                    raise self._dropped(w, layer, f"returned {len(res)} outputs for {len(items)} experts")
+                for (e, rows, slots), o in zip(items, res, strict=True):
+                    if o.dtype != np.float32 or o.shape != (len(rows), shape[2]):
+                        raise self._dropped(w, layer, f"expert {e} came back as {o.dtype} {o.shape}")
+                    outs[rows, slots] = o
+                    self.received += o.nbytes
+            return outs
+
+        return wait
+
+    def _one(self, w: int, ref: Any, layer: int, deadline: float) -> list[np.ndarray]:
+        ray = self.pool.ray if self.pool is not None else import_ray()
+        try:
+            return list(ray.get(ref, timeout=max(0.0, deadline - time.monotonic())))
+        except ray.exceptions.GetTimeoutError:
+            raise self._dropped(w, layer, f"did not answer within {self.layer_timeout_s:g} s") from None
+        except ray.exceptions.RayActorError:
+            raise self._dropped(w, layer, "died") from None
+        except ray.exceptions.RayTaskError as exc:
+            cause = getattr(exc, "cause", None)
+            if isinstance(cause, K3Error):
+                raise ExpertDropError(f"{self._name(w)}, MoE layer {layer}: {cause.message}") from None
+            raise self._dropped(w, layer, f"failed: {str(exc).splitlines()[0]}") from None
+
+    def _name(self, w: int) -> str:
+        return self.pool.name(w) if self.pool is not None else f"expert worker {w}"
+
+    def _dropped(self, w: int, layer: int, what: str) -> ExpertDropError:
+        return ExpertDropError(f"{self._name(w)} {what} during MoE layer {layer}; its experts' "
+                               "outputs are missing, so no token is produced (the run is invalid)")
+
+    def _get(self, refs: list[Any], timeout: float, doing: str) -> list[Any]:
+        ray = self.pool.ray if self.pool is not None else import_ray()
+        out = []
+        deadline = time.monotonic() + timeout
+        for w, ref in enumerate(refs):
+            try:
+                out.append(ray.get(ref, timeout=max(0.0, deadline - time.monotonic())))
+            except ray.exceptions.GetTimeoutError:
+                raise K3Error(f"{self._name(w)} took longer than {timeout:g} s {doing}") from None
+            except ray.exceptions.RayTaskError as exc:
+                cause = getattr(exc, "cause", None)
+                if isinstance(cause, K3Error):
+                    raise type(cause)(f"{self._name(w)}: {cause.message}",
+                                      exit_code=cause.exit_code) from None
+                raise K3Error(f"{self._name(w)} failed {doing}: {str(exc).splitlines()[0]}") from None
+            except ray.exceptions.RayActorError:
+                raise K3Error(f"{self._name(w)} died {doing}") from None
+        return out
+
+    # ---- after the run -----------------------------------------------------------------------
+    def report(self, line: Line) -> dict[str, Any]:
+        """The run's traffic (lines and the ``--out`` record's ``cluster`` entry)."""
+        steps = max(1, self.steps)
+        stats: list[dict[str, Any]] = []
+        try:
+            stats = self._get([a.stats.remote() for a in self.actors], 30.0, "reporting")
+        except K3Error as exc:
+            line(f"NOTE: worker statistics unavailable ({exc.message})")
+        line(f"cluster: {len(self.actors)} worker(s); per token {self.sent / steps / 1e6:.4f} MB sent, "
+             f"{self.received / steps / 1e6:.4f} MB received, {self.round_trips / steps:.1f} round "
+             f"trips ({self.calls / steps:.1f} actor calls) over {self.steps} forward passes")
+        for w, s in enumerate(stats):
+            line(f"  {self._name(w)}: {s.get('requests', 0)} requests, {s.get('hits', 0)} hits, "
+                 f"{s.get('misses', 0)} misses, {s.get('bytes_read', 0)} B read")
+        return {**self._plan_json, "workers": self.bound, "worker_stats": stats,
+                "forward_passes": self.steps, "bytes_sent": self.sent,
+                "bytes_received": self.received, "round_trips": self.round_trips,
+                "actor_calls": self.calls, "bytes_sent_per_token": self.sent / steps,
+                "bytes_received_per_token": self.received / steps,
+                "round_trips_per_token": self.round_trips / steps}
+
+    def close(self) -> None:
+        if self.pool is not None and self._given_pool is None:
+            self.pool.close()
