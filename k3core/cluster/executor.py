@@ -42,6 +42,7 @@ class ClusterExperts(ExpertExecutor):
 
     def __init__(self, workers: int | None = None, address: str | None = None, *,
                  cache_gb: float | None = None, pool: WorkerPool | None = None,
+                 model_dirs: list[str] | None = None,
                  layer_timeout_s: float = LAYER_TIMEOUT_S, open_timeout_s: float = OPEN_TIMEOUT_S):
         import_ray()  # say how to get Ray before anything else runs (exit 2)
         if workers is not None and workers < 1:
@@ -49,6 +50,8 @@ class ClusterExperts(ExpertExecutor):
         self.workers, self.address, self.cache_gb = workers, address, cache_gb
         self.layer_timeout_s, self.open_timeout_s = layer_timeout_s, open_timeout_s
         self._given_pool = pool
+        #: each worker's model directory (default: the head's path, on its own machine)
+        self.model_dirs = model_dirs
         self.pool: WorkerPool | None = None
         self.plan: SharePlan | None = None
         self.bound: list[dict[str, Any]] = []
@@ -77,7 +80,8 @@ class ClusterExperts(ExpertExecutor):
         for text in plan.lines():
             line(text)
         names = engine.names
-        specs = [WorkerSpec(str(index.model_dir), None, n_layers, names["kernel"],
+        dirs = self.model_dirs or [str(index.model_dir)] * n
+        specs = [WorkerSpec(dirs[w], None, n_layers, names["kernel"],
                             names["storage"], names["cache"] if names["cache"] != "none" else "auto",
                             self.cache_gb, engine.kernels.threads, plan.owned(w)) for w in range(n)]
         actors = pool.actors[:n]
