@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from k3core.api.errors import ExpertDropError, K3Error, UsageError
-from k3core.api.experts import ExpertExecutor
+from k3core.api.experts import ExpertExecutor, ExpertWeights, InMemoryExperts
 from k3core.cluster.plan import SharePlan, plan_shares
 from k3core.cluster.pool import WorkerPool, import_ray, start_pool
 from k3core.cluster.share import check_share, share_digest
@@ -35,6 +35,10 @@ LAYER_TIMEOUT_S = 300.0
 OPEN_TIMEOUT_S = 900.0
 
 Line = Callable[[str], None]
+
+
+def _served_by_workers(layer: int, expert: int) -> ExpertWeights:
+    raise K3Error(f"routed expert {layer}/{expert} was asked of the head; the workers serve them")
 
 
 class ClusterExperts(ExpertExecutor):
@@ -105,6 +109,9 @@ class ClusterExperts(ExpertExecutor):
         self._plan_json = {"plan": plan.to_json(), "traffic": here.to_json(),
                            "traffic_real_shape": real.to_json()}
         self.actors = actors
+        # the workers serve every routed expert: the head's own cache is released unused
+        engine.experts.close()
+        engine.experts = engine.model.experts = InMemoryExperts(_served_by_workers)
         engine.model.executor = self
 
     # ---- one MoE layer -----------------------------------------------------------------------
