@@ -6,10 +6,16 @@ from pathlib import Path
 
 import typer
 
-from k3core.api.errors import K3Error, PluginError
+from k3core.api.errors import K3Error
 from k3core.cli.guard import guarded
-from k3core.plugins.registry import KIND_WORDS, get_registry
-from k3core.run.presets import Preset, list_presets, load_preset, read_preset_file, table_lines
+from k3core.run.presets import (
+    Preset,
+    PresetError,
+    file_problems,
+    list_presets,
+    load_preset,
+    table_lines,
+)
 
 presets_app = typer.Typer(
     help="List, show and validate memory presets (see docs/presets.md).",
@@ -59,24 +65,10 @@ def show(
 @presets_app.command("validate")
 @guarded
 def validate(file: Path = typer.Argument(..., help="A preset YAML file.")) -> None:
-    """Check a preset file: exit 0 when valid, 2 with every problem named."""
-    preset = read_preset_file(file)
-    reg = get_registry()
-    unknown = []
-    for kind, plugin in preset.plugins().items():
-        if plugin == "auto":
-            continue
-        if plugin not in reg.names(kind):
-            choices = ", ".join(reg.names(kind)) or "(none)"
-            unknown.append(f"{KIND_WORDS[kind]} {plugin!r} is not registered (registered: "
-                           f"{choices})")
-            continue
-        avail = reg.probe(kind, plugin)
-        if not avail.ok:
-            print(f"k3: warning: {KIND_WORDS[kind]} {plugin!r} is not available on this "
-                  f"machine: {avail.reason}")
-    if unknown:
-        raise PluginError(f"{file}: " + "; ".join(unknown))
+    """Check a preset file as --preset would: exit 0 when usable, 2 with every problem named."""
+    preset, problems = file_problems(file)
+    if problems or preset is None:
+        raise PresetError(f"{file}: " + "; ".join(problems))
     print(f"{file}: valid preset {preset.name!r} (trunk {preset.trunk_gb:.2f} GB / expert "
           f"cache {preset.cache_gb:.2f} GB" + (", ultra-low-memory" if preset.ultra_low_memory
                                               else "") + ")")
