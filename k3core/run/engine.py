@@ -118,7 +118,8 @@ def open_engine(
                 storage_name=sname, verify=opts.verify_trunk, progress=on_layer_bound)
         else:
             trunk = ResidentTrunk(cfg, index, n_layers, progress=on_layer_bound)
-        tables = StreamedTables(cfg, index) if opts.ultra_low_memory else ModelTables(cfg, index)
+        tables = (StreamedTables(cfg, index, trunk=trunk) if opts.ultra_low_memory
+                  else ModelTables(cfg, index))
     except BaseException:
         if trunk is not None:
             trunk.close()
