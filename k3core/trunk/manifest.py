@@ -45,7 +45,7 @@ from typing import Any
 
 import numpy as np
 
-from k3core.api.errors import CheckpointError, StorageError
+from k3core.api.errors import CheckpointError, StorageError, UsageError
 from k3core.api.safejson import JSONRejected, parse_json, show
 from k3core.api.storage import StorageBackend, aligned_empty
 from k3core.checkpoint.index import CheckpointIndex
@@ -177,9 +177,12 @@ def open_trunk(
 ) -> TrunkManifest:
     """Read and check ``trunk_dir`` against ``index`` and ``cfg``; needs ``n_layers`` layers."""
     root = Path(trunk_dir)
+    if not root.exists():  # a missing input path is a usage error (docs/exit-codes.md)
+        raise UsageError(f"--trunk {root} does not exist (pack one with "
+                         "`k3 pack-trunk MODEL_DIR TRUNK_DIR`)")
     if not root.is_dir():
-        raise CheckpointError(f"trunk directory {root} does not exist (pack one with "
-                              "`k3 pack-trunk MODEL_DIR TRUNK_DIR`)")
+        raise UsageError(f"--trunk {root} is not a directory (it names the directory "
+                         "`k3 pack-trunk` wrote)")
     doc = _load(root / MANIFEST_NAME)
     man = parse_manifest(doc, root, index, cfg, n_layers or cfg.n_layers)
     _check_bin(man)
@@ -193,8 +196,9 @@ def open_trunk(
 def _load(path: Path) -> Any:
     try:
         if not path.is_file():
-            raise CheckpointError(f"{path}: no trunk manifest (not packed, or packing did not "
-                                  "finish); run `k3 pack-trunk`")
+            raise UsageError(f"{path}: no trunk manifest, so {path.parent} is not a packed "
+                             "trunk (not packed, or packing did not finish); run "
+                             "`k3 pack-trunk`")
         if path.stat().st_size > MAX_MANIFEST_BYTES:
             raise CheckpointError(f"{path}: larger than the {MAX_MANIFEST_BYTES >> 20} MiB "
                                   "limit for a trunk manifest")
