@@ -65,17 +65,15 @@ class LazyGroup(TyperGroup):
         with formatter.section("Commands"):
             formatter.write_dl(rows)
 
-    def main(self, args: Any = None, prog_name: str | None = None,
-             complete_var: str | None = None, standalone_mode: bool = True,
-             **extra: Any) -> Any:
+    def main(self, *args: Any, **kwargs: Any) -> Any:
         """Run the command line; click's usage errors become one ``k3: error:`` line."""
+        standalone_mode = bool(kwargs.pop("standalone_mode", True))
         no_args, usage, abort = _click_errors()
         try:
-            rv = super().main(args=args, prog_name=prog_name, complete_var=complete_var,
-                              standalone_mode=False, **extra)
+            rv = super().main(*args, standalone_mode=False, **kwargs)
         except no_args as exc:  # bare `k3` or a bare group: the help, exit 2
             ctx = getattr(exc, "ctx", None)
-            print(ctx.get_help() if ctx is not None else exc.format_message(), file=sys.stderr)
+            print(ctx.get_help() if ctx is not None else usage_message(exc), file=sys.stderr)
             return _leave(standalone_mode, 2)
         except usage as exc:
             print(f"k3: error: {usage_message(exc)}", file=sys.stderr)
