@@ -70,7 +70,8 @@ class LazyGroup(TyperGroup):
         standalone_mode = bool(kwargs.pop("standalone_mode", True))
         no_args, usage, abort = _click_errors()
         try:
-            rv = super().main(*args, standalone_mode=False, **kwargs)
+            kwargs["standalone_mode"] = False
+            rv = super().main(*args, **kwargs)
         except no_args as exc:  # bare `k3` or a bare group: the help, exit 2
             ctx = getattr(exc, "ctx", None)
             print(ctx.get_help() if ctx is not None else usage_message(exc), file=sys.stderr)
