@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import sys
 from pathlib import Path
 
 import typer
@@ -26,16 +28,25 @@ presets_app = typer.Typer(
 
 @presets_app.callback(invoke_without_command=True)
 @guarded
-def presets(ctx: typer.Context) -> None:
+def presets(
+    ctx: typer.Context,
+    as_json: bool = typer.Option(False, "--json", help="Print the presets as one JSON object."),
+) -> None:
     """Print the preset table: trunk / expert-cache budgets in GB and a note for each."""
     if ctx.invoked_subcommand is not None:
         return
     problems: list[K3Error] = []
     rows = list_presets(on_error=problems.append)
-    for line in table_lines(rows):
-        print(line)
+    if as_json:
+        doc = {"presets": [{**p.model_dump(), "origin": p.origin} for p in rows],
+               "auto": "computed from the memory available now (k3 presets show auto)",
+               "skipped": [str(exc) for exc in problems]}
+        print(json.dumps(doc, indent=2))
+    else:
+        for line in table_lines(rows):
+            print(line)
     for exc in problems:
-        print(f"k3: warning: skipped a user preset: {exc}")
+        print(f"k3: warning: skipped a user preset: {exc}", file=sys.stderr)
 
 
 def _describe(p: Preset) -> list[str]:
