@@ -60,3 +60,11 @@ def test_a_trace_of_another_model_is_refused(models, tmp_path):
              "--cache-trace", alone)
     assert res.exit_code == 2, res.output
     assert "not a multiple of this model's top-k 3" in res.output
+
+
+def test_sim_cache_refuses_a_trace_of_another_model(models):
+    tiny, other, trace = models
+    res = k3("sim-cache", trace / "expert_trace.bin", "--model", other, "--slots", "20")
+    assert res.exit_code == 2 and "a trace of another model" in res.output
+    ok = k3("sim-cache", trace / "expert_trace.bin", "--model", tiny, "--slots", "20")
+    assert ok.exit_code == 0, ok.output
