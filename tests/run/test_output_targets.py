@@ -108,6 +108,15 @@ def test_writing_into_model_dir_is_refused_before_the_run(model):
     assert (model / "config.json").read_bytes() == config
 
 
+def test_writing_into_the_trunk_dir_is_refused(model, tmp_path):
+    trunk = tmp_path / "trunk"
+    assert k3("pack-trunk", model, trunk).exit_code == 0
+    before = (trunk / "trunk.json").read_bytes()
+    res = k3("run", model, *RUN, "--trunk", trunk, "--out", trunk / "trunk.json")
+    assert res.exit_code == 3 and "inside" in res.output
+    assert (trunk / "trunk.json").read_bytes() == before
+
+
 def test_two_outputs_at_one_path_are_refused(model, tmp_path):
     x = tmp_path / "x"
     res = k3("run", model, *RUN, "--out", x, "--dump-logits", x)
