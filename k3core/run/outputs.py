@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 
 from k3core.api.errors import OutputError
+from k3core.api.filemode import new_file_mode
 
 STDOUT = "-"
 #: paths that name a descriptor already open in this process (written in place, never renamed)
@@ -213,18 +214,6 @@ def check_writable(path: Path, what: str) -> None:
 
 
 # ---- writing -----------------------------------------------------------------------------
-def new_file_mode() -> int:
-    """``0666`` less this process's umask (read without changing it where Linux allows)."""
-    with contextlib.suppress(OSError, ValueError):
-        with open("/proc/self/status", encoding="ascii") as fh:
-            for line in fh:
-                if line.startswith("Umask:"):
-                    return 0o666 & ~int(line.split()[1], 8)
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return 0o666 & ~mask
-
-
 def write_bytes_atomic(path: Path, data: bytes, what: str = "output") -> None:
     """Write ``data`` to ``path`` as its kind asks (see the module docstring)."""
     t = target(path, what)
@@ -240,7 +229,8 @@ def write_bytes_atomic(path: Path, data: bytes, what: str = "output") -> None:
     try:
         fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent)
         with os.fdopen(fd, "wb") as f:
-            os.fchmod(f.fileno(), mode)
+            if hasattr(os, "fchmod"):
+                os.fchmod(f.fileno(), mode)
             f.write(data)
             f.flush()
             os.fsync(f.fileno())

@@ -137,14 +137,16 @@ def test_two_outputs_at_one_path_are_refused(model, tmp_path):
 def test_outputs_honour_the_umask_and_keep_a_replaced_files_mode(model, tmp_path):
     old = os.umask(0o027)
     try:
-        assert k3("run", model, *RUN, "--out", tmp_path / "a.json").exit_code == 0
+        assert k3("run", model, *RUN, "--out", tmp_path / "a.json", "--dump-logits",
+                  tmp_path / "l.f32", "--dump-cache-trace", tmp_path / "t").exit_code == 0
         kept = tmp_path / "b.json"
         kept.write_text("x")
         kept.chmod(0o604)
         assert k3("run", model, *RUN, "--out", kept).exit_code == 0
     finally:
         os.umask(old)
-    assert stat.S_IMODE(os.stat(tmp_path / "a.json").st_mode) == 0o640
+    for made in ("a.json", "l.f32", f"t/{TRACE_NAME}", f"t/{HIST_NAME}"):
+        assert stat.S_IMODE(os.stat(tmp_path / made).st_mode) == 0o640, made
     assert stat.S_IMODE(os.stat(kept).st_mode) == 0o604
 
 
