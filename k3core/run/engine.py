@@ -25,6 +25,7 @@ from k3core.model.config import ModelConfig, load_config
 from k3core.model.forward import Model
 from k3core.model.sources import ModelTables, ResidentTrunk, TrunkSource, expert_from_reader
 from k3core.plugins.registry import get_registry
+from k3core.run.model_dir import config_path
 from k3core.trunk.source import check_trunk_options, open_streamed_trunk
 from k3core.trunk.tables import StreamedTables
 
@@ -73,10 +74,7 @@ class Engine:
 
 
 def read_model_config(opts: EngineOptions) -> ModelConfig:
-    path = opts.config_path or opts.model_dir / "config.json"
-    if not path.is_file():
-        raise UsageError(f"no config at {path}; pass --config PATH")
-    cfg = load_config(path)
+    cfg = load_config(config_path(opts.model_dir, opts.config_path))
     if opts.layers is not None and not 1 <= opts.layers <= cfg.n_layers:
         raise UsageError(f"--layers must be in 1..{cfg.n_layers}, got {opts.layers}")
     return cfg
@@ -118,7 +116,8 @@ def open_engine(
                 storage_name=sname, verify=opts.verify_trunk, progress=on_layer_bound)
         else:
             trunk = ResidentTrunk(cfg, index, n_layers, progress=on_layer_bound)
-        tables = StreamedTables(cfg, index) if opts.ultra_low_memory else ModelTables(cfg, index)
+        tables = (StreamedTables(cfg, index, trunk=trunk) if opts.ultra_low_memory
+                  else ModelTables(cfg, index))
     except BaseException:
         if trunk is not None:
             trunk.close()

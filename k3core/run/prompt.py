@@ -1,12 +1,15 @@
 """Where a run's prompt comes from: exactly one of ``--prompt``, ``--prompt-file``, ``--ids``.
 
 Text goes through the tokenizer (``--tok DIR`` or ``$K3_TOK_FILES``); a prompt file is
-read as raw bytes, verbatim (the way to pass non-ASCII text safely past a shell). BOS is
+read as raw bytes, verbatim (the way to pass non-ASCII text safely past a shell). ``--prompt``
+text is taken as the bytes that were on the command line, valid UTF-8 or not
+(:func:`prompt_text_bytes`). BOS is
 prepended only when asked (``--bos``), never by default.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -56,8 +59,9 @@ def prompt_ids(spec: PromptSpec, tok: Tokenizer | None, vocab: int, bos_id: int 
         how = f"{len(ids)} ids from --ids"
     elif spec.text is not None:
         assert tok is not None
-        ids = tok.encode(spec.text)
-        how = f"tokenized: {len(spec.text.encode())} bytes -> {len(ids)} ids"
+        data = prompt_text_bytes(spec.text)
+        ids = tok.encode_bytes(data)
+        how = f"tokenized: {len(data)} bytes -> {len(ids)} ids"
     else:
         assert tok is not None and spec.file is not None
         data = read_prompt_file(spec.file)
@@ -73,6 +77,27 @@ def prompt_ids(spec: PromptSpec, tok: Tokenizer | None, vocab: int, bos_id: int 
         raise UsageError(f"the prompt has {len(ids)} ids; the limit is {MAX_PROMPT}")
     check_vocab(ids, vocab, "--ids" if spec.ids is not None else "prompt")
     return ids, how
+
+
+def prompt_text_bytes(text: str) -> bytes:
+    """The bytes of ``--prompt`` exactly as they were on the command line.
+
+    Python decodes argv with the file-system encoding and ``surrogateescape``, so bytes that
+    are not valid UTF-8 (``--prompt $'caf\\xe9'``) arrive as lone surrogates; ``os.fsencode``
+    gives the original bytes back, and the tokenizer (a byte-level BPE) takes them as given.
+    Lone surrogates that did not come from argv (a caller's own string) cannot be encoded:
+    that is a ``UsageError`` (exit 2) pointing at ``--prompt-file``.
+    """
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError:
+        pass
+    try:
+        return os.fsencode(text)
+    except UnicodeEncodeError:
+        raise UsageError("--prompt: the text is not valid UTF-8 and cannot be turned back into "
+                         "bytes; put the prompt in a file and pass --prompt-file FILE (its "
+                         "bytes are taken verbatim)") from None
 
 
 def read_prompt_file(path: Path) -> bytes:

@@ -24,7 +24,7 @@ from k3core.plugins.registry import get_registry
 from k3core.run.engine import Engine, EngineOptions, open_engine, read_model_config
 from k3core.run.idparse import check_vocab
 from k3core.run.memory_plan import check_kv, plan_memory
-from k3core.run.outputs import check_writable, write_json_atomic, write_logits
+from k3core.run.outputs import check_outputs, write_json_atomic, write_logits
 from k3core.run.presets import check_plugins, load_preset
 from k3core.run.prompt import PromptSpec, load_tokenizer, prompt_ids
 from k3core.run.report import RunReport, cache_json, cache_summary, gb
@@ -89,14 +89,6 @@ def check_request(r: RunRequest) -> None:
     if r.cache_gb is not None and not r.cache_gb >= 0:
         raise UsageError(f"--cache-gb must be a non-negative number, got {r.cache_gb}")
     check_trunk_options(r.trunk, r.trunk_gb, r.trunk_ring, bool(r.ultra_low_memory))
-    for path, what in ((r.out, "--out"), (r.dump_logits, "--dump-logits")):
-        if path is not None:
-            check_writable(path, what)
-    if r.dump_cache_trace is not None:
-        d = r.dump_cache_trace
-        if not d.is_dir():
-            raise UsageError(f"--dump-cache-trace {d}: not an existing directory")
-        check_writable(d / "expert_trace.bin", "--dump-cache-trace")
 
 
 def merged(r: RunRequest, preset: Any) -> MergedSettings:
@@ -131,6 +123,7 @@ def execute(r: RunRequest, rep: RunReport | None = None) -> dict[str, Any]:
     if model_dir is None:
         raise UsageError("MODEL_DIR is required (or set K3_MODEL_DIR)")
     r.model_dir = Path(model_dir)
+    check_outputs(r.out, r.dump_logits, r.dump_cache_trace, inputs=(r.model_dir, r.trunk))
     opts = EngineOptions(r.model_dir, r.config, r.layers)
     cfg = read_model_config(opts)
     preset = load_preset(r.preset, cfg=cfg) if r.preset else None

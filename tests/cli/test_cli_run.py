@@ -53,11 +53,11 @@ def err(res):
         (["run", "{m}", "--ids", "3", "--out", "/nonexistent-dir/x.json"], 3, "does not exist"),
         (["run", "{m}", "--ids", "3", "--stop-id", "5000"], 2, "outside the vocabulary"),
         (["run", "{m}", "--ids", "3", "--layers", "99"], 2, "--layers must be in 1..13"),
-        (["run", "{m}", "--ids", "3", "--temperature", "0"], 2, "--temperature must be"),
+        (["run", "{m}", "--ids", "3", "--temperature", "-1"], 2, "--temperature must be"),
         (["run", "{m}", "--ids", "3", "--top-p", "1.5"], 2, "--top-p must be"),
         (["run", "{m}", "--ids", "3", "--threads", "0"], 2, "--threads must be >= 1"),
         (["run", "{m}", "--ids", "3", "--cache-gb", "0.0000001"], 2, "top-k + 1"),
-        (["run", "/nonexistent-model", "--ids", "3"], 2, "no config"),
+        (["run", "/nonexistent-model", "--ids", "3"], 2, "model directory /nonexistent-model does not exist"),
         (["run", "{m}", "--prompt-file", "/nonexistent-file", "--tok", "{m}"], 2, "cannot read"),
     ],
 )
