@@ -10,8 +10,8 @@ Standard library only: this runs before anything else is imported.
 
 from __future__ import annotations
 
+import _signal  # the C module: no enum conversion, nothing to import
 import os
-import signal
 from types import FrameType
 
 
@@ -23,8 +23,8 @@ def _interrupted(signum: int, frame: FrameType | None) -> None:
 def quiet_until_command() -> None:
     """Install the quiet handler, unless SIGINT is ignored or handled by someone else."""
     try:
-        if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-            signal.signal(signal.SIGINT, _interrupted)
+        if _signal.getsignal(_signal.SIGINT) is _signal.default_int_handler:
+            _signal.signal(_signal.SIGINT, _interrupted)
     except ValueError:  # not the main thread
         pass
 
@@ -32,7 +32,7 @@ def quiet_until_command() -> None:
 def restore() -> None:
     """Give SIGINT back to Python (``KeyboardInterrupt``) if the quiet handler holds it."""
     try:
-        if signal.getsignal(signal.SIGINT) is _interrupted:
-            signal.signal(signal.SIGINT, signal.default_int_handler)
+        if _signal.getsignal(_signal.SIGINT) is _interrupted:
+            _signal.signal(_signal.SIGINT, _signal.default_int_handler)
     except ValueError:
         pass
