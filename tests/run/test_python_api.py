@@ -197,3 +197,27 @@ def test_logits_all_positions(engine):
     every = engine.logits(IDS, all_positions=True)
     assert every.shape == (3, 1024) and every.dtype == np.float32
     assert every[-1].tobytes() == engine.logits(IDS).tobytes()
+
+
+def test_interrupted_session_stays_usable(engine):
+    """Ctrl-C inside a forward pass (after some layers advanced their state) leaves the
+    session consistent: the next call gives the ids of one uninterrupted run."""
+    s = engine.session()
+    s.generate(IDS, max_tokens=2, ignore_eos=True)
+    calls = {"n": 0}
+
+    def on_layer(layer: int, h: object) -> None:
+        calls["n"] += 1
+        if calls["n"] == 20:  # the second step, mid-way through the layers
+            raise KeyboardInterrupt
+
+    engine.model.on_layer = on_layer
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            s.generate([5], max_tokens=4, ignore_eos=True)
+    finally:
+        engine.model.on_layer = None
+    assert s.last is not None and s.last.interrupted and len(s.last.ids) == 1
+    got = s.generate([9], max_tokens=3, ignore_eos=True)
+    one = engine.generate(s.ids[: -len(got.ids)], max_tokens=3, ignore_eos=True)
+    assert got.ids == one.ids and got.first_logits.tobytes() == one.first_logits.tobytes()
