@@ -183,7 +183,8 @@ def test_plan_knows_every_source(engine, model, monkeypatch):
     with k3.load(model, cache_gb=0.01) as eng:
         s = eng.plan.to_json()["settings"]  # type: ignore[union-attr]
     assert s["threads"] == {"value": 1, "source": "env K3_THREADS"}
-    assert s["cache_gb"]["source"] == "flag --cache-gb"
+    assert s["cache_gb"] == {"value": 0.01, "source": "keyword cache_gb"}
+    assert s["model_dir"]["source"] == "keyword model_dir"
     assert s["backend"]["source"] == "default"
 
 
