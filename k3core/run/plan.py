@@ -116,6 +116,9 @@ class EnginePlan:
             out += self.memory.lines()
         return out
 
+    def __str__(self) -> str:
+        return "\n".join(self.lines())
+
     def to_json(self) -> dict[str, Any]:
         d = self.merged.settings.model_dump(mode="json")
         plan: dict[str, Any] = {
@@ -181,6 +184,9 @@ class RunPlan:
         mode = " (incremental)" if self.engine.incremental else " (full recompute)"
         out.insert(3, f"prompt : {self.prompt_how}; generating {g.max_tokens}{mode}")
         return out
+
+    def __str__(self) -> str:
+        return "\n".join(self.lines())
 
     def to_json(self) -> dict[str, Any]:
         return {**self.engine.to_json(), "prompt_ids": self.prompt_ids,

@@ -188,6 +188,9 @@ def test_plan_knows_every_source(engine, model, monkeypatch):
     monkeypatch.setenv("K3_THREADS", "1")
     with k3.load(model, cache_gb=0.01) as eng:
         s = eng.plan.to_json()["settings"]  # type: ignore[union-attr]
+        shown = str(eng.plan)
+    assert "setting: cache_gb = 0.01  (keyword cache_gb)" in shown and "memory plan" in shown
+    json.dumps(eng.plan.to_json())  # type: ignore[union-attr]  # serialisable as it is
     assert s["threads"] == {"value": 1, "source": "env K3_THREADS"}
     assert s["cache_gb"] == {"value": 0.01, "source": "keyword cache_gb"}
     assert s["model_dir"]["source"] == "keyword model_dir"
