@@ -125,14 +125,16 @@ def check_outputs(
     trace_dir: Path | None = None,
     *,
     inputs: Iterable[Path | None] = (),
+    extra: Iterable[tuple[Path | None, str]] = (),
 ) -> list[OutputTarget]:
     """Refuse, before the run, every output that could not be written or would clobber.
 
     ``inputs`` are directories the run reads (MODEL_DIR, the packed trunk): no output may
-    land inside one. ``trace_dir`` is created here if it does not exist.
+    land inside one. ``trace_dir`` is created here if it does not exist. ``extra`` holds more
+    ``(path, flag)`` file outputs (``--save-state``).
     """
     targets: list[OutputTarget] = []
-    for path, what in ((out, "--out"), (dump_logits, "--dump-logits")):
+    for path, what in ((out, "--out"), (dump_logits, "--dump-logits"), *extra):
         if path is not None:
             targets.append(target(path, what))
     if trace_dir is not None:

@@ -92,9 +92,11 @@ def test_dev_stdout_redirected_to_a_file_keeps_the_link_and_the_text(model, tmp_
     after = os.lstat("/dev/stdout")
     assert stat.S_IFMT(after.st_mode) == stat.S_IFMT(before.st_mode)
     text = log.read_text()
-    assert "generated ids" in text  # what was printed before the JSON is still there
-    json_line = next(ln for ln in text.splitlines() if ln.startswith("{"))
-    assert json.loads(json_line)["prompt_ids"] == [3, 7]
+    printed, brace, rest = text.partition("{")
+    record = json.loads(brace + rest)
+    assert record["prompt_ids"] == [3, 7]
+    # the generated text printed on stdout before the JSON is still there
+    assert printed and printed == record["generated_text"]
 
 
 def test_writing_into_model_dir_is_refused_before_the_run(model):
