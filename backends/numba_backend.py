@@ -62,6 +62,12 @@ def _kernels() -> SimpleNamespace:
 
     modules = (attention, bits, exact, matmul, pointwise, recurrent, router)
     cache.drop_stale(obj for m in modules for obj in vars(m).values())
+    if cache.cold(obj for m in modules for obj in vars(m).values()):
+        import sys
+
+        print("note: numba has no compiled k3 kernels cached yet: the first step compiles "
+              "them (several seconds, once; later runs load them from the cache)",
+              file=sys.stderr, flush=True)
     return SimpleNamespace(
         numba=numba,
         attention=attention,

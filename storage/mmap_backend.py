@@ -1,8 +1,13 @@
-"""The ``mmap`` storage backend: memory-map each file read-only, copy ranges out.
+"""The ``mmap`` storage backend: map a window of the file read-only, copy it out, unmap.
 
-Works on every platform and filesystem. The copy is a numpy ``copyto`` (which releases the
-GIL), so several threads fault pages in at once. Each read takes a short-lived view of the
-map and drops it before returning, so ``close`` never meets a live export.
+Works on every platform and filesystem. A read maps only the range it wants, in windows of
+at most :data:`WINDOW_BYTES`, copies each into the caller's buffer with numpy ``copyto``
+(which releases the GIL, so several threads fault pages in at once) and unmaps it before
+the next. So the mapped pages count against this process's resident set only while they
+are being copied (at most one window per reading thread); the page cache keeps them for the
+next read, but RSS stays what the memory plan says (the caller's buffers), as with the
+other backends. Mapping a whole shard and keeping it mapped instead let every page ever
+read stay resident: a run planned at 0.6 GB peaked at 2.7 GB.
 
 Touching a mapped page past the end of a file that shrank after it was mapped kills the
 process with SIGBUS, so every read first checks the file's current size (``fstat``) and
@@ -31,14 +36,16 @@ from k3core.api.storage import (
     checked_destination,
 )
 
-#: reads at least this large first tell the kernel the whole range is wanted
+#: reads at least this large first tell the kernel the whole window is wanted
 #: (``MADV_WILLNEED``), so it is read in large requests instead of fault by fault
 WILLNEED_BYTES = 1 << 20
 _WILLNEED: int | None = getattr(mmap, "MADV_WILLNEED", None)
+#: the most bytes one read has mapped at a time (a multiple of every allocation granularity)
+WINDOW_BYTES = 16 << 20
 
 
 class MmapFile(StorageFile):
-    """One file mapped read-only for its whole size at open."""
+    """One open file; each read maps, copies and unmaps its own windows."""
 
     def __init__(self, path: Path, fd: int, size: int, stats: IOStats) -> None:
         self.path = path
@@ -46,7 +53,8 @@ class MmapFile(StorageFile):
         self._fd = fd
         self._stats = stats
         self._closed = False
-        self._mm = mmap.mmap(fd, size, access=mmap.ACCESS_READ) if size else None
+        if size:  # refuse at open what cannot be mapped at all (as the whole-file map did)
+            mmap.mmap(fd, min(size, mmap.ALLOCATIONGRANULARITY), access=mmap.ACCESS_READ).close()
 
     def read_into(self, offset: int, out: Buffer) -> None:
         dst = checked_destination(self.path, self.size, self._closed, offset, out)
@@ -63,30 +71,37 @@ class MmapFile(StorageFile):
                 f"{self.path}: read [{offset}, {offset + dst.size}) failed: the file shrank "
                 f"from {self.size} to {now} bytes after it was opened"
             )
-        assert self._mm is not None  # size > 0 here
-        if dst.size >= WILLNEED_BYTES and _WILLNEED is not None:
-            start = offset - offset % mmap.PAGESIZE  # ask for the whole range up front
+        gran = mmap.ALLOCATIONGRANULARITY
+        done = 0
+        while done < dst.size:
+            pos = offset + done
+            start = pos - pos % gran
+            n = min(dst.size - done, WINDOW_BYTES - (pos - start))
             try:
-                self._mm.madvise(_WILLNEED, start, offset + dst.size - start)
-            except OSError:
-                pass  # advisory only
-        src = np.frombuffer(self._mm, dtype=np.uint8, count=dst.size, offset=offset)
-        try:
-            np.copyto(dst, src)
-        finally:
-            del src  # release the export on the map now, not at the next GC
+                mm = mmap.mmap(self._fd, pos - start + n, access=mmap.ACCESS_READ, offset=start)
+            except (OSError, ValueError) as exc:
+                raise StorageError(f"{self.path}: read [{pos}, {pos + n}) failed: cannot map: "
+                                   f"{getattr(exc, 'strerror', None) or exc}") from None
+            try:
+                if n >= WILLNEED_BYTES and _WILLNEED is not None:
+                    try:
+                        mm.madvise(_WILLNEED)
+                    except OSError:
+                        pass  # advisory only
+                src = np.frombuffer(mm, dtype=np.uint8, count=n, offset=pos - start)
+                try:
+                    np.copyto(dst[done : done + n], src)
+                finally:
+                    del src  # release the export now, so the window can be unmapped
+            finally:
+                mm.close()  # unmapped: its pages leave this process's resident set
+            done += n
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
-        try:
-            if self._mm is not None:
-                self._mm.close()
-        except BufferError as exc:
-            raise StorageError(f"{self.path}: closed while reads were in flight") from exc
-        finally:
-            os.close(self._fd)
+        os.close(self._fd)
 
 
 class MmapStorage(StorageBackend):

@@ -56,3 +56,16 @@ def _cache_dirs(dispatchers: Iterable[object]) -> list[str]:
         if isinstance(path, str):
             out.append(path)
     return out
+
+
+def cold(dispatchers: Iterable[object]) -> bool:
+    """True when no compiled kernel of this package is cached yet (the first step compiles)."""
+    stems = {p.stem for p in _PKG.glob("*.py")}
+    for cache_dir in {Path(p) for p in _cache_dirs(dispatchers)}:
+        try:
+            if any(f.suffix == ".nbi" and f.name.split(".")[0] in stems
+                   for f in cache_dir.iterdir()):
+                return False
+        except OSError:
+            continue
+    return True

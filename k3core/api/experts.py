@@ -15,6 +15,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -121,6 +122,14 @@ class ExpertExecutor(ABC):
         float32) without waiting; the returned callable waits and returns ``outs``
         ``[T, topk, latent]`` float32 (``outs[t, j]`` is expert ``idx[t, j]`` applied to
         ``z[t]``). Raises ``K3Error`` when an expert cannot be computed (never partial)."""
+
+    def start(self, engine: Any, line: Callable[[str], None]) -> None:  # noqa: B027
+        """Called once the engine is open, before the first token: bind the workers and
+        hand ``engine.model`` this executor (``line`` prints a report line)."""
+
+    def report(self, line: Callable[[str], None]) -> dict[str, Any]:
+        """After the run: report lines, and the ``--out`` record's ``cluster`` entry."""
+        return {}
 
     def close(self) -> None:  # noqa: B027
         """Release workers and connections."""

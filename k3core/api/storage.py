@@ -4,6 +4,10 @@ Every byte k3 takes from disk (checkpoint tensors, packed trunk layers, routed e
 goes through a :class:`StorageBackend`. A read either fills the whole buffer with the
 file's bytes or raises :class:`k3core.api.errors.StorageError`; short reads are retried to
 completion, and a failed read is never handed on. Backends keep :class:`IOStats`.
+
+The memory plan counts the caller's buffers, not the backend's: a backend must not keep what
+it read resident in this process once the read returned (the page cache is the kernel's, not
+the process's; a memory-mapping backend unmaps or advises away each range it copied out).
 """
 
 from __future__ import annotations

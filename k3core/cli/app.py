@@ -4,11 +4,17 @@ The table :data:`COMMANDS` names every command, the module that defines it and i
 help; ``k3 --help`` prints the table without importing any command module, and ``k3 run``
 imports ``k3core.cli.run`` alone. A command module exposes ``register(app)``, which adds its
 command (or command group) to a Typer app; it imports nothing from this module.
+
+Usage errors (a bad value, a missing argument, an unknown option or command) are printed the
+way every other refusal is: one ``k3: error: ...`` line on stderr naming the fix, exit 2
+(:meth:`LazyGroup.main`); no usage box, no type placeholders.
 """
 
 from __future__ import annotations
 
 import importlib
+import re
+import sys
 from typing import Any
 
 import typer
@@ -59,6 +65,26 @@ class LazyGroup(TyperGroup):
         with formatter.section("Commands"):
             formatter.write_dl(rows)
 
+    def main(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the command line; click's usage errors become one ``k3: error:`` line."""
+        standalone_mode = bool(kwargs.pop("standalone_mode", True))
+        no_args, usage, abort = _click_errors()
+        try:
+            kwargs["standalone_mode"] = False
+            rv = super().main(*args, **kwargs)
+        except no_args as exc:  # bare `k3` or a bare group: the help, exit 2
+            ctx = getattr(exc, "ctx", None)
+            print(ctx.get_help() if ctx is not None else usage_message(exc), file=sys.stderr)
+            return _leave(standalone_mode, 2)
+        except usage as exc:
+            print(f"k3: error: {usage_message(exc)}", file=sys.stderr)
+            return _leave(standalone_mode, int(getattr(exc, "exit_code", 2)))
+        except abort:
+            print("k3: error: interrupted", file=sys.stderr)
+            return _leave(standalone_mode, 130)
+        code = rv if isinstance(rv, int) and not isinstance(rv, bool) else 0
+        return _leave(standalone_mode, code) if standalone_mode else rv
+
     def resolve_command(self, ctx: Any, args: list[str]) -> Any:
         name = args[0] if args else ""
         if name and name not in COMMANDS and not name.startswith("-"):
@@ -70,12 +96,57 @@ class LazyGroup(TyperGroup):
         return super().resolve_command(ctx, args)
 
 
+def _click_errors() -> tuple[tuple[type[BaseException], ...], ...]:
+    """(no-args-is-help, usage-error, abort) classes of the click typer runs on: its own
+    vendored copy (``typer._click``, newer typer) and/or the ``click`` package."""
+    no_args: list[type[BaseException]] = []
+    usage: list[type[BaseException]] = []
+    abort: list[type[BaseException]] = []
+    for mod_name, abort_mod in (("typer._click.exceptions", "typer.exceptions"),
+                                ("click.exceptions", "click.exceptions")):
+        try:
+            mod = importlib.import_module(mod_name)
+            amod = importlib.import_module(abort_mod)
+        except ImportError:
+            continue
+        for bucket, name in ((no_args, "NoArgsIsHelpError"), (usage, "ClickException")):
+            cls = getattr(mod, name, None)
+            if isinstance(cls, type):
+                bucket.append(cls)
+        cls = getattr(amod, "Abort", None)
+        if isinstance(cls, type):
+            abort.append(cls)
+    return tuple(no_args), tuple(usage), tuple(abort)
+
+
+def _leave(standalone_mode: bool, code: int) -> int:
+    if standalone_mode:
+        sys.exit(code)
+    return code
+
+
+#: type placeholders click and typer put in messages (``<bool>``, ``<list[int]>``)
+_PLACEHOLDER = re.compile(r"\s*<[a-z][\w\[\], |]*>")
+
+
+def usage_message(exc: BaseException) -> str:
+    """One line: the problem, then where the flags are described."""
+    fmt = getattr(exc, "format_message", None)
+    msg = " ".join((fmt() if callable(fmt) else str(exc)).split())
+    msg = _PLACEHOLDER.sub("", msg).rstrip(".")
+    ctx = getattr(exc, "ctx", None)
+    if ctx is not None and getattr(ctx, "command_path", None) and "--help" not in msg:
+        msg += f" (see `{ctx.command_path} --help`)"
+    return msg
+
+
 app = typer.Typer(
     name="k3",
     cls=LazyGroup,
     help="Run Kimi K3 from its released checkpoint: exact at every memory budget.",
     no_args_is_help=True,
-    add_completion=False,
+    add_completion=True,  # --install-completion / --show-completion for bash, zsh, fish
+
     pretty_exceptions_enable=False,
     rich_markup_mode=None,
     context_settings={"help_option_names": ["-h", "--help"]},

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import sys
 from pathlib import Path
 
 import typer
@@ -33,8 +35,13 @@ def render(report: DoctorReport, console: Console) -> None:
         for cmd in report.next_commands:
             console.print(f"  {escape(cmd)}")
     else:
-        console.print(f"[bold green]result: no blocking problems[/] (preset {report.preset}). "
-                      "Give a model directory to check it too: k3 doctor MODEL_DIR")
+        warned = (f", [yellow]{report.warnings} warning(s)[/] above" if report.warnings
+                  else "")
+        console.print(f"[bold green]result: no blocking problems[/]{warned} (preset "
+                      f"{report.preset}). Give a model directory to check it too: "
+                      "k3 doctor MODEL_DIR")
+    if report.next_commands and report.warnings:
+        console.print(f"[yellow]{report.warnings} warning(s) above[/]")
 
 
 @guarded
@@ -43,13 +50,24 @@ def doctor(
     probe_mb: int = typer.Option(256, "--probe-mb", help="MB to read for the disk probe."),
     no_disk_probe: bool = typer.Option(False, "--no-disk-probe", help="Skip the bandwidth probe."),
     storage: str = typer.Option("auto", "--storage", help="Storage backend for reading headers."),
+    probe_dir: Path = typer.Option(None, "--probe-dir", help="Where the bandwidth probe writes "
+                                   "its scratch file when there is no shard to read "
+                                   "(default: the current directory; announced, then removed)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the report as one JSON object."),
 ) -> None:
     """Check toolchain, plugins, CPU, memory, disk and (optionally) a model directory."""
     if probe_mb < 1:
         raise UsageError(f"--probe-mb must be >= 1, got {probe_mb}")
+    if probe_dir is not None and not probe_dir.is_dir():
+        raise UsageError(f"--probe-dir {probe_dir}: not an existing directory")
     report = run_doctor(model_dir, probe_bytes=probe_mb * 1_000_000,
-                        disk_probe=not no_disk_probe, storage=storage)
-    render(report, Console(soft_wrap=True, highlight=False))
+                        disk_probe=not no_disk_probe, storage=storage, probe_dir=probe_dir,
+                        progress=lambda msg: print(f"k3 doctor: {msg}", file=sys.stderr,
+                                                   flush=True))
+    if as_json:
+        print(json.dumps(report.to_json(), indent=2))
+    else:
+        render(report, Console(soft_wrap=True, highlight=False))
     if report.exit_code:
         raise typer.Exit(report.exit_code)
 

@@ -15,12 +15,12 @@ from rich.progress import (
     TransferSpeedColumn,
 )
 
-from k3core.api.errors import UsageError
 from k3core.api.units import human
 from k3core.checkpoint.index import CheckpointIndex
 from k3core.cli.guard import guarded
 from k3core.model.config import load_config
 from k3core.plugins.registry import get_registry
+from k3core.run.model_dir import config_path
 from k3core.trunk.pack import pack_trunk as pack
 from k3core.trunk.plan import gb_ceil
 
@@ -34,12 +34,7 @@ def pack_trunk(
     force: bool = typer.Option(False, "--force", help="Replace a packed trunk already in TRUNK_DIR."),
 ) -> None:
     """Copy every layer's non-expert tensors into TRUNK_DIR/trunk.bin (4096-aligned runs)."""
-    if not model_dir.is_dir():
-        raise UsageError(f"model directory {model_dir} does not exist")
-    cfg_path = config or model_dir / "config.json"
-    if not cfg_path.is_file():
-        raise UsageError(f"no config at {cfg_path}; pass --config PATH")
-    cfg = load_config(cfg_path)
+    cfg = load_config(config_path(model_dir, config))
     backend, sname, note = get_registry().create("storage", storage)
     if note:
         print(f"note: {note}")

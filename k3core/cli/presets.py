@@ -2,14 +2,22 @@
 
 from __future__ import annotations
 
+import json
+import sys
 from pathlib import Path
 
 import typer
 
-from k3core.api.errors import K3Error, PluginError
+from k3core.api.errors import K3Error
 from k3core.cli.guard import guarded
-from k3core.plugins.registry import KIND_WORDS, get_registry
-from k3core.run.presets import Preset, list_presets, load_preset, read_preset_file, table_lines
+from k3core.run.presets import (
+    Preset,
+    PresetError,
+    file_problems,
+    list_presets,
+    load_preset,
+    table_lines,
+)
 
 presets_app = typer.Typer(
     help="List, show and validate memory presets (see docs/presets.md).",
@@ -20,16 +28,25 @@ presets_app = typer.Typer(
 
 @presets_app.callback(invoke_without_command=True)
 @guarded
-def presets(ctx: typer.Context) -> None:
+def presets(
+    ctx: typer.Context,
+    as_json: bool = typer.Option(False, "--json", help="Print the presets as one JSON object."),
+) -> None:
     """Print the preset table: trunk / expert-cache budgets in GB and a note for each."""
     if ctx.invoked_subcommand is not None:
         return
     problems: list[K3Error] = []
     rows = list_presets(on_error=problems.append)
-    for line in table_lines(rows):
-        print(line)
+    if as_json:
+        doc = {"presets": [{**p.model_dump(), "origin": p.origin} for p in rows],
+               "auto": "computed from the memory available now (k3 presets show auto)",
+               "skipped": [str(exc) for exc in problems]}
+        print(json.dumps(doc, indent=2))
+    else:
+        for line in table_lines(rows):
+            print(line)
     for exc in problems:
-        print(f"k3: warning: skipped a user preset: {exc}")
+        print(f"k3: warning: skipped a user preset: {exc}", file=sys.stderr)
 
 
 def _describe(p: Preset) -> list[str]:
@@ -59,24 +76,10 @@ def show(
 @presets_app.command("validate")
 @guarded
 def validate(file: Path = typer.Argument(..., help="A preset YAML file.")) -> None:
-    """Check a preset file: exit 0 when valid, 2 with every problem named."""
-    preset = read_preset_file(file)
-    reg = get_registry()
-    unknown = []
-    for kind, plugin in preset.plugins().items():
-        if plugin == "auto":
-            continue
-        if plugin not in reg.names(kind):
-            choices = ", ".join(reg.names(kind)) or "(none)"
-            unknown.append(f"{KIND_WORDS[kind]} {plugin!r} is not registered (registered: "
-                           f"{choices})")
-            continue
-        avail = reg.probe(kind, plugin)
-        if not avail.ok:
-            print(f"k3: warning: {KIND_WORDS[kind]} {plugin!r} is not available on this "
-                  f"machine: {avail.reason}")
-    if unknown:
-        raise PluginError(f"{file}: " + "; ".join(unknown))
+    """Check a preset file as --preset would: exit 0 when usable, 2 with every problem named."""
+    preset, problems = file_problems(file)
+    if problems or preset is None:
+        raise PresetError(f"{file}: " + "; ".join(problems))
     print(f"{file}: valid preset {preset.name!r} (trunk {preset.trunk_gb:.2f} GB / expert "
           f"cache {preset.cache_gb:.2f} GB" + (", ultra-low-memory" if preset.ultra_low_memory
                                               else "") + ")")

@@ -74,6 +74,21 @@ def check_visits(pairs: np.ndarray, topk: int) -> None:
             )
 
 
+def check_hist(trace: Path, n_layers: int, n_experts: int) -> None:
+    """A trace k3 recorded names its model's shape in ``expert_hist.json`` beside it: refuse
+    replaying it for ``--model`` of another shape."""
+    from k3core.experts.trace import HIST_NAME, TraceError, read_hist
+
+    hist_path = trace.parent / HIST_NAME
+    if not hist_path.is_file():
+        return
+    hist = read_hist(hist_path)
+    if (hist["n_layers"], hist["n_experts"]) != (n_layers, n_experts):
+        raise TraceError(f"trace {trace} was recorded from a model with {hist['n_layers']} "
+                         f"layers and {hist['n_experts']} experts ({hist_path}); --model has "
+                         f"{n_layers} and {n_experts}: a trace of another model")
+
+
 @guarded
 def sim_cache(
     trace: Path = typer.Argument(..., help="expert_trace.bin (k3 run --dump-cache-trace, or the reference's)."),
@@ -106,6 +121,8 @@ def sim_cache(
     nbytes = expert_bytes or (shape["expert_bytes"] if shape else EXPERT_BYTES)
     pairs = read_trace(trace, n_layers=shape["max_layer"] if shape else None,
                        n_experts=shape["n_experts"] if shape else None)
+    if shape is not None:
+        check_hist(trace, shape["max_layer"] + 1, shape["n_experts"])
     check_visits(pairs, k)
     moe_layers = shape["n_layers"] if shape else len(np.unique(pairs[:, 0]))
     sizes = slot_list if slot_list is not None else None

@@ -15,12 +15,29 @@ from k3core.model.shapes import SIZES, size_config
 from k3core.tools.synth.writer import synthesize
 
 
+def settable_keys() -> list[str]:
+    """The flat config keys ``--set`` may override: every key the config reader reads."""
+    from k3core.model.config_keys import KEYS, PINNED
+
+    keys = {n for k in KEYS for n in k.names} | {k for k, _, _ in PINNED}
+    keys |= {"kda_layers", "bos_token_id", "eos_token_id", "pad_token_id"}
+    return sorted(keys)
+
+
 def _overrides(pairs: list[str]) -> dict[str, object]:
+    import difflib
+
     out: dict[str, object] = {}
+    known = settable_keys()
     for p in pairs:
         key, sep, val = p.partition("=")
         if not sep or not key:
             raise UsageError(f"--set expects KEY=VALUE (a config key), got {p!r}")
+        if key not in known:
+            close = difflib.get_close_matches(key, known, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise UsageError(f"--set {key}: not a config key{hint}; the keys are "
+                             f"{', '.join(known)}")
         try:
             out[key] = json.loads(val)
         except json.JSONDecodeError as exc:

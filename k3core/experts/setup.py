@@ -11,12 +11,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from k3core.api.errors import UsageError
 from k3core.api.units import gb_bytes
 from k3core.checkpoint.index import CheckpointIndex
 from k3core.experts.cache import ExpertCache
 from k3core.experts.locator import ExpertLocator
-from k3core.experts.trace import TraceRecorder
+from k3core.experts.trace import HIST_NAME, TraceError, TraceRecorder, read_hist, read_trace
 from k3core.model import sizes
 from k3core.model.config import ModelConfig
 from k3core.plugins.registry import Registry
@@ -50,10 +52,43 @@ def expert_slots(cfg: ModelConfig, n_layers: int, slot_bytes: int, cache_gb: flo
     return slots
 
 
+def check_replay_trace(cfg: ModelConfig, policy: str, trace: object) -> None:
+    """``--cache-trace`` only with ``--cache-policy replay``, and only a trace of this model.
+
+    A trace of another model is caught by its ``expert_hist.json`` (written beside every
+    trace k3 records: the recording model's layer and expert counts), by layers or experts
+    out of this model's range, and by layer visits that are not whole positions of top-k.
+    """
+    if policy != "replay":
+        raise UsageError(f"--cache-trace is read only by --cache-policy replay (this run uses "
+                         f"'{policy}'): add --cache-policy replay, or drop --cache-trace")
+    if not isinstance(trace, (str, Path)):
+        return
+    path = Path(trace)
+    pairs = read_trace(path, n_layers=cfg.n_layers, n_experts=cfg.n_experts)
+    hist_path = path.parent / HIST_NAME
+    if hist_path.is_file():
+        hist = read_hist(hist_path)
+        if (hist["n_layers"], hist["n_experts"]) != (cfg.n_layers, cfg.n_experts):
+            raise TraceError(f"--cache-trace {path}: recorded from a model with "
+                             f"{hist['n_layers']} layers and {hist['n_experts']} experts "
+                             f"({hist_path}); this model has {cfg.n_layers} and "
+                             f"{cfg.n_experts}: a trace of another model")
+    layers = pairs[:, 0]
+    cuts = np.r_[0, np.flatnonzero(np.diff(layers)) + 1, len(layers)]
+    for s, e in zip(cuts[:-1], cuts[1:], strict=True):
+        if (e - s) % cfg.topk:
+            raise TraceError(f"--cache-trace {path}: the visit of layer {int(layers[s])} at "
+                             f"request {int(s)} has {int(e - s)} requests, not a multiple of "
+                             f"this model's top-k {cfg.topk}: a trace of another model")
+
+
 def build_expert_cache(
     cfg: ModelConfig, index: CheckpointIndex, n_layers: int, reg: Registry, opts: CacheOptions
 ) -> tuple[ExpertCache | None, str, str]:
     """``(cache, policy name, note)``; ``None`` when the bound layers have no MoE."""
+    if "trace" in opts.policy_options:
+        check_replay_trace(cfg, opts.policy, opts.policy_options["trace"])
     if all(cfg.is_dense(L) for L in range(n_layers)):
         return None, "none", ""
     locator = ExpertLocator(cfg, index)

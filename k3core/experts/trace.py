@@ -33,6 +33,7 @@ import numpy as np
 
 from k3core.api.cache_policy import KEY_SHIFT
 from k3core.api.errors import OutputError, UsageError
+from k3core.api.filemode import give_new_file_mode
 
 TRACE_NAME = "expert_trace.bin"
 HIST_NAME = "expert_hist.json"
@@ -222,6 +223,7 @@ def _stage(path: Path, data: bytes) -> str:
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
+            give_new_file_mode(f.fileno())  # mkstemp's 0600 -> what the umask says
             f.write(data)
             f.flush()
             os.fsync(f.fileno())

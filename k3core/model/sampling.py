@@ -1,8 +1,22 @@
 """Choosing the next token: greedy argmax (the default) or seeded sampling.
 
 Greedy is what makes output identical across budgets and backends: ties go to the lowest
-id. Sampling (temperature, top-k, top-p) is deterministic for a given seed: one draw from
-NumPy's PCG64 generator per token, computed in float64 from the float32 logits.
+id. Sampling (temperature, top-k, top-p) is deterministic for a given seed, and the same
+on every backend, machine and NumPy build, because nothing in it is left to a library:
+
+* the logits are bit-identical on every backend (the kernel contract);
+* ``z = d(logit) / temperature`` in float64, ordered by a stable sort (ties to the lowest
+  id), truncated to the ``top_k`` largest;
+* the weights are the contract's ``exp_d(z - z_max)`` (``k3core.api.contract``, the same
+  polynomial every kernel backend uses; never the platform's libm ``exp``), normalised by
+  the contract's 32-lane sum (:func:`lane_sum`); the cumulative sums are sequential;
+* ``top_p`` keeps the smallest prefix whose mass reaches ``top_p``, then renormalises;
+* one uniform draw per token: the top 53 bits of one raw 64-bit output of PCG64 seeded with
+  ``seed`` (the bit generator's algorithm, not a NumPy distribution method that may change
+  between releases), scaled by 2**-53; the token is the first whose cumulative mass
+  exceeds it.
+
+``temperature == 0`` is greedy (the argmax, no draw).
 """
 
 from __future__ import annotations
@@ -11,6 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from k3core.api.contract import EXP_COEF, EXP_HI, EXP_LO, LANES, LN2_HI, LN2_LO, LOG2E
 from k3core.api.errors import UsageError
 
 
@@ -19,9 +34,39 @@ def argmax(logits: np.ndarray) -> int:
     return int(np.argmax(logits))
 
 
+def exp_d(x: np.ndarray) -> np.ndarray:
+    """The kernel contract's float64 ``exp_d``, elementwise (docs/kernel-contract.md)."""
+    x = np.asarray(x, dtype=np.float64)
+    with np.errstate(invalid="ignore", over="ignore"):
+        n = np.floor(x * LOG2E + 0.5)
+        r = (x - n * LN2_HI) - n * LN2_LO
+        p = np.full_like(x, EXP_COEF[13])
+        for c in reversed(EXP_COEF[:13]):
+            p = p * r + c
+        ok = np.isfinite(n)
+        out = np.ldexp(p, np.where(ok, n, 0).astype(np.int64))
+    out = np.where(x > EXP_HI, np.inf, out)
+    out = np.where(x < EXP_LO, 0.0, out)
+    return np.where(np.isnan(x), np.nan, out)
+
+
+def lane_sum(v: np.ndarray) -> float:
+    """The contract's lane sum of float64 terms: 32 lanes, each in order, folded in halves."""
+    v = np.asarray(v, dtype=np.float64).reshape(-1)
+    pad = (-v.size) % LANES
+    rows = np.concatenate([v, np.zeros(pad)]).reshape(-1, LANES)
+    lanes = np.cumsum(rows, axis=0)[-1] + 0.0  # a running sum: lane j in increasing index
+    h = LANES // 2
+    while h:
+        lanes = lanes[:h] + lanes[h : 2 * h]
+        h //= 2
+    return float(lanes[0])
+
+
 @dataclass
 class Sampler:
-    """Seeded sampler; ``temperature`` > 0, ``top_p`` in (0, 1], ``top_k`` >= 1 or None."""
+    """Seeded sampler; ``temperature`` >= 0 (0 is greedy), ``top_p`` in (0, 1],
+    ``top_k`` >= 1 or None."""
 
     temperature: float = 1.0
     top_p: float = 1.0
@@ -29,28 +74,45 @@ class Sampler:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if not (np.isfinite(self.temperature) and self.temperature > 0):
-            raise UsageError(f"--temperature must be finite and > 0, got {self.temperature}")
+        if not (np.isfinite(self.temperature) and self.temperature >= 0):
+            raise UsageError(f"--temperature must be finite and >= 0, got {self.temperature}")
         if not (0 < self.top_p <= 1):
             raise UsageError(f"--top-p must be in (0, 1], got {self.top_p}")
         if self.top_k is not None and self.top_k < 1:
             raise UsageError(f"--top-k must be >= 1, got {self.top_k}")
         if self.seed < 0:
             raise UsageError(f"--seed must be a non-negative integer, got {self.seed}")
-        self.rng = np.random.Generator(np.random.PCG64(self.seed))
+        self.bits = np.random.PCG64(self.seed)
 
-    def __call__(self, logits: np.ndarray) -> int:
-        z = logits.astype(np.float64) / self.temperature
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def uniform(self) -> float:
+        """One draw in [0, 1) from the raw PCG64 stream (53 bits)."""
+        raw = int(self.bits.random_raw())
+        return (raw >> 11) * 2.0**-53
+
+    def probabilities(self, logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(ids, p)``: the ids that may be drawn, most likely first, and their
+        probabilities after temperature, top-k and top-p (see the module docstring)."""
+        z = np.asarray(logits).astype(np.float64) / self.temperature
         order = np.argsort(-z, kind="stable")
         if self.top_k is not None:
             order = order[: self.top_k]
         zs = z[order]
-        p = np.exp(zs - zs[0])
-        p /= p.sum()
+        w = exp_d(zs - zs[0])
+        p = w / lane_sum(w)
         if self.top_p < 1.0:
-            keep = int(np.searchsorted(np.cumsum(p), self.top_p) + 1)
-            p = p[:keep] / p[:keep].sum()
-            order = order[:keep]
-        u = self.rng.random()
+            keep = min(len(p), int(np.searchsorted(np.cumsum(p), self.top_p) + 1))
+            order, w = order[:keep], w[:keep]
+            p = w / lane_sum(w)
+        return order, p
+
+    def __call__(self, logits: np.ndarray) -> int:
+        if self.greedy:
+            return argmax(logits)
+        order, p = self.probabilities(logits)
+        u = self.uniform()
         i = int(np.searchsorted(np.cumsum(p), u, side="right"))
         return int(order[min(i, len(order) - 1)])

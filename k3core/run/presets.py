@@ -22,10 +22,10 @@ from __future__ import annotations
 import difflib
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from importlib import resources
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import yaml
 from pydantic import ValidationError
@@ -35,6 +35,7 @@ from k3core.api.files import FileRejected, read_capped
 from k3core.api.units import human
 
 if TYPE_CHECKING:
+    from k3core.api.specs import Kind
     from k3core.model.config import ModelConfig
     from k3core.model.sizes import ModelSizes
     from k3core.plugins.registry import Registry
@@ -58,6 +59,19 @@ from k3core.run.settings import MergedSettings, Settings, merge_settings  # noqa
 # ---- reading -------------------------------------------------------------------------------
 def parse_preset(text: str | bytes, source: str = "<preset>") -> Preset:
     """Validate one preset document; raise :class:`PresetError` naming every problem."""
+    doc = parse_document(text, source)
+    problems = validation_problems(doc)
+    if problems:
+        raise PresetError(f"{source}: not a valid preset: " + "; ".join(problems))
+    return Preset.model_validate(doc)
+
+
+def parse_document(text: str | bytes, source: str = "<preset>") -> dict[str, object]:
+    """The YAML stage alone: size, encoding, events, a top-level mapping of string keys.
+
+    What this refuses (``PresetError``) stops everything; what :func:`validation_problems`
+    finds in the mapping can all be reported together.
+    """
     if isinstance(text, bytes):
         if len(text) > MAX_PRESET_BYTES:
             raise PresetError(f"{source}: {len(text)} bytes is larger than the "
@@ -84,11 +98,16 @@ def parse_preset(text: str | bytes, source: str = "<preset>") -> Preset:
     bad = [k for k in doc if not isinstance(k, str)]
     if bad:
         raise PresetError(f"{source}: every key must be a string (found {len(bad)} that are not)")
+    return doc
+
+
+def validation_problems(doc: dict[str, object]) -> list[str]:
+    """Every problem the record's rules find in a parsed document (empty when valid)."""
     try:
-        return Preset.model_validate(doc)
+        Preset.model_validate(doc)
     except ValidationError as exc:
-        raise PresetError(f"{source}: not a valid preset: " + "; ".join(_problems(exc))
-                          ) from None
+        return _problems(exc)
+    return []
 
 
 #: events only, nothing constructed: libyaml's parser when PyYAML was built with it
@@ -157,16 +176,63 @@ def _problems(exc: ValidationError) -> list[str]:
     return out[:32]
 
 
-def read_preset_file(path: str | Path) -> Preset:
-    """Read and validate the preset at ``path``."""
-    p = Path(path)
+def _read_bytes(p: Path) -> bytes:
     if not p.is_file():
         raise PresetError(f"{p}: no such preset file")
     try:
-        data = read_capped(p, MAX_PRESET_BYTES)
+        return read_capped(p, MAX_PRESET_BYTES)
     except FileRejected as exc:
         raise PresetError(f"{p}: {exc} (a preset)") from None
-    return parse_preset(data, str(p)).with_origin(str(p))
+
+
+def read_preset_file(path: str | Path) -> Preset:
+    """Read and validate the preset at ``path`` (contents only; see :func:`check_preset_file`)."""
+    p = Path(path)
+    return parse_preset(_read_bytes(p), str(p)).with_origin(str(p))
+
+
+def file_problems(path: str | Path, registry: Registry | None = None,
+                  plugins: bool = True) -> tuple[Preset | None, list[str]]:
+    """Everything wrong with the preset file at ``path``, all at once.
+
+    The rules ``--preset`` applies to a file, whichever way it was named: the name ends in
+    ``.yaml``/``.yml``, the document is a valid preset, its ``name`` equals the file name
+    (``my-box.yaml`` says ``name: my-box``), it is not ``auto``, and (with ``plugins``) every
+    plugin it names is registered and available here. Returns the preset (``None`` when the
+    document is not valid) and the problems (empty when the file is usable).
+    """
+    p = Path(path)
+    problems: list[str] = []
+    if p.suffix not in (".yaml", ".yml"):
+        problems.append(f"a preset file's name must end in .yaml or .yml, not {p.suffix or '(no suffix)'!r}")
+    doc = parse_document(_read_bytes(p), str(p))  # not YAML at all: nothing else to check
+    problems += validation_problems(doc)
+    name = doc.get("name")
+    if isinstance(name, str):
+        if name != p.stem:
+            problems.append(f"the file is named {p.stem!r} but says name: {name!r}; make them "
+                            "agree")
+        if name == AUTO:
+            problems.append("'auto' is reserved (it is computed)")
+    if plugins:
+        named = {"kernel": doc.get("backend"), "storage": doc.get("storage"),
+                 "cache": doc.get("cache_policy")}
+        problems += _plugin_problems({k: v for k, v in named.items() if isinstance(v, str)},
+                                     registry)
+    preset = None
+    if not validation_problems(doc):
+        preset = Preset.model_validate(doc).with_origin(str(p))
+    return preset, problems
+
+
+def check_preset_file(path: str | Path, registry: Registry | None = None,
+                      plugins: bool = False) -> Preset:
+    """The preset at ``path`` if :func:`file_problems` finds nothing, else one
+    ``PresetError`` (exit 2) naming every problem."""
+    preset, problems = file_problems(path, registry, plugins)
+    if problems or preset is None:
+        raise PresetError(f"{path}: " + "; ".join(problems))
+    return preset
 
 
 # ---- finding -------------------------------------------------------------------------------
@@ -206,16 +272,12 @@ def load_preset(name_or_path: str, *, cfg: ModelConfig | None = None,
         return auto_preset(sizes, cfg=cfg, available=available, total=total,
                            overhead=overhead)
     if _is_path(name_or_path):
-        return read_preset_file(name_or_path)
+        return check_preset_file(name_or_path)
     if re.fullmatch(NAME_PATTERN, name_or_path):
         for folder in (user_preset_dir(), shipped_preset_dir()):
             path = folder / f"{name_or_path}.yaml"
             if path.is_file():
-                preset = read_preset_file(path)
-                if preset.name != name_or_path:
-                    raise PresetError(f"{path}: the file is named {name_or_path!r} but says "
-                                      f"name: {preset.name!r}; make them agree")
-                return preset
+                return check_preset_file(path)
     choices = preset_names()
     close = difflib.get_close_matches(name_or_path, choices, n=1)
     hint = f" (did you mean {close[0]!r}?)" if close else ""
@@ -234,12 +296,7 @@ def list_presets(on_error: Callable[[K3Error], None] | None = None) -> list[Pres
             files = []
         for path in files:
             try:
-                preset = read_preset_file(path)
-                if preset.name != path.stem:
-                    raise PresetError(f"{path}: the file is named {path.stem!r} but says "
-                                      f"name: {preset.name!r}; make them agree")
-                if preset.name == AUTO:
-                    raise PresetError(f"{path}: 'auto' is reserved (it is computed)")
+                preset = check_preset_file(path)
             except K3Error as exc:
                 if on_error is None:
                     raise
@@ -269,12 +326,28 @@ def table_lines(presets: list[Preset]) -> list[str]:
 
 
 def check_plugins(preset: Preset, registry: Registry | None = None) -> list[str]:
-    """Resolve every plugin the preset names (``PluginError`` exit 2 if one cannot run)."""
-    from k3core.plugins.registry import get_registry
+    """Every plugin the preset names that cannot run here, one problem each (empty: all fine).
+
+    Only problems are returned: a plugin that resolves is not a note to raise.
+    """
+    return _plugin_problems({str(k): v for k, v in preset.plugins().items()}, registry)
+
+
+def _plugin_problems(named: Mapping[str, str], registry: Registry | None) -> list[str]:
+    from k3core.plugins.registry import KIND_WORDS, get_registry
 
     reg = registry or get_registry()
-    notes = []
-    for kind, name in preset.plugins().items():
-        spec, note = reg.resolve(kind, name)
-        notes.append(note or f"preset {preset.name}: {kind} {spec.name}")
-    return notes
+    out = []
+    for kind, name in named.items():
+        if name == AUTO:
+            continue
+        k = cast("Kind", kind)
+        if name not in reg.names(k):
+            choices = ", ".join(reg.names(k)) or "(none)"
+            out.append(f"{KIND_WORDS[k]} {name!r} is not registered (registered: {choices})")
+            continue
+        try:
+            reg.resolve(k, name)
+        except K3Error as exc:
+            out.append(exc.message)
+    return out

@@ -1,17 +1,21 @@
 """Where a run's prompt comes from: exactly one of ``--prompt``, ``--prompt-file``, ``--ids``.
 
-Text goes through the tokenizer (``--tok DIR`` or ``$K3_TOK_FILES``); a prompt file is
-read as raw bytes, verbatim (the way to pass non-ASCII text safely past a shell). BOS is
+Text goes through the tokenizer (``--tok DIR``, ``$K3_TOK_FILES``, else the tokenizer files in
+MODEL_DIR when they are there); a prompt file (``-`` = standard input) is read as raw bytes,
+verbatim (the way to pass non-ASCII text safely past a shell). ``--prompt`` text is taken as
+the bytes that were on the command line, valid UTF-8 or not (:func:`prompt_text_bytes`). BOS is
 prepended only when asked (``--bos``), never by default.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from k3core.api.errors import UsageError
 from k3core.api.files import FileRejected, read_capped
+from k3core.api.units import human
 from k3core.run.idparse import check_vocab, parse_ids
 from k3core.tokenizer.encoding import Tokenizer
 
@@ -39,10 +43,26 @@ class PromptSpec:
         return self.ids is None
 
 
-def load_tokenizer(tok: Path | None, vocab: int, required: bool) -> Tokenizer | None:
+#: the files that make a directory a tokenizer directory
+TOKENIZER_FILES = ("tiktoken.model", "tokenizer_config.json")
+
+
+def find_tokenizer(model_dir: Path | None) -> Path | None:
+    """MODEL_DIR when it holds the tokenizer files (the released layout ships them there)."""
+    if model_dir is not None and all((Path(model_dir) / f).is_file() for f in TOKENIZER_FILES):
+        return Path(model_dir)
+    return None
+
+
+def load_tokenizer(tok: Path | None, vocab: int, required: bool,
+                   model_dir: Path | None = None) -> Tokenizer | None:
+    """``--tok`` (or ``$K3_TOK_FILES``), else the tokenizer in ``model_dir``, else ``None``."""
+    if tok is None:
+        tok = find_tokenizer(model_dir)
     if tok is None:
         if required:
-            raise UsageError("--prompt and --prompt-file need --tok DIR (the directory with tiktoken.model)")
+            raise UsageError("--prompt and --prompt-file need --tok DIR (the directory with "
+                             "tiktoken.model), or the tokenizer files in MODEL_DIR")
         return None
     if not Path(tok).is_dir():
         raise UsageError(f"--tok {tok}: not a directory")
@@ -56,8 +76,9 @@ def prompt_ids(spec: PromptSpec, tok: Tokenizer | None, vocab: int, bos_id: int 
         how = f"{len(ids)} ids from --ids"
     elif spec.text is not None:
         assert tok is not None
-        ids = tok.encode(spec.text)
-        how = f"tokenized: {len(spec.text.encode())} bytes -> {len(ids)} ids"
+        data = prompt_text_bytes(spec.text)
+        ids = tok.encode_bytes(data)
+        how = f"tokenized: {len(data)} bytes -> {len(ids)} ids"
     else:
         assert tok is not None and spec.file is not None
         data = read_prompt_file(spec.file)
@@ -75,8 +96,45 @@ def prompt_ids(spec: PromptSpec, tok: Tokenizer | None, vocab: int, bos_id: int 
     return ids, how
 
 
+def prompt_text_bytes(text: str) -> bytes:
+    """The bytes of ``--prompt`` exactly as they were on the command line.
+
+    Python decodes argv with the file-system encoding and ``surrogateescape``, so bytes that
+    are not valid UTF-8 (``--prompt $'caf\\xe9'``) arrive as lone surrogates; ``os.fsencode``
+    gives the original bytes back, and the tokenizer (a byte-level BPE) takes them as given.
+    Lone surrogates that did not come from argv (a caller's own string) cannot be encoded:
+    that is a ``UsageError`` (exit 2) pointing at ``--prompt-file``.
+    """
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError:
+        pass
+    try:
+        return os.fsencode(text)
+    except UnicodeEncodeError:
+        raise UsageError("--prompt: the text is not valid UTF-8 and cannot be turned back into "
+                         "bytes; put the prompt in a file and pass --prompt-file FILE (its "
+                         "bytes are taken verbatim)") from None
+
+
 def read_prompt_file(path: Path) -> bytes:
+    if str(path) == "-":
+        return _read_stdin()
     try:
         return read_capped(path, MAX_PROMPT_FILE)
     except FileRejected as exc:
         raise UsageError(f"--prompt-file {path}: cannot read it: {exc}") from None
+
+
+def _read_stdin() -> bytes:
+    """``--prompt-file -``: standard input's bytes, verbatim, within the same size limit."""
+    import sys
+
+    try:
+        data = sys.stdin.buffer.read(MAX_PROMPT_FILE + 1)
+    except (OSError, AttributeError, ValueError) as exc:
+        raise UsageError(f"--prompt-file -: cannot read standard input ({exc})") from None
+    if len(data) > MAX_PROMPT_FILE:
+        raise UsageError(f"--prompt-file -: standard input is over the {human(MAX_PROMPT_FILE)} "
+                         "limit")
+    return data

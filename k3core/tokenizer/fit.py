@@ -37,6 +37,7 @@ from importlib import resources
 from pathlib import Path
 
 from k3core.api.errors import OutputError, UsageError
+from k3core.api.filemode import give_new_file_mode
 from k3core.tokenizer.bpe_train import fill_tokens, train_bpe
 from k3core.tokenizer.encoding import CONFIG_FILE, MODEL_FILE
 from k3core.tokenizer.files import MAX_RANKS
@@ -196,6 +197,7 @@ def _write_atomic(files: dict[Path, bytes]) -> None:
             fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
             temps[path] = tmp
             with os.fdopen(fd, "wb") as f:
+                give_new_file_mode(f.fileno())
                 f.write(data)
                 f.flush()
                 os.fsync(f.fileno())

@@ -4,6 +4,11 @@ A dump is the little-endian float32 logits of one position, no header. Two dumps
 the same size, a multiple of 4 bytes, and at least one value; anything else is a
 ``UsageError`` (exit 2). Statistics are computed in float64 over the positions where both
 values are finite; non-finite values are counted, never hidden.
+
+:func:`disagreements` is the verdict ``k3 cmp-logits`` turns into its exit status: the
+argmax differs, or (when ``atol``/``rtol`` are given) some value fails
+``|A - B| <= atol + rtol * |B|`` (NumPy's ``isclose`` rule; a position where A and B are not
+both finite fails unless both hold the same non-finite value).
 """
 
 from __future__ import annotations
@@ -123,9 +128,42 @@ def _corr(x: np.ndarray, y: np.ndarray) -> float:
     return float((xc * yc).sum() / den)
 
 
-def compare_files(a: str | Path, b: str | Path, top_k: int = 10) -> LogitComparison:
+def read_pair(a: str | Path, b: str | Path) -> tuple[np.ndarray, np.ndarray]:
     xa, xb = read_logits(a), read_logits(b)
     if xa.size != xb.size:
         raise UsageError(f"{a} holds {xa.size} float32 values and {b} holds {xb.size}; "
                          "refusing to compare dumps of different sizes")
-    return compare_logits(xa, xb, top_k)
+    return xa, xb
+
+
+def compare_files(a: str | Path, b: str | Path, top_k: int = 10) -> LogitComparison:
+    return compare_logits(*read_pair(a, b), top_k)
+
+
+def check_tolerances(atol: float | None, rtol: float | None) -> None:
+    for flag, v in (("--atol", atol), ("--rtol", rtol)):
+        if v is not None and not (np.isfinite(v) and v >= 0):
+            raise UsageError(f"{flag} must be a finite number >= 0, got {v}")
+
+
+def disagreements(a: np.ndarray, b: np.ndarray, res: LogitComparison,
+                  atol: float | None = None, rtol: float | None = None) -> list[str]:
+    """Why A and B do not agree (empty: they do): argmax, then the tolerances if given."""
+    check_tolerances(atol, rtol)
+    out = []
+    if res.argmax_a != res.argmax_b:
+        out.append(f"argmax differs (A {res.argmax_a}, B {res.argmax_b})")
+    if atol is None and rtol is None:
+        return out
+    at, rt = atol or 0.0, rtol or 0.0
+    x, y = a.astype(np.float64), b.astype(np.float64)
+    close = np.isclose(x, y, rtol=rt, atol=at, equal_nan=True)
+    close |= (x == y)  # the same infinity
+    bad = int((~close).sum())
+    if bad:
+        with np.errstate(invalid="ignore"):
+            excess = np.where(close, -np.inf, np.abs(x - y) - (at + rt * np.abs(y)))
+        worst = int(np.argmax(np.where(np.isnan(excess), np.inf, excess)))
+        out.append(f"{bad} of {a.size} values fail |A-B| <= {at:g} + {rt:g}*|B| (worst at "
+                   f"index {worst}: A {float(a[worst]):.9g}, B {float(b[worst]):.9g})")
+    return out

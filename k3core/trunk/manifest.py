@@ -11,7 +11,13 @@ one aligned read (O_DIRECT needs no fix-up). ``trunk.json`` describes it::
      "layers": [{"layer": L, "file_off": ..., "nbytes": padded run, "span": unpadded run,
                  "checksum": "crc32:xxxxxxxx" (of the span bytes),
                  "tensors": {full name: {"off": relative to the run, "nbytes", "dtype",
-                                         "shape"}}}, ...]}
+                                         "shape"}}}, ...],
+     "tables": {name: {"chunk_rows": R, "checksums": ["crc32:...", ...]}}}
+
+``tables`` (written by this k3, optional to read) holds CRC-32s of the embedding and
+``lm_head`` as they sit in the checkpoint, one per ``chunk_rows`` rows (about 1 MiB), so
+``--ultra-low-memory``, which streams those tables from the checkpoint, can check what it
+reads (:mod:`k3core.trunk.tables`). A trunk without them cannot run ultra-low-memory.
 
 A manifest is untrusted input. :func:`open_trunk` refuses, with one ``CheckpointError``
 (exit 1) naming the problem, a file over the size cap, anything but strict JSON, a field of
@@ -20,7 +26,9 @@ unaligned, overlap or leave ``trunk.bin`` (whose size must equal ``total_bytes``
 that escape their run or overlap, or whose dtype/shape/size/relative position disagree with
 the checkpoint, a trunk packed from another checkpoint (other headers, or the same headers
 but other weights: the sampled bytes differ) or for another model shape, and a trunk with
-fewer layers than the run needs. ``verify=True`` re-checksums every layer.
+fewer layers than the run needs. ``verify=True`` re-checksums every layer at open; without
+it each layer's checksum is still checked before its bytes are first used
+(:mod:`k3core.trunk.stream`).
 """
 
 from __future__ import annotations
@@ -30,14 +38,14 @@ import os
 import re
 import zlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from k3core.api.errors import CheckpointError, StorageError
+from k3core.api.errors import CheckpointError, StorageError, UsageError
 from k3core.api.files import FileRejected, read_capped
 from k3core.api.safejson import JSONRejected, parse_json, show
 from k3core.api.storage import StorageBackend, aligned_empty
@@ -96,6 +104,26 @@ class TrunkLayer:
 
 
 @dataclass(frozen=True)
+class TableChecksums:
+    """CRC-32s of one model table, ``chunk_rows`` rows each (the last chunk may be short)."""
+
+    name: str
+    chunk_rows: int
+    checksums: tuple[str, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"chunk_rows": self.chunk_rows, "checksums": list(self.checksums)}
+
+
+#: rows per table checksum: about this many bytes
+TABLE_CHUNK_BYTES = 1 << 20
+
+
+def table_chunk_rows(row_bytes: int) -> int:
+    return max(1, TABLE_CHUNK_BYTES // max(1, row_bytes))
+
+
+@dataclass(frozen=True)
 class TrunkManifest:
     """A validated packed trunk; ``layers[L].layer == L``."""
 
@@ -106,6 +134,7 @@ class TrunkManifest:
     source_sample: str
     config_fingerprint: tuple[int, ...]
     total_bytes: int
+    tables: dict[str, TableChecksums] | None = None
 
     @property
     def n_layers(self) -> int:
@@ -123,6 +152,8 @@ class TrunkManifest:
             "source_sample": self.source_sample,
             "config_fingerprint": list(self.config_fingerprint),
             "layers": [lay.to_json() for lay in self.layers],
+            **({"tables": {n: t.to_json() for n, t in self.tables.items()}}
+               if self.tables is not None else {}),
         }
 
 
@@ -143,9 +174,12 @@ def open_trunk(
 ) -> TrunkManifest:
     """Read and check ``trunk_dir`` against ``index`` and ``cfg``; needs ``n_layers`` layers."""
     root = Path(trunk_dir)
+    if not root.exists():  # a missing input path is a usage error (docs/exit-codes.md)
+        raise UsageError(f"--trunk {root} does not exist (pack one with "
+                         "`k3 pack-trunk MODEL_DIR TRUNK_DIR`)")
     if not root.is_dir():
-        raise CheckpointError(f"trunk directory {root} does not exist (pack one with "
-                              "`k3 pack-trunk MODEL_DIR TRUNK_DIR`)")
+        raise UsageError(f"--trunk {root} is not a directory (it names the directory "
+                         "`k3 pack-trunk` wrote)")
     doc = _load(root / MANIFEST_NAME)
     man = parse_manifest(doc, root, index, cfg, n_layers or cfg.n_layers)
     _check_bin(man)
@@ -158,8 +192,8 @@ def open_trunk(
 
 def _load(path: Path) -> Any:
     if not path.is_file():
-        raise CheckpointError(f"{path}: no trunk manifest (not packed, or packing did not "
-                              "finish); run `k3 pack-trunk`")
+        raise UsageError(f"{path}: no trunk manifest, so {path.parent} is not a packed "
+                         "trunk (not packed, or packing did not finish); run `k3 pack-trunk`")
     try:
         data = read_capped(path, MAX_MANIFEST_BYTES)
     except FileRejected as exc:
@@ -212,7 +246,39 @@ def parse_manifest(doc: Any, root: Path, index: CheckpointIndex, cfg: ModelConfi
             _check_against_index(lay, index, cfg if lay.layer < cfg.n_layers else None)
         except _Bad as exc:
             raise CheckpointError(f"{where}: layer {lay.layer}: {exc}") from None
-    return man
+    try:
+        tables = _parse_tables(doc.get("tables"), index)
+    except _Bad as exc:
+        raise CheckpointError(f"{where}: tables: {exc}") from None
+    return replace(man, tables=tables)
+
+
+def _parse_tables(raw: Any, index: CheckpointIndex) -> dict[str, TableChecksums] | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise _Bad(f"must be an object, got {_kind(raw)}")
+    out: dict[str, TableChecksums] = {}
+    for name, t in raw.items():
+        if name not in (names.EMBED, names.LM_HEAD):
+            raise _Bad(f"{show(name)} is not a streamed model table")
+        info = index.tensors.get(name)
+        if info is None or len(info.shape) != 2:
+            raise _Bad(f"{show(name)} is not a two-dimensional tensor of the checkpoint")
+        if not isinstance(t, dict):
+            raise _Bad(f"{show(name)} must be an object")
+        try:
+            rows = _int(t, "chunk_rows", 1, 1 << 40)
+            sums = t.get("checksums")
+            want = -(-info.shape[0] // rows)
+            if not isinstance(sums, list) or len(sums) != want:
+                raise _Bad(f"checksums must be a list of {want} entries")
+            if not all(isinstance(c, str) and _CHECKSUM_RE.match(c) for c in sums):
+                raise _Bad("every checksum must be 'crc32:' and 8 lowercase hex digits")
+        except _Bad as exc:
+            raise _Bad(f"{show(name)}: {exc}") from None
+        out[name] = TableChecksums(name, rows, tuple(sums))
+    return out
 
 
 def _parse_root(doc: Any, root: Path) -> TrunkManifest:
@@ -360,6 +426,15 @@ def _check_bin(man: TrunkManifest) -> None:
     if st.st_size != man.total_bytes:
         raise CheckpointError(f"{path} is {st.st_size} bytes but {MANIFEST_NAME} says "
                               f"{man.total_bytes}; truncated or replaced, repack the trunk")
+
+
+def checksum_problem(man: TrunkManifest, lay: TrunkLayer, data: np.ndarray) -> str | None:
+    """``None`` when the first ``span`` bytes of ``data`` match the layer's checksum."""
+    crc = crc_tag(zlib.crc32(data[: lay.span].data))
+    if crc == lay.checksum:
+        return None
+    return (f"{man.bin_path}: layer {lay.layer} fails its checksum ({crc}, manifest "
+            f"{lay.checksum}); the file is damaged, repack the trunk")
 
 
 def verify_trunk(man: TrunkManifest, storage: StorageBackend,

@@ -39,10 +39,12 @@ from k3core.model.layer_params import trunk_suffixes
 from k3core.trunk.manifest import (
     DATA_NAME,
     MANIFEST_NAME,
+    TableChecksums,
     TrunkLayer,
     TrunkManifest,
     TrunkTensor,
     crc_tag,
+    table_chunk_rows,
 )
 from k3core.trunk.sample import source_sample
 
@@ -122,8 +124,10 @@ def pack_trunk(
     try:
         layers = _write_bin(tmp_bin, runs, storage, progress)
         sample = source_sample(index, ((r.path, r.start, r.span) for r in runs))
+        tables = {n: table_checksums(index, n) for n in (names.EMBED, names.LM_HEAD)
+                  if n in index}
         man = TrunkManifest(out, ALIGN, tuple(layers), index.fingerprint(), sample,
-                            tuple(cfg.fingerprint()), sum(r.nbytes for r in runs))
+                            tuple(cfg.fingerprint()), sum(r.nbytes for r in runs), tables)
         _write_file(tmp_json, json.dumps(man.to_json(), indent=1).encode() + b"\n")
         with contextlib.suppress(FileNotFoundError):
             os.unlink(out / MANIFEST_NAME)
@@ -141,6 +145,23 @@ def pack_trunk(
             with contextlib.suppress(OSError):
                 out.rmdir()  # only if empty: a failed pack leaves no directory it made
     return man
+
+
+def table_checksums(index: CheckpointIndex, name: str) -> TableChecksums:
+    """CRC-32s of table ``name`` in the checkpoint, one per ``table_chunk_rows`` rows."""
+    info = index.info(name)
+    rows = info.shape[0]
+    row = info.nbytes // max(1, rows)
+    per = table_chunk_rows(row)
+    sums = []
+    step = max(per, COPY_CHUNK // max(1, row) // per * per)  # read up to 64 MiB at a time
+    for r0 in range(0, rows, step):
+        r1 = min(rows, r0 + step)
+        data = index.read_range(info.path, info.offset + r0 * row, (r1 - r0) * row)
+        for c0 in range(0, r1 - r0, per):
+            c1 = min(r1 - r0, c0 + per)
+            sums.append(crc_tag(zlib.crc32(data[c0 * row : c1 * row].data)))
+    return TableChecksums(name, per, tuple(sums))
 
 
 def _write_bin(path: Path, runs: list[LayerRun], storage: StorageBackend,

@@ -18,7 +18,12 @@ Invariants, all under one condition variable:
   the error, and the ``acquire`` of that layer raises it (the forward pass fails, exit 1);
   it is never served;
 * with one slot there is no reader thread: a layer is read on demand in ``acquire``, never
-  over the slot in use.
+  over the slot in use;
+* no layer's bytes are used before they matched the manifest's CRC-32: pinned layers are
+  checked at open (on a helper thread, overlapping the next layer's read), ring layers the
+  first time they are read in a run (with ``verify_every``, which ``--verify-trunk`` sets,
+  on every read). A mismatch is a ``CheckpointError`` (exit 1) naming the layer, raised by
+  the open or by the ``acquire`` of that layer, and the bytes are never served.
 
 ``acquire`` returns :class:`~k3core.model.layer_params.LayerParams` built by ``prepare_layer`` over
 read-only zero-copy views into the slot (bf16 matrices stay views, small vectors are
@@ -33,6 +38,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -44,7 +50,7 @@ from k3core.model import names
 from k3core.model.config import ModelConfig
 from k3core.model.layer_params import LayerParams, prepare_layer
 from k3core.model.sources import TrunkSource
-from k3core.trunk.manifest import TrunkLayer, TrunkManifest
+from k3core.trunk.manifest import TrunkLayer, TrunkManifest, checksum_problem
 from k3core.trunk.plan import DEFAULT_RING, TrunkPlan, plan_trunk
 
 EMPTY, READING, READY = "empty", "reading", "ready"
@@ -93,6 +99,9 @@ class TrunkStats:
     failed_reads: int = 0
     pin_bytes: int = 0  # read once at open
     pin_seconds: float = 0.0
+    verified: int = 0  # checksum checks passed (pinned at open, ring reads)
+    verify_seconds: float = 0.0  # CPU time inside those checks
+    verify_every: bool = False
 
     @property
     def overlapped_seconds(self) -> float:
@@ -111,6 +120,9 @@ class TrunkStats:
             f"({rate:.0f} MB/s); pinned load {human(self.pin_bytes)} in "
             f"{self.pin_seconds:.2f} s",
         ]
+        when = "on every read" if self.verify_every else "before first use"
+        lines.append(f"  checksums: {self.verified} layer checks passed ({when}) in "
+                     f"{self.verify_seconds:.2f} s")
         if self.read_seconds > 0:
             share = 100 * self.overlapped_seconds / self.read_seconds
             lines.append(f"  read = {self.read_seconds:.2f} s of device work, of which "
@@ -136,6 +148,9 @@ class TrunkStats:
             "trunk_exposed_wait_seconds": self.exposed_wait_seconds,
             "trunk_overlapped_seconds": self.overlapped_seconds,
             "trunk_pin_seconds": self.pin_seconds,
+            "trunk_checksums_verified": self.verified,
+            "trunk_verify_seconds": self.verify_seconds,
+            "trunk_verify_every_read": self.verify_every,
         }
 
 
@@ -159,14 +174,18 @@ class StreamedTrunk(TrunkSource):
         n_layers: int | None = None,
         ring: int = DEFAULT_RING,
         progress: Callable[[int, int], None] | None = None,
+        verify_every: bool = False,
     ):
         self.cfg = cfg
+        self.verify_every = verify_every
+        self._verified: set[int] = set()
         self.manifest = manifest
         n = n_layers or cfg.n_layers
         self.plan: TrunkPlan = plan_trunk([manifest.layers[L].nbytes for L in range(n)],
                                           budget_bytes, ring)
         self.stats = TrunkStats(n, len(self.plan.pinned), self.plan.ring,
-                                self.plan.slot_bytes, self.plan.pinned_bytes)
+                                self.plan.slot_bytes, self.plan.pinned_bytes,
+                                verify_every=verify_every)
         self._file: StorageFile | None = _open(storage, manifest)
         self._cond = threading.Condition()
         self._stop = threading.Event()
@@ -252,16 +271,39 @@ class StreamedTrunk(TrunkSource):
         f = self._file
         assert f is not None
         total = len(self.plan.pinned)
-        for i, L in enumerate(self.plan.pinned):
-            lay = self.manifest.layers[L]
-            buf = slot_buffer(lay.nbytes)
-            t0 = time.perf_counter()
-            self._read(f, lay, buf)
-            self.stats.pin_seconds += time.perf_counter() - t0
-            self.stats.pin_bytes += lay.nbytes
-            self._pinned[L] = self._bind(L, buf)
-            if progress:
-                progress(i + 1, total)
+        checks: list[Future[str | None]] = []
+        with ThreadPoolExecutor(1, thread_name_prefix="k3-trunk-crc") as pool:
+            try:
+                for i, L in enumerate(self.plan.pinned):
+                    lay = self.manifest.layers[L]
+                    buf = slot_buffer(lay.nbytes)
+                    t0 = time.perf_counter()
+                    self._read(f, lay, buf)
+                    self.stats.pin_seconds += time.perf_counter() - t0
+                    self.stats.pin_bytes += lay.nbytes
+                    checks.append(pool.submit(self._check, lay, buf))  # zlib drops the GIL
+                    self._pinned[L] = self._bind(L, buf)
+                    if progress:
+                        progress(i + 1, total)
+            except BaseException:
+                for c in checks:
+                    c.cancel()
+                raise
+            for c in checks:
+                problem = c.result()
+                if problem is not None:
+                    raise CheckpointError(problem)
+
+    def _check(self, lay: TrunkLayer, buf: np.ndarray) -> str | None:
+        """The checksum problem of ``lay``'s bytes in ``buf`` (``None``: they match)."""
+        t0 = time.perf_counter()
+        problem = checksum_problem(self.manifest, lay, buf)
+        with self._cond:
+            self.stats.verify_seconds += time.perf_counter() - t0
+            if problem is None:
+                self.stats.verified += 1
+                self._verified.add(lay.layer)
+        return problem
 
     def _bind(self, layer: int, buf: np.ndarray) -> LayerParams:
         lay = self.manifest.layers[layer]
@@ -325,6 +367,10 @@ class StreamedTrunk(TrunkSource):
             if f is None:
                 raise StorageError(f"trunk layer {layer}: the trunk is closed")
             self._read(f, lay, slot.buf)
+            if self.verify_every or layer not in self._verified:
+                problem = self._check(lay, slot.buf)
+                if problem is not None:
+                    raise CheckpointError(problem)
         except BaseException as exc:  # anything: the slot must never stay READING
             err = exc if isinstance(exc, K3Error) else StorageError(
                 f"trunk layer {layer}: read failed: {exc!r}")

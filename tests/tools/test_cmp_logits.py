@@ -79,3 +79,41 @@ def test_missing_file_and_bad_top_k(tmp_path):
     assert runner.invoke(app, ["cmp-logits", a, a, "--top-k", "0"]).exit_code == 2
     with pytest.raises(UsageError):
         compare_logits(np.zeros(3, np.float32), np.zeros(4, np.float32))
+
+
+# ---- the verdict: exit 1 when the dumps disagree ------------------------------------------
+def test_argmax_difference_exits_1(tmp_path):
+    a = dump(tmp_path / "a", [0.0, 3.0, 1.0])
+    b = dump(tmp_path / "b", [0.0, 1.0, 3.0])
+    res = runner.invoke(app, ["cmp-logits", a, b])
+    assert res.exit_code == 1
+    assert "k3: error: the dumps disagree: argmax differs (A 1, B 2)" in res.output
+    assert "same: NO" in res.output  # the statistics are still printed
+    res = runner.invoke(app, ["cmp-logits", a, b, "--json"])
+    assert res.exit_code == 1
+    doc = json.loads(res.output[: res.output.rindex("}") + 1])
+    assert doc["agree"] is False and doc["problems"]
+
+
+def test_tolerances(tmp_path):
+    x = np.array([1.0, 5.0, 2.0, -1.0], dtype=np.float32)
+    a = dump(tmp_path / "a", x)
+    b = dump(tmp_path / "b", x + np.float32(0.01))
+    assert runner.invoke(app, ["cmp-logits", a, b]).exit_code == 0  # no tolerance asked
+    ok = runner.invoke(app, ["cmp-logits", a, b, "--atol", "0.02"])
+    assert ok.exit_code == 0, ok.output
+    assert "all values within" in ok.output
+    assert runner.invoke(app, ["cmp-logits", a, b, "--rtol", "0.05"]).exit_code == 0
+    bad = runner.invoke(app, ["cmp-logits", a, b, "--atol", "0.001"])
+    assert bad.exit_code == 1 and "4 of 4 values fail" in bad.output
+    assert runner.invoke(app, ["cmp-logits", a, a, "--atol", "0"]).exit_code == 0
+    c = dump(tmp_path / "c", [1.0, 5.0, np.nan, -1.0])
+    assert runner.invoke(app, ["cmp-logits", a, c, "--atol", "10"]).exit_code == 1
+    assert runner.invoke(app, ["cmp-logits", c, c, "--atol", "0"]).exit_code == 0
+
+
+@pytest.mark.parametrize("flag", ["--atol", "--rtol"])
+def test_bad_tolerance_exits_2(tmp_path, flag):
+    a = dump(tmp_path / "a", [1, 2])
+    res = runner.invoke(app, ["cmp-logits", a, a, flag, "-1"])
+    assert res.exit_code == 2 and f"{flag} must be" in res.output

@@ -94,3 +94,20 @@ def test_full_recompute_equals_incremental(tiny, tmp_path):
 def test_refuses_existing_directory(tiny):
     res = CliRunner().invoke(app, ["synth", str(tiny), "--size", "tiny"])
     assert res.exit_code == 2 and "--force" in res.output
+
+
+def test_set_with_a_misspelt_key_is_refused(tmp_path):
+    out = tmp_path / "m"
+    res = CliRunner().invoke(app, ["synth", str(out), "--set", "num_hiden_layers=5"])
+    assert res.exit_code == 2
+    assert "--set num_hiden_layers: not a config key" in res.output
+    assert "did you mean 'num_hidden_layers'" in res.output
+    assert not out.exists()
+
+
+def test_set_with_a_known_key_applies(tmp_path):
+    out = tmp_path / "m"
+    res = CliRunner().invoke(app, ["synth", str(out), "--set", "num_hidden_layers=5",
+                                   "--set", "full_attn_layers=[4,5]"])
+    assert res.exit_code == 0, res.output
+    assert load_config(out).n_layers == 5

@@ -162,13 +162,14 @@ def test_trunk_from_another_checkpoint(model, trunk, work) -> None:
 
 
 def test_missing_trunk_and_missing_manifest(model, trunk, work) -> None:
+    """Missing input paths are usage errors (exit 2), like a missing --prompt-file."""
     res = _run(model, work / "nowhere")
-    assert res.exit_code == 1 and "does not exist" in _err(res)
+    assert res.exit_code == 2 and "does not exist" in _err(res)
     d = work / "bin-only"
     d.mkdir()
     (d / DATA_NAME).write_bytes(b"")
     res = _run(model, d)
-    assert res.exit_code == 1 and "no trunk manifest" in _err(res)
+    assert res.exit_code == 2 and "no trunk manifest" in _err(res)
 
 
 def test_budget_below_the_floor(model, trunk, doc) -> None:

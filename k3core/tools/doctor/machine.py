@@ -2,12 +2,16 @@
 
 Sections: toolchain (Python, a C compiler for the compiled backends), plugins (every kernel,
 storage and cache plugin and why one is unavailable), CPU (cores, AVX2/FMA/AVX-512), memory
-(total, available, the preset that fits), disk (free space, read bandwidth measured the way
-the engine reads: see :mod:`k3core.tools.doctor.disk_probe`), and given a model directory its
-completeness (:mod:`k3core.tools.doctor.model`) and whether even the ultra-low-memory floor fits.
+(total, available, the preset that fits), disk (free space against the checkpoint and the
+packed trunk, read bandwidth measured the way the engine reads, see
+:mod:`k3core.tools.doctor.disk_probe`, and what that bandwidth means for each preset, see
+:mod:`k3core.tools.doctor.needs`), and given a model directory its completeness
+(:mod:`k3core.tools.doctor.model`) and whether even the ultra-low-memory floor fits.
 
 Only blocking problems are ``fail`` (exit 1): an incomplete model directory, or a machine
-that cannot run the model at all. Everything else is a warning.
+that cannot run the model at all. Everything else is a warning, and the result line counts
+the warnings. ``progress`` (the CLI prints it on stderr) hears what is being probed while it
+is, including the scratch file the bandwidth probe writes when there is no shard to read.
 """
 
 from __future__ import annotations
@@ -18,8 +22,10 @@ import shlex
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import psutil
 
@@ -33,6 +39,15 @@ from k3core.tools.doctor.disk_probe import (
     write_probe_file,
 )
 from k3core.tools.doctor.model import Check, ModelCheck, Status, check_model
+from k3core.tools.doctor.needs import (
+    SLOW_SECONDS_PER_TOKEN,
+    checkpoint_bytes,
+    packed_trunk_bytes,
+    preset_reads,
+    released_sizes,
+)
+
+Progress = Callable[[str], None]
 
 GIB = 1 << 30
 #: the reference doctor's MemAvailable (GiB) -> preset mapping
@@ -58,6 +73,21 @@ class DoctorReport:
     @property
     def exit_code(self) -> int:
         return 1 if self.failed else 0
+
+    @property
+    def warnings(self) -> int:
+        return sum(c.status == "warn" for c in self.checks)
+
+    @property
+    def result(self) -> str:
+        return "fail" if self.failed else "ready" if self.next_commands else "ok"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"result": self.result, "exit_code": self.exit_code,
+                "warnings": self.warnings, "preset": self.preset,
+                "next_commands": list(self.next_commands),
+                "checks": [{"section": c.section, "name": c.name, "status": c.status,
+                            "detail": c.detail} for c in self.checks]}
 
 
 def preset_for_memory(available: int) -> str | None:
@@ -146,29 +176,85 @@ def check_memory(r: DoctorReport, total: int, available: int) -> None:
 
 
 def check_disk(r: DoctorReport, where: Path, probe_target: Path | None,
-               measure: DiskMeasure | None, how: str, probe_bytes: int) -> None:
+               measure: DiskMeasure | None, how: str, probe_bytes: int,
+               probe_dir: Path | None = None, progress: Progress | None = None) -> float:
+    """Free space at ``where`` and the measured bandwidth; returns the best MB/s (0: none)."""
+    say = progress or (lambda msg: None)
     try:
         free = shutil.disk_usage(where).free
         r.add("disk", "free space", "ok", f"{human(free)} free at {where}")
     except OSError as exc:
         r.add("disk", "free space", "warn", f"cannot stat {where}: {exc.strerror or exc}")
     if measure is None:
-        return
+        return 0.0
     scratch = None
     try:
         if probe_target is None:
-            scratch = probe_target = write_probe_file(where, probe_bytes)
+            folder = probe_dir or where
+            say(f"writing a {human(probe_bytes)} scratch file in {folder} for the read probe "
+                "(removed afterwards; --probe-dir DIR puts it elsewhere, --no-disk-probe "
+                "skips it)")
+            scratch = probe_target = write_probe_file(folder, probe_bytes)
+        say(f"probing read bandwidth on {probe_target} (up to {human(probe_bytes)}) ...")
         results = measure(probe_target)
     except OSError as exc:
         r.add("disk", "read bandwidth", "warn", f"not measured: {exc.strerror or exc}")
-        return
+        return 0.0
     finally:
         if scratch is not None:
             scratch.unlink(missing_ok=True)
     if not results:
         r.add("disk", "read bandwidth", "info", f"not measured: {probe_target} is too small")
+    where_read = f"scratch file in {probe_target.parent}, removed" if scratch else str(probe_target)
     for mode, depth, mbs in results:
-        r.add("disk", f"read {mode} QD{depth}", "ok", f"{mbs:,.0f} MB/s ({how})")
+        r.add("disk", f"read {mode} QD{depth}", "ok", f"{mbs:,.0f} MB/s ({how}; {where_read})")
+    return max((mbs for _, _, mbs in results), default=0.0)
+
+
+def check_space(r: DoctorReport, mc: ModelCheck | None, root: Path | None) -> None:
+    """Room for the checkpoint (when none is given) and for the packed trunk."""
+    sz = mc.sizes if mc is not None and mc.sizes is not None else None
+    trunk = packed_trunk_bytes(sz or released_sizes())
+    if sz is None:  # no model yet: room to download Kimi K3 and pack its trunk here
+        here = Path.cwd()
+        need = checkpoint_bytes(released_sizes())
+        free = _free(here)
+        if free is None:
+            return
+        ok = free >= need + trunk
+        r.add("disk", "room for Kimi K3", "ok" if ok else "warn",
+              f"{human(free)} free at {here}; the checkpoint is {human(need)} and its packed "
+              f"trunk {human(trunk)}" + ("" if ok else
+                                        ": not enough here; download to a larger disk"))
+        return
+    assert root is not None
+    target = root.resolve().parent  # `k3 pack-trunk MODEL MODEL-trunk` writes beside it
+    free = _free(target)
+    if free is None:
+        return
+    ok = free >= trunk
+    r.add("disk", "room for the trunk", "ok" if ok else "warn",
+          f"packing the trunk writes {human(trunk)} into {target}; {human(free)} is free there"
+          + ("" if ok else ": pack it onto another disk (k3 pack-trunk MODEL_DIR OTHER_DIR)"))
+
+
+def rate_bandwidth(r: DoctorReport, mbs: float, mc: ModelCheck | None) -> None:
+    """Each shipped preset's reads per token against the measured bandwidth."""
+    if mbs <= 0:
+        return
+    from k3core.run.presets import list_presets
+
+    sz = mc.sizes if mc is not None and mc.sizes is not None else released_sizes()
+    which = "this model" if mc is not None and mc.sizes is not None else "Kimi K3"
+    for p in list_presets(on_error=lambda e: None):
+        need = preset_reads(p, sz)
+        secs = need.seconds_at(mbs)
+        slow = secs > SLOW_SECONDS_PER_TOKEN
+        r.add("disk", f"preset {p.name}", "warn" if slow else "ok",
+              f"{which} reads ~{human(need.total)} per token ({need.pinned_layers}/"
+              f"{need.n_layers} trunk layers pinned; trunk {human(need.trunk_bytes)}, experts "
+              f"~{human(need.expert_bytes)} if routing were uniform): at {mbs:,.0f} MB/s that "
+              f"is >= {secs:.1f} s/token of reading" + (" (slow)" if slow else ""))
 
 
 def check_fit(r: DoctorReport, mc: ModelCheck, available: int, baseline: int | None) -> None:
@@ -219,8 +305,10 @@ def run_doctor(model_dir: str | Path | None = None, *, measure: DiskMeasure | No
                probe_bytes: int = DEFAULT_PROBE_BYTES, disk_probe: bool = True,
                storage: str = "auto", registry: Registry | None = None,
                total: int | None = None, available: int | None = None,
-               baseline: int | None = None) -> DoctorReport:
+               baseline: int | None = None, probe_dir: Path | None = None,
+               progress: Progress | None = None) -> DoctorReport:
     """Run every check. ``measure``/``total``/``available``/``baseline`` are injectable."""
+    say = progress or (lambda msg: None)
     r = DoctorReport()
     reg = registry or get_registry()
     vm = psutil.virtual_memory()
@@ -236,18 +324,19 @@ def run_doctor(model_dir: str | Path | None = None, *, measure: DiskMeasure | No
     root = Path(model_dir) if model_dir is not None else None
     mc = None
     if root is not None:
+        say(f"checking the model directory {root} ...")
         backend, _, _ = reg.create("storage", storage)
         mc = check_model(root, backend)
         r.model = mc
         r.checks.extend(mc.checks)
     largest = _largest_shard(root) if root is not None and root.is_dir() else None
     where = root if root is not None and root.is_dir() else Path.cwd()
-    check_disk(r, where, largest, measure if disk_probe else None, how, probe_bytes)
+    best = check_disk(r, where, largest, measure if disk_probe else None, how, probe_bytes,
+                      probe_dir, say)
+    check_space(r, mc if mc is not None and mc.sizes is not None else None,
+                root if mc is not None and mc.sizes is not None else None)
+    rate_bandwidth(r, best, mc)
     if mc is not None and mc.sizes is not None and root is not None:
-        free = _free(where)
-        if free is not None and free < mc.sizes.trunk_bytes:
-            r.add("disk", "room for the trunk", "warn", f"packing the trunk writes "
-                  f"{human(mc.sizes.trunk_bytes)} and {human(free)} is free here")
         check_fit(r, mc, avail, baseline)
         if mc.complete and not r.failed:
             r.next_commands = next_commands(root, r.preset, mc)
