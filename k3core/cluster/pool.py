@@ -4,8 +4,9 @@ Without an address a local cluster is started for the run: a bounded number of C
 per worker), no dashboard, quiet logs, every file under a fresh temporary directory that
 is removed afterwards. With ``--ray-address`` the run joins an existing cluster (``ray
 start --head`` on one machine, ``ray start --address`` on the others) and the workers are
-spread over its nodes. A process that already called ``ray.init`` is reused as it is (and
-left running). Ray is imported here only, and only when a pool is asked for.
+spread over its nodes; an address nothing answers on is refused at once (a TCP probe with
+a 5 s timeout) rather than left to Ray's minutes of retries. A process that already called
+``ray.init`` is reused as it is (and left running). Ray is imported here only, and only when a pool is asked for.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import socket
 import tempfile
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,6 +24,7 @@ from k3core.cluster.worker import ExpertWorker
 
 INSTALL_HINT = "install the extra: pip install 'k3[ray]'"
 START_TIMEOUT_S = 120.0
+PROBE_TIMEOUT_S = 5.0
 
 
 def import_ray() -> Any:
@@ -64,7 +67,26 @@ class WorkerPool:
                 shutil.rmtree(self.temp_dir, ignore_errors=True)
 
 
+def check_address(address: str, timeout_s: float = PROBE_TIMEOUT_S) -> None:
+    """Refuse (exit 2) an address nothing answers on, before Ray would wait minutes for it."""
+    if address == "auto":
+        return
+    hostport = address.removeprefix("ray://")
+    host, sep, port = hostport.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise UsageError(f"--ray-address {address}: expected HOST:PORT (what `ray start --head` "
+                         "prints), ray://HOST:PORT or auto")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except OSError as exc:
+        raise UsageError(f"--ray-address {address}: nothing answers there ({exc.strerror or exc})",
+                         hint="start the cluster with `ray start --head` and pass the address "
+                              "it prints") from None
+
+
 def _init(ray: Any, workers: int | None, address: str | None) -> tuple[bool, str | None]:
+    if address is not None:
+        check_address(address)
     if ray.is_initialized():
         return False, None
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")

@@ -54,3 +54,11 @@ def test_bad_worker_counts(ray_session, tiny):
     res = k3("run", tiny, "--ids", "3", "--gen", "1", "--expert-workers", "9")
     assert res.exit_code == 2 and "only 8 routed experts" in res.output
     assert "Traceback" not in res.output
+
+
+def test_an_address_nothing_answers_on_is_refused_at_once(ray_session, tiny):
+    for address, needle in (("127.0.0.1:1", "nothing answers there"),
+                            ("no-port", "expected HOST:PORT")):
+        res = k3("run", tiny, "--ids", "3", "--gen", "1", "--ray-address", address)
+        assert res.exit_code == 2, res.output
+        assert needle in res.output and "Traceback" not in res.output

@@ -72,5 +72,6 @@ def test_same_bits_as_one_node(pool, tiny, tiny_trunk, backend, n, incremental, 
     assert sum(record["plan"]["experts_per_worker"]) == 12 * 8
     assert sum(s["requests"] for s in record["worker_stats"]) > 0
     assert record["round_trips_per_token"] == 12  # one round trip per MoE layer
+    assert record["actor_calls"] <= n * record["round_trips"]  # at most one call a worker a layer
     assert record["bytes_received"] > 0 and record["bytes_sent"] > 0
     assert any(line.startswith("expert plan") for line in lines)
