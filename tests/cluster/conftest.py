@@ -1,5 +1,8 @@
 """One local Ray cluster for every test here (a start costs seconds), and tiny models.
 
+The fixtures are package-scoped (this directory is a package for that): the cluster is
+stopped once the last test here has run, not left running under the rest of the suite.
+
 Ray is optional: without it these tests skip, unless ``K3_TEST_REQUIRE`` names ``ray`` (CI
 does), in which case they fail.
 """
@@ -25,7 +28,7 @@ def _required() -> set[str]:
     return {n.strip() for n in os.environ.get("K3_TEST_REQUIRE", "").split(",") if n.strip()}
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def ray_session():
     try:
         import ray
@@ -43,7 +46,7 @@ def ray_session():
     shutil.rmtree(tmp, ignore_errors=True)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def pool(ray_session):
     """Three workers reused by every identity test (each run rebinds them)."""
     from k3core.cluster.pool import start_pool
@@ -53,14 +56,14 @@ def pool(ray_session):
     p.close()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def tiny(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("cluster") / "tiny"
     synthesize(out, ModelConfig.from_json_dict(size_config("tiny")), seed=5)
     return out
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def tiny_trunk(tiny, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("cluster") / "trunk"
     res = CliRunner().invoke(app, ["pack-trunk", str(tiny), str(out)])

@@ -1,0 +1,1 @@
+"""Expert parallelism on Ray (k3core.cluster)."""
