@@ -91,10 +91,11 @@ class ClusterExperts(ExpertExecutor):
         actors = pool.actors[:n]
         self.bound = self._get([a.open.remote(s) for a, s in zip(actors, specs, strict=True)],
                                self.open_timeout_s, "binding its share")
-        theirs = self._get([a.digest.remote() for a in actors], self.open_timeout_s,
-                           "checksumming its share")
+        refs = [a.digest.remote() for a in actors]  # the workers hash while the head does
+        ours = [share_digest(index, locator, plan.owned(w)) for w in range(n)]
+        theirs = self._get(refs, self.open_timeout_s, "checksumming its share")
         for w in range(n):
-            check_share(pool.name(w), share_digest(index, locator, plan.owned(w)), theirs[w])
+            check_share(pool.name(w), ours[w], theirs[w])
         for w, b in enumerate(self.bound):
             line(f"  {pool.name(w)}: kernel {b['kernel']}, storage {b['storage']}, cache {b['cache']} "
                  f"({b['slots']} slots); share checked ({theirs[w].mode} checksum of "
