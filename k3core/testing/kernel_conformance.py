@@ -34,6 +34,7 @@ import numpy as np
 import pytest
 
 from k3core.api.kernels import KernelBackend, Mxfp4
+from k3core.testing import adversarial
 
 F32_EDGES = np.array(
     [
@@ -87,9 +88,10 @@ def assert_same_bits(got: Any, want: Any, what: str) -> None:
     if bad.size:
         i = int(bad[0])
         gv, wv = got.reshape(-1)[i], want.reshape(-1)[i]
+        where = tuple(int(j) for j in np.unravel_index(i, got.shape)) if got.ndim else ()
         raise AssertionError(
             f"{what}: {bad.size} of {got.size} elements differ from the numpy reference; "
-            f"first at flat index {i}: got {gv!r} (0x{int(g.reshape(-1)[i]):x}), "
+            f"first at index {list(where)} (flat {i}): got {gv!r} (0x{int(g.reshape(-1)[i]):x}), "
             f"reference {wv!r} (0x{int(w.reshape(-1)[i]):x})"
         )
 
@@ -172,7 +174,7 @@ def compare(
     ``inplace`` lists argument positions the op may update (compared after the call); every
     other array argument must come back unchanged.
     """
-    label = what or op
+    label = what if what.startswith(op) else f"{op} {what}".strip()
     mine = [a.copy() if isinstance(a, np.ndarray) else a for a in args]
     theirs = [a.copy() if isinstance(a, np.ndarray) else a for a in args]
     frozen = [
@@ -420,6 +422,16 @@ class KernelConformance:
         biased = np.linspace(0.0, 1e-3, 10).astype(np.float32)[::-1].copy()  # ties broken by bias
         compare(kb, "router", logits, biased, 3, False, 1.0, what="router with bias")
         compare(kb, "router", logits, bias, 10, True, 1.0, what="router k = N (NaN last)")
+
+    # --- adversarial inputs ----------------------------------------------------------------
+    @pytest.mark.parametrize("op", adversarial.OPS)
+    def test_adversarial(self, kb: KernelBackend, op: str) -> None:
+        """Inputs where another summation order or a library exp gives other float32 bits:
+        cancelling terms for signed reductions, float32 rounding boundaries found with the
+        reference for sums of positive terms and for exp (``k3core.testing.adversarial``)."""
+        for label, args in adversarial.cases(op):
+            name = adversarial.op_of(label)
+            compare(kb, name, *args, inplace=(5,) if name == "kda_recurrent" else (), what=label)
 
     # --- whole models ---------------------------------------------------------------------------
     @pytest.mark.parametrize("model", ["oracle", "tiny-flat"])
