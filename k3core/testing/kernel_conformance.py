@@ -16,9 +16,12 @@ words, indices exactly), at awkward sizes, with edge values, at several thread c
 (``backend.set_threads``), and checks that inputs are left untouched except the documented
 in-place state. The one tolerance: a NaN output must be NaN in both, but its sign and payload
 are not compared (hardware NaN propagation is not part of the contract; see
-``docs/kernel-contract.md``). The last tests run the 13-layer oracle model end to end and
-compare its logits byte for byte (full recompute and incremental decoding), and so does the
-``tiny-flat`` model (released tensor layout: bf16 trunk, MXFP4 experts).
+``docs/kernel-contract.md``). ``test_adversarial`` adds inputs built to separate the
+contract's lane sum from every other order and its ``exp`` from a library one
+(:mod:`k3core.testing.adversarial`). The last tests run two 13-layer models generated in
+memory (float32 weights; the released layout with bf16 trunk and MXFP4 experts) end to end
+and compare their logits byte for byte (full recompute and incremental decoding). Nothing is
+read from disk: the suite runs the same from a wheel-installed k3.
 
 Subclasses may override :attr:`KernelConformance.THREADS`.
 """
@@ -434,11 +437,12 @@ class KernelConformance:
             compare(kb, name, *args, inplace=(5,) if name == "kda_recurrent" else (), what=label)
 
     # --- whole models ---------------------------------------------------------------------------
-    @pytest.mark.parametrize("model", ["oracle", "tiny-flat"])
+    @pytest.mark.parametrize("model", ["float32", "released"])
     @pytest.mark.parametrize("incremental", [False, True], ids=["full", "incremental"])
     def test_model_logits(self, kb: KernelBackend, model: str, incremental: bool) -> None:
-        """The 13-layer oracle (float32 weights) and tiny-flat (bf16 trunk, MXFP4 experts):
-        the logits of every decoding step, byte for byte."""
+        """Two 13-layer models generated in memory (``k3core.testing.synthetic_model``):
+        float32 weights, and the released layout (bf16 trunk, MXFP4 experts): the logits of
+        every decoding step, byte for byte."""
         want = _reference_logits(model, incremental)
         net, prompt = _build_model(model, kb)
         got = _decode_logits(net, prompt, incremental)
@@ -470,14 +474,10 @@ def _build_model(which: str, kernels: KernelBackend) -> tuple[Any, list[int]]:
     return model, list(ref["prompt_ids"])
 
 
-@functools.lru_cache(maxsize=2)
 def _model_data(which: str) -> tuple[Any, Any, dict[str, Any]]:
-    from k3core.testing.fixtures import fixtures_dir
-    from k3core.testing.oracle import load_oracle
-    from k3core.testing.tiny_flat import load_tiny_flat
+    from k3core.testing.synthetic_model import synthetic_model
 
-    loader = {"oracle": load_oracle, "tiny-flat": load_tiny_flat}[which]
-    return loader(fixtures_dir())
+    return synthetic_model(which)
 
 
 def _decode_logits(model: Any, prompt: list[int], incremental: bool) -> list[np.ndarray]:
