@@ -19,7 +19,7 @@ What is here:
   answer);
 * the three contracts: :class:`KernelBackend` (with :class:`Mxfp4`, the array aliases
   ``F32``/``U16`` and the kernel contract's constants: :data:`LANES`, module :mod:`contract`),
-  :class:`StorageBackend` (with :class:`StorageFile`, :class:`IOStats`, :func:`byte_view`,
+  :class:`StorageBackend` (with :class:`StorageFile`, :class:`IOStats`, :class:`IOTimer`, :func:`byte_view`,
   :func:`checked_destination`, :func:`aligned_empty`), :class:`CachePolicy` (with the key
   helpers :func:`make_key`, :func:`key_layer`, :func:`key_expert`);
 * :class:`NumpyBackend`, the reference kernel backend, to extend or to compare with;
@@ -49,8 +49,8 @@ from k3core.api.kernels import F32, U8, U16, KernelBackend, Mxfp4
 from k3core.api.specs import (
     Availability,
     CachePolicySpec,
-    Kind,
     KernelBackendSpec,
+    Kind,
     PluginSpec,
     StorageBackendSpec,
 )
@@ -63,13 +63,14 @@ from k3core.api.storage import (
     byte_view,
     checked_destination,
 )
+from k3core.api.storage import _Timer as IOTimer  # ``with IOTimer(stats) as t: t.nbytes = n``
 
 if TYPE_CHECKING:  # imported on first use: the reference backend itself imports this module
     from k3_backends.numpy_backend import NumpyBackend
 
 __all__ = [
     "EXPERT_MASK", "F32", "KEY_SHIFT", "LANES", "U8", "U16",
-    "Availability", "Buffer", "CachePolicy", "CachePolicySpec", "IOStats", "K3Error",
+    "Availability", "Buffer", "CachePolicy", "CachePolicySpec", "IOStats", "IOTimer", "K3Error",
     "KernelBackend", "KernelBackendSpec", "Kind", "Mxfp4", "NumpyBackend", "PluginError",
     "PluginSpec", "StorageBackend", "StorageBackendSpec", "StorageError", "StorageFile",
     "UsageError",

@@ -354,7 +354,7 @@ _BUILDERS: dict[str, Callable[[], list[Case]]] = {
 OPS = tuple(_BUILDERS)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def cases(op: str) -> tuple[Case, ...]:
     """The adversarial cases of ``op`` (built once per process from the reference)."""
     built = tuple(_BUILDERS[op]())

@@ -24,9 +24,9 @@ from k3core.model.shapes import size_config
 from k3core.testing.disk import disk_tmpdir
 from k3core.testing.expert_cache_conformance import (
     FIXTURE_SHARD,
-    cache_fixture,
     Rig,
     ShardTruth,
+    cache_fixture,
     drive,
     fixture_cache,
     make_storage,
