@@ -4,13 +4,13 @@ Random inputs almost never tell a lane sum from ``np.sum`` or a sequential float
 never tell ``exp_d`` from a library ``exp``: the float64 results differ by a few ulps and the
 final rounding to float32 hides that. Two constructions make the difference visible:
 
-* **cancellation** (signed reductions: matrix products, attention and AttnRes mixtures, the
-  KDA recurrence): ``+big`` at term 0, ``small`` at term 16, ``-big`` at term 32 sum to
+* **cancellation** (signed reductions: matrix products, attention and AttnRes scores and
+  mixtures, the KDA recurrence): ``+big`` at term 0, ``small`` at term 16, ``-big`` at term 32 sum to
   ``small`` in the contract's 32 lanes and to 0 sequentially, pairwise (``np.sum``), in
   float32 or in 16 lanes; ``+big`` at 0, ``small`` at 32, ``-big`` at 64 give 0 in 32 lanes
   and ``small`` in 64 lanes;
 * **a float32 rounding boundary** (sums of positive terms and transcendentals: RMSNorm, L2
-  norm, softmax denominators, ``kda_gate``, SiTU): a knob of the input (an element, or a
+  norm, softmax denominators, the router's renormalisation, ``kda_gate``, SiTU): a knob of the input (an element, or a
   float64 parameter such as ``lower_bound``) is bisected *with the reference backend* until
   one output element sits between two adjacent float32 values; the knob's two neighbouring
   values then give outputs on either side of a rounding midpoint, so any backend whose
@@ -206,7 +206,20 @@ def _matmul_cases() -> list[Case]:
 
 
 def _attn_res_cases() -> list[Case]:
+    """The mixture (every score 0, sources cancelling) and the score's dot product: source 0
+    is ``[B, 1, -B]`` at the pattern's columns, so its key is ``[k, k/B, -k]``; the fold
+    ``[2**54, 2**60, 2**54]`` makes the terms ``[+2**56, 4, -2**56]``: a score of 4 in the
+    contract's lanes (source 0 dominates the softmax), 0 in the orders it forbids."""
     out: list[Case] = []
+    for name, pat in CANCEL_PATTERNS.items():
+        E, S = pat[2] + 1, 9
+        src = np.zeros((S, 2, E), dtype=np.float32)
+        src[0, :] = _cancel_vector(E, pat)
+        src[3, 1, :] = np.float32(1.0)  # another source, scored by the fold too
+        fold = np.zeros(E, dtype=np.float32)
+        fold[[pat[0], pat[2]]] = np.float32(2.0**54)
+        fold[pat[1]] = np.float32(2.0**60)
+        out.append((f"attn_res score cancel {name}", (src, fold, 1e-6)))
     for name, pat in CANCEL_PATTERNS.items():
         S, E = pat[2] + 1, 33
         src = np.zeros((S, 1, E), dtype=np.float32)
@@ -328,6 +341,20 @@ def _mla_cases(want: int = 6) -> list[Case]:
         if found is not None:
             out += [(f"mla softmax p_t={float(st)!r} {side}", build(vals))
                     for side, vals in zip(("below", "above"), found, strict=True)]
+    for name, pat in CANCEL_PATTERNS.items():  # the score's dot product, nope and rope dims
+        S2, n2 = 4, 24 if pat[2] < 40 else 40
+        r2 = pat[2] + 8 - n2  # the -big term lies in the rope dims
+        q = np.zeros((1, 2, n2 + r2), dtype=np.float32)
+        q[0, :, pat[0]], q[0, :, pat[1]], q[0, :, pat[2]] = BIG, SMALL, BIG  # the key has the signs
+        key = np.zeros(n2 + r2, dtype=np.float32)
+        key[[pat[0], pat[1]]], key[pat[2]] = 1.0, -1.0
+        kn = np.zeros((S2, 2, n2), dtype=np.float32)
+        kr = np.zeros((S2, r2), dtype=np.float32)
+        kn[0, :, :], kr[0, :] = key[:n2], key[n2:]
+        v = np.zeros((S2, 2, dv), dtype=np.float32)
+        v[0, :, :], v[1, :, 0] = 1.0, -1.0
+        out.append((f"mla score cancel {name} (lanes run on into the rope dims)",
+                    (q, kn, kr, v, S2 - 1, 1.0)))
     for name, pat in CANCEL_PATTERNS.items():  # the p·v mixture, equal scores
         S2 = pat[2] + 1
         q = np.zeros((1, 1, n + r), dtype=np.float32)
@@ -340,6 +367,36 @@ def _mla_cases(want: int = 6) -> list[Case]:
     return out
 
 
+def _router_cases() -> list[Case]:
+    """The renormalisation sum: the winner (weight ~0.9), three knobs (weights ~1e-5, ~1e-11,
+    ~1e-16) and 52 selected weights of 0.77 * 2**-53 relative to it (each lost against the
+    winner, kept against each other, so every other order loses a different number), the rest
+    far below; the knobs' logits are bisected until the winner's weight sits on a float32
+    rounding boundary."""
+    out: list[Case] = []
+    N, k = 64, 56
+    base = np.full((1, N), np.float32(-80.0), dtype=np.float32)
+    base[0, 1:k] = np.float32(-37.0)  # sigmoid(-37) ~ 8.5e-17
+    bias = np.zeros(N, dtype=np.float32)
+    for w0 in (2.0, 0.5, -0.7):
+        row = base.copy()
+        row[0, 0] = np.float32(w0)
+
+        def build(vals: list[float], row: np.ndarray = row) -> tuple[Any, ...]:
+            x = row.copy()
+            x[0, 1:4] = vals
+            return (x, bias, k, True, 1.0)
+
+        def watch(vals: list[float], build: Any = build) -> int:
+            return bits(_quiet(_ref().router, *build(vals))[1], 0)
+
+        found = staged(watch, [(-14.0, -9.0), (-32.0, -22.0), (-40.0, -33.0)])
+        if found is not None:
+            out += [(f"router renorm w0={w0} {side}", build(vals))
+                    for side, vals in zip(("below", "above"), found, strict=True)]
+    return out
+
+
 _BUILDERS: dict[str, Callable[[], list[Case]]] = {
     "matmul": _matmul_cases,
     "rmsnorm": lambda: _norm_cases("rmsnorm", (64, 1000, 4097, 7168)),
@@ -349,6 +406,7 @@ _BUILDERS: dict[str, Callable[[], list[Case]]] = {
     "kda_gate": _kda_gate_cases,
     "situ_glu": _situ_cases,
     "mla_attention": _mla_cases,
+    "router": _router_cases,
 }
 #: the ops with adversarial cases (``matmul`` covers matmul_f32, matmul_bf16, matmul_mxfp4)
 OPS = tuple(_BUILDERS)

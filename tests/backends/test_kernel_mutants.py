@@ -109,9 +109,17 @@ def _l2norm_with(total: Callable[[np.ndarray], np.ndarray]) -> Callable[..., np.
     return l2norm
 
 
+def _split_dot(q: np.ndarray, keys: np.ndarray, nope: int) -> np.ndarray:
+    """The score as two lane sums, nope dims and rope dims, added (lanes restart at the rope)."""
+    t = d(q)[None] * d(keys)
+    return X.lsum(t[..., :nope]) + X.lsum(t[..., nope:])
+
+
 def _mla_with(total: Callable[[np.ndarray], np.ndarray] = X.lsum,
               exp: Callable[[np.ndarray], np.ndarray] = X.exp_d,
-              mix: Callable[[np.ndarray], np.ndarray] = X.lsum) -> Callable[..., np.ndarray]:
+              mix: Callable[[np.ndarray], np.ndarray] = X.lsum,
+              score_sum: Callable[[np.ndarray], np.ndarray] | None = None,
+              split: bool = False) -> Callable[..., np.ndarray]:
     def mla_attention(q, k_nope, k_rope, v, pos0, scale):  # type: ignore[no-untyped-def]
         T, H, _ = q.shape
         out = np.empty((T, H, v.shape[2]), dtype=np.float32)
@@ -119,7 +127,11 @@ def _mla_with(total: Callable[[np.ndarray], np.ndarray] = X.lsum,
             n = pos0 + t + 1
             rope = np.broadcast_to(k_rope[:n, None, :], (n, H, k_rope.shape[1]))
             keys = np.concatenate([k_nope[:n], rope], axis=-1)
-            score = f32(X.lsum(d(q[t])[None] * d(keys)) * scale)  # [n, H]
+            if split:
+                dot = _split_dot(q[t], keys, k_nope.shape[-1])
+            else:
+                dot = (score_sum or X.lsum)(d(q[t])[None] * d(keys))
+            score = f32(dot * scale)  # [n, H]
             m = np.max(score, axis=0, keepdims=True)
             e = exp(d(score) - d(m))
             p = f32(e / total(np.moveaxis(e, 0, -1))[None])
@@ -128,12 +140,13 @@ def _mla_with(total: Callable[[np.ndarray], np.ndarray] = X.lsum,
     return mla_attention
 
 
-def _attn_res_with(mix: Callable[[np.ndarray], np.ndarray]) -> Callable[..., np.ndarray]:
+def _attn_res_with(mix: Callable[[np.ndarray], np.ndarray] = X.lsum,
+                   score_sum: Callable[[np.ndarray], np.ndarray] = X.lsum) -> Callable[..., np.ndarray]:
     ref = NumpyBackend()
 
     def attn_res(sources, fold, eps):  # type: ignore[no-untyped-def]
         keys = ref.rmsnorm(sources, None, eps)
-        score = f32(X.lsum(d(keys) * d(fold)))
+        score = f32(score_sum(d(keys) * d(fold)))
         m = np.max(score, axis=0, keepdims=True)
         e = X.exp_d(d(score) - d(m))
         p = f32(e / X.lsum(np.moveaxis(e, 0, -1))[None])
@@ -157,6 +170,19 @@ def _kda_recurrent_with(u_sum: Callable[[np.ndarray], np.ndarray] = X.lsum,
             out[t] = f32(o_sum(np.moveaxis(d(q[t])[:, :, None] * d(state), 1, -1)))
         return out
     return kda_recurrent
+
+
+def _router_with(total: Callable[[np.ndarray], np.ndarray]) -> Callable[..., Any]:
+    ref = NumpyBackend()
+
+    def router(logits, bias, k, renorm, scale):  # type: ignore[no-untyped-def]
+        s = ref.sigmoid(logits)
+        idx = np.argsort(-(s + bias), axis=-1, kind="stable")[:, :k].astype(np.int64)
+        w = np.take_along_axis(s, idx, axis=-1)
+        if k > 1 and renorm:
+            w = f32(d(w) / (total(d(w))[:, None] + 1e-20))
+        return idx, w * np.float32(scale)
+    return router
 
 
 def _kda_gate_with(exp: Callable[[np.ndarray], np.ndarray]) -> Callable[..., np.ndarray]:
@@ -197,7 +223,9 @@ for _how, _total in SUMS.items():
     MUTANTS[f"l2norm {_how}"] = ("l2norm", {"l2norm": _l2norm_with(_total)})
     MUTANTS[f"matmul_f32 {_how}"] = ("matmul", {"matmul_f32": _matmul_f32_with(_total)})
     MUTANTS[f"mla mixture {_how}"] = ("mla_attention", {"mla_attention": _mla_with(mix=_total)})
-    MUTANTS[f"attn_res mixture {_how}"] = ("attn_res", {"attn_res": _attn_res_with(_total)})
+    MUTANTS[f"attn_res mixture {_how}"] = ("attn_res", {"attn_res": _attn_res_with(mix=_total)})
+    MUTANTS[f"attn_res score {_how}"] = ("attn_res", {"attn_res": _attn_res_with(score_sum=_total)})
+    MUTANTS[f"mla score {_how}"] = ("mla_attention", {"mla_attention": _mla_with(score_sum=_total)})
     MUTANTS[f"kda_recurrent output {_how}"] = (
         "kda_recurrent", {"kda_recurrent": _kda_recurrent_with(o_sum=_total)})
     MUTANTS[f"kda_recurrent state {_how}"] = (
@@ -205,6 +233,9 @@ for _how, _total in SUMS.items():
 for _how in ("np.sum", "sequential float64", "16 lanes"):
     MUTANTS[f"mla softmax denominator {_how}"] = (
         "mla_attention", {"mla_attention": _mla_with(total=SUMS[_how])})
+    MUTANTS[f"router renorm {_how}"] = ("router", {"router": _router_with(SUMS[_how])})
+MUTANTS["mla score nope and rope summed apart"] = (
+    "mla_attention", {"mla_attention": _mla_with(split=True)})
 MUTANTS["matmul_f32 BLAS (@)"] = ("matmul", {"matmul_f32": lambda w, x: (x @ w.T).astype(np.float32)})
 for _how, _exp in LIB_EXP.items():
     MUTANTS[f"kda_gate {_how}"] = ("kda_gate", {"kda_gate": _kda_gate_with(_exp)})
