@@ -93,6 +93,17 @@ def _matmul_f32_with(total: Callable[[np.ndarray], np.ndarray]) -> Callable[...,
     return matmul_f32
 
 
+def _matmul_bf16_with(total: Callable[[np.ndarray], np.ndarray]) -> Callable[..., np.ndarray]:
+    return lambda w, x: _matmul_f32_with(total)(X.bf16_to_f32(w), x)
+
+
+def _matmul_mxfp4_with(total: Callable[[np.ndarray], np.ndarray]) -> Callable[..., np.ndarray]:
+    def matmul_mxfp4(w: Any, x: np.ndarray) -> np.ndarray:
+        dense = X.mxfp4_to_f64(w.packed, w.scales)
+        return f32(total(d(x)[:, None, :] * dense[None, :, :]))
+    return matmul_mxfp4
+
+
 def _rmsnorm_with(total: Callable[[np.ndarray], np.ndarray]) -> Callable[..., np.ndarray]:
     def rmsnorm(x: np.ndarray, w: np.ndarray | None, eps: float) -> np.ndarray:
         xd = d(x)
@@ -236,6 +247,9 @@ for _how in ("np.sum", "sequential float64", "16 lanes"):
     MUTANTS[f"router renorm {_how}"] = ("router", {"router": _router_with(SUMS[_how])})
 MUTANTS["mla score nope and rope summed apart"] = (
     "mla_attention", {"mla_attention": _mla_with(split=True)})
+for _how in ("np.sum", "sequential float64", "16 lanes"):
+    MUTANTS[f"matmul_bf16 {_how}"] = ("matmul", {"matmul_bf16": _matmul_bf16_with(SUMS[_how])})
+    MUTANTS[f"matmul_mxfp4 {_how}"] = ("matmul", {"matmul_mxfp4": _matmul_mxfp4_with(SUMS[_how])})
 MUTANTS["matmul_f32 BLAS (@)"] = ("matmul", {"matmul_f32": lambda w, x: (x @ w.T).astype(np.float32)})
 for _how, _exp in LIB_EXP.items():
     MUTANTS[f"kda_gate {_how}"] = ("kda_gate", {"kda_gate": _kda_gate_with(_exp)})
