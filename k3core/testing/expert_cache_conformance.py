@@ -2,7 +2,7 @@
 
 A cache-policy plugin proves it never changes a byte the MoE sees with one subclass::
 
-    from k3core.testing.expert_cache_conformance import ExpertCacheConformance
+    from k3.testing import ExpertCacheConformance
 
     class TestMinePolicyInTheCache(ExpertCacheConformance):
         policy_name = "mine"

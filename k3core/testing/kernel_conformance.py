@@ -3,7 +3,7 @@
 A kernel backend (built-in or third-party) proves conformance with one subclass::
 
     import pytest
-    from k3core.testing.kernel_conformance import KernelConformance
+    from k3.testing import KernelConformance
 
     class TestMine(KernelConformance):
         @pytest.fixture
