@@ -9,6 +9,7 @@ differing element; the unbroken reference passes the same tests.
 
 from __future__ import annotations
 
+import decimal
 import math
 from collections.abc import Callable
 from typing import Any
@@ -255,6 +256,12 @@ for _how, _exp in LIB_EXP.items():
     MUTANTS[f"kda_gate {_how}"] = ("kda_gate", {"kda_gate": _kda_gate_with(_exp)})
     MUTANTS[f"situ_glu sigmoid with {_how}"] = ("situ_glu", {"situ_glu": _situ_with(exp=_exp)})
     MUTANTS[f"mla softmax {_how}"] = ("mla_attention", {"mla_attention": _mla_with(exp=_exp)})
+for _op in adversarial.HARD_FLOAT32:
+    for _how, _exp in LIB_EXP.items():
+        _fn = {"exp": lambda x, e=_exp: f32(e(d(x))),
+               "sigmoid": lambda x, e=_exp: f32(lib_sig(e)(d(x))),
+               "silu": lambda x, e=_exp: f32(d(x) * lib_sig(e)(d(x)))}[_op]
+        MUTANTS[f"{_op} {_how}"] = (_op, {_op: _fn})
 MUTANTS["situ_glu math.tanh"] = (
     "situ_glu", {"situ_glu": _situ_with(tanh=np.vectorize(math.tanh, otypes=[float]))})
 MUTANTS["shortconv fused multiply-add"] = ("shortconv", {"shortconv": _shortconv_fma})
@@ -293,6 +300,21 @@ def test_the_suite_catches_the_mutant(mutant: str) -> None:
 @pytest.mark.parametrize("op", sorted(set(adversarial.OPS) | set(RANDOM_TESTS)))
 def test_the_reference_passes_the_same_tests(op: str) -> None:
     assert suite_failure(Mutant(), op) == ""
+
+
+@pytest.mark.parametrize("op", sorted(adversarial.HARD_FLOAT32))
+def test_the_shipped_float32_inputs_separate_the_contract_from_a_correct_rounding(op: str) -> None:
+    ctx = decimal.Context(prec=60)
+    for word in adversarial.HARD_FLOAT32[op]:
+        x = float(np.array([word], dtype=np.uint32).view(np.float32)[0])
+        D = decimal.Decimal(x)
+        true = {"exp": ctx.exp(D), "sigmoid": 1 / (1 + ctx.exp(-D)),
+                "silu": D / (1 + ctx.exp(-D))}[op]
+        ref = getattr(NumpyBackend(), op)(np.array([x], dtype=np.float32))[0]
+        lo = decimal.Decimal(float(np.nextafter(ref, np.float32(-np.inf))))
+        hi = decimal.Decimal(float(np.nextafter(ref, np.float32(np.inf))))
+        r = decimal.Decimal(float(ref))
+        assert not (lo + r) / 2 <= true <= (r + hi) / 2, f"{op}({x!r}) rounds like the contract"
 
 
 def test_a_lane_count_other_than_the_contracts_is_a_mutant() -> None:
