@@ -397,12 +397,15 @@ def _router_cases() -> list[Case]:
     return out
 
 
-#: Float32 inputs where the contract's function rounded to float32 differs from the correctly
-#: rounded function rounded to float32: the only inputs through which the float32-only ops
-#: can show a library ``exp``. Found by evaluating every float32 ``x`` with ``2**-24 <= |x|
-#: <= 88.7`` (about 5.2e8 values per op) and checking each whose float64 value lies within 3
-#: ulps of a float32 rounding midpoint against a 60-digit decimal evaluation; that there are
-#: so few is why a library exp is otherwise invisible in these ops.
+#: Float32 inputs where the op written as the contract but with a correctly rounded float64
+#: exp (the best a library exp does) rounds to another float32 than the contract's ``exp_d``:
+#: the only inputs through which the float32-only ops can show a library ``exp``. Found by
+#: evaluating every float32 ``x`` with ``2**-24 <= |x| <= 88.7`` (about 5.2e8 values per op)
+#: and checking each whose float64 value lies within 3 ulps of a float32 rounding midpoint
+#: against a 60-digit decimal exp; that there are so few is why a library exp is otherwise
+#: invisible in these ops.
+#: ``exp`` has one; ``sigmoid`` and ``silu`` have none (there a library exp cannot change a
+#: float32 result in that range; it shows in the ops that use them: SiTU, the router, KDA).
 HARD_FLOAT32: dict[str, tuple[int, ...]] = {
     "exp": (0xC16912CD,),  # -14.567090034484863
 }
