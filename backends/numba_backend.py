@@ -30,10 +30,16 @@ from typing import Any
 
 import numpy as np
 
-from k3core.api.errors import K3Error
-from k3core.api.hookspecs import hookimpl
-from k3core.api.kernels import F32, U16, KernelBackend, Mxfp4
-from k3core.api.specs import Availability, KernelBackendSpec
+from k3.plugin import (
+    F32,
+    U16,
+    Availability,
+    K3Error,
+    KernelBackend,
+    KernelBackendSpec,
+    Mxfp4,
+    hookimpl,
+)
 
 _INSTALL_HINT = "pip install numba"
 #: Bytes of weights (or equivalent work) per thread below which extra threads are not woken.
