@@ -1,4 +1,8 @@
-"""``k3 run MODEL_DIR``: generate tokens and report what it cost (see ``k3core.run.runner``)."""
+"""``k3 run MODEL_DIR``: generate tokens and report what it cost (see ``k3core.run.runner``).
+
+The generated text goes to stdout as it arrives; the plan, the per-step table and the
+report go to stderr (``-q`` silences them, ``-v`` adds detail).
+"""
 
 from __future__ import annotations
 
@@ -7,8 +11,6 @@ from pathlib import Path
 import typer
 
 from k3core.cli.guard import guarded
-from k3core.run.prompt import PromptSpec
-from k3core.run.runner import RunRequest, execute
 
 _P = "Prompt"
 _M = "Memory"
@@ -20,10 +22,10 @@ _O = "Outputs and diagnostics"
 @guarded
 def run(
     model_dir: Path = typer.Argument(None, help="Directory with the safetensors shards (or $K3_MODEL_DIR).", show_default=False),
-    prompt: str = typer.Option(None, "--prompt", help="Prompt text (needs --tok).", rich_help_panel=_P),
-    prompt_file: Path = typer.Option(None, "--prompt-file", help="Prompt file, its bytes taken verbatim (needs --tok).", rich_help_panel=_P),
+    prompt: str = typer.Option(None, "--prompt", "-p", help="Prompt text (tokenizer: --tok, or the files in MODEL_DIR).", rich_help_panel=_P),
+    prompt_file: Path = typer.Option(None, "--prompt-file", "-f", help="Prompt file, its bytes taken verbatim; - reads standard input.", rich_help_panel=_P),
     ids: str = typer.Option(None, "--ids", help="Prompt token ids, e.g. 3,7,11 (no tokenizer needed).", rich_help_panel=_P),
-    tok: Path = typer.Option(None, "--tok", help="Directory with tiktoken.model and tokenizer_config.json (or $K3_TOK_FILES).", rich_help_panel=_P),
+    tok: Path = typer.Option(None, "--tok", help="Directory with tiktoken.model and tokenizer_config.json (or $K3_TOK_FILES; default: MODEL_DIR when it has them).", rich_help_panel=_P),
     bos: bool = typer.Option(False, "--bos", help="Prepend the BOS token (never added otherwise).", rich_help_panel=_P),
     preset: str = typer.Option(None, "--preset", help="Memory preset name or YAML path (see k3 presets).", rich_help_panel=_M),
     trunk: Path = typer.Option(None, "--trunk", help="Stream the trunk from this packed directory (k3 pack-trunk).", rich_help_panel=_M),
@@ -31,37 +33,37 @@ def run(
     trunk_ring: int = typer.Option(None, "--trunk-ring", help="Ring slots wanted (1..8, default 2; the budget wins).", rich_help_panel=_M),
     cache_gb: float = typer.Option(None, "--cache-gb", help="Routed-expert cache budget in GB.", rich_help_panel=_M),
     ultra_low_memory: bool = typer.Option(None, "--ultra-low-memory", help="Stream embedding and lm_head too (needs --trunk).", rich_help_panel=_M, show_default=False),
-    gen: int = typer.Option(8, "--gen", help="Tokens to generate (0..4096; 0 = prefill only).", rich_help_panel=_G),
-    incremental: bool = typer.Option(None, "--incremental/--full-recompute", help="Carry KV cache and KDA state (default: full recompute).", rich_help_panel=_G, show_default=False),
+    gen: int = typer.Option(8, "--gen", "-n", help="Tokens to generate (0..4096; 0 = prefill only).", rich_help_panel=_G),
+    incremental: bool = typer.Option(None, "--incremental/--full-recompute", help="Carry KV cache and KDA state (the default), or re-run the whole prefix every step.", rich_help_panel=_G, show_default=False),
     stop_id: list[int] = typer.Option([], "--stop-id", help="Stop after emitting this id (repeatable, up to 8).", rich_help_panel=_G),
-    temperature: float = typer.Option(None, "--temperature", help="Sample with this temperature (> 0).", rich_help_panel=_G),
+    stop: list[str] = typer.Option([], "--stop", help="Stop when the text contains TEXT, cut before it (repeatable, up to 8).", rich_help_panel=_G),
+    ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Run past the tokenizer's end-of-sequence id.", rich_help_panel=_G),
+    temperature: float = typer.Option(None, "--temperature", help="Sample with this temperature (0 = greedy).", rich_help_panel=_G),
     top_p: float = typer.Option(None, "--top-p", help="Sample from the top-p mass (0, 1].", rich_help_panel=_G),
     top_k: int = typer.Option(None, "--top-k", help="Sample from the k most likely ids.", rich_help_panel=_G),
     seed: int = typer.Option(None, "--seed", help="Sampling seed (printed; the same seed gives the same tokens).", rich_help_panel=_G),
+    save_state: Path = typer.Option(None, "--save-state", help="After the run, write the session (ids, KV and recurrent state) here.", rich_help_panel=_G),
+    load_state: Path = typer.Option(None, "--load-state", help="Resume a saved session: the prompt continues it (same model and config only).", rich_help_panel=_G),
     backend: str = typer.Option(None, "--backend", help="Kernel backend: auto, numpy, numba, avx2, ... (k3 backends).", rich_help_panel=_X),
     storage: str = typer.Option(None, "--storage", help="Storage backend: auto, direct, mmap, ...", rich_help_panel=_X),
     cache_policy: str = typer.Option(None, "--cache-policy", help="Expert-cache policy: auto, cycle-eta, lru, s3fifo, replay.", rich_help_panel=_X),
     cache_trace: Path = typer.Option(None, "--cache-trace", help="expert_trace.bin from an earlier run, for --cache-policy replay.", rich_help_panel=_X),
-    threads: int = typer.Option(None, "--threads", help="Kernel threads (or $K3_THREADS / $OMP_NUM_THREADS).", rich_help_panel=_X),
+    threads: int = typer.Option(None, "--threads", "-t", help="Kernel threads (or $K3_THREADS / $OMP_NUM_THREADS).", rich_help_panel=_X),
     config: Path = typer.Option(None, "--config", help="Model config (default MODEL_DIR/config.json).", rich_help_panel=_O),
     layers: int = typer.Option(None, "--layers", help="Run only the first N layers (not the full model).", rich_help_panel=_O),
-    out: Path = typer.Option(None, "--out", help="Write the result as JSON.", rich_help_panel=_O),
+    out: Path = typer.Option(None, "--out", help="Write the result, the request and the plan as JSON.", rich_help_panel=_O),
     dump_logits: Path = typer.Option(None, "--dump-logits", help="Write step 0's logits as raw float32.", rich_help_panel=_O),
     dump_cache_trace: Path = typer.Option(None, "--dump-cache-trace", help="Write expert_trace.bin and expert_hist.json into this directory.", rich_help_panel=_O),
     verify_trunk: bool = typer.Option(False, "--verify-trunk", help="Re-checksum every packed layer at open.", rich_help_panel=_O),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="Only the generated text (nothing on stderr but errors).", rich_help_panel=_O),
+    verbose: int = typer.Option(0, "--verbose", "-v", count=True, help="More detail on stderr: every setting and its source, the request.", rich_help_panel=_O),
 ) -> None:
     """Generate tokens from MODEL_DIR (greedy unless a sampling flag is given)."""
-    execute(
-        RunRequest(
-            model_dir=model_dir, prompt=PromptSpec(prompt, prompt_file, ids, bos), gen=gen,
-            incremental=incremental, tok=tok, preset=preset, trunk=trunk, trunk_gb=trunk_gb,
-            trunk_ring=trunk_ring, cache_gb=cache_gb, ultra_low_memory=ultra_low_memory,
-            stop_ids=list(stop_id), config=config, layers=layers, out=out, dump_logits=dump_logits,
-            dump_cache_trace=dump_cache_trace, cache_trace=cache_trace, backend=backend,
-            storage=storage, cache_policy=cache_policy, threads=threads, verify_trunk=verify_trunk,
-            temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
-        )
-    )
+    flags = dict(locals())
+    from k3core.run.request import RunRequest
+    from k3core.run.runner import execute
+
+    execute(RunRequest.from_flags(flags))
 
 
 def register(app: typer.Typer) -> None:

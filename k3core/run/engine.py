@@ -1,9 +1,15 @@
-"""Assemble a runnable model from a checkpoint directory and the chosen plugins.
+"""The engine: a model opened once from its checkpoint and plugins, reusable for many calls.
 
-``open_engine`` resolves the kernel backend, the storage backend and the expert source
+The third stage of request -> plan -> engine -> session -> report. :meth:`Engine.from_plan`
+opens what an :class:`~k3core.run.plan.EnginePlan` resolved; :func:`open_engine` is the
+same from bare :class:`EngineOptions` (tests and tools use it). ``open_engine`` resolves the kernel backend, the storage backend and the expert source
 through the registry (an explicit choice never falls back), reads the config, indexes the
 shards and binds the trunk. The decode loop (``k3core.model.generate``) then runs on
 ``Engine.model``; nothing below asks which plugins were chosen.
+
+An engine serves any number of generations (:meth:`Engine.generate`, :meth:`Engine.stream`,
+:meth:`Engine.logits`) and sessions (:meth:`Engine.session`) one at a time, and is closed
+once (``close()`` or a ``with`` block).
 """
 
 from __future__ import annotations
@@ -12,7 +18,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 from k3core.api.errors import UsageError
 from k3core.api.experts import ExpertSource, InMemoryExperts
@@ -27,6 +35,13 @@ from k3core.model.sources import ModelTables, ResidentTrunk, TrunkSource, expert
 from k3core.plugins.registry import get_registry
 from k3core.trunk.source import check_trunk_options, open_streamed_trunk
 from k3core.trunk.tables import StreamedTables
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator, Sequence
+
+    from k3core.run.plan import EnginePlan
+    from k3core.run.session import Generation, Session
+    from k3core.tokenizer.encoding import Tokenizer
 
 
 @dataclass
@@ -60,16 +75,89 @@ class Engine:
     timings: dict[str, float] = field(default_factory=dict)
     trunk_lines: list[str] = field(default_factory=list)
     step_log: Any = None
+    tokenizer: Tokenizer | None = None
+    incremental: bool = True
+    plan: EnginePlan | None = None
+    closed: bool = False
+
+    @classmethod
+    def from_plan(cls, plan: EnginePlan, trace_dir: Path | None = None,
+                  on_layer_bound: Callable[[int], None] | None = None) -> Engine:
+        """Open the engine a checked plan describes (``plan.check()`` first)."""
+        plan.check()
+        eng = open_engine(plan.options(trace_dir), plan.cfg, on_layer_bound)
+        eng.tokenizer, eng.incremental, eng.plan = plan.tokenizer, plan.incremental, plan
+        eng.notes = plan.notes + eng.notes
+        return eng
 
     @property
     def settings_line(self) -> str:
         n = self.names
         return f"k3: kernel={n['kernel']} storage={n['storage']} cache={n['cache']}"
 
+    @property
+    def eos_ids(self) -> set[int]:
+        """Ids that end a sequence: the tokenizer's ``[EOS]`` and config's ``eos_token_id``."""
+        out = set()
+        tok = self.tokenizer
+        if tok is not None and "[EOS]" in tok.special_tokens:
+            out.add(tok.special_tokens["[EOS]"])
+        if self.cfg.eos_token_id is not None:
+            out.add(int(self.cfg.eos_token_id))
+        return out
+
+    # ---- use -----------------------------------------------------------------------------------
+    def session(self, incremental: bool | None = None) -> Session:
+        """A new sequence that carries its state across calls (see ``k3core.run.session``)."""
+        from k3core.run.session import Session
+
+        self._check_open()
+        return Session(self, incremental)
+
+    def generate(self, prompt: str | Sequence[int], **params: Any) -> Generation:
+        """Generate after ``prompt`` (text or ids) in a fresh session; with the run report."""
+        from k3core.run.report import run_record
+
+        gen = self.session().generate(prompt, **params)
+        gen.report = run_record(self, gen)
+        return gen
+
+    def stream(self, prompt: str | Sequence[int], **params: Any) -> Iterator[str]:
+        """Text pieces as tokens arrive (a fresh session; UTF-8 characters never split)."""
+        return self.session().stream(prompt, **params)
+
+    def logits(self, ids: Sequence[int], all_positions: bool = False) -> np.ndarray:
+        """float32 logits after ``ids`` (one full pass from a fresh state): the last position's
+        ``[vocab]`` vector, or ``[len(ids), vocab]`` with ``all_positions``."""
+        from k3core.model.state import SequenceState
+        from k3core.run.idparse import check_vocab
+
+        self._check_open()
+        seq = [int(i) for i in ids]
+        if not seq:
+            raise UsageError("logits() needs at least one id")
+        check_vocab(seq, self.cfg.vocab, "ids")
+        st = SequenceState(self.cfg, len(seq), shared_kda_slot=self.model.shared_kda_slot)
+        out = self.model.forward(np.array(seq), st, all_logits=all_positions)
+        return np.array(out if all_positions else out[-1], dtype=np.float32)
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise UsageError("this engine is closed; open another with k3.load(...)")
+
     def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
         self.experts.close()
         self.model.trunk.close()
         self.index.close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def read_model_config(opts: EngineOptions) -> ModelConfig:

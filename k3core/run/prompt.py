@@ -1,7 +1,8 @@
 """Where a run's prompt comes from: exactly one of ``--prompt``, ``--prompt-file``, ``--ids``.
 
-Text goes through the tokenizer (``--tok DIR`` or ``$K3_TOK_FILES``); a prompt file is
-read as raw bytes, verbatim (the way to pass non-ASCII text safely past a shell). BOS is
+Text goes through the tokenizer (``--tok DIR``, ``$K3_TOK_FILES``, else the tokenizer files in
+MODEL_DIR when they are there); a prompt file (``-`` = standard input) is read as raw bytes,
+verbatim (the way to pass non-ASCII text safely past a shell). BOS is
 prepended only when asked (``--bos``), never by default.
 """
 
@@ -38,10 +39,26 @@ class PromptSpec:
         return self.ids is None
 
 
-def load_tokenizer(tok: Path | None, vocab: int, required: bool) -> Tokenizer | None:
+#: the files that make a directory a tokenizer directory
+TOKENIZER_FILES = ("tiktoken.model", "tokenizer_config.json")
+
+
+def find_tokenizer(model_dir: Path | None) -> Path | None:
+    """MODEL_DIR when it holds the tokenizer files (the released layout ships them there)."""
+    if model_dir is not None and all((Path(model_dir) / f).is_file() for f in TOKENIZER_FILES):
+        return Path(model_dir)
+    return None
+
+
+def load_tokenizer(tok: Path | None, vocab: int, required: bool,
+                   model_dir: Path | None = None) -> Tokenizer | None:
+    """``--tok`` (or ``$K3_TOK_FILES``), else the tokenizer in ``model_dir``, else ``None``."""
+    if tok is None:
+        tok = find_tokenizer(model_dir)
     if tok is None:
         if required:
-            raise UsageError("--prompt and --prompt-file need --tok DIR (the directory with tiktoken.model)")
+            raise UsageError("--prompt and --prompt-file need --tok DIR (the directory with "
+                             "tiktoken.model), or the tokenizer files in MODEL_DIR")
         return None
     if not Path(tok).is_dir():
         raise UsageError(f"--tok {tok}: not a directory")
@@ -75,6 +92,8 @@ def prompt_ids(spec: PromptSpec, tok: Tokenizer | None, vocab: int, bos_id: int 
 
 
 def read_prompt_file(path: Path) -> bytes:
+    if str(path) == "-":
+        return _read_stdin()
     try:
         size = path.stat().st_size
         if not path.is_file():
@@ -84,3 +103,17 @@ def read_prompt_file(path: Path) -> bytes:
         return path.read_bytes()
     except OSError as exc:
         raise UsageError(f"--prompt-file {path}: cannot read it ({exc.strerror or exc})") from None
+
+
+def _read_stdin() -> bytes:
+    """``--prompt-file -``: standard input's bytes, verbatim, within the same size limit."""
+    import sys
+
+    try:
+        data = sys.stdin.buffer.read(MAX_PROMPT_FILE + 1)
+    except (OSError, AttributeError, ValueError) as exc:
+        raise UsageError(f"--prompt-file -: cannot read standard input ({exc})") from None
+    if len(data) > MAX_PROMPT_FILE:
+        raise UsageError(f"--prompt-file -: standard input is over the {MAX_PROMPT_FILE >> 20} "
+                         "MiB limit")
+    return data

@@ -1,8 +1,10 @@
-"""The run report: banner, memory plan, a live per-step table, and the summary.
+"""The run report, the last stage of request -> plan -> engine -> session -> report.
 
-Printed with rich so it reads well in a terminal and stays plain text when piped. The
-per-step table streams decoded text as tokens arrive, never splitting a UTF-8 character.
-Every figure printed here is also in ``--out`` JSON (``RunReport.summary``).
+The generated text goes to stdout as tokens arrive (never half a UTF-8 character), so
+``k3 run ... > answer.txt`` captures the text alone. The banner, the memory plan, the live
+per-step table and the summary go to stderr, printed with rich so they read well in a
+terminal and stay plain text when piped. Every figure printed is also in the run record
+(:func:`run_record`: ``--out`` JSON, and ``Generation.report`` in the Python API).
 """
 
 from __future__ import annotations
@@ -10,13 +12,20 @@ from __future__ import annotations
 import sys
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.table import Table
 
 from k3core.api.experts import ExpertStats
+from k3core.experts.cache import ExpertCache
 from k3core.run.memory_plan import human
+from k3core.run.resources import peak_rss_bytes
+from k3core.trunk.source import report_json, report_lines, ultra_lines
+
+if TYPE_CHECKING:
+    from k3core.run.engine import Engine
+    from k3core.run.session import Generation
 
 
 def gb(n: float) -> str:
@@ -36,26 +45,65 @@ class StepRow:
 
 @dataclass
 class RunReport:
-    console: Console = field(default_factory=lambda: Console(highlight=False, soft_wrap=True))
-    err: Console = field(default_factory=lambda: Console(stderr=True, highlight=False))
+    """Where a run's output goes: the text on stdout, everything else on stderr.
+
+    ``verbosity`` -1 (``-q``) prints nothing on stderr, 0 the plan, the per-step table and
+    the summary, 1 (``-v``) adds every setting with its source and the generated text again.
+    """
+
+    verbosity: int = 0
+    err: Console = field(default_factory=lambda: Console(stderr=True, highlight=False,
+                                                         soft_wrap=True))
     rows: list[StepRow] = field(default_factory=list)
     _last: tuple[int, int, int] = (0, 0, 0)
+    _tail: str = ""
+    _stdout_gone: bool = False
 
-    def line(self, text: str = "") -> None:
-        self.console.print(text, markup=False)
+    @property
+    def verbose(self) -> bool:
+        return self.verbosity > 0
+
+    def line(self, text: str = "", level: int = 0) -> None:
+        if self.verbosity >= level:
+            self.err.print(text, markup=False)
 
     def note(self, text: str) -> None:
-        self.console.print(f"note: {text}", markup=False)
+        self.line(f"note: {text}")
 
     def table(self, title: str, rows: Iterable[tuple[str, str]]) -> None:
+        if self.verbosity < 0:
+            return
         t = Table(title=title, show_header=False, title_justify="left", box=None, pad_edge=False)
         t.add_column(style="bold")
         t.add_column()
         for a, b in rows:
             t.add_row(a, b)
-        self.console.print(t)
+        self.err.print(t)
 
-    # ---- the live per-step table ---------------------------------------------------------------
+    # ---- the generated text, on stdout ------------------------------------------------------
+    def text(self, piece: str) -> None:
+        """Write ``piece`` to stdout now (UTF-8 bytes, whatever the locale says)."""
+        if not piece or self._stdout_gone:
+            return
+        try:
+            sys.stdout.flush()
+            buf = getattr(sys.stdout, "buffer", None)
+            if buf is not None:
+                buf.write(piece.encode("utf-8", "surrogateescape"))
+                buf.flush()
+            else:
+                sys.stdout.write(piece)
+                sys.stdout.flush()
+        except BrokenPipeError:  # the reader went away (``k3 run ... | head``): stop writing
+            self._stdout_gone = True
+        self._tail = piece[-1:]
+
+    def end_text(self) -> None:
+        """A terminal gets a final newline after the text; a pipe or file gets the text alone."""
+        if self._tail and self._tail != "\n" and sys.stdout.isatty():
+            self.text("\n")
+
+    # ---- the live per-step table, on stderr ---------------------------------------------------
     def step_header(self) -> None:
         self.line(f"{'STEP':>5} {'TOKEN':>8} {'SECONDS':>9} {'CACHE HIT':>9} {'READ GB':>8} {'TOK/S':>7}  TEXT")
 
@@ -74,11 +122,101 @@ class RunReport:
         self.line(
             f"{step:>5} {token:>8} {seconds:>9.3f} {hit_s} {read:>8.3f} {1 / max(seconds, 1e-9):>7.2f}  {shown}"
         )
-        sys.stdout.flush()
 
     def reset_step_baseline(self, stats: ExpertStats | None) -> None:
         if stats is not None:
             self._last = (stats.requests, stats.hits, stats.bytes_read)
+
+    # ---- before and after the loop ------------------------------------------------------------
+    def engine_lines(self, engine: Engine) -> None:
+        """What was opened: plugins, index and bind times, trunk, expert cache, RSS."""
+        self.line(engine.settings_line)
+        for note in engine.notes:
+            self.note(note)
+        self.line(f"indexed {len(engine.index)} tensors from {len(engine.index.shards)} shards in "
+                  f"{engine.timings['index']:.2f} s; weights bound in {engine.timings['bind']:.2f} s")
+        for line in engine.trunk_lines + ultra_lines(engine.model.tables, engine.incremental,
+                                                     engine.model.n_layers):
+            self.line(line)
+        cache = engine.experts if isinstance(engine.experts, ExpertCache) else None
+        if cache is not None:
+            self.line(f"expert cache  : {cache.capacity} slots x {human(cache.stride)} = "
+                      f"{human(cache.capacity * cache.stride)}, policy {engine.names['cache']}")
+        self.line(f"peak RSS after loading weights: {gb(peak_rss_bytes())} (the plan is a "
+                  "forecast; this is measured)")
+
+    def summary(self, engine: Engine, gen: Generation, max_tokens: int) -> None:
+        """The closing block: tokens and time, why it stopped, ids, cache, trunk, I/O, RSS."""
+        model, stats = engine.model, engine.experts.stats
+        self.line("-" * 60)
+        if gen.interrupted:
+            self.line(f"interrupted after {len(gen.ids)} of {max_tokens} tokens")
+        elif max_tokens == 0:
+            self.line(f"prefill only: {len(gen.prompt_ids)} positions, 0 tokens generated in "
+                      f"{gen.prefill_seconds:.2f} s")
+        else:
+            self.line(f"{len(gen.ids)} tokens in {gen.wall_seconds:.2f} s, "
+                      f"{gen.seconds_per_token:.3f} s/token average")
+        if gen.stop_reason == "stop_id":
+            self.line(f"stop id {gen.stopped_at} reached after {len(gen.ids)} of {max_tokens} tokens")
+        elif gen.stop_reason == "eos":
+            self.line(f"end-of-sequence id {gen.stopped_at} reached after {len(gen.ids)} of "
+                      f"{max_tokens} tokens (--ignore-eos runs on)")
+        elif gen.stop_reason == "stop":
+            self.line(f"stop text reached after {len(gen.ids)} of {max_tokens} tokens")
+        self.line(f"generated ids: {','.join(map(str, gen.ids))}")
+        if gen.text is not None:
+            self.line("--- generated text ---", level=1)
+            self.line(gen.text, level=1)
+            self.line("-" * 22, level=1)
+        cache = engine.experts if isinstance(engine.experts, ExpertCache) else None
+        if cache is not None:
+            self.table("expert cache (whole run)", cache_summary(
+                stats, cache.capacity, cache.stride, engine.names["cache"], cache.policy.describe()))
+        for line in report_lines(model.trunk, model.tables):
+            self.line(line)
+        trunk_read = report_json(model.trunk, model.tables).get("trunk_read_seconds", 0.0)
+        io = stats.read_seconds + (float(trunk_read) if isinstance(trunk_read, (int, float)) else 0.0)
+        if gen.wall_seconds > 0:
+            self.line(f"I/O share of wall clock: {100 * io / gen.wall_seconds:.1f}% (device time "
+                      "summed over reader threads; above 100% means reads overlapped compute)")
+        self.line(f"PEAK RSS for the whole run: {gb(peak_rss_bytes())}   <- quote this, not the plan")
+        self.line(f"layers completed: {model.layers_completed}/{model.n_layers}; routed expert "
+                  f"drops: {stats.drops}")
+
+
+def run_record(engine: Engine, gen: Generation) -> dict[str, Any]:
+    """The run's figures as JSON (``--out``, and ``Generation.report`` in the Python API)."""
+    model, stats = engine.model, engine.experts.stats
+    s = gen.sampler
+    step_log = engine.step_log.to_json() if engine.step_log is not None else {}
+    return {
+        "prompt_ids": gen.prompt_ids,
+        "generated_ids": gen.ids,
+        "full_ids": gen.full_ids,
+        "generated_text": gen.text,
+        "stop_reason": gen.stop_reason,
+        "interrupted": gen.interrupted,
+        "layers": model.n_layers,
+        "layers_requested": model.n_layers,
+        "layers_completed": model.layers_completed,
+        "seconds_per_token": gen.seconds_per_token,
+        "step_seconds": [st.seconds for st in gen.steps],
+        "wall_seconds": gen.wall_seconds,
+        "peak_rss_bytes": peak_rss_bytes(),
+        "expert_drops": stats.drops,
+        "backend": engine.names["kernel"],
+        "storage": engine.names["storage"],
+        "cache_policy": engine.names["cache"],
+        "threads": engine.kernels.threads,
+        "incremental": engine.incremental,
+        "sampling": None if s is None else {"temperature": s.temperature, "top_p": s.top_p,
+                                             "top_k": s.top_k, "seed": s.seed},
+        "stopped_at": gen.stopped_at,
+        **cache_json(stats),
+        **report_json(model.trunk, model.tables),
+        **step_log,
+    }
 
 
 def cache_summary(stats: ExpertStats, slots: int, slot_bytes: int, policy: str, describe: str) -> list[tuple[str, str]]:

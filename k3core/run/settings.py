@@ -57,7 +57,7 @@ class Settings(BaseModel):
     storage: str = "auto"
     cache_policy: str | None = None  # None: the engine's default policy
     threads: int | None = Field(default=None, ge=1, le=4096)
-    incremental: bool = False
+    incremental: bool = True  # incremental decoding; --full-recompute opts out
 
 
 DEFAULTS: dict[str, Any] = Settings().model_dump()

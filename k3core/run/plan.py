@@ -1,0 +1,223 @@
+"""The plan: a request resolved against the model, every budget checked before allocation.
+
+The second stage of request -> plan -> engine -> session -> report. :func:`plan_engine`
+reads the model's config (small), resolves the preset and the settings (flag > environment
+> preset > default, each with its source), resolves the plugins through the registry, finds
+the tokenizer (``--tok``, ``$K3_TOK_FILES``, else MODEL_DIR's own files) and sums the memory
+plan: trunk, tables, expert cache, recurrent state, buffers and KV cache against the memory
+available. Nothing large has been allocated yet; :meth:`EnginePlan.check` refuses a plan
+that does not fit. :func:`plan_run` adds the prompt's ids and the generation for one
+command-line run.
+
+Both plans print (:meth:`lines`) and serialise (:meth:`to_json`); ``--out`` records them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from k3core.api.errors import UsageError
+from k3core.experts.setup import CacheOptions
+from k3core.model.config import ModelConfig
+from k3core.model.sizes import ALIGN, sizes_from_config
+from k3core.plugins.registry import get_registry
+from k3core.run.engine import EngineOptions, read_model_config
+from k3core.run.memory_plan import MemoryPlan, check_kv, plan_memory
+from k3core.run.presets import check_plugins, load_preset
+from k3core.run.prompt import PromptSpec, find_tokenizer, load_tokenizer, prompt_ids
+from k3core.run.request import EngineRequest, RunRequest
+from k3core.run.settings import MergedSettings, merge_settings
+from k3core.tokenizer.encoding import Tokenizer
+
+
+@dataclass
+class EnginePlan:
+    """Everything needed to open an engine, resolved and checked (see the module)."""
+
+    request: EngineRequest
+    model_dir: Path
+    cfg: ModelConfig
+    merged: MergedSettings
+    preset: Any = None
+    tokenizer: Tokenizer | None = None
+    tok_dir: Path | None = None
+    storage: str = "auto"
+    memory: MemoryPlan | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def incremental(self) -> bool:
+        return bool(self.merged.settings.incremental)
+
+    @property
+    def streamed(self) -> bool:
+        return self.request.trunk is not None
+
+    @property
+    def n_layers(self) -> int:
+        return self.request.layers or self.cfg.n_layers
+
+    @property
+    def trunk_gb(self) -> float | None:
+        """The trunk budget: ``--trunk-gb`` or the preset's; without either, every layer."""
+        s, r = self.merged.settings, self.request
+        return s.trunk_gb if self.streamed and (r.trunk_gb is not None or self.preset) else None
+
+    def plan_memory(self, prompt_len: int, gen: int) -> MemoryPlan:
+        """Sum the run's buffers for ``prompt_len`` + ``gen`` positions (and keep the plan)."""
+        s = self.merged.settings
+        if self.incremental:
+            check_kv(self.cfg, prompt_len + gen + 1, n_layers=self.n_layers)
+        budget = _trunk_budget(self.cfg, self.n_layers, self.trunk_gb) if self.streamed else None
+        self.memory = plan_memory(
+            self.cfg, streamed=self.streamed, cache_bytes=int(s.cache_gb * 1e9),
+            prompt_len=prompt_len, gen=gen, incremental=self.incremental,
+            n_layers=self.n_layers, trunk_budget=budget, ultra=bool(s.ultra_low_memory))
+        return self.memory
+
+    def check(self) -> None:
+        """Refuse (exit 1) a memory plan over 95 % of the memory available."""
+        if self.memory is not None:
+            self.memory.check()
+
+    def options(self, trace_dir: Path | None = None) -> EngineOptions:
+        s, r = self.merged.settings, self.request
+        cache = CacheOptions(
+            cache_gb=s.cache_gb, trace_dir=trace_dir,
+            policy_options={"trace": str(r.cache_trace)} if r.cache_trace is not None else {})
+        return EngineOptions(
+            self.model_dir, r.config, r.layers, s.backend, self.storage, s.cache_policy or "auto",
+            s.threads, trunk_dir=r.trunk, trunk_gb=self.trunk_gb, ring=r.trunk_ring,
+            ultra_low_memory=bool(s.ultra_low_memory), verify_trunk=r.verify_trunk, cache=cache)
+
+    def lines(self, verbose: bool = False) -> list[str]:
+        """The report's plan block: model, preset, settings and their sources, memory."""
+        from k3core import __version__
+
+        out = [f"k3 {__version__}: Kimi K3, released checkpoint layout", self.cfg.describe(),
+               f"model  : {self.model_dir}"]
+        if self.tok_dir is not None:
+            out.append(f"tokenizer: {self.tok_dir}")
+        if self.preset is not None:
+            p = self.preset
+            out.append(f"preset : {p.name} (trunk {p.trunk_gb:.2f} GB / expert cache "
+                       f"{p.cache_gb:.2f} GB)" + ("" if self.streamed else
+                       "; without --trunk the trunk is resident, so only the cache budget applies"))
+        d = self.merged.settings.model_dump()
+        for k, src in self.merged.sources.items():
+            if src != "default" or verbose:
+                out.append(f"setting: {k} = {d[k]}  ({src})")
+        if self.request.layers is not None:
+            out.append(f"NOTE: only the first {self.request.layers} of {self.cfg.n_layers} layers "
+                       "run; this is not the full model")
+        if self.memory is not None:
+            out += self.memory.lines()
+        return out
+
+    def to_json(self) -> dict[str, Any]:
+        d = self.merged.settings.model_dump(mode="json")
+        plan: dict[str, Any] = {
+            "model_dir": str(self.model_dir),
+            "tokenizer": None if self.tok_dir is None else str(self.tok_dir),
+            "preset": None if self.preset is None else self.preset.name,
+            "settings": {k: {"value": d[k], "source": src} for k, src in self.merged.sources.items()},
+            "incremental": self.incremental, "streamed": self.streamed, "layers": self.n_layers,
+            "storage": self.storage, "notes": list(self.notes),
+        }
+        if self.memory is not None:
+            m = self.memory
+            plan["memory"] = {"rows": dict(m.rows()), "total": m.total, "available": m.available,
+                              "positions": m.positions, "cache_slots": m.cache_slots}
+        return plan
+
+
+def plan_engine(req: EngineRequest, needs_tokenizer: bool = False) -> EnginePlan:
+    """Resolve ``req`` against the model (config, preset, settings, plugins, tokenizer)."""
+    model_dir = req.model_dir or merge_settings(None, None, None, req.flags()).settings.model_dir
+    if model_dir is None:
+        raise UsageError("MODEL_DIR is required (or set K3_MODEL_DIR)")
+    model_dir = Path(model_dir)
+    cfg = read_model_config(EngineOptions(model_dir, req.config, req.layers))
+    preset = load_preset(req.preset, cfg=cfg) if req.preset else None
+    merged = merge_settings(None, preset, None, req.flags())
+    s = merged.settings
+    if preset is not None:
+        for problem in check_plugins(preset):
+            raise UsageError(f"preset {preset.name}: {problem}")
+    reg = get_registry()
+    kspec, _ = reg.resolve("kernel", s.backend)
+    kspec.load()  # import it now, so the plan's baseline (this process's RSS) includes it
+    if s.storage != "auto":
+        reg.resolve("storage", s.storage)
+    reg.resolve("cache", s.cache_policy or "auto")
+    if s.ultra_low_memory and req.trunk is None:
+        raise UsageError("--ultra-low-memory needs --trunk DIR (pack one with "
+                         "`k3 pack-trunk MODEL_DIR TRUNK_DIR`)")
+    tok = load_tokenizer(s.tok, cfg.vocab, required=needs_tokenizer, model_dir=model_dir)
+    tok_dir = (Path(s.tok) if s.tok is not None else find_tokenizer(model_dir)) if tok else None
+    plan = EnginePlan(req, model_dir, cfg, merged, preset, tok, tok_dir)
+    plan.storage = _storage(s.storage, model_dir, plan.notes)
+    return plan
+
+
+@dataclass
+class RunPlan:
+    """One command-line run: the engine's plan, the prompt's ids, the generation."""
+
+    request: RunRequest
+    engine: EnginePlan
+    prompt_ids: list[int]
+    prompt_how: str
+
+    def lines(self, verbose: bool = False) -> list[str]:
+        g = self.request.generation
+        out = self.engine.lines(verbose)
+        mode = " (incremental)" if self.engine.incremental else " (full recompute)"
+        out.insert(3, f"prompt : {self.prompt_how}; generating {g.max_tokens}{mode}")
+        return out
+
+    def to_json(self) -> dict[str, Any]:
+        return {**self.engine.to_json(), "prompt_ids": self.prompt_ids,
+                "prompt": self.prompt_how}
+
+
+def plan_run(req: RunRequest) -> RunPlan:
+    """The whole plan of one ``k3 run``; raises before anything large is allocated."""
+    req.check()
+    eng = plan_engine(req.engine, needs_tokenizer=req.prompt.needs_tokenizer)
+    for sid in req.generation.stop_ids:
+        from k3core.run.idparse import check_vocab
+
+        check_vocab([sid], eng.cfg.vocab, "--stop-id")
+    tok = eng.tokenizer
+    bos = tok.special_token_id("[BOS]") if tok is not None and "[BOS]" in tok.special_tokens else None
+    bos = bos if bos is not None else eng.cfg.bos_token_id
+    p = req.prompt
+    ids_text = ",".join(map(str, p.ids)) if isinstance(p.ids, list) else p.ids
+    ids, how = prompt_ids(PromptSpec(p.text, p.file, ids_text, p.bos), tok, eng.cfg.vocab, bos)
+    if req.outputs.load_state is not None and not eng.incremental:
+        raise UsageError("--load-state needs incremental decoding (drop --full-recompute)")
+    eng.plan_memory(len(ids), req.generation.max_tokens)
+    return RunPlan(req, eng, ids, how)
+
+
+def _trunk_budget(cfg: ModelConfig, n_layers: int, trunk_gb: float | None) -> int:
+    """Bytes the streamed trunk may hold: ``--trunk-gb``, or (without it) every layer pinned."""
+    if trunk_gb is not None:
+        return int(trunk_gb * 1e9)
+    return sizes_from_config(cfg).first(n_layers).trunk_bytes + ALIGN * n_layers
+
+
+def _storage(storage: str, model_dir: Path, notes: list[str]) -> str:
+    if storage != "auto":
+        return storage
+    from k3_storage.direct import supports_direct
+
+    avail = supports_direct(model_dir)
+    if avail.ok:
+        return "auto"
+    notes.append(f"O_DIRECT is not usable for {model_dir} ({avail.reason}); auto picked "
+                 "storage 'mmap'")
+    return "mmap"

@@ -1,0 +1,241 @@
+"""What a run was asked for, validated: the first stage of request -> plan -> engine -> session.
+
+A :class:`RunRequest` is built the same way by the command line (from its flags), by the
+Python API (``k3.load`` and ``Engine.generate`` keywords) and by a server (from a JSON
+body). It holds what the caller *gave*; ``None`` means "not given", so the plan
+(:mod:`k3core.run.plan`) can fill the gap from the environment, a preset or a default and
+record which layer set each value (flag > environment > preset > default).
+
+It has three parts, each usable alone:
+
+* :class:`EngineRequest`: everything that opens an engine (model, budgets, plugins);
+* :class:`GenerationParams`: one generation (prompt-independent: length, sampling, stops);
+* :class:`OutputRequest`: the files a command-line run writes.
+
+Every refusal is a ``UsageError`` (exit 2) with the flag's name, checked in the reference
+engine's order before any file is opened. The whole request serialises to JSON
+(:meth:`RunRequest.to_json`) and ``--out`` records it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from k3core.api.errors import UsageError
+
+#: the most tokens one generation may ask for, and the most stop ids / stop strings
+MAX_GEN = 4096
+MAX_STOP_IDS = 8
+MAX_STOP_TEXTS = 8
+MAX_STOP_CHARS = 256
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, arbitrary_types_allowed=True)
+
+
+class PromptInput(_Strict):
+    """Exactly one of ``text`` (``--prompt``), ``file`` (``--prompt-file``, ``-`` = stdin)
+    or ``ids`` (``--ids``: the text ``3,7,11`` or a list of ints)."""
+
+    text: str | None = None
+    file: Path | None = None
+    ids: str | list[int] | None = None
+    bos: bool = False
+
+    def check(self) -> None:
+        given = [n for n, v in (("--prompt", self.text), ("--prompt-file", self.file),
+                                ("--ids", self.ids)) if v is not None]
+        if not given:
+            raise UsageError("one of --prompt, --prompt-file or --ids is required")
+        if len(given) > 1:
+            raise UsageError(f"{' and '.join(given)} are mutually exclusive: give exactly one "
+                             "prompt source")
+
+    @property
+    def needs_tokenizer(self) -> bool:
+        return self.ids is None
+
+
+class GenerationParams(_Strict):
+    """One generation: how many tokens, how they are chosen, where it stops.
+
+    ``temperature`` 0 (or no sampling keyword at all) is greedy; any of ``top_p``,
+    ``top_k``, ``seed`` or a positive ``temperature`` turns seeded sampling on (temperature
+    1.0 unless given; a time-based seed unless given, printed in the report). Generation
+    stops after ``max_tokens``, after emitting a ``stop_ids`` id or the tokenizer's
+    end-of-sequence id (unless ``ignore_eos``), or when the text contains a ``stop`` string
+    (the text is cut before it).
+    """
+
+    max_tokens: int = 8
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: list[str] = Field(default_factory=list)
+    stop_ids: list[int] = Field(default_factory=list)
+    ignore_eos: bool = False
+
+    @model_validator(mode="after")
+    def _check(self) -> GenerationParams:
+        if not 0 <= self.max_tokens <= MAX_GEN:
+            raise UsageError(f"--gen must be in 0..{MAX_GEN}, got {self.max_tokens} "
+                             "(refusing rather than clamping)")
+        if len(self.stop_ids) > MAX_STOP_IDS:
+            raise UsageError(f"--stop-id may be given at most {MAX_STOP_IDS} times")
+        if any(s < 0 for s in self.stop_ids):
+            raise UsageError("--stop-id must be a non-negative integer")
+        if len(self.stop) > MAX_STOP_TEXTS:
+            raise UsageError(f"--stop may be given at most {MAX_STOP_TEXTS} times")
+        for s in self.stop:
+            if not s or len(s) > MAX_STOP_CHARS:
+                raise UsageError(f"--stop needs a non-empty text of at most {MAX_STOP_CHARS} "
+                                 f"characters, got {s!r:.40}")
+        t = self.temperature
+        if t is not None and not (math.isfinite(t) and t >= 0):
+            raise UsageError(f"--temperature must be finite and >= 0 (0 = greedy), got {t}")
+        if self.top_p is not None and not 0 < self.top_p <= 1:
+            raise UsageError(f"--top-p must be in (0, 1], got {self.top_p}")
+        if self.top_k is not None and self.top_k < 1:
+            raise UsageError(f"--top-k must be >= 1, got {self.top_k}")
+        if self.seed is not None and self.seed < 0:
+            raise UsageError(f"--seed must be a non-negative integer, got {self.seed}")
+        return self
+
+    @property
+    def greedy(self) -> bool:
+        if self.temperature == 0:
+            return True
+        return all(v is None for v in (self.temperature, self.top_p, self.top_k, self.seed))
+
+
+class EngineRequest(_Strict):
+    """What opens an engine. ``None`` = not given (environment, preset or default decides)."""
+
+    model_dir: Path | None = None
+    config: Path | None = None
+    layers: int | None = None
+    tok: Path | None = None
+    preset: str | None = None
+    trunk: Path | None = None
+    trunk_gb: float | None = None
+    trunk_ring: int | None = None
+    cache_gb: float | None = None
+    ultra_low_memory: bool | None = None
+    backend: str | None = None
+    storage: str | None = None
+    cache_policy: str | None = None
+    cache_trace: Path | None = None
+    threads: int | None = None
+    incremental: bool | None = None
+    verify_trunk: bool = False
+
+    @model_validator(mode="after")
+    def _check(self) -> EngineRequest:
+        from k3core.trunk.source import check_trunk_options
+
+        if self.threads is not None and self.threads < 1:
+            raise UsageError(f"--threads must be >= 1, got {self.threads}")
+        if self.cache_gb is not None and not self.cache_gb >= 0:
+            raise UsageError(f"--cache-gb must be a non-negative number, got {self.cache_gb}")
+        check_trunk_options(self.trunk, self.trunk_gb, self.trunk_ring,
+                            bool(self.ultra_low_memory))
+        return self
+
+    def flags(self) -> dict[str, Any]:
+        """The values that take part in flag > environment > preset > default."""
+        return {"model_dir": self.model_dir, "tok": self.tok, "trunk_gb": self.trunk_gb,
+                "cache_gb": self.cache_gb, "ultra_low_memory": self.ultra_low_memory,
+                "backend": self.backend, "storage": self.storage,
+                "cache_policy": self.cache_policy, "threads": self.threads,
+                "incremental": self.incremental}
+
+
+class OutputRequest(_Strict):
+    """Files a command-line run writes (each atomically, after the run)."""
+
+    out: Path | None = None
+    dump_logits: Path | None = None
+    dump_cache_trace: Path | None = None
+    save_state: Path | None = None
+    load_state: Path | None = None
+
+    def check(self) -> None:
+        from k3core.run.outputs import check_writable
+
+        for path, what in ((self.out, "--out"), (self.dump_logits, "--dump-logits"),
+                           (self.save_state, "--save-state")):
+            if path is not None:
+                check_writable(path, what)
+        if self.dump_cache_trace is not None:
+            d = self.dump_cache_trace
+            if not d.is_dir():
+                raise UsageError(f"--dump-cache-trace {d}: not an existing directory")
+            check_writable(d / "expert_trace.bin", "--dump-cache-trace")
+
+
+class RunRequest(_Strict):
+    """One whole ``k3 run``: the engine, the prompt, the generation, the outputs."""
+
+    prompt: PromptInput = Field(default_factory=PromptInput)
+    generation: GenerationParams = Field(default_factory=GenerationParams)
+    engine: EngineRequest = Field(default_factory=EngineRequest)
+    outputs: OutputRequest = Field(default_factory=OutputRequest)
+    verbosity: int = 0  # -1 quiet, 0 normal, 1 verbose
+
+    def check(self) -> None:
+        """The refusals that need no model file (exit 2), in the reference's order."""
+        self.prompt.check()
+        self.outputs.check()
+
+    @classmethod
+    def from_flags(cls, flags: Mapping[str, Any]) -> RunRequest:
+        """Build from the command line's names (``gen``, ``stop_id``, ``prompt_file``...)."""
+        f = dict(flags)
+        take = _taker(f)
+        prompt = {"text": take("prompt"), "file": take("prompt_file"), "ids": take("ids"),
+                  "bos": bool(take("bos", False))}
+        generation = {"max_tokens": take("gen", 8), "temperature": take("temperature"),
+                      "top_p": take("top_p"), "top_k": take("top_k"), "seed": take("seed"),
+                      "stop": list(take("stop", []) or []),
+                      "stop_ids": list(take("stop_id", []) or []),
+                      "ignore_eos": bool(take("ignore_eos", False))}
+        outputs = {k: take(k) for k in OutputRequest.model_fields}
+        verbosity = -1 if take("quiet", False) else min(int(take("verbose", 0) or 0), 2)
+        engine = {k: take(k) for k in EngineRequest.model_fields}
+        engine["verify_trunk"] = bool(engine["verify_trunk"])
+        if f:
+            raise UsageError(f"unknown run option(s): {', '.join(sorted(f))}")
+        build(PromptInput, prompt).check()  # the reference refuses a prompt problem first
+        return build(cls, {"engine": engine, "prompt": prompt, "generation": generation,
+                           "outputs": outputs, "verbosity": verbosity})
+
+    def to_json(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+    def given(self) -> dict[str, Any]:
+        """Only what the caller set (for printing: ``k3 run -v``)."""
+        return self.model_dump(mode="json", exclude_defaults=True)
+
+
+def build(model: type[Any], data: Mapping[str, Any]) -> Any:
+    """Validate ``data`` into ``model``; a type error becomes one ``UsageError`` line."""
+    try:
+        return model.model_validate(dict(data))
+    except ValidationError as exc:
+        err = exc.errors(include_input=False, include_url=False)[0]
+        where = ".".join(str(x) for x in err["loc"]) or "request"
+        raise UsageError(f"{where}: {err['msg']}") from None
+
+
+def _taker(f: dict[str, Any]) -> Any:
+    def take(name: str, default: Any = None) -> Any:
+        v = f.pop(name, default)
+        return default if v is None else v
+    return take

@@ -1,0 +1,266 @@
+"""A session: one sequence on an open engine, carried across calls.
+
+The fourth stage of request -> plan -> engine -> session -> report. A :class:`Session`
+holds the ids of its sequence and, when decoding incrementally (the default), the KDA
+recurrent state, the conv history and the MLA KV cache, so a second ``generate`` costs only
+its own new tokens. The last generated id is *pending*: it is fed at the start of the next
+call, exactly as a single longer run would feed it, so a conversation split into calls gives
+the same ids and logit bytes as one run over the concatenated prompt.
+
+Full recompute (``incremental=False``) keeps only the ids and re-runs the whole sequence
+every step (O(T^2)); it gives the same tokens.
+
+One step, in order: ``before_step`` (a hook, for fault tests), the forward pass, the pick
+(greedy or the seeded sampler), then the stop checks: a ``stop_ids`` id, the end-of-sequence
+id (unless ``ignore_eos``; its text is not shown), a stop string (the text is cut before it),
+``max_tokens``. A Ctrl-C inside the loop leaves what was made in :attr:`Session.last`
+(``interrupted=True``) and propagates.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from k3core.api.errors import UsageError
+from k3core.model.sampling import Sampler, argmax
+from k3core.model.state import SequenceState
+from k3core.run.idparse import check_vocab
+from k3core.run.memory_plan import check_kv
+from k3core.run.prompt import MAX_PROMPT
+from k3core.run.request import GenerationParams, build
+from k3core.run.stops import TextStream
+
+if TYPE_CHECKING:
+    from k3core.run.engine import Engine
+
+
+@dataclass
+class Step:
+    index: int
+    token: int
+    seconds: float
+
+
+@dataclass
+class Generation:
+    """What one call made: ids, text, timings, why it stopped. ``report`` is the run record."""
+
+    prompt_ids: list[int]
+    ids: list[int] = field(default_factory=list)
+    text: str | None = None
+    steps: list[Step] = field(default_factory=list)
+    first_logits: np.ndarray | None = None
+    stopped_at: int = -1
+    stop_reason: str = "length"  # length | stop_id | eos | stop | prefill
+    prefill_seconds: float = 0.0
+    interrupted: bool = False
+    sampler: Sampler | None = None
+    report: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def full_ids(self) -> list[int]:
+        return self.prompt_ids + self.ids
+
+    @property
+    def wall_seconds(self) -> float:
+        return sum(s.seconds for s in self.steps) + self.prefill_seconds
+
+    @property
+    def seconds_per_token(self) -> float:
+        return sum(s.seconds for s in self.steps) / len(self.steps) if self.steps else 0.0
+
+
+def make_sampler(p: GenerationParams) -> Sampler | None:
+    """``None`` for greedy (temperature 0 or no sampling keyword), else the seeded sampler."""
+    if p.greedy:
+        return None
+    seed = p.seed if p.seed is not None else time.time_ns() % (1 << 63)
+    return Sampler(temperature=1.0 if p.temperature is None else p.temperature,
+                   top_p=1.0 if p.top_p is None else p.top_p, top_k=p.top_k, seed=seed)
+
+
+def params_from(params: GenerationParams | None, kw: dict[str, Any]) -> GenerationParams:
+    if params is not None and kw:
+        raise UsageError("give either a GenerationParams or keywords, not both")
+    if params is not None:
+        return params
+    return build(GenerationParams, {k: v for k, v in kw.items() if v is not None})
+
+
+class Session:
+    """One sequence on ``engine``; see the module docstring."""
+
+    def __init__(self, engine: Engine, incremental: bool | None = None):
+        self.engine = engine
+        self.incremental = engine.incremental if incremental is None else incremental
+        self.ids: list[int] = []
+        self.state: SequenceState | None = None
+        self.last: Generation | None = None
+
+    # ---- the sequence ------------------------------------------------------------------------
+    @property
+    def positions(self) -> int:
+        """Positions whose state is held (incremental) or ids held (full recompute)."""
+        return self.state.pos if self.state is not None else 0
+
+    @property
+    def pending(self) -> list[int]:
+        """Ids of the sequence not yet fed to the model (the last generated one, usually)."""
+        return self.ids[self.positions:] if self.incremental else []
+
+    def reset(self) -> None:
+        self.ids, self.state, self.last = [], None, None
+
+    def before_step(self, step: int) -> None:
+        """Called before each decode step (a hook for tests that time a fault)."""
+
+    # ---- generating --------------------------------------------------------------------------
+    def generate(self, prompt: str | Sequence[int] = (), params: GenerationParams | None = None,
+                 **kw: Any) -> Generation:
+        """Continue the sequence with ``prompt`` (text or ids) and generate; see the module."""
+        for _ in self.steps(self.encode(prompt), params_from(params, kw)):
+            pass
+        assert self.last is not None
+        return self.last
+
+    def stream(self, prompt: str | Sequence[int] = (), params: GenerationParams | None = None,
+               **kw: Any) -> Iterator[str]:
+        """Yield text pieces as tokens arrive (never half a UTF-8 character)."""
+        for _, piece in self.steps(self.encode(prompt), params_from(params, kw)):
+            if piece:
+                yield piece
+
+    def encode(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            tok = self.engine.tokenizer
+            if tok is None:
+                raise UsageError("a text prompt needs a tokenizer: pass tok=DIR (none was found "
+                                 "in the model directory), or give ids")
+            return tok.encode(prompt)
+        ids = [int(i) for i in prompt]
+        check_vocab(ids, self.engine.cfg.vocab, "prompt")
+        return ids
+
+    def steps(self, prompt_ids: Sequence[int], p: GenerationParams
+              ) -> Iterator[tuple[Step | None, str]]:
+        """The decode loop as a generator of ``(step, text piece)``; fills :attr:`last`.
+
+        The last item may be ``(None, text)``: text held back until the end (an incomplete
+        character, or the start of a stop string that never completed)."""
+        eng = self.engine
+        prompt = [int(i) for i in prompt_ids]
+        if not prompt and not self.ids:
+            raise UsageError("the prompt is empty: nothing to feed the model")
+        if len(self.ids) + len(prompt) > MAX_PROMPT:
+            raise UsageError(f"the sequence would hold {len(self.ids) + len(prompt)} ids; the "
+                             f"limit is {MAX_PROMPT}")
+        for sid in p.stop_ids:
+            check_vocab([sid], eng.cfg.vocab, "--stop-id")
+        if self.incremental and not prompt and not self.pending:
+            raise UsageError("nothing to feed: the session's ids are all consumed; give a prompt")
+        gen = Generation(prompt, sampler=make_sampler(p))
+        self._reserve(len(self.ids) + len(prompt) + max(p.max_tokens, 1))
+        self.last = gen
+        self.ids = self.ids + prompt
+        pick = gen.sampler or argmax
+        text = TextStream(eng.tokenizer, p.stop)
+        stops, eos = set(p.stop_ids), set() if p.ignore_eos else eng.eos_ids
+        try:
+            if p.max_tokens == 0:
+                t0 = time.perf_counter()
+                gen.first_logits = self._forward()
+                gen.prefill_seconds = time.perf_counter() - t0
+                gen.stop_reason = "prefill"
+                return
+            for g in range(p.max_tokens):
+                self.before_step(g)
+                t0 = time.perf_counter()
+                logits = self._forward()
+                if g == 0:
+                    gen.first_logits = logits
+                tok = pick(logits)
+                self.ids.append(tok)
+                gen.ids.append(tok)
+                step = Step(g, tok, time.perf_counter() - t0)
+                gen.steps.append(step)
+                piece = "" if tok in eos and tok not in stops else text.push(tok)
+                yield step, piece
+                if tok in stops:
+                    gen.stopped_at, gen.stop_reason = tok, "stop_id"
+                    break
+                if tok in eos:
+                    gen.stopped_at, gen.stop_reason = tok, "eos"
+                    break
+                if text.hit is not None:
+                    gen.stop_reason = "stop"
+                    break
+            tail = text.finish()
+            if tail:
+                yield None, tail
+        except KeyboardInterrupt:
+            gen.interrupted = True
+            raise
+        finally:
+            gen.text = text.text if text.enabled else None
+
+    def _reserve(self, need: int) -> None:
+        """Room for ``need`` positions in the carried state (the KV cache is checked first)."""
+        if not self.incremental:
+            return
+        cfg = self.engine.cfg
+        n_layers = self.engine.model.n_layers
+        if self.state is None:
+            check_kv(cfg, need + 1, n_layers=n_layers)
+            self.state = SequenceState(cfg, need)
+        elif self.state.capacity < need:
+            check_kv(cfg, need + 1, n_layers=n_layers)
+            grow_state(self.state, need)
+
+    def _forward(self) -> np.ndarray:
+        model = self.engine.model
+        if self.incremental:
+            assert self.state is not None
+            feed = self.ids[self.state.pos:]
+            return model.forward(np.array(feed), self.state)[-1]
+        fresh = SequenceState(model.cfg, len(self.ids), shared_kda_slot=model.shared_kda_slot)
+        return model.forward(np.array(self.ids), fresh)[-1]
+
+    # ---- saving and loading ------------------------------------------------------------------
+    def save(self, path: str | Path) -> int:
+        """Write the session to ``path`` atomically; returns the bytes written."""
+        from k3core.run.state_file import write_state
+
+        if not self.incremental:
+            raise UsageError("saving a session needs incremental decoding (full recompute "
+                             "carries no state)")
+        return write_state(Path(path), self)
+
+    def load(self, path: str | Path) -> None:
+        """Replace this session's sequence with the one saved at ``path`` (same model only)."""
+        from k3core.run.state_file import read_state
+
+        if not self.incremental:
+            raise UsageError("--load-state needs incremental decoding (drop --full-recompute)")
+        self.ids, self.state = read_state(Path(path), self.engine)
+        self.last = None
+
+
+def grow_state(state: SequenceState, capacity: int) -> None:
+    """Make room for ``capacity`` positions, keeping every cached position's bytes."""
+    old = state.capacity
+    for layer, kv in list(state.kv.items()):
+        changes = {}
+        for f in fields(kv):
+            a = getattr(kv, f.name)
+            if isinstance(a, np.ndarray) and a.ndim and a.shape[0] == old:
+                b = np.zeros((capacity, *a.shape[1:]), dtype=a.dtype)
+                b[:old] = a
+                changes[f.name] = b
+        state.kv[layer] = replace(kv, **changes)
+    state.capacity = capacity

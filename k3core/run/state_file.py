@@ -1,0 +1,182 @@
+"""The session file: a saved sequence that only the same model and config may resume.
+
+Layout (little-endian), written atomically (a temporary file in the same directory, then
+a rename), so a file is complete or absent:
+
+=========  ===================================================================
+8 bytes    magic ``K3STATE\\n``
+4 bytes    format version (:data:`VERSION`)
+4 bytes    header length H
+H bytes    JSON header: ``fingerprint``, ``ids``, ``pos``, ``capacity`` and, per array,
+           ``name``, ``dtype``, ``shape``, ``offset``, ``nbytes``; ``body_sha256``
+rest       the arrays' bytes, in header order
+=========  ===================================================================
+
+The fingerprint is a SHA-256 over the model's architecture (every config field), the
+number of layers run and a sample of its weights (the final norm and the first bytes of the
+embedding and lm_head), so a session made on another model or config is refused, as is a
+file whose arrays do not have the shapes this model's state has. A refused file is a
+:class:`StateFileError` (exit 1); nothing is half-loaded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from k3core.api.errors import K3Error
+from k3core.model import names
+from k3core.model.state import SequenceState
+from k3core.run.outputs import write_bytes_atomic
+
+if TYPE_CHECKING:
+    from k3core.run.engine import Engine
+    from k3core.run.session import Session
+
+MAGIC = b"K3STATE\n"
+VERSION = 1
+MAX_HEADER = 16 << 20
+SAMPLE = 4096
+
+
+class StateFileError(K3Error):
+    """A session file that cannot be read, or belongs to another model or config (exit 1)."""
+
+
+def fingerprint(engine: Engine) -> str:
+    """The model identity a session file is bound to (see the module docstring)."""
+    h = hashlib.sha256()
+    cfg = engine.cfg.to_flat_dict()
+    h.update(json.dumps(cfg, sort_keys=True, default=str).encode())
+    h.update(f"layers={engine.model.n_layers}".encode())
+    for name in (names.NORM, names.EMBED, names.LM_HEAD):
+        info = engine.index.info(name)
+        with open(info.path, "rb") as f:
+            h.update(os.pread(f.fileno(), min(info.nbytes, SAMPLE), info.offset))
+    return h.hexdigest()
+
+
+def _arrays(state: SequenceState) -> list[tuple[str, np.ndarray]]:
+    out: list[tuple[str, np.ndarray]] = []
+    for layer in sorted(state.kda):
+        st = state.kda[layer]
+        out.append((f"kda.{layer}.S", st.S))
+        out += [(f"kda.{layer}.conv.{k}", st.conv[k]) for k in sorted(st.conv)]
+    for layer in sorted(state.kv):
+        kv = state.kv[layer]
+        for fname in sorted(vars(kv)):
+            a = getattr(kv, fname)
+            if isinstance(a, np.ndarray):
+                out.append((f"kv.{layer}.{fname}", a[: state.pos]))
+    return out
+
+
+def write_state(path: Path, session: Session) -> int:
+    """Serialise ``session`` to ``path``; returns the file's size."""
+    st = session.state
+    pos = st.pos if st is not None else 0
+    entries, chunks, offset = [], [], 0
+    for name, a in _arrays(st) if st is not None else []:
+        data = np.ascontiguousarray(a).tobytes()
+        entries.append({"name": name, "dtype": a.dtype.str, "shape": list(a.shape),
+                        "offset": offset, "nbytes": len(data)})
+        chunks.append(data)
+        offset += len(data)
+    body = b"".join(chunks)
+    header = json.dumps({
+        "fingerprint": fingerprint(session.engine), "ids": session.ids, "pos": pos,
+        "capacity": st.capacity if st is not None else 0, "arrays": entries,
+        "body_sha256": hashlib.sha256(body).hexdigest(),
+    }).encode()
+    blob = MAGIC + struct.pack("<II", VERSION, len(header)) + header + body
+    write_bytes_atomic(path, blob, "the session file")
+    return len(blob)
+
+
+def read_state(path: Path, engine: Engine) -> tuple[list[int], SequenceState | None]:
+    """The ids and state saved at ``path``, checked against ``engine``'s model."""
+    raw = _read(path)
+    where = f"session file {path}"
+    if raw[:8] != MAGIC or len(raw) < 16:
+        raise StateFileError(f"{where}: not a k3 session file (bad magic)")
+    version, hlen = struct.unpack("<II", raw[8:16])
+    if version != VERSION:
+        raise StateFileError(f"{where}: format version {version}; this k3 reads version {VERSION}")
+    if hlen > MAX_HEADER or 16 + hlen > len(raw):
+        raise StateFileError(f"{where}: truncated or damaged header")
+    try:
+        head = json.loads(raw[16:16 + hlen])
+        ids = [int(i) for i in head["ids"]]
+        pos, capacity, entries = int(head["pos"]), int(head["capacity"]), list(head["arrays"])
+        fp, digest = str(head["fingerprint"]), str(head["body_sha256"])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise StateFileError(f"{where}: damaged header ({exc})") from None
+    if fp != fingerprint(engine):
+        raise StateFileError(f"{where}: saved by another model or config (fingerprint "
+                             "differs); a session resumes only on the model that made it")
+    body = raw[16 + hlen:]
+    if hashlib.sha256(body).hexdigest() != digest:
+        raise StateFileError(f"{where}: the state bytes are damaged (checksum differs)")
+    if not 0 <= pos <= len(ids) or (pos and capacity < pos) or any(
+            not 0 <= i < engine.cfg.vocab for i in ids):
+        raise StateFileError(f"{where}: inconsistent positions or ids")
+    if pos == 0:
+        return ids, None
+    state = SequenceState(engine.cfg, max(capacity, pos))
+    _fill(state, entries, body, pos, engine, where)
+    state.pos = pos
+    return ids, state
+
+
+def _fill(state: SequenceState, entries: list[Any], body: bytes, pos: int, engine: Engine,
+          where: str) -> None:
+    cfg, n_layers = engine.cfg, engine.model.n_layers
+    for layer in range(n_layers):  # every layer's state, shaped as this model makes it
+        if cfg.is_mla(layer):
+            state.kv_cache(layer)
+        else:
+            state.kda_state(layer)
+    want = {name: a for name, a in _arrays_full(state)}
+    got = {str(e.get("name")): e for e in entries if isinstance(e, dict)}
+    if set(got) != set(want):
+        raise StateFileError(f"{where}: its arrays do not match this model's state")
+    for name, target in want.items():
+        e = got[name]
+        shape = tuple(target.shape) if not name.startswith("kv.") else (pos, *target.shape[1:])
+        try:
+            off, n = int(e["offset"]), int(e["nbytes"])
+            ok = (tuple(e["shape"]) == shape and np.dtype(e["dtype"]) == target.dtype
+                  and n == int(np.prod(shape)) * target.dtype.itemsize and 0 <= off
+                  and off + n <= len(body))
+        except (KeyError, TypeError, ValueError):
+            ok = False
+        if not ok:
+            raise StateFileError(f"{where}: array {name} does not have this model's shape")
+        a = np.frombuffer(body, dtype=target.dtype, count=n // target.dtype.itemsize, offset=off)
+        target[: shape[0]] = a.reshape(shape)
+
+
+def _arrays_full(state: SequenceState) -> list[tuple[str, np.ndarray]]:
+    out: list[tuple[str, np.ndarray]] = []
+    for name, a in _arrays(state):
+        if name.startswith("kv."):
+            _, layer, fname = name.split(".", 2)
+            a = getattr(state.kv[int(layer)], fname)
+        out.append((name, a))
+    return out
+
+
+def _read(path: Path) -> bytes:
+    try:
+        if not path.is_file():
+            raise StateFileError(f"session file {path}: no such file")
+        return path.read_bytes()
+    except OSError as exc:
+        raise StateFileError(f"session file {path}: cannot read it ({exc.strerror or exc})"
+                             ) from None
