@@ -78,11 +78,10 @@ def chat(
         raise UsageError(f"--max-tokens must be in 1..4096, got {max_tokens}")
     from k3core.serve.chat_format import chat_format_for
     from k3core.serve.conversation import Conversation
-    from k3core.serve.loading import MAX_CONTEXT, open_engine_for
+    from k3core.serve.loading import check_context, open_engine_for
 
-    if not 1 <= context <= MAX_CONTEXT:
-        raise UsageError(f"--context must be in 1..{MAX_CONTEXT}, got {context}")
-    engine = open_engine_for(model_dir, tok=tok, preset=preset, trunk=trunk, backend=backend,
+    check_context(context)
+    engine = open_engine_for(model_dir, context, tok=tok, preset=preset, trunk=trunk, backend=backend,
                              storage=storage, cache_policy=cache_policy, threads=threads)
     try:
         if engine.tokenizer is None:

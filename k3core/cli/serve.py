@@ -69,9 +69,10 @@ def serve(
     trunk: Path = typer.Option(None, "--trunk", help="Stream the trunk from this packed directory.", rich_help_panel=_X),
     trunk_gb: float = typer.Option(None, "--trunk-gb", help="Trunk budget in GB.", rich_help_panel=_X),
     cache_gb: float = typer.Option(None, "--cache-gb", help="Routed-expert cache budget in GB.", rich_help_panel=_X),
-    backend: str = typer.Option("auto", "--backend", help="Kernel backend (k3 backends).", rich_help_panel=_X),
-    storage: str = typer.Option("auto", "--storage", help="Storage backend.", rich_help_panel=_X),
-    cache_policy: str = typer.Option("auto", "--cache-policy", help="Expert-cache policy.", rich_help_panel=_X),
+    preset: str = typer.Option(None, "--preset", help="Memory preset (k3 presets).", rich_help_panel=_X),
+    backend: str = typer.Option(None, "--backend", help="Kernel backend (k3 backends).", rich_help_panel=_X),
+    storage: str = typer.Option(None, "--storage", help="Storage backend.", rich_help_panel=_X),
+    cache_policy: str = typer.Option(None, "--cache-policy", help="Expert-cache policy.", rich_help_panel=_X),
     threads: int = typer.Option(None, "--threads", help="Kernel threads.", rich_help_panel=_X),
 ) -> None:
     """Serve MODEL_DIR over an OpenAI-compatible HTTP API (one generation at a time)."""
@@ -88,15 +89,17 @@ def serve(
     import uvicorn
 
     from k3core.serve.app import create_app
-    from k3core.serve.loading import LoadOptions, open_model
+    from k3core.serve.loading import check_context, open_engine_for
     from k3core.serve.service import Service
     from k3core.serve.worker import Worker
 
-    opts = LoadOptions(model_dir, tok, context, trunk, trunk_gb, cache_gb, backend, storage,
-                       cache_policy, threads)
-    engine, tokenizer = open_model(opts)
+    check_context(context)
+    engine = open_engine_for(model_dir, context, tok=tok, preset=preset, trunk=trunk,
+                             trunk_gb=trunk_gb, cache_gb=cache_gb, backend=backend,
+                             storage=storage, cache_policy=cache_policy, threads=threads)
     try:
-        service = Service(Worker(engine, context), tokenizer, model_name or model_dir.resolve().name,
+        assert engine.tokenizer is not None  # open_engine_for requires one
+        service = Service(Worker(engine, context), engine.tokenizer, model_name or model_dir.resolve().name,
                           chat_format=chat_format, thinking=think, effort=thinking_effort)
         app = create_app(service, api_key, max_queue)
         sock = _bind(host, port)

@@ -25,7 +25,7 @@ import logging
 import threading
 from collections.abc import AsyncIterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import Any, cast
 
 from pydantic import ValidationError
 from starlette.applications import Starlette
@@ -123,8 +123,11 @@ class Server:
     # ---- routes ---------------------------------------------------------------------------
     async def health(self, request: Request) -> Response:
         s = self.service
-        return JSONResponse({"status": "ok", "model": s.model_name, "waiting": self.waiting,
-                             "requests_done": s.worker.jobs_done, "context": s.worker.context})
+        w = s.worker
+        return JSONResponse({"status": "ok", "model": s.model_name, "context": w.context,
+                             "waiting": self.waiting, "requests_done": w.jobs_done,
+                             "cancelled": w.cancelled, "resident_tokens": w.session.positions,
+                             "last": w.last})
 
     async def models(self, request: Request) -> Response:
         self.check_key(request)
@@ -159,7 +162,7 @@ class Server:
     @staticmethod
     def _prepare(make: Any) -> Prepared:
         try:
-            return make()  # type: ignore[no-any-return]
+            return cast(Prepared, make())
         except UsageError as exc:
             raise APIError(400, str(exc), code="invalid_value") from None
 
@@ -225,7 +228,11 @@ class Server:
     async def _events(self, prep: Prepared, include_usage: bool) -> AsyncIterator[bytes]:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[dict[str, str] | None] = asyncio.Queue()
-        prep.sink.on_piece = lambda p: loop.call_soon_threadsafe(queue.put_nowait, p)
+
+        def post(piece: dict[str, str]) -> None:
+            loop.call_soon_threadsafe(queue.put_nowait, piece)
+
+        prep.sink.on_piece = post
         try:
             fut = self.submit(prep)
         except APIError as exc:

@@ -33,7 +33,6 @@ forced by name.
 
 from __future__ import annotations
 
-import codecs
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -266,75 +265,52 @@ class PlainFormat(ChatFormat):
 
 
 class ReplyStream:
-    """Reads a reply a token at a time: ``push`` returns the new text of each channel.
+    """Reads a reply a token at a time and sorts its ids into channels.
 
-    Ids that might be the start of the pattern ending the current channel are held back
-    until they turn out to be text or the pattern; bytes of an unfinished UTF-8 character
-    wait for the next id. Text once returned is never taken back, and everything returned
-    concatenates to :meth:`ChatFormat.parse_reply` of all the ids.
+    ``push`` returns ``[(channel, ids, closed)]``: the ids released to a channel's text, and
+    whether that channel has just ended. Ids that might be the start of the pattern ending
+    the current channel are held back until they turn out to be text or the pattern, so an
+    id once released is never taken back, and the released ids of each channel are exactly
+    what :meth:`ChatFormat.parse_reply` reads as that channel.
     """
 
     def __init__(self, fmt: ChatFormat):
         self.fmt = fmt
         self._channels = fmt.channels()
-        self._at = 0  # index into _channels; len() when the reply is closed
+        self._at = 0  # index into _channels; len() once the reply is closed
         self._held: list[int] = []
-        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        self.ids: list[int] = []
         self.finished = False
 
     @property
     def channel(self) -> str | None:
         return self._channels[self._at][0] if self._at < len(self._channels) else None
 
-    def push(self, token: int) -> dict[str, str]:
-        """Feed one id; returns {channel: new text} (empty when nothing is complete yet)."""
-        self.ids.append(token)
-        out: dict[str, str] = {}
+    def push(self, token: int) -> list[tuple[str, list[int], bool]]:
         if self.finished:
-            return out
+            return []
         if self.fmt.is_stop(token):
             self.finished = True
-            return self._flush(out)
+            return self.close()
         if self._at >= len(self._channels):
-            return out  # after the closure only the end id is expected
+            return []  # after the closure only the end id is expected
         name, pattern = self._channels[self._at]
         self._held.append(token)
-        if pattern and self._held[-len(pattern):] == pattern and len(self._held) >= len(pattern):
-            self._release(out, name, self._held[: -len(pattern)])
-            self._held = []
-            self._finish_channel(out, name)
+        if pattern and len(self._held) >= len(pattern) and self._held[-len(pattern):] == pattern:
+            ids, self._held = self._held[: -len(pattern)], []
             self._at += 1
-            return out
+            return [(name, ids, True)]
         keep = _held_suffix(self._held, pattern)
-        self._release(out, name, self._held[: len(self._held) - keep])
-        self._held = self._held[len(self._held) - keep:]
-        return out
+        ids, self._held = self._held[: len(self._held) - keep], self._held[len(self._held) - keep:]
+        return [(name, ids, False)] if ids else []
 
-    def close(self) -> dict[str, str]:
-        """The reply ended without its end id: release what is held."""
-        return self._flush({})
-
-    def _flush(self, out: dict[str, str]) -> dict[str, str]:
-        if self._at < len(self._channels):
-            name = self._channels[self._at][0]
-            self._release(out, name, self._held)
-            self._held = []
-            self._finish_channel(out, name)
-            self._at = len(self._channels)
-        return out
-
-    def _release(self, out: dict[str, str], name: str, ids: list[int]) -> None:
-        if ids:
-            text = self._utf8.decode(self.fmt.tok.decode_bytes(ids), final=False)
-            if text:
-                out[name] = out.get(name, "") + text
-
-    def _finish_channel(self, out: dict[str, str], name: str) -> None:
-        text = self._utf8.decode(b"", final=True)
-        self._utf8.reset()
-        if text:
-            out[name] = out.get(name, "") + text
+    def close(self) -> list[tuple[str, list[int], bool]]:
+        """The reply ended (its end id, or cut short): release what is held."""
+        if self._at >= len(self._channels):
+            return []
+        name = self._channels[self._at][0]
+        ids, self._held = self._held, []
+        self._at = len(self._channels)
+        return [(name, ids, True)]
 
 
 def _find(ids: Sequence[int], pattern: Sequence[int]) -> int:

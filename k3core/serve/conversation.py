@@ -25,6 +25,7 @@ from typing import Any
 from k3core.api.errors import UsageError
 from k3core.serve.chat_format import ChatFormat, Message, Reply
 from k3core.serve.service import TextSink
+from k3core.serve.worker import close_steps
 
 
 @dataclass
@@ -82,7 +83,7 @@ class Conversation:
             raise UsageError(f"the conversation holds {before} tokens and this message adds {len(new)}: "
                              f"no room left in the context of {self.context}; /reset to start over")
         n = min(max_tokens, room)
-        params: dict[str, Any] = {"max_tokens": n, "stop_ids": list(self.fmt.stop_ids), "ignore_eos": True}
+        params: dict[str, Any] = {"max_tokens": n, "stop_ids": list(self.fmt.stop_ids)}
         if sampling:
             params.update(sampling)
             if sampling.get("seed") is not None:
@@ -94,17 +95,15 @@ class Conversation:
         start = before + len(new)
         steps = self.session.steps(new, _params(params))
         try:
-            for step, _piece in steps:
-                if step is None:
-                    continue
-                sink.push(step.token)
-                if self.fmt.is_stop(step.token):
+            for step, piece in steps:
+                sink.on_step(step, piece)
+                if step is not None and (self.fmt.is_stop(step.token) or step.token in self.session.engine.eos_ids):
                     finish = "stop"
                 if cancel is not None and cancel.is_set():
                     finish = "cancelled"
                     break
         finally:
-            steps.close()
+            close_steps(steps)
         sink.finish()
         gen_ids = list(self.session.ids[start:])
         self.turns += 1

@@ -1,56 +1,39 @@
-"""Open what ``k3 chat`` and ``k3 serve`` hold for their whole life: the engine and tokenizer.
+"""Open the engine ``k3 chat`` and ``k3 serve`` hold for their whole life.
 
-The engine is opened once, with the plugins and budgets the command line chose (the run
-pipeline's :func:`k3core.run.engine.open_engine`), and the KV cache for ``context``
-positions is checked against the memory available before anything is allocated.
+The same pipeline as ``k3 run`` and ``k3.load``: an :class:`~k3core.run.request.EngineRequest`
+from the command line's engine flags, resolved into a plan (config, preset, settings,
+plugins, tokenizer), the memory plan checked for the longest conversation the command may
+hold, then :meth:`~k3core.run.engine.Engine.from_plan`. A chat or a server always decodes
+incrementally: that is what carries a conversation's state from one turn to the next.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from k3core.api.errors import UsageError
-from k3core.experts.setup import CacheOptions
-from k3core.run.engine import Engine, EngineOptions, open_engine, read_model_config
-from k3core.run.memory_plan import check_kv
+from k3core.run.engine import Engine
+from k3core.run.plan import plan_engine
 from k3core.run.prompt import MAX_PROMPT
-from k3core.tokenizer.encoding import Tokenizer
+from k3core.run.request import EngineRequest, build
 
-#: the longest conversation a chat or server keeps (the prompt ceiling plus one generation)
-MAX_CONTEXT = MAX_PROMPT + 4096
+#: the longest conversation a chat or server keeps (the prompt ceiling; one reply fits in it)
+MAX_CONTEXT = MAX_PROMPT
 DEFAULT_CONTEXT = 4096
 
 
-@dataclass
-class LoadOptions:
-    model_dir: Path
-    tok: Path | None = None
-    context: int = DEFAULT_CONTEXT
-    trunk: Path | None = None
-    trunk_gb: float | None = None
-    cache_gb: float | None = None
-    backend: str = "auto"
-    storage: str = "auto"
-    cache_policy: str = "auto"
-    threads: int | None = None
+def check_context(context: int) -> int:
+    if not 1 <= context <= MAX_CONTEXT:
+        raise UsageError(f"--context must be in 1..{MAX_CONTEXT}, got {context}")
+    return context
 
 
-def open_model(o: LoadOptions) -> tuple[Engine, Tokenizer]:
-    if not 1 <= o.context <= MAX_CONTEXT:
-        raise UsageError(f"--context must be in 1..{MAX_CONTEXT}, got {o.context}")
-    if o.threads is not None and o.threads < 1:
-        raise UsageError(f"--threads must be >= 1, got {o.threads}")
-    if not Path(o.model_dir).is_dir():
-        raise UsageError(f"model directory {o.model_dir} does not exist")
-    tok_dir = Path(o.tok) if o.tok is not None else Path(o.model_dir)
-    if not (tok_dir / "tiktoken.model").is_file():
-        raise UsageError(f"no tokenizer in {tok_dir} (tiktoken.model and tokenizer_config.json); "
-                         "pass --tok DIR")
-    eopts = EngineOptions(Path(o.model_dir), backend=o.backend, storage=o.storage,
-                          cache_policy=o.cache_policy, threads=o.threads, trunk_dir=o.trunk,
-                          trunk_gb=o.trunk_gb, cache=CacheOptions(cache_gb=o.cache_gb))
-    cfg = read_model_config(eopts)
-    tok = Tokenizer.from_dir(tok_dir, vocab_size=cfg.vocab)
-    check_kv(cfg, o.context)
-    return open_engine(eopts, cfg), tok
+def open_engine_for(model_dir: Path, context: int = DEFAULT_CONTEXT, **flags: Any) -> Engine:
+    """Open ``model_dir`` with ``k3 run``'s engine flags (``None`` = not given)."""
+    check_context(context)
+    fields = {"model_dir": model_dir, "incremental": True, **flags}
+    req = build(EngineRequest, {k: v for k, v in fields.items() if v is not None})
+    plan = plan_engine(req, needs_tokenizer=True)
+    plan.plan_memory(prompt_len=context, gen=0)
+    return Engine.from_plan(plan)

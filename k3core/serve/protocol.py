@@ -101,14 +101,7 @@ class _Sampling(_Strict):
 
     @property
     def stops(self) -> list[str]:
-        return list(self.stop or [])  # type: ignore[arg-type]
-
-    @property
-    def sampled(self) -> bool:
-        """True when the request asks for sampling rather than greedy decoding."""
-        if self.temperature is not None and self.temperature == 0:
-            return False
-        return any(v is not None for v in (self.temperature, self.top_p, self.top_k, self.seed))
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
     @property
     def include_usage(self) -> bool:

@@ -16,13 +16,14 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from k3core.api.errors import UsageError
-from k3core.model.sampling import Sampler
+from k3core.run.request import GenerationParams, build
+from k3core.run.session import Step
+from k3core.run.stops import TextStream
 from k3core.serve.chat_format import ChatFormat, Message, ReplyStream, chat_format_for
 from k3core.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest
-from k3core.serve.stops import StopText
 from k3core.serve.worker import Job, Outcome, Worker
 from k3core.tokenizer.encoding import Tokenizer
 
@@ -40,49 +41,52 @@ class Prepared:
     kind: str  # "completion" or "chat"
     id: str
     created: int
-    seed: int | None
 
 
 class TextSink:
-    """Generated ids in, text pieces out: ``{"content": ..., "reasoning": ...}`` per id."""
+    """The text of one generation as it arrives: ``{"content": ..., "reasoning": ...}`` pieces.
+
+    A completion shows the session's own text (the run pipeline's stop strings, never half a
+    UTF-8 character). A chat reply is read by its format's :class:`ReplyStream`: each
+    channel's ids become text through their own :class:`TextStream`, and stop strings apply
+    to the response channel only (``on_step`` returns False once one appears).
+    """
 
     def __init__(self, tok: Tokenizer, stops: list[str], fmt: ChatFormat | None):
-        self.tok = tok
-        self.stop = StopText(stops)
         self.reply: ReplyStream | None = fmt.stream() if fmt is not None else None
-        self.dec = tok.incremental_decoder() if fmt is None else None
+        self.texts = {"reasoning": TextStream(tok), "content": TextStream(tok, stops)}
         self.content = ""
         self.reasoning = ""
         self.on_piece: Callable[[dict[str, str]], None] | None = None
 
-    def push(self, token: int) -> bool:
-        """Feed one id; False once a stop string has appeared (generation should end)."""
-        if self.reply is not None:
-            self._emit(self.reply.push(token))
-        else:
-            assert self.dec is not None
-            self._emit({"content": self.dec.push(token)})
-        return self.stop.hit is None
+    @property
+    def hit(self) -> bool:
+        return self.texts["content"].hit is not None
+
+    def on_step(self, step: Step | None, piece: str) -> bool:
+        if self.reply is None:
+            if piece:
+                self._out({"content": piece})
+            return True
+        if step is not None:
+            self._channels(self.reply.push(step.token))
+        return not self.hit
 
     def finish(self) -> None:
+        """The generation is over: release what a chat reply still holds."""
         if self.reply is not None:
-            self._emit(self.reply.close())
-        elif self.dec is not None:
-            self._emit({"content": self.dec.flush()})
-        tail = self.stop.flush()
-        if tail:
-            self._out({"content": tail})
+            self._channels(self.reply.close())
 
-    def _emit(self, parts: dict[str, str]) -> None:
-        out: dict[str, str] = {}
-        if parts.get("reasoning") and self.stop.hit is None:
-            out["reasoning"] = parts["reasoning"]
-        if parts.get("content"):
-            shown = self.stop.push(parts["content"])
-            if shown:
-                out["content"] = shown
-        if out:
-            self._out(out)
+    def _channels(self, parts: list[tuple[str, list[int], bool]]) -> None:
+        for name, ids, closed in parts:
+            if self.hit:
+                return
+            ts = self.texts[name]
+            text = "".join(ts.push(i) for i in ids)
+            if closed:
+                text += ts.finish()
+            if text:
+                self._out({name: text})
 
     def _out(self, out: dict[str, str]) -> None:
         self.content += out.get("content", "")
@@ -131,17 +135,13 @@ class Service:
         if isinstance(prompt, str):
             ids = self.tok.encode(prompt)
         else:
-            ids = [int(i) for i in prompt]  # type: ignore[union-attr]
+            ids = [int(i) for i in cast("list[int]", prompt)]
             bad = [i for i in ids if not 0 <= i < self.vocab]
             if bad:
                 raise APIError(400, f"token id {bad[0]} is outside the vocabulary 0..{self.vocab - 1}",
                                param="prompt", code="invalid_value")
         max_tokens = DEFAULT_COMPLETION_TOKENS if req.max_tokens is None else req.max_tokens
-        eos = self.tok.special_tokens.get("[EOS]")
-        stop_ids = set(req.stop_token_ids or [])
-        if eos is not None and not req.ignore_eos:
-            stop_ids.add(eos)
-        return self._prepare("completion", ids, max_tokens, req, frozenset(stop_ids), None)
+        return self._prepare("completion", ids, max_tokens, req, list(req.stop_token_ids or []), None)
 
     def chat_job(self, req: ChatCompletionRequest) -> Prepared:
         self.check_model(req.model)
@@ -159,8 +159,8 @@ class Service:
             limit = min(MAX_GEN, self.worker.context - len(ids))
             if limit <= 0:
                 self._context_error(len(ids), 1)
-        stop_ids = set(fmt.stop_ids) | set(req.stop_token_ids or [])
-        return self._prepare("chat", ids, limit, req, frozenset(stop_ids), fmt)
+        stop_ids = list(fmt.stop_ids) + list(req.stop_token_ids or [])
+        return self._prepare("chat", ids, limit, req, stop_ids, fmt)
 
     def _context_error(self, n_prompt: int, max_tokens: int) -> None:
         raise APIError(400, f"this request needs {n_prompt} prompt tokens + {max_tokens} to generate "
@@ -169,7 +169,7 @@ class Service:
                        param="messages" if max_tokens else "prompt", code="context_length_exceeded")
 
     def _prepare(self, kind: str, ids: list[int], max_tokens: int,
-                 req: CompletionRequest | ChatCompletionRequest, stop_ids: frozenset[int],
+                 req: CompletionRequest | ChatCompletionRequest, stop_ids: list[int],
                  fmt: ChatFormat | None) -> Prepared:
         if not ids:
             raise APIError(400, "the prompt is empty: nothing to feed the model", param="prompt",
@@ -181,22 +181,21 @@ class Service:
             self._context_error(len(ids), max_tokens)
         bad = [s for s in stop_ids if not 0 <= s < self.vocab]
         if bad:
-            raise APIError(400, f"stop token id {bad[0]} is outside the vocabulary",
+            raise APIError(400, f"stop token id {bad[0]} is outside the vocabulary 0..{self.vocab - 1}",
                            param="stop_token_ids", code="invalid_value")
-        sampler, seed = None, None
-        if req.sampled:
-            seed = req.seed if req.seed is not None else time.time_ns() % (1 << 63)
-            try:
-                sampler = Sampler(temperature=1.0 if req.temperature is None else req.temperature,
-                                  top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k,
-                                  seed=seed)
-            except UsageError as exc:
-                raise APIError(400, str(exc), code="invalid_value") from None
+        fields = {"max_tokens": max_tokens, "temperature": req.temperature, "top_p": req.top_p,
+                  "top_k": req.top_k, "seed": req.seed, "stop_ids": sorted(set(stop_ids)),
+                  "ignore_eos": req.ignore_eos,
+                  "stop": req.stops if fmt is None else []}  # a chat applies them to its response
+        try:
+            params = build(GenerationParams, {k: v for k, v in fields.items() if v is not None})
+        except UsageError as exc:
+            raise APIError(400, str(exc), code="invalid_value") from None
         sink = TextSink(self.tok, req.stops, fmt)
-        job = Job(ids, max_tokens, sampler, stop_ids, on_token=sink.push)
+        job = Job(ids, params, on_step=sink.on_step)
         prefix = "cmpl" if kind == "completion" else "chatcmpl"
         return Prepared(job, sink, len(ids), kind, f"{prefix}-{uuid.uuid4().hex[:24]}",
-                        int(time.time()), seed)
+                        int(time.time()))
 
     # ---- running ------------------------------------------------------------------------
     def run(self, prep: Prepared) -> Outcome:
@@ -220,4 +219,4 @@ class Service:
     def extension(self, prep: Prepared, out: Outcome) -> dict[str, Any]:
         """The ``k3`` field of a response: the ids, the reused prefix, the seed."""
         return {"prompt_ids": prep.job.prompt_ids, "completion_ids": out.ids,
-                "reused_tokens": out.reused, "seed": prep.seed, "seconds": round(out.seconds, 6)}
+                "reused_tokens": out.reused, "seed": out.seed, "seconds": round(out.seconds, 6)}
