@@ -173,8 +173,8 @@ def _turn(conv: Any, text: str, max_tokens: int, sampling: dict[str, Any]) -> No
         signal.signal(signal.SIGINT, previous)
     printer.end()
     how = {"stop": "ended", "length": "hit --max-tokens", "cancelled": "stopped by Ctrl-C"}[res.finish]
-    print(f"({len(res.ids)} tokens, {how}; fed {res.fed} new tokens, the conversation holds "
-          f"{res.total}; {res.seconds:.2f} s)", file=sys.stderr)
+    print(f"({len(res.ids)} tokens, {how}; fed {res.prompt_fed} prompt tokens after {res.reused} "
+          f"carried; the conversation holds {res.total}; {res.seconds:.2f} s)", file=sys.stderr)
 
 
 def register(app: typer.Typer) -> None:

@@ -7,10 +7,14 @@ without it the command says how to install it (exit 2).
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
+import signal
 import socket
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import typer
 
@@ -53,6 +57,27 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _server_class() -> Any:
+    import uvicorn
+
+    class StopOnSignal(uvicorn.Server):
+        """Ctrl-C or SIGTERM ends the server cleanly (exit 0), not with the signal re-raised."""
+
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            def stop(signum: int, frame: Any) -> None:
+                self.should_exit = True
+
+            previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
+
+    return StopOnSignal
+
+
 @guarded
 def serve(
     model_dir: Path = typer.Argument(..., help="Directory with the safetensors shards (and the tokenizer)."),
@@ -88,6 +113,8 @@ def serve(
     _need_extra()
     import uvicorn
 
+    _Server = _server_class()
+
     from k3core.serve.app import create_app
     from k3core.serve.loading import check_context, open_engine_for
     from k3core.serve.service import Service
@@ -107,8 +134,9 @@ def serve(
         shown = f"[{host}]" if ":" in host else host
         print(f"k3 serve: {service.model_name} ({service.fmt.name} chat format, context {context}) on "
               f"http://{shown}:{bound}/v1  ({engine.settings_line.removeprefix('k3: ')})", flush=True)
-        config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off")
-        server = uvicorn.Server(config)
+        config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
+                                timeout_graceful_shutdown=5)
+        server = _Server(config)
         try:
             server.run(sockets=[sock])
         finally:

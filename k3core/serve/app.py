@@ -54,6 +54,7 @@ from k3core.serve.service import Prepared, Service
 from k3core.serve.worker import Outcome
 
 MAX_BODY = 16 << 20
+DRAIN_LIMIT = 64 << 20  # past this a too-large body is cut off without reading it
 log = logging.getLogger("k3.serve")
 
 
@@ -88,14 +89,20 @@ class Server:
                            type_="authentication_error", code="invalid_api_key")
 
     async def body(self, request: Request) -> dict[str, Any]:
+        too_big = APIError(413, f"the request body is over {MAX_BODY >> 20} MiB", code="body_too_large")
         length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > MAX_BODY:
-            raise APIError(413, f"the request body is over {MAX_BODY >> 20} MiB", code="body_too_large")
+        if length is not None and length.isdigit() and int(length) > DRAIN_LIMIT:
+            raise too_big
         data = bytearray()
-        async for chunk in request.stream():
-            data += chunk
-            if len(data) > MAX_BODY:
-                raise APIError(413, f"the request body is over {MAX_BODY >> 20} MiB", code="body_too_large")
+        seen = 0
+        async for chunk in request.stream():  # read to the end, so the client hears the answer
+            seen += len(chunk)
+            if seen > DRAIN_LIMIT:
+                raise too_big
+            if seen <= MAX_BODY:
+                data += chunk
+        if seen > MAX_BODY:
+            raise too_big
         try:
             doc = parse_json(bytes(data))
         except JSONRejected as exc:

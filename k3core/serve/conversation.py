@@ -32,7 +32,8 @@ from k3core.serve.worker import close_steps
 class TurnResult:
     reply: Reply
     ids: list[int]  # the ids this turn generated
-    fed: int  # ids this turn fed to the model (its own tokens)
+    prompt_fed: int  # prompt ids this turn fed: its own message (and the last reply's pending id)
+    reused: int  # positions the carried state already held
     total: int  # ids in the conversation after the turn
     finish: str  # "stop", "length" or "cancelled"
     seconds: float
@@ -88,7 +89,8 @@ class Conversation:
             params.update(sampling)
             if sampling.get("seed") is not None:
                 params["seed"] = int(sampling["seed"]) + self.turns
-        fed_before = self.session.positions
+        reused = self.session.positions
+        prompt_fed = len(self.session.pending) + len(new)
         sink = TextSink(self.fmt.tok, [], self.fmt)
         sink.on_piece = on_piece
         finish = "length"
@@ -108,8 +110,7 @@ class Conversation:
         gen_ids = list(self.session.ids[start:])
         self.turns += 1
         self.reply_start = start
-        fed = self.session.positions - fed_before
-        return TurnResult(self.fmt.parse_reply(gen_ids), gen_ids, fed, len(self.session.ids), finish,
+        return TurnResult(self.fmt.parse_reply(gen_ids), gen_ids, prompt_fed, reused, len(self.session.ids), finish,
                           time.perf_counter() - t0)
 
     # ---- saving and loading ---------------------------------------------------------------
