@@ -148,8 +148,10 @@ def test_a_chat_conversation_continues_its_state(client, engine):
 
 
 def test_load_64_requests_from_8_clients(client, engine, server):
-    prompts = [[(7 * i + j) % 700 + 1 for j in range(3 + i % 5)] for i in range(64)]
-    want = [engine.generate(p, max_tokens=4).ids for p in prompts]
+    distinct = [[(7 * i + j) % 700 + 1 for j in range(2 + i % 3)] for i in range(16)]
+    prompts = [distinct[i % 16] for i in range(64)]  # eight requests in flight hold eight prompts
+    expected = [engine.generate(p, max_tokens=4).ids for p in distinct]
+    want = [expected[i % 16] for i in range(64)]
     got: dict[int, list[int]] = {}
     lat: list[float] = []
     errors: list[BaseException] = []
