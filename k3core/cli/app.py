@@ -77,7 +77,8 @@ app = typer.Typer(
     cls=LazyGroup,
     help="Run Kimi K3 from its released checkpoint: exact at every memory budget.",
     no_args_is_help=True,
-    add_completion=False,
+    add_completion=True,  # --install-completion / --show-completion for bash, zsh, fish
+
     pretty_exceptions_enable=False,
     rich_markup_mode=None,
     context_settings={"help_option_names": ["-h", "--help"]},

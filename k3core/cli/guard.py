@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 import typer
 
 from k3core.api.errors import K3Error
+from k3core.cli.interrupts import restore
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -29,6 +30,7 @@ def guarded(fn: F) -> F:
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
+        restore()  # from here on Ctrl-C is a KeyboardInterrupt the command can clean up after
         try:
             return fn(*args, **kwargs)
         except K3Error as exc:

@@ -1,137 +1,76 @@
 """The engine: a model opened once from its checkpoint and plugins, reusable for many calls.
 
 The third stage of request -> plan -> engine -> session -> report. :meth:`Engine.from_plan`
-opens what an :class:`~k3core.run.plan.EnginePlan` resolved; :func:`open_engine` is the
-same from bare :class:`EngineOptions` (tests and tools use it). ``open_engine`` resolves the kernel backend, the storage backend and the expert source
-through the registry (an explicit choice never falls back), reads the config, indexes the
-shards and binds the trunk. The decode loop (``k3core.model.generate``) then runs on
-``Engine.model``; nothing below asks which plugins were chosen.
+opens what a checked :class:`~k3core.run.plan.EnginePlan` resolved; :func:`open_engine` is
+the same from bare :class:`EngineOptions` (tests and tools use it). The binding itself
+(plugins, index, trunk, expert cache) is :mod:`k3core.run.binding`.
 
 An engine serves any number of generations (:meth:`Engine.generate`, :meth:`Engine.stream`,
-:meth:`Engine.logits`) and sessions (:meth:`Engine.session`) one at a time, and is closed
+:meth:`Engine.logits`) and sessions (:meth:`Engine.session`), one at a time, and is closed
 once (``close()`` or a ``with`` block).
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from k3core.api.errors import UsageError
-from k3core.api.experts import ExpertSource, InMemoryExperts
-from k3core.api.kernels import KernelBackend
-from k3core.api.storage import StorageBackend
-from k3core.checkpoint.bounds import check_bind_shapes
-from k3core.checkpoint.index import CheckpointIndex
-from k3core.experts.setup import CacheOptions, build_expert_cache
-from k3core.model.config import ModelConfig, load_config
-from k3core.model.forward import Model
-from k3core.model.sources import ModelTables, ResidentTrunk, TrunkSource, expert_from_reader
-from k3core.plugins.registry import get_registry
-from k3core.trunk.source import check_trunk_options, open_streamed_trunk
-from k3core.trunk.tables import StreamedTables
+from k3core.model.config import ModelConfig
+from k3core.model.state import SequenceState
+from k3core.run.binding import Bound, EngineOptions, bind, read_model_config
+from k3core.run.idparse import check_vocab
+from k3core.run.report import run_record
+from k3core.run.session import Generation, Session
 
 if TYPE_CHECKING:
-    from collections.abc import Iterator, Sequence
-
     from k3core.run.plan import EnginePlan
-    from k3core.run.session import Generation, Session
-    from k3core.tokenizer.encoding import Tokenizer
+
+__all__ = ["Engine", "EngineOptions", "open_engine", "read_model_config"]
 
 
 @dataclass
-class EngineOptions:
-    model_dir: Path
-    config_path: Path | None = None
-    layers: int | None = None
-    backend: str = "auto"
-    storage: str = "auto"
-    cache_policy: str = "auto"
-    threads: int | None = None
-    # packed trunk (k3core.trunk.source): stream from trunk_dir within trunk_gb (decimal GB)
-    trunk_dir: Path | None = None
-    trunk_gb: float | None = None
-    ring: int | None = None
-    ultra_low_memory: bool = False
-    verify_trunk: bool = False
-    cache: CacheOptions = field(default_factory=CacheOptions)
+class Engine(Bound):
+    """An open model and the calls that use it (see the module docstring)."""
 
-
-@dataclass
-class Engine:
-    cfg: ModelConfig
-    model: Model
-    index: CheckpointIndex
-    kernels: KernelBackend
-    storage: StorageBackend
-    experts: ExpertSource
-    names: dict[str, str]
-    notes: list[str] = field(default_factory=list)
-    timings: dict[str, float] = field(default_factory=dict)
-    trunk_lines: list[str] = field(default_factory=list)
-    step_log: Any = None
-    tokenizer: Tokenizer | None = None
-    incremental: bool = True
     plan: EnginePlan | None = None
-    closed: bool = False
 
     @classmethod
     def from_plan(cls, plan: EnginePlan, trace_dir: Path | None = None,
                   on_layer_bound: Callable[[int], None] | None = None) -> Engine:
-        """Open the engine a checked plan describes (``plan.check()`` first)."""
+        """Open the engine a plan describes; the plan's memory check runs first."""
         plan.check()
         eng = open_engine(plan.options(trace_dir), plan.cfg, on_layer_bound)
         eng.tokenizer, eng.incremental, eng.plan = plan.tokenizer, plan.incremental, plan
         eng.notes = plan.notes + eng.notes
         return eng
 
-    @property
-    def settings_line(self) -> str:
-        n = self.names
-        return f"k3: kernel={n['kernel']} storage={n['storage']} cache={n['cache']}"
-
-    @property
-    def eos_ids(self) -> set[int]:
-        """Ids that end a sequence: the tokenizer's ``[EOS]`` and config's ``eos_token_id``."""
-        out = set()
-        tok = self.tokenizer
-        if tok is not None and "[EOS]" in tok.special_tokens:
-            out.add(tok.special_tokens["[EOS]"])
-        if self.cfg.eos_token_id is not None:
-            out.add(int(self.cfg.eos_token_id))
-        return out
-
-    # ---- use -----------------------------------------------------------------------------------
     def session(self, incremental: bool | None = None) -> Session:
-        """A new sequence that carries its state across calls (see ``k3core.run.session``)."""
-        from k3core.run.session import Session
-
+        """A new sequence that carries its state across calls (``k3core.run.session``)."""
         self._check_open()
         return Session(self, incremental)
 
     def generate(self, prompt: str | Sequence[int], **params: Any) -> Generation:
-        """Generate after ``prompt`` (text or ids) in a fresh session; with the run report."""
-        from k3core.run.report import run_record
+        """Generate after ``prompt`` (text or ids) in a fresh session, with the run report.
 
+        ``params`` are :class:`~k3core.run.request.GenerationParams` fields: ``max_tokens``,
+        ``temperature``, ``top_p``, ``top_k``, ``seed``, ``stop``, ``stop_ids``, ``ignore_eos``.
+        """
         gen = self.session().generate(prompt, **params)
         gen.report = run_record(self, gen)
         return gen
 
     def stream(self, prompt: str | Sequence[int], **params: Any) -> Iterator[str]:
-        """Text pieces as tokens arrive (a fresh session; UTF-8 characters never split)."""
+        """Text pieces as tokens arrive (a fresh session; a UTF-8 character is never split)."""
         return self.session().stream(prompt, **params)
 
     def logits(self, ids: Sequence[int], all_positions: bool = False) -> np.ndarray:
-        """float32 logits after ``ids`` (one full pass from a fresh state): the last position's
+        """float32 logits after ``ids`` (one pass from a fresh state): the last position's
         ``[vocab]`` vector, or ``[len(ids), vocab]`` with ``all_positions``."""
-        from k3core.model.state import SequenceState
-        from k3core.run.idparse import check_vocab
-
         self._check_open()
         seq = [int(i) for i in ids]
         if not seq:
@@ -145,14 +84,6 @@ class Engine:
         if self.closed:
             raise UsageError("this engine is closed; open another with k3.load(...)")
 
-    def close(self) -> None:
-        if self.closed:
-            return
-        self.closed = True
-        self.experts.close()
-        self.model.trunk.close()
-        self.index.close()
-
     def __enter__(self) -> Engine:
         return self
 
@@ -160,72 +91,7 @@ class Engine:
         self.close()
 
 
-def read_model_config(opts: EngineOptions) -> ModelConfig:
-    path = opts.config_path or opts.model_dir / "config.json"
-    if not path.is_file():
-        raise UsageError(f"no config at {path}; pass --config PATH")
-    cfg = load_config(path)
-    if opts.layers is not None and not 1 <= opts.layers <= cfg.n_layers:
-        raise UsageError(f"--layers must be in 1..{cfg.n_layers}, got {opts.layers}")
-    return cfg
-
-
-def open_engine(
-    opts: EngineOptions,
-    cfg: ModelConfig | None = None,
-    on_layer_bound: Callable[[int], None] | None = None,
-) -> Engine:
-    """Resolve plugins, index the checkpoint and bind the trunk (resident)."""
-    if not opts.model_dir.is_dir():
-        raise UsageError(f"model directory {opts.model_dir} does not exist")
-    cfg = cfg or read_model_config(opts)
-    check_trunk_options(opts.trunk_dir, opts.trunk_gb, opts.ring, opts.ultra_low_memory)
-    reg = get_registry()
-    notes: list[str] = []
-    kernels, kname, note = reg.create("kernel", opts.backend)
-    if note:
-        notes.append(note)
-    if opts.threads is not None:
-        kernels.set_threads(opts.threads)
-    storage, sname, note = reg.create("storage", opts.storage)
-    if note:
-        notes.append(note)
-    timings: dict[str, float] = {}
-    t0 = time.perf_counter()
-    index = CheckpointIndex.open(opts.model_dir, storage)
-    timings["index"] = time.perf_counter() - t0
-    n_layers = opts.layers or cfg.n_layers
-    t0 = time.perf_counter()
-    trunk: TrunkSource | None = None
-    trunk_lines: list[str] = []
-    try:
-        check_bind_shapes(cfg, index, n_layers)  # from the headers, before any tensor is read
-        if opts.trunk_dir is not None:
-            trunk, trunk_lines = open_streamed_trunk(
-                opts.trunk_dir, cfg, index, storage, n_layers, opts.trunk_gb, opts.ring,
-                storage_name=sname, verify=opts.verify_trunk, progress=on_layer_bound)
-        else:
-            trunk = ResidentTrunk(cfg, index, n_layers, progress=on_layer_bound)
-        tables = StreamedTables(cfg, index) if opts.ultra_low_memory else ModelTables(cfg, index)
-    except BaseException:
-        if trunk is not None:
-            trunk.close()
-        index.close()
-        raise
-    timings["bind"] = time.perf_counter() - t0
-    opts.cache.policy = opts.cache_policy
-    try:
-        cache, pname, note = build_expert_cache(cfg, index, n_layers, reg, opts.cache)
-    except BaseException:
-        trunk.close()
-        index.close()
-        raise
-    if note:
-        notes.append(note)
-    experts: ExpertSource = cache or InMemoryExperts(lambda L, e: expert_from_reader(cfg, index, L, e))
-    model = Model(cfg, kernels, trunk, tables, experts, n_layers=n_layers)
-    model.shared_kda_slot = opts.ultra_low_memory
-    names = {"kernel": kname, "storage": sname, "cache": pname,
-             "trunk": "streamed" if opts.trunk_dir is not None else "resident"}
-    return Engine(cfg, model, index, kernels, storage, experts, names, notes, timings,
-                  trunk_lines)
+def open_engine(opts: EngineOptions, cfg: ModelConfig | None = None,
+                on_layer_bound: Callable[[int], None] | None = None) -> Engine:
+    """Resolve plugins, index the checkpoint and bind the trunk; an :class:`Engine`."""
+    return bind(opts, cfg, on_layer_bound, cls=Engine)

@@ -23,7 +23,7 @@ from k3core.experts.setup import CacheOptions
 from k3core.model.config import ModelConfig
 from k3core.model.sizes import ALIGN, sizes_from_config
 from k3core.plugins.registry import get_registry
-from k3core.run.engine import EngineOptions, read_model_config
+from k3core.run.binding import EngineOptions, read_model_config
 from k3core.run.memory_plan import MemoryPlan, check_kv, plan_memory
 from k3core.run.presets import check_plugins, load_preset
 from k3core.run.prompt import PromptSpec, find_tokenizer, load_tokenizer, prompt_ids

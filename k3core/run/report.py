@@ -24,7 +24,7 @@ from k3core.run.resources import peak_rss_bytes
 from k3core.trunk.source import report_json, report_lines, ultra_lines
 
 if TYPE_CHECKING:
-    from k3core.run.engine import Engine
+    from k3core.run.binding import Bound
     from k3core.run.session import Generation
 
 
@@ -128,7 +128,7 @@ class RunReport:
             self._last = (stats.requests, stats.hits, stats.bytes_read)
 
     # ---- before and after the loop ------------------------------------------------------------
-    def engine_lines(self, engine: Engine) -> None:
+    def engine_lines(self, engine: Bound) -> None:
         """What was opened: plugins, index and bind times, trunk, expert cache, RSS."""
         self.line(engine.settings_line)
         for note in engine.notes:
@@ -145,7 +145,7 @@ class RunReport:
         self.line(f"peak RSS after loading weights: {gb(peak_rss_bytes())} (the plan is a "
                   "forecast; this is measured)")
 
-    def summary(self, engine: Engine, gen: Generation, max_tokens: int) -> None:
+    def summary(self, engine: Bound, gen: Generation, max_tokens: int) -> None:
         """The closing block: tokens and time, why it stopped, ids, cache, trunk, I/O, RSS."""
         model, stats = engine.model, engine.experts.stats
         self.line("-" * 60)
@@ -185,7 +185,7 @@ class RunReport:
                   f"drops: {stats.drops}")
 
 
-def run_record(engine: Engine, gen: Generation) -> dict[str, Any]:
+def run_record(engine: Bound, gen: Generation) -> dict[str, Any]:
     """The run's figures as JSON (``--out``, and ``Generation.report`` in the Python API)."""
     model, stats = engine.model, engine.experts.stats
     s = gen.sampler

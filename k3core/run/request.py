@@ -207,7 +207,8 @@ class RunRequest(_Strict):
                       "stop_ids": list(take("stop_id", []) or []),
                       "ignore_eos": bool(take("ignore_eos", False))}
         outputs = {k: take(k) for k in OutputRequest.model_fields}
-        verbosity = -1 if take("quiet", False) else min(int(take("verbose", 0) or 0), 2)
+        quiet, verbose = bool(take("quiet", False)), int(take("verbose", 0) or 0)
+        verbosity = -1 if quiet else min(verbose, 2)
         engine = {k: take(k) for k in EngineRequest.model_fields}
         engine["verify_trunk"] = bool(engine["verify_trunk"])
         if f:

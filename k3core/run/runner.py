@@ -37,10 +37,11 @@ def execute(r: RunRequest, rep: RunReport | None = None) -> dict[str, Any]:
         try:
             gen = _decode(engine, session, plan, rep)
         except KeyboardInterrupt:
-            gen = session.last
-            if gen is None or not (gen.ids or gen.first_logits is not None):
+            if session.last is None or not (session.last.ids or
+                                            session.last.first_logits is not None):
                 raise
-            interrupted = True
+            gen, interrupted = session.last, True
+            gen.interrupted = True  # also when it came between steps, outside the loop
         rep.end_text()
         rep.summary(engine, gen, r.generation.max_tokens)
         record = run_record(engine, gen)
@@ -75,11 +76,15 @@ def _decode(engine: Engine, session: Session, plan: RunPlan, rep: RunReport) -> 
     from k3core.trunk.source import StepTrunkLog
 
     engine.step_log = StepTrunkLog(engine.model.trunk)
-    for step, piece in session.steps(plan.prompt_ids, params):
-        rep.text(piece)
-        if step is not None:
-            engine.step_log.record()
-            rep.step(step.index, step.token, step.seconds, stats, piece)
+    steps = session.steps(plan.prompt_ids, params)
+    try:
+        for step, piece in steps:
+            rep.text(piece)
+            if step is not None:
+                engine.step_log.record()
+                rep.step(step.index, step.token, step.seconds, stats, piece)
+    finally:
+        steps.close()  # a Ctrl-C between steps: the loop's own bookkeeping still runs
     assert session.last is not None
     return session.last
 

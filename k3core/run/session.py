@@ -37,7 +37,7 @@ from k3core.run.request import GenerationParams, build
 from k3core.run.stops import TextStream
 
 if TYPE_CHECKING:
-    from k3core.run.engine import Engine
+    from k3core.run.binding import Bound
 
 
 @dataclass
@@ -96,7 +96,7 @@ def params_from(params: GenerationParams | None, kw: dict[str, Any]) -> Generati
 class Session:
     """One sequence on ``engine``; see the module docstring."""
 
-    def __init__(self, engine: Engine, incremental: bool | None = None):
+    def __init__(self, engine: Bound, incremental: bool | None = None):
         self.engine = engine
         self.incremental = engine.incremental if incremental is None else incremental
         self.ids: list[int] = []
@@ -190,6 +190,7 @@ class Session:
                 step = Step(g, tok, time.perf_counter() - t0)
                 gen.steps.append(step)
                 piece = "" if tok in eos and tok not in stops else text.push(tok)
+                gen.text = text.text if text.enabled else None
                 yield step, piece
                 if tok in stops:
                     gen.stopped_at, gen.stop_reason = tok, "stop_id"
@@ -239,7 +240,7 @@ class Session:
         if not self.incremental:
             raise UsageError("saving a session needs incremental decoding (full recompute "
                              "carries no state)")
-        return write_state(Path(path), self)
+        return write_state(Path(path), self.engine, self.ids, self.state)
 
     def load(self, path: str | Path) -> None:
         """Replace this session's sequence with the one saved at ``path`` (same model only)."""

@@ -36,8 +36,7 @@ from k3core.model.state import SequenceState
 from k3core.run.outputs import write_bytes_atomic
 
 if TYPE_CHECKING:
-    from k3core.run.engine import Engine
-    from k3core.run.session import Session
+    from k3core.run.binding import Bound
 
 MAGIC = b"K3STATE\n"
 VERSION = 1
@@ -49,7 +48,7 @@ class StateFileError(K3Error):
     """A session file that cannot be read, or belongs to another model or config (exit 1)."""
 
 
-def fingerprint(engine: Engine) -> str:
+def fingerprint(engine: Bound) -> str:
     """The model identity a session file is bound to (see the module docstring)."""
     h = hashlib.sha256()
     cfg = engine.cfg.to_flat_dict()
@@ -77,9 +76,8 @@ def _arrays(state: SequenceState) -> list[tuple[str, np.ndarray]]:
     return out
 
 
-def write_state(path: Path, session: Session) -> int:
-    """Serialise ``session`` to ``path``; returns the file's size."""
-    st = session.state
+def write_state(path: Path, engine: Bound, ids: list[int], st: SequenceState | None) -> int:
+    """Serialise a sequence (its ids and carried state) to ``path``; returns the file's size."""
     pos = st.pos if st is not None else 0
     entries, chunks, offset = [], [], 0
     for name, a in _arrays(st) if st is not None else []:
@@ -90,7 +88,7 @@ def write_state(path: Path, session: Session) -> int:
         offset += len(data)
     body = b"".join(chunks)
     header = json.dumps({
-        "fingerprint": fingerprint(session.engine), "ids": session.ids, "pos": pos,
+        "fingerprint": fingerprint(engine), "ids": ids, "pos": pos,
         "capacity": st.capacity if st is not None else 0, "arrays": entries,
         "body_sha256": hashlib.sha256(body).hexdigest(),
     }).encode()
@@ -99,7 +97,7 @@ def write_state(path: Path, session: Session) -> int:
     return len(blob)
 
 
-def read_state(path: Path, engine: Engine) -> tuple[list[int], SequenceState | None]:
+def read_state(path: Path, engine: Bound) -> tuple[list[int], SequenceState | None]:
     """The ids and state saved at ``path``, checked against ``engine``'s model."""
     raw = _read(path)
     where = f"session file {path}"
@@ -134,7 +132,7 @@ def read_state(path: Path, engine: Engine) -> tuple[list[int], SequenceState | N
     return ids, state
 
 
-def _fill(state: SequenceState, entries: list[Any], body: bytes, pos: int, engine: Engine,
+def _fill(state: SequenceState, entries: list[Any], body: bytes, pos: int, engine: Bound,
           where: str) -> None:
     cfg, n_layers = engine.cfg, engine.model.n_layers
     for layer in range(n_layers):  # every layer's state, shaped as this model makes it

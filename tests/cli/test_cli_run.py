@@ -25,6 +25,17 @@ def model(tmp_path_factory):
     return out
 
 
+@pytest.fixture(scope="module")
+def bare(model, tmp_path_factory):
+    """The model without its tokenizer files (links to the same shards)."""
+    out = tmp_path_factory.mktemp("cli") / "bare"
+    out.mkdir()
+    for p in model.iterdir():
+        if p.name not in ("tiktoken.model", "tokenizer_config.json"):
+            (out / p.name).symlink_to(p)
+    return out
+
+
 def k3(*args, env=None):
     return runner.invoke(app, [str(a) for a in args], env=env)
 
@@ -39,7 +50,7 @@ def err(res):
         ([], 2, "Usage"),
         (["run", "{m}", "--gen", "2"], 2, "one of --prompt, --prompt-file or --ids is required"),
         (["run", "{m}", "--ids", "3", "--prompt", "hi", "--tok", "{m}"], 2, "mutually exclusive"),
-        (["run", "{m}", "--prompt", "hi"], 2, "need --tok"),
+        (["run", "{bare}", "--prompt", "hi"], 2, "need --tok"),
         (["run", "{m}", "--ids", "3,99999"], 2, "outside the vocabulary"),
         (["run", "{m}", "--ids", "3,x"], 2, "bad --ids"),
         (["run", "{m}", "--ids", ""], 2, "no prompt ids"),
@@ -53,7 +64,11 @@ def err(res):
         (["run", "{m}", "--ids", "3", "--out", "/nonexistent-dir/x.json"], 3, "does not exist"),
         (["run", "{m}", "--ids", "3", "--stop-id", "5000"], 2, "outside the vocabulary"),
         (["run", "{m}", "--ids", "3", "--layers", "99"], 2, "--layers must be in 1..13"),
-        (["run", "{m}", "--ids", "3", "--temperature", "0"], 2, "--temperature must be"),
+        (["run", "{m}", "--ids", "3", "--temperature", "-1"], 2, "--temperature must be"),
+        (["run", "{m}", "--ids", "3", "--temperature", "nan"], 2, "--temperature must be"),
+        (["run", "{m}", "--ids", "3", "--stop", ""], 2, "--stop needs a non-empty text"),
+        (["run", "{bare}", "--ids", "3", "--full-recompute", "--load-state", "{m}/config.json"], 2,
+         "--load-state needs incremental"),
         (["run", "{m}", "--ids", "3", "--top-p", "1.5"], 2, "--top-p must be"),
         (["run", "{m}", "--ids", "3", "--threads", "0"], 2, "--threads must be >= 1"),
         (["run", "{m}", "--ids", "3", "--cache-gb", "0.0000001"], 2, "top-k + 1"),
@@ -61,8 +76,8 @@ def err(res):
         (["run", "{m}", "--prompt-file", "/nonexistent-file", "--tok", "{m}"], 2, "cannot read"),
     ],
 )
-def test_refusals(model, args, code, needle):
-    res = k3(*[a.replace("{m}", str(model)) for a in args])
+def test_refusals(model, bare, args, code, needle):
+    res = k3(*[a.replace("{m}", str(model)).replace("{bare}", str(bare)) for a in args])
     assert res.exit_code == code, res.output
     assert needle in res.output
     assert "Traceback" not in res.output
@@ -99,7 +114,7 @@ def test_unwritable_out_leaves_nothing(model, tmp_path):
 
 def test_prompt_text_round_trip_and_out_json(model, tmp_path):
     out = tmp_path / "r.json"
-    res = k3("run", model, "--prompt", "Hello, k3!", "--tok", model, "--gen", "3", "--incremental", "--out", out)
+    res = k3("run", model, "--prompt", "Hello, k3!", "--tok", model, "--gen", "3", "--incremental", "--out", out, "-v")
     assert res.exit_code == 0, res.output
     rec = json.loads(out.read_text())
     tok = Tokenizer.from_dir(model, vocab_size=1024)

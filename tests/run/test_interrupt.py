@@ -1,14 +1,16 @@
-"""Ctrl-C during ``k3 run``: exit 130, "interrupted", no output file, threads stopped, fast.
+"""Ctrl-C during ``k3 run``: exit 130, "interrupted", what was made kept, threads stopped, fast.
 
 The subprocess test sends a real SIGINT to ``python -m k3core.cli run`` once the first decode
 step has been printed, with a streamed trunk (reader thread) and an expert cache (reader
-pool) busy, and ``--out``/``--dump-logits``/``--dump-cache-trace`` requested. The in-process
+pool) busy, and ``--out``/``--dump-logits``/``--dump-cache-trace`` requested: the text and
+ids so far are printed and ``--out`` is written marked as interrupted. The in-process
 test interrupts the decode loop from inside and checks that ``Engine.close`` really stopped
 the trunk reader thread and the expert reader pool.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -26,6 +28,7 @@ from k3core.model.generate import generate
 from k3core.model.shapes import size_config
 from k3core.run.engine import EngineOptions, open_engine
 from k3core.testing.faulty_backend import disk_backed_dir
+from k3core.tokenizer.encoding import Tokenizer
 from k3core.tools.synth.writer import synthesize
 
 PROMPT_SECONDS = 10.0  # generous: the measured figure is about 0.1 s
@@ -64,20 +67,23 @@ def _default_sigint() -> None:
 ])
 @pytest.mark.parametrize("delay", [0.0, 0.05])
 def test_sigint_while_decoding(model, trunk, tmp_path, mode, delay) -> None:
+    """Ctrl-C after some tokens keeps what was made: the text so far is on stdout, the ids on
+    stderr, ``--out`` is written whole and marked interrupted, the other outputs are whole,
+    no temporary file is left, and the exit code is still 130."""
     out = tmp_path / "out"
     (out / "trace").mkdir(parents=True)
     args = [a.replace("{t}", str(trunk)) for a in mode]
     env = {k: v for k, v in os.environ.items() if not k.startswith("K3_")}
     p = subprocess.Popen(
         [sys.executable, "-m", "k3core.cli", "run", str(model), "--ids", "3,7,11", "--gen", "4096",
-         *args, "--out", str(out / "run.json"), "--dump-logits", str(out / "logits.bin"),
-         "--dump-cache-trace", str(out / "trace")],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-        preexec_fn=_default_sigint)
+         "--ignore-eos", *args, "--out", str(out / "run.json"), "--dump-logits",
+         str(out / "logits.bin"), "--dump-cache-trace", str(out / "trace")],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, preexec_fn=_default_sigint)
     try:
-        assert p.stdout is not None
+        assert p.stderr is not None
         seen = []
-        for line in p.stdout:  # wait for the first decode step of the live table
+        for raw in p.stderr:  # wait for the first decode step of the live table (on stderr)
+            line = raw.decode("utf-8", "replace")
             seen.append(line)
             if line.split()[:1] == ["0"]:
                 break
@@ -86,17 +92,27 @@ def test_sigint_while_decoding(model, trunk, tmp_path, mode, delay) -> None:
         time.sleep(delay)
         t0 = time.monotonic()
         p.send_signal(signal.SIGINT)
-        rest, err = p.communicate(timeout=60)
+        text, rest = p.communicate(timeout=60)
         took = time.monotonic() - t0
     finally:
         if p.poll() is None:
             p.kill()
             p.wait()
+    err = rest.decode("utf-8", "replace")
     assert p.returncode == 130, err
     assert err.strip().splitlines()[-1] == "k3: error: interrupted", err
-    assert "Traceback" not in err and "generated ids" not in rest
+    assert "Traceback" not in err
     assert took < PROMPT_SECONDS, f"took {took:.1f} s to stop"
-    assert _all_entries(out) == ["trace"]  # no output, no temporary file
+    assert _all_entries(out) == ["logits.bin", "run.json", "trace", "trace/expert_hist.json",
+                                 "trace/expert_trace.bin"]  # whole files, no temporary one
+    rec = json.loads((out / "run.json").read_text())
+    assert rec["interrupted"] is True and 1 <= len(rec["generated_ids"]) < 4096
+    shown = [ln for ln in err.splitlines() if ln.startswith("generated ids: ")]
+    assert shown == ["generated ids: " + ",".join(map(str, rec["generated_ids"]))]
+    tok = Tokenizer.from_dir(model, vocab_size=1024)
+    assert text == tok.decode(rec["generated_ids"]).encode()[: len(text)]  # the text so far
+    assert rec["generated_text"].encode() == text
+    assert (out / "logits.bin").stat().st_size == 4 * 1024
 
 
 def test_interrupt_stops_every_thread(model, trunk) -> None:

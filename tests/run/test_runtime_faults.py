@@ -20,13 +20,13 @@ import pytest
 from k3_storage.plain import PlainStorage
 from typer.testing import CliRunner
 
-import k3core.run.engine
-import k3core.run.runner
+import k3core.run.binding
 from k3core.checkpoint.index import CheckpointIndex
 from k3core.cli.app import app
 from k3core.model import names
 from k3core.model.config import ModelConfig
 from k3core.model.shapes import size_config
+from k3core.run.session import Session
 from k3core.testing.faulty_backend import (
     available_storage,
     disk_backed_dir,
@@ -126,12 +126,11 @@ def _nothing_left(d: Path) -> None:
 
 def _with_before_step(monkeypatch, hook: Callable[[int], None]) -> None:
     """Make ``k3 run``'s decode loop call ``hook(step)`` before each step (fault timing)."""
-    real = k3core.run.runner.generate
 
-    def generate(*args: Any, **kw: Any) -> Any:
-        return real(*args, before_step=hook, **kw)
+    def before_step(self: Session, step: int) -> None:
+        hook(step)
 
-    monkeypatch.setattr(k3core.run.runner, "generate", generate)
+    monkeypatch.setattr(Session, "before_step", before_step)
 
 
 # ---- files truncated while the run holds them open ------------------------------------------
@@ -151,7 +150,7 @@ def test_shard_truncated_between_index_and_binding(model, work, layout, monkeypa
             os.truncate(shard, shard.stat().st_size // 2)
             return idx
 
-    monkeypatch.setattr(k3core.run.engine, "CheckpointIndex", Truncating)
+    monkeypatch.setattr(k3core.run.binding, "CheckpointIndex", Truncating)
     out = work / f"out-bind-{storage}"
     res = k3("run", m, "--ids", "3,7", "--gen", "2", "--storage", storage, *_outs(out))
     refused(res, 1, "language_model.model.layers.3.", any_of=SHORT)
