@@ -137,3 +137,14 @@ def test_bad_chat_flags_are_refused(tiny_model, args, code, words):
                        capture_output=True, env=cli_env(), timeout=60)
     assert r.returncode == code, r
     assert r.stderr.startswith("k3: error:") and words in r.stderr and "Traceback" not in r.stderr
+
+
+def test_a_file_that_is_not_a_session_is_a_runtime_refusal(tiny_model, tmp_path):
+    junk = tmp_path / "junk.k3s"
+    junk.write_bytes(b"not a session file")
+    r = subprocess.run([*K3, "chat", str(tiny_model), "--load", str(junk)], input="", text=True,
+                       capture_output=True, env=cli_env(), timeout=60)
+    assert r.returncode == 1 and "not a k3 session file" in r.stderr and "Traceback" not in r.stderr
+    r = subprocess.run([*K3, "chat", str(tmp_path / "nothing")], input="", text=True,
+                       capture_output=True, env=cli_env(), timeout=60)
+    assert r.returncode == 2 and "does not exist" in r.stderr and "Traceback" not in r.stderr
