@@ -125,6 +125,7 @@ class Server:
                 self.waiting -= 1
 
         fut.add_done_callback(done)
+        fut.add_done_callback(lambda f: f.cancelled() or f.exception())  # always retrieved
         return fut
 
     # ---- routes ---------------------------------------------------------------------------
@@ -190,7 +191,17 @@ class Server:
 
     async def _answer(self, request: Request, prep: Prepared, stream: bool, include_usage: bool) -> Response:
         if stream:
-            return StreamingResponse(self._events(prep, include_usage), media_type="text/event-stream",
+            loop = asyncio.get_running_loop()
+            queue: asyncio.Queue[dict[str, str] | None] = asyncio.Queue()
+
+            def post(piece: dict[str, str]) -> None:
+                loop.call_soon_threadsafe(queue.put_nowait, piece)
+
+            prep.sink.on_piece = post
+            afut = asyncio.wrap_future(self.submit(prep))  # a full queue is a 429 before any event
+            afut.add_done_callback(lambda _: queue.put_nowait(None))
+            return StreamingResponse(self._events(prep, afut, queue, include_usage),
+                                     media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         fut = self.submit(prep)
         afut = asyncio.wrap_future(fut)
@@ -216,6 +227,10 @@ class Server:
             raise APIError(400, str(exc), code="invalid_value") from None
         except K3Error as exc:
             raise APIError(500, f"the engine failed: {exc}", type_="server_error", code="engine_error") from None
+        except Exception as exc:
+            log.error("k3 serve: %s: %s", type(exc).__name__, exc)
+            raise APIError(500, f"internal error: {type(exc).__name__}", type_="server_error",
+                           code="internal_error") from None
 
     def _chunk(self, prep: Prepared, piece: dict[str, str] | None, finish: str | None) -> dict[str, Any]:
         base = {"id": prep.id, "created": prep.created, "model": self.service.model_name}
@@ -232,22 +247,8 @@ class Server:
         return {**base, "object": "chat.completion.chunk",
                 "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]}
 
-    async def _events(self, prep: Prepared, include_usage: bool) -> AsyncIterator[bytes]:
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[dict[str, str] | None] = asyncio.Queue()
-
-        def post(piece: dict[str, str]) -> None:
-            loop.call_soon_threadsafe(queue.put_nowait, piece)
-
-        prep.sink.on_piece = post
-        try:
-            fut = self.submit(prep)
-        except APIError as exc:
-            yield _sse(exc.body())
-            yield b"data: [DONE]\n\n"
-            return
-        afut = asyncio.wrap_future(fut)
-        afut.add_done_callback(lambda _: queue.put_nowait(None))
+    async def _events(self, prep: Prepared, afut: asyncio.Future[Outcome],
+                      queue: asyncio.Queue[dict[str, str] | None], include_usage: bool) -> AsyncIterator[bytes]:
         try:
             if prep.kind == "chat":
                 first = self._chunk(prep, None, None)

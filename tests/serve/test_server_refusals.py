@@ -110,8 +110,8 @@ def test_server_is_alive_and_clean_after_refusals(server, client):
     assert r.usage.completion_tokens == 2
 
 
-def test_api_key_is_required_when_set(tiny_model):
-    s = Served(tiny_model, "--api-key", "sekret", "--threads", "1")
+def test_api_key_is_required_when_set_and_a_full_queue_is_a_429(tiny_model):
+    s = Served(tiny_model, "--api-key", "sekret", "--threads", "1", "--max-queue", "1")
     try:
         assert s.get("/health")["status"] == "ok"  # health needs no key
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sekret"}):
@@ -121,6 +121,18 @@ def test_api_key_is_required_when_set(tiny_model):
         with pytest.raises(openai.AuthenticationError):
             bad.models.list()
         good = openai.OpenAI(base_url=f"http://{s.base}", api_key="sekret", max_retries=0)
+        assert good.completions.create(model=MODEL, prompt="a", max_tokens=1).usage.completion_tokens == 1
+        key = {"Authorization": "Bearer sekret"}
+        long = {"model": MODEL, "prompt": [4, 5], "max_tokens": 2000, "stream": True}
+        with httpx.Client(timeout=30, headers=key) as http:
+            with http.stream("POST", s.url + "/v1/completions", json=long) as r:
+                next(r.iter_lines())  # the one engine is busy with this stream
+                busy = http.post(s.url + "/v1/completions", json={"model": MODEL, "prompt": "a"})
+                assert error_of(busy, 429)["code"] == "queue_full"
+                busy = http.post(s.url + "/v1/chat/completions", json={
+                    "model": MODEL, "messages": [{"role": "user", "content": "a"}], "stream": True})
+                assert error_of(busy, 429)["code"] == "queue_full"
+        s.wait_health(lambda h: h["waiting"] == 0)
         assert good.completions.create(model=MODEL, prompt="a", max_tokens=1).usage.completion_tokens == 1
     finally:
         rc, err = s.stop()
