@@ -19,7 +19,7 @@ setup: $(VENV)/.installed
 ## demo: set up, write the embedded default model (random weights) and generate from it
 demo: setup
 	$(K3) synth $(DEMO_DIR) --size tiny --seed 0 --force
-	$(K3) run $(DEMO_DIR) --prompt "The capital of France is" --tok $(DEMO_DIR) --gen 8 --incremental
+	$(K3) run $(DEMO_DIR) --prompt "The capital of France is" --gen 8
 
 ## test: set up and run the default suite (under ~10 minutes on 2 cores)
 test: setup

@@ -141,7 +141,7 @@ def check_kv(cfg: ModelConfig, positions: int, available: int | None = None,
             f"the KV cache for {positions} positions needs {human(kv)} "
             f"({kv_bytes(cfg, 1, n_layers) / 1e6:.2f} MB/position) and the machine has "
             f"{human(avail)} available: this is a memory limit, not an engine ceiling; ask for a "
-            "shorter request (fewer prompt tokens or a smaller --gen), or drop --incremental "
+            "shorter request (fewer prompt tokens or a smaller --gen), or use --full-recompute "
             "(full recompute carries no KV cache)"
         )
     return kv

@@ -14,13 +14,14 @@ One step, in order: ``before_step`` (a hook, for fault tests), the forward pass,
 (greedy or the seeded sampler), then the stop checks: a ``stop_ids`` id, the end-of-sequence
 id (unless ``ignore_eos``; its text is not shown), a stop string (the text is cut before it),
 ``max_tokens``. A Ctrl-C inside the loop leaves what was made in :attr:`Session.last`
-(``interrupted=True``) and propagates.
+(``interrupted=True``) and propagates; the session stays usable (a forward pass cut short
+drops the carried state, and the next call prefills the session's ids again).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -148,7 +149,7 @@ class Session:
         return ids
 
     def steps(self, prompt_ids: Sequence[int], p: GenerationParams
-              ) -> Iterator[tuple[Step | None, str]]:
+              ) -> Generator[tuple[Step | None, str], None, None]:
         """The decode loop as a generator of ``(step, text piece)``; fills :attr:`last`.
 
         The last item may be ``(None, text)``: text held back until the end (an incomplete
@@ -228,7 +229,13 @@ class Session:
         if self.incremental:
             assert self.state is not None
             feed = self.ids[self.state.pos:]
-            return model.forward(np.array(feed), self.state)[-1]
+            try:
+                return model.forward(np.array(feed), self.state)[-1]
+            except BaseException:
+                # some layers' state advanced, others not: drop it; the next call prefills
+                # the session's ids again (the same bits as carrying it)
+                self.state = None
+                raise
         fresh = SequenceState(model.cfg, len(self.ids), shared_kda_slot=model.shared_kda_slot)
         return model.forward(np.array(self.ids), fresh)[-1]
 

@@ -51,8 +51,9 @@ def model(work: Path) -> Path:
 
 def run(model: Path, work: Path, tag: str, *extra: str) -> dict[str, Any]:
     out, logits = work / f"{tag}.json", work / f"{tag}.logits"
+    mode = [] if "--incremental" in extra else ["--full-recompute"]  # incremental is the default
     res = runner.invoke(app, ["run", str(model), "--ids", PROMPT, "--gen", str(GEN), "--out", str(out),
-                              "--dump-logits", str(logits), *extra])
+                              "--dump-logits", str(logits), *mode, *extra])
     assert res.exit_code == 0, res.output
     rec = json.loads(out.read_text())
     rec["logits"] = logits.read_bytes()

@@ -154,11 +154,12 @@ def test_other_backends_still_work(plugin_path, model) -> None:
     res = k3(plugin_path, "run", model, "--ids", "3,7", "--gen", "2", "--backend", "numpy",
              "--storage", "dummy-plain", "--cache-policy", "lru")
     assert res.returncode == 0, _flat(res)
-    assert "storage=dummy-plain" in res.stdout and "generated ids:" in res.stdout
+    assert "storage=dummy-plain" in res.stderr and "generated ids:" in res.stderr
     auto = k3(plugin_path, "run", model, "--ids", "3,7", "--gen", "2")
     assert auto.returncode == 0, _flat(auto)
-    assert auto.stdout.split("generated ids:")[1].split()[0] == \
-        res.stdout.split("generated ids:")[1].split()[0]
+    assert auto.stderr.split("generated ids:")[1].split()[0] == \
+        res.stderr.split("generated ids:")[1].split()[0]
+    assert auto.stdout == res.stdout  # the same text
 
 
 def test_disable_plugins_hides_third_party_plugins(plugin_path, model) -> None:

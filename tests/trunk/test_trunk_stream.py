@@ -76,7 +76,7 @@ def _run(model: Path, work: Path, tag: str, *extra: str) -> tuple[str, bytes]:
 @pytest.fixture(scope="module")
 def resident(model, work) -> dict[str, tuple[str, bytes]]:
     return {mode: _run(model, work, f"resident-{mode}", *flags)
-            for mode, flags in (("full", ()), ("incremental", ("--incremental",)))}
+            for mode, flags in (("full", ("--full-recompute",)), ("incremental", ("--incremental",)))}
 
 
 def _budgets(sizes: list[int]) -> dict[str, float]:
@@ -88,7 +88,7 @@ def _budgets(sizes: list[int]) -> dict[str, float]:
 @pytest.mark.parametrize("storage", available_storage())
 @pytest.mark.parametrize("mode", ["full", "incremental"])
 def test_same_ids_and_logits_at_every_budget(model, trunk, work, sizes, resident, storage, mode):
-    flags = ("--incremental",) if mode == "incremental" else ()
+    flags = ("--incremental",) if mode == "incremental" else ("--full-recompute",)
     for name, gb in _budgets(sizes).items():
         got = _run(model, work, f"{storage}-{mode}-{name}", "--storage", storage, "--trunk",
                    str(trunk), "--trunk-gb", f"{gb:.9f}", *flags)
@@ -98,7 +98,7 @@ def test_same_ids_and_logits_at_every_budget(model, trunk, work, sizes, resident
 
 @pytest.mark.parametrize("storage", available_storage())
 def test_ultra_low_memory_is_bit_identical(model, trunk, work, sizes, resident, storage):
-    for mode, flags in (("full", ()), ("incremental", ("--incremental",))):
+    for mode, flags in (("full", ("--full-recompute",)), ("incremental", ("--incremental",))):
         got = _run(model, work, f"ultra-{storage}-{mode}", "--storage", storage, "--trunk",
                    str(trunk), "--trunk-gb", f"{max(sizes) / 1e9:.9f}", "--ultra-low-memory",
                    *flags)
@@ -109,7 +109,7 @@ def test_run_reports_the_trunk(model, trunk, work, sizes) -> None:
     out = work / "report.json"
     res = runner.invoke(app, ["run", str(model), "--ids", PROMPT, "--gen", "2", "--trunk",
                               str(trunk), "--trunk-gb", f"{2 * max(sizes) / 1e9:.9f}",
-                              "--ultra-low-memory", "--out", str(out)])
+                              "--ultra-low-memory", "--full-recompute", "--out", str(out)])
     assert res.exit_code == 0, res.output
     for text in ("trunk on disk", "trunk plan    : 0/13 layers PINNED", "ring 2 x",
                  "trunk [final]: pinned 0/13 layers, ring 2 slots", "binds 26, hits 0",
