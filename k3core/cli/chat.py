@@ -76,11 +76,12 @@ def chat(
     """Talk with MODEL_DIR: state carried between turns, /save and /load."""
     if not 1 <= max_tokens <= 4096:
         raise UsageError(f"--max-tokens must be in 1..4096, got {max_tokens}")
-    from k3core.serve.chat_format import chat_format_for
+    from k3core.serve.chat_format import chat_format_for, check_format_options
     from k3core.serve.conversation import Conversation
     from k3core.serve.loading import check_context, open_engine_for
 
     check_context(context)
+    check_format_options(chat_format, think, thinking_effort)
     engine = open_engine_for(model_dir, context, tok=tok, preset=preset, trunk=trunk, backend=backend,
                              storage=storage, cache_policy=cache_policy, threads=threads)
     try:
@@ -91,8 +92,10 @@ def chat(
         if load is not None:
             conv.load(load)
         sampling = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed}
-        print(f"k3 chat: {model_dir.name} ({fmt.name} format{'' if getattr(fmt, 'thinking', False) else ''}, "
-              f"context {context}); /help for commands", file=sys.stderr)
+        thinking = getattr(fmt, "thinking", None)
+        how = "" if thinking is None else f", thinking {fmt.effort}" if thinking else ", no thinking"  # type: ignore[attr-defined]
+        print(f"k3 chat: {model_dir.name} ({fmt.name} format{how}, context {context}); /help for commands",
+              file=sys.stderr)
         if load is not None:
             print(f"loaded {load}: {len(conv.ids)} tokens, {conv.turns} turns", file=sys.stderr)
         _loop(conv, max_tokens, {k: v for k, v in sampling.items() if v is not None})

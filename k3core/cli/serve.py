@@ -118,11 +118,13 @@ def serve(
     _Server = _server_class()
 
     from k3core.serve.app import create_app
+    from k3core.serve.chat_format import check_format_options
     from k3core.serve.loading import check_context, open_engine_for
     from k3core.serve.service import Service
     from k3core.serve.worker import Worker
 
     check_context(context)
+    check_format_options(chat_format, think, thinking_effort)
     engine = open_engine_for(model_dir, context, tok=tok, preset=preset, trunk=trunk,
                              trunk_gb=trunk_gb, cache_gb=cache_gb, backend=backend,
                              storage=storage, cache_policy=cache_policy, threads=threads)

@@ -333,11 +333,18 @@ def _held_suffix(ids: Sequence[int], pattern: Sequence[int]) -> int:
     return 0
 
 
+def check_format_options(name: str, thinking: bool, effort: str) -> None:
+    """Refuse a bad format name or effort before anything is opened."""
+    if name not in FORMATS:
+        raise UsageError(f"unknown chat format {name!r}; choose one of {', '.join(FORMATS)}")
+    if thinking and effort not in EFFORTS:
+        raise UsageError(f"thinking effort must be one of {', '.join(EFFORTS)}, got {effort!r}")
+
+
 def chat_format_for(tok: Tokenizer, name: str = "auto", thinking: bool = True,
                     effort: str = "max") -> ChatFormat:
     """The chat format called ``name`` (``auto``: XTML when the tokenizer has its tokens)."""
-    if name not in FORMATS:
-        raise UsageError(f"unknown chat format {name!r}; choose one of {', '.join(FORMATS)}")
+    check_format_options(name, thinking, effort)
     if name == "auto":
         names = tok.special_tokens
         name = "xtml" if all(t in names for t in (OPEN, CLOSE, SEP, EOM)) else "plain"

@@ -196,7 +196,7 @@ def test_disconnect_mid_stream_frees_the_engine(server, engine):
     import httpx
 
     before = server.get("/health")["cancelled"]
-    body = {"model": MODEL, "prompt": [4, 5, 6], "max_tokens": 1000, "stream": True}
+    body = {"model": MODEL, "prompt": [4, 5, 6], "max_tokens": 1000, "stream": True, "ignore_eos": True}
     with httpx.Client(timeout=30) as http:
         with http.stream("POST", f"{server.url}/v1/completions", json=body) as r:
             assert r.status_code == 200
@@ -216,7 +216,7 @@ def test_disconnect_while_waiting_for_a_plain_answer_cancels_it(server):
     import httpx
 
     before = server.get("/health")["cancelled"]
-    body = {"model": MODEL, "prompt": [4, 5, 6, 7], "max_tokens": 1000}
+    body = {"model": MODEL, "prompt": [4, 5, 6, 7], "max_tokens": 1000, "ignore_eos": True}
     with pytest.raises(httpx.TimeoutException):
         httpx.post(f"{server.url}/v1/completions", json=body, timeout=0.5)
     h = server.wait_health(lambda h: h["cancelled"] > before)

@@ -123,7 +123,7 @@ def test_api_key_is_required_when_set_and_a_full_queue_is_a_429(tiny_model):
         good = openai.OpenAI(base_url=f"http://{s.base}", api_key="sekret", max_retries=0)
         assert good.completions.create(model=MODEL, prompt="a", max_tokens=1).usage.completion_tokens == 1
         key = {"Authorization": "Bearer sekret"}
-        long = {"model": MODEL, "prompt": [4, 5], "max_tokens": 2000, "stream": True}
+        long = {"model": MODEL, "prompt": [4, 5], "max_tokens": 2000, "stream": True, "ignore_eos": True}
         with httpx.Client(timeout=30, headers=key) as http:
             with http.stream("POST", s.url + "/v1/completions", json=long) as r:
                 next(r.iter_lines())  # the one engine is busy with this stream
