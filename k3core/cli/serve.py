@@ -63,12 +63,18 @@ def _server_class() -> Any:
     import uvicorn
 
     class StopOnSignal(uvicorn.Server):
-        """Ctrl-C or SIGTERM ends the server cleanly (exit 0), not with the signal re-raised."""
+        """Ctrl-C or SIGTERM ends the server cleanly (exit 0), not with the signal re-raised:
+        generations in progress are cancelled at once, so open streams end before the
+        graceful-shutdown timeout."""
+
+        on_stop: Any = None
 
         @contextlib.contextmanager
         def capture_signals(self) -> Iterator[None]:
             def stop(signum: int, frame: Any) -> None:
                 self.should_exit = True
+                if self.on_stop is not None:
+                    self.on_stop()
 
             previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
             try:
@@ -120,6 +126,7 @@ def serve(
     from k3core.serve.app import create_app
     from k3core.serve.chat_format import check_format_options
     from k3core.serve.loading import check_context, open_engine_for
+    from k3core.serve.logs import log_config
     from k3core.serve.service import Service
     from k3core.serve.worker import Worker
 
@@ -138,9 +145,10 @@ def serve(
         shown = f"[{host}]" if ":" in host else host
         print(f"k3 serve: {service.model_name} ({service.fmt.name} chat format, context {context}) on "
               f"http://{shown}:{bound}/v1  ({engine.settings_line.removeprefix('k3: ')})", flush=True)
-        config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
+        config = uvicorn.Config(app, log_config=log_config(), access_log=False, lifespan="off",
                                 timeout_graceful_shutdown=5)
         server = _Server(config)
+        server.on_stop = service.cancel_all
         try:
             server.run(sockets=[sock])
         finally:

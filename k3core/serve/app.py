@@ -53,6 +53,8 @@ from k3core.serve.protocol import (
 from k3core.serve.service import Prepared, Service
 from k3core.serve.worker import Outcome
 
+STOPPING = APIError(503, "the server is stopping; this generation was cancelled",
+                    type_="server_error", code="server_stopping")
 MAX_BODY = 16 << 20
 DRAIN_LIMIT = 64 << 20  # past this a too-large body is cut off without reading it
 log = logging.getLogger("k3.serve")
@@ -116,11 +118,13 @@ class Server:
             raise APIError(429, f"the server has {self.waiting} requests waiting (the limit is "
                                 f"{self.max_queue}); try again shortly", type_="rate_limit_error",
                            code="queue_full")
+        self.service.admit(prep.job)
         with self._count:
             self.waiting += 1
         fut = self.executor.submit(self.service.run, prep)
 
         def done(_: Future[Outcome]) -> None:
+            self.service.release(prep.job)
             with self._count:
                 self.waiting -= 1
 
@@ -217,6 +221,8 @@ class Server:
             prep.job.cancel.set()
             raise
         out = self._outcome(afut)
+        if out.finish == "cancelled":  # not by this client (it is still here): the server stops
+            raise STOPPING
         return JSONResponse(self._final(prep, out))
 
     @staticmethod
@@ -267,6 +273,10 @@ class Server:
                 out = self._outcome(afut)
             except APIError as exc:
                 yield _sse(exc.body())
+                yield b"data: [DONE]\n\n"
+                return
+            if out.finish == "cancelled":
+                yield _sse(STOPPING.body())
                 yield b"data: [DONE]\n\n"
                 return
             yield _sse(self._chunk(prep, None, "stop" if out.finish == "stop" else "length"))

@@ -105,6 +105,7 @@ class Service:
     effort: str = "max"
     created: int = field(default_factory=lambda: int(time.time()))
     active: set[Job] = field(default_factory=set)
+    stopping: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def __post_init__(self) -> None:
@@ -200,19 +201,26 @@ class Service:
     # ---- running ------------------------------------------------------------------------
     def run(self, prep: Prepared) -> Outcome:
         """Run on the worker (blocks; the app calls it on its one engine thread)."""
-        with self.lock:
-            self.active.add(prep.job)
-        try:
-            out = self.worker.run(prep.job)
-        finally:
-            with self.lock:
-                self.active.discard(prep.job)
+        out = self.worker.run(prep.job)
         if out.finish != "cancelled":
             prep.sink.finish()
         return out
 
-    def cancel_all(self) -> None:
+    def admit(self, job: Job) -> None:
+        """Count a job in (queued or running); refused once the server is stopping."""
         with self.lock:
+            if self.stopping:
+                raise APIError(503, "the server is stopping", type_="server_error", code="server_stopping")
+            self.active.add(job)
+
+    def release(self, job: Job) -> None:
+        with self.lock:
+            self.active.discard(job)
+
+    def cancel_all(self) -> None:
+        """Stop: cancel every queued and running job, admit no more."""
+        with self.lock:
+            self.stopping = True
             for job in self.active:
                 job.cancel.set()
 

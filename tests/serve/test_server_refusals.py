@@ -3,6 +3,7 @@ traceback; a non-loopback host without a key; the API key; the missing extra."""
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 
@@ -110,7 +111,7 @@ def test_server_is_alive_and_clean_after_refusals(server, client):
     assert r.usage.completion_tokens == 2
 
 
-def test_api_key_is_required_when_set_and_a_full_queue_is_a_429(tiny_model):
+def test_api_key_full_queue_and_a_clean_stop_mid_stream(tiny_model):
     s = Served(tiny_model, "--api-key", "sekret", "--threads", "1", "--max-queue", "1")
     try:
         assert s.get("/health")["status"] == "ok"  # health needs no key
@@ -134,9 +135,18 @@ def test_api_key_is_required_when_set_and_a_full_queue_is_a_429(tiny_model):
                 assert error_of(busy, 429)["code"] == "queue_full"
         s.wait_health(lambda h: h["waiting"] == 0)
         assert good.completions.create(model=MODEL, prompt="a", max_tokens=1).usage.completion_tokens == 1
+        # Ctrl-C while a stream is open: the stream is told, the server stops cleanly
+        with httpx.Client(timeout=30, headers=key) as http:
+            with http.stream("POST", s.url + "/v1/completions", json=long) as r:
+                lines = r.iter_lines()
+                next(lines)
+                s.proc.send_signal(signal.SIGINT)
+                rest = [line for line in lines if line]
+        assert rest[-1] == "data: [DONE]" and "server_stopping" in rest[-2]
     finally:
         rc, err = s.stop()
-    assert rc == 0 and "Traceback" not in err, err
+    assert rc == 0 and "Traceback" not in err and "ERROR" not in err, err
+    assert err.strip().endswith("k3 serve: stopped")
 
 
 def _serve(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
