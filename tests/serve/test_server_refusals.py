@@ -127,7 +127,8 @@ def test_api_key_full_queue_and_a_clean_stop_mid_stream(tiny_model):
         long = {"model": MODEL, "prompt": [4, 5], "max_tokens": 2000, "stream": True, "ignore_eos": True}
         with httpx.Client(timeout=30, headers=key) as http:
             with http.stream("POST", s.url + "/v1/completions", json=long) as r:
-                next(r.iter_lines())  # the one engine is busy with this stream
+                lines = r.iter_lines()  # (kept: a dropped iterator closes the response)
+                next(lines)  # the one engine is busy with this stream
                 busy = http.post(s.url + "/v1/completions", json={"model": MODEL, "prompt": "a"})
                 assert error_of(busy, 429)["code"] == "queue_full"
                 busy = http.post(s.url + "/v1/chat/completions", json={
