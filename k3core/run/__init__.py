@@ -1,4 +1,11 @@
-"""One run: settings and presets, the memory plan, the engine, prompts, the report, outputs.
+"""One run, as one pipeline for the CLI, the Python API and a server.
+
+request (``request.py``: what was asked, validated) -> plan (``plan.py``: settings with
+their sources, presets, tokenizer, the memory plan, all checked before anything large is
+allocated) -> engine (``engine.py`` over ``binding.py``: opened once, reusable) -> session
+(``session.py``: a sequence that generates or streams; ``stops.py``, ``state_file.py``) ->
+report (``report.py``). ``runner.py`` is ``k3 run`` as one call of it; settings, presets,
+prompts and outputs have their own modules.
 
 May import: every room below it (``api``, ``plugins``, ``model``, ``checkpoint``, ``trunk``,
 ``experts``, ``tokenizer``).

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from k3core.api.errors import UsageError
+from k3core.model.generate import Step
 from k3core.model.sampling import Sampler, argmax
 from k3core.model.state import SequenceState
 from k3core.run.idparse import check_vocab
@@ -39,13 +40,6 @@ from k3core.run.stops import TextStream
 
 if TYPE_CHECKING:
     from k3core.run.binding import Bound
-
-
-@dataclass
-class Step:
-    index: int
-    token: int
-    seconds: float
 
 
 @dataclass

@@ -108,7 +108,7 @@ def test_kv_refusal_is_a_usage_error():
         check_kv(K3, 32_768, available=50 * GB)  # 77.7 GB > 45 GB
     msg = str(exc.value)
     assert exc.value.exit_code == 2
-    assert "memory limit" in msg and "--incremental" in msg and "GB" in msg
+    assert "memory limit" in msg and "--full-recompute" in msg and "GB" in msg
 
 
 def test_negative_request_is_refused():
