@@ -25,7 +25,6 @@ from typing import Any
 from k3core.api.errors import UsageError
 from k3core.serve.chat_format import ChatFormat, Message, Reply
 from k3core.serve.service import TextSink
-from k3core.serve.worker import close_steps
 
 
 @dataclass
@@ -105,7 +104,7 @@ class Conversation:
                     finish = "cancelled"
                     break
         finally:
-            close_steps(steps)
+            steps.close()
         sink.finish()
         gen_ids = list(self.session.ids[start:])
         self.turns += 1

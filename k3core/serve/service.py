@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 from k3core.api.errors import UsageError
+from k3core.model.generate import Step
 from k3core.run.request import GenerationParams, build
-from k3core.run.session import Step
 from k3core.run.stops import TextStream
 from k3core.serve.chat_format import ChatFormat, Message, ReplyStream, chat_format_for
 from k3core.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest

@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from k3core.api.errors import UsageError
+from k3core.model.generate import Step
 from k3core.run.engine import Engine
 from k3core.run.request import GenerationParams
-from k3core.run.session import Step
 
 #: called with each step (``None`` for text released at the end) and its text piece; return
 #: False to end the job
@@ -114,16 +114,9 @@ class Worker:
             s.reset()
             raise
         finally:
-            close_steps(steps)
+            steps.close()
         gen = s.last
         if gen is not None and gen.stop_reason in ("stop_id", "eos", "stop"):
             finish = "stop"
         seed = gen.sampler.seed if gen is not None and gen.sampler is not None else None
         return Outcome(out, finish, reused, time.perf_counter() - t0, seed)
-
-
-def close_steps(steps: Any) -> None:
-    """End a session's decode loop early (its ``finally`` records what was made)."""
-    close = getattr(steps, "close", None)
-    if close is not None:
-        close()
