@@ -89,7 +89,7 @@ def load(
         raise UsageError(f"k3.load: unknown option(s) {', '.join(unknown)}; known: "
                          f"{', '.join(EngineRequest.model_fields)}")
     req = build(EngineRequest, {k: v for k, v in fields.items() if v is not None})
-    plan = plan_engine(req)
+    plan = plan_engine(req, given_as="keyword")
     plan.plan_memory(prompt_len=1, gen=0)
     return Engine.from_plan(plan)
 

@@ -116,6 +116,9 @@ class EnginePlan:
             out += self.memory.lines()
         return out
 
+    def __str__(self) -> str:
+        return "\n".join(self.lines())
+
     def to_json(self) -> dict[str, Any]:
         d = self.merged.settings.model_dump(mode="json")
         plan: dict[str, Any] = {
@@ -133,15 +136,19 @@ class EnginePlan:
         return plan
 
 
-def plan_engine(req: EngineRequest, needs_tokenizer: bool = False) -> EnginePlan:
-    """Resolve ``req`` against the model (config, preset, settings, plugins, tokenizer)."""
+def plan_engine(req: EngineRequest, needs_tokenizer: bool = False,
+                given_as: str = "flag") -> EnginePlan:
+    """Resolve ``req`` against the model (config, preset, settings, plugins, tokenizer).
+
+    ``given_as`` says how the caller's values are named in the sources: ``"flag"`` for the
+    command line, ``"keyword"`` for ``k3.load``."""
     model_dir = req.model_dir or merge_settings(None, None, None, req.flags()).settings.model_dir
     if model_dir is None:
         raise UsageError("MODEL_DIR is required (or set K3_MODEL_DIR)")
     model_dir = Path(model_dir)
     cfg = read_model_config(EngineOptions(model_dir, req.config, req.layers))
     preset = load_preset(req.preset, cfg=cfg) if req.preset else None
-    merged = merge_settings(None, preset, None, req.flags())
+    merged = merge_settings(None, preset, None, req.flags(), given_as)
     s = merged.settings
     if preset is not None:
         for problem in check_plugins(preset):
@@ -177,6 +184,9 @@ class RunPlan:
         mode = " (incremental)" if self.engine.incremental else " (full recompute)"
         out.insert(3, f"prompt : {self.prompt_how}; generating {g.max_tokens}{mode}")
         return out
+
+    def __str__(self) -> str:
+        return "\n".join(self.lines())
 
     def to_json(self) -> dict[str, Any]:
         return {**self.engine.to_json(), "prompt_ids": self.prompt_ids,

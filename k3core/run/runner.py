@@ -42,6 +42,8 @@ def execute(r: RunRequest, rep: RunReport | None = None) -> dict[str, Any]:
                 raise
             gen, interrupted = session.last, True
             gen.interrupted = True  # also when it came between steps, outside the loop
+        if engine.tokenizer is None:  # no text to stream: stdout gets the ids instead
+            rep.text(",".join(map(str, gen.ids)) + "\n" if gen.ids else "")
         rep.end_text()
         rep.summary(engine, gen, r.generation.max_tokens)
         record = run_record(engine, gen)

@@ -117,8 +117,12 @@ def merge_settings(
     preset: Any,
     env: Mapping[str, str] | None,
     flags: Mapping[str, Any],
+    given_as: str = "flag",
 ) -> MergedSettings:
     """Combine the layers: a flag beats the environment beats the preset beats the default.
+
+    ``given_as`` names the top layer in the sources: ``"flag"`` (``flag --threads``, the
+    command line) or ``"keyword"`` (``keyword threads``, the Python API).
 
     ``defaults`` overrides :data:`DEFAULTS` (``None`` keeps them); ``preset`` is a
     :class:`~k3core.run.presets.Preset` or a mapping with the same keys; ``env`` is the raw
@@ -138,7 +142,7 @@ def merge_settings(
     for k, v in flags.items():
         _known(k, "flags")
         if v is not None:
-            values[k], sources[k] = v, ("argument MODEL_DIR" if k == "model_dir" else f"flag --{k.replace('_', '-')}")
+            values[k], sources[k] = v, _given(k, given_as)
     try:
         settings = Settings(**values)
     except ValidationError as exc:
@@ -149,6 +153,12 @@ def merge_settings(
         raise UsageError("--ultra-low-memory cannot be combined with the auto preset; "
                          "use --preset ultra, or explicit --trunk-gb/--cache-gb")
     return MergedSettings(settings, sources)
+
+
+def _given(key: str, given_as: str) -> str:
+    if given_as == "keyword":
+        return f"keyword {key}"
+    return "argument MODEL_DIR" if key == "model_dir" else f"flag --{key.replace('_', '-')}"
 
 
 def _known(key: str, layer: str) -> None:

@@ -33,6 +33,7 @@ import numpy as np
 from k3core.api.errors import K3Error
 from k3core.model import names
 from k3core.model.state import SequenceState
+from k3core.run.memory_plan import check_kv
 from k3core.run.outputs import write_bytes_atomic
 
 if TYPE_CHECKING:
@@ -98,55 +99,83 @@ def write_state(path: Path, engine: Bound, ids: list[int], st: SequenceState | N
 
 
 def read_state(path: Path, engine: Bound) -> tuple[list[int], SequenceState | None]:
-    """The ids and state saved at ``path``, checked against ``engine``'s model."""
-    raw = _read(path)
+    """The ids and state saved at ``path``, checked against ``engine``'s model.
+
+    The header is read and checked first (magic, version, fingerprint, positions); the KV
+    cache it implies is checked against the memory available, and the file must hold exactly
+    the bytes this model's state for those positions takes, before the body is read."""
     where = f"session file {path}"
-    if raw[:8] != MAGIC or len(raw) < 16:
+    try:
+        if not path.is_file():
+            raise StateFileError(f"{where}: no such file" if not path.exists() else
+                                 f"{where}: not a regular file")
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            ids, pos, entries, digest, hlen = _header(f, size, engine, where)
+            if pos == 0:
+                return ids, None
+            check_kv(engine.cfg, pos, n_layers=engine.model.n_layers)
+            state = SequenceState(engine.cfg, pos)
+            want = _expected(state, engine, pos)
+            expected = sum(int(np.prod(shape)) * a.dtype.itemsize for a, shape in want.values())
+            if size - 16 - hlen != expected:
+                raise StateFileError(f"{where}: {size - 16 - hlen} bytes of state where this "
+                                     f"model's {pos} positions take {expected}")
+            body = f.read(expected)
+    except OSError as exc:
+        raise StateFileError(f"{where}: cannot read it ({exc.strerror or exc})") from None
+    if hashlib.sha256(body).hexdigest() != digest:
+        raise StateFileError(f"{where}: the state bytes are damaged (checksum differs)")
+    _fill(want, entries, body, where)
+    state.pos = pos
+    return ids, state
+
+
+def _header(f: Any, size: int, engine: Bound, where: str
+            ) -> tuple[list[int], int, list[Any], str, int]:
+    start = f.read(16)
+    if len(start) < 16 or start[:8] != MAGIC:
         raise StateFileError(f"{where}: not a k3 session file (bad magic)")
-    version, hlen = struct.unpack("<II", raw[8:16])
+    version, hlen = struct.unpack("<II", start[8:16])
     if version != VERSION:
         raise StateFileError(f"{where}: format version {version}; this k3 reads version {VERSION}")
-    if hlen > MAX_HEADER or 16 + hlen > len(raw):
+    if hlen > MAX_HEADER or 16 + hlen > size:
         raise StateFileError(f"{where}: truncated or damaged header")
     try:
-        head = json.loads(raw[16:16 + hlen])
+        head = json.loads(f.read(hlen))
         ids = [int(i) for i in head["ids"]]
-        pos, capacity, entries = int(head["pos"]), int(head["capacity"]), list(head["arrays"])
+        pos, entries = int(head["pos"]), list(head["arrays"])
         fp, digest = str(head["fingerprint"]), str(head["body_sha256"])
     except (ValueError, KeyError, TypeError) as exc:
         raise StateFileError(f"{where}: damaged header ({exc})") from None
     if fp != fingerprint(engine):
         raise StateFileError(f"{where}: saved by another model or config (fingerprint "
                              "differs); a session resumes only on the model that made it")
-    body = raw[16 + hlen:]
-    if hashlib.sha256(body).hexdigest() != digest:
-        raise StateFileError(f"{where}: the state bytes are damaged (checksum differs)")
-    if not 0 <= pos <= len(ids) or (pos and capacity < pos) or any(
-            not 0 <= i < engine.cfg.vocab for i in ids):
+    if not 0 <= pos <= len(ids) or any(not 0 <= i < engine.cfg.vocab for i in ids):
         raise StateFileError(f"{where}: inconsistent positions or ids")
-    if pos == 0:
-        return ids, None
-    state = SequenceState(engine.cfg, max(capacity, pos))
-    _fill(state, entries, body, pos, engine, where)
-    state.pos = pos
-    return ids, state
+    return ids, pos, entries, digest, hlen
 
 
-def _fill(state: SequenceState, entries: list[Any], body: bytes, pos: int, engine: Bound,
-          where: str) -> None:
-    cfg, n_layers = engine.cfg, engine.model.n_layers
-    for layer in range(n_layers):  # every layer's state, shaped as this model makes it
+def _expected(state: SequenceState, engine: Bound, pos: int
+              ) -> dict[str, tuple[np.ndarray, tuple[int, ...]]]:
+    """Every array this model's state has, with the shape it is saved in."""
+    cfg = engine.cfg
+    for layer in range(engine.model.n_layers):
         if cfg.is_mla(layer):
             state.kv_cache(layer)
         else:
             state.kda_state(layer)
-    want = {name: a for name, a in _arrays_full(state)}
+    return {name: (a, (pos, *a.shape[1:]) if name.startswith("kv.") else tuple(a.shape))
+            for name, a in _arrays_full(state)}
+
+
+def _fill(want: dict[str, tuple[np.ndarray, tuple[int, ...]]], entries: list[Any],
+          body: bytes, where: str) -> None:
     got = {str(e.get("name")): e for e in entries if isinstance(e, dict)}
     if set(got) != set(want):
         raise StateFileError(f"{where}: its arrays do not match this model's state")
-    for name, target in want.items():
+    for name, (target, shape) in want.items():
         e = got[name]
-        shape = tuple(target.shape) if not name.startswith("kv.") else (pos, *target.shape[1:])
         try:
             off, n = int(e["offset"]), int(e["nbytes"])
             ok = (tuple(e["shape"]) == shape and np.dtype(e["dtype"]) == target.dtype
@@ -168,13 +197,3 @@ def _arrays_full(state: SequenceState) -> list[tuple[str, np.ndarray]]:
             a = getattr(state.kv[int(layer)], fname)
         out.append((name, a))
     return out
-
-
-def _read(path: Path) -> bytes:
-    try:
-        if not path.is_file():
-            raise StateFileError(f"session file {path}: no such file")
-        return path.read_bytes()
-    except OSError as exc:
-        raise StateFileError(f"session file {path}: cannot read it ({exc.strerror or exc})"
-                             ) from None

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import pytest
 from typer.testing import CliRunner
@@ -27,12 +28,12 @@ def model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def bare(model, tmp_path_factory):
-    """The model without its tokenizer files (links to the same shards)."""
+    """The model without its tokenizer files (a copy: shards may not link outside it)."""
     out = tmp_path_factory.mktemp("cli") / "bare"
     out.mkdir()
     for p in model.iterdir():
         if p.name not in ("tiktoken.model", "tokenizer_config.json"):
-            (out / p.name).symlink_to(p)
+            shutil.copy(p, out / p.name)
     return out
 
 
@@ -178,6 +179,15 @@ def test_prefill_only(model, tmp_path):
     res = k3("run", model, "--ids", "3,7", "--gen", "0", "--incremental", "--dump-logits", dump)
     assert res.exit_code == 0 and "prefill only" in res.output
     assert dump.stat().st_size == 4 * 1024
+
+
+def test_without_a_tokenizer_stdout_gets_the_ids(bare, tmp_path):
+    out = tmp_path / "r.json"
+    res = k3("run", bare, "--ids", "3,7", "--gen", "3", "--ignore-eos", "--out", out)
+    assert res.exit_code == 0, res.output
+    rec = json.loads(out.read_text())
+    assert rec["generated_text"] is None
+    assert res.stdout == ",".join(map(str, rec["generated_ids"])) + "\n"
 
 
 def test_version_and_help():

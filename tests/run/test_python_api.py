@@ -4,6 +4,7 @@ and the same ids and logit bytes as ``k3 run`` for the same settings."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import struct
 import subprocess
@@ -124,6 +125,7 @@ def test_session_file_refusals(engine, model, tmp_path):
         "format version 9": raw[:8] + struct.pack("<I", 9) + raw[12:],
         "truncated or damaged header": raw[:20],
         "checksum differs": raw[:-1] + bytes([raw[-1] ^ 1]),
+        "bytes of state where this model's": raw + b"\0" * 64,  # checked before reading it
     }
     for needle, data in cases.items():
         bad = tmp_path / "bad.k3s"
@@ -132,6 +134,10 @@ def test_session_file_refusals(engine, model, tmp_path):
         with pytest.raises(k3.StateFileError, match=needle) as exc:
             fresh.load(bad)
         assert exc.value.exit_code == 1 and fresh.ids == [] and fresh.state is None
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    with pytest.raises(k3.StateFileError, match="not a regular file"):
+        engine.session().load(fifo)  # refused, never a blocking read
     with pytest.raises(k3.UsageError, match="needs incremental"):
         engine.session(incremental=False).save(tmp_path / "x.k3s")
 
@@ -182,8 +188,12 @@ def test_plan_knows_every_source(engine, model, monkeypatch):
     monkeypatch.setenv("K3_THREADS", "1")
     with k3.load(model, cache_gb=0.01) as eng:
         s = eng.plan.to_json()["settings"]  # type: ignore[union-attr]
+        shown = str(eng.plan)
+    assert "setting: cache_gb = 0.01  (keyword cache_gb)" in shown and "memory plan" in shown
+    json.dumps(eng.plan.to_json())  # type: ignore[union-attr]  # serialisable as it is
     assert s["threads"] == {"value": 1, "source": "env K3_THREADS"}
-    assert s["cache_gb"]["source"] == "flag --cache-gb"
+    assert s["cache_gb"] == {"value": 0.01, "source": "keyword cache_gb"}
+    assert s["model_dir"]["source"] == "keyword model_dir"
     assert s["backend"]["source"] == "default"
 
 
