@@ -21,6 +21,15 @@ from k3core.tools.synth.writer import synthesize
 K3 = [sys.executable, "-m", "k3core.cli"]
 
 
+def k3_inprocess(*args: str, input: str | None = None):
+    """Run a ``k3`` command in this process (for refusals that come before any server starts)."""
+    from typer.testing import CliRunner
+
+    from k3core.cli.app import app
+
+    return CliRunner().invoke(app, [str(a) for a in args], input=input, env={"K3_THREADS": "1"})
+
+
 def cli_env() -> dict[str, str]:
     env = dict(os.environ)
     env.pop("K3_MODEL_DIR", None)

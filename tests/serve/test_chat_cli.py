@@ -4,11 +4,10 @@ process, /reset, Ctrl-C during a reply, and the refusals."""
 from __future__ import annotations
 
 import re
-import subprocess
 
 import pexpect
 import pytest
-from conftest import K3, cli_env
+from conftest import K3, cli_env, k3_inprocess
 
 PROMPT = "user> "
 STATUS = re.compile(r"\((\d+) tokens, ([^;]+); fed (\d+) prompt tokens after (\d+) carried; "
@@ -117,9 +116,8 @@ def test_a_conversation_from_another_format_is_refused(tiny_model, tmp_path):
     turn(a, "Hi")
     command(a, f"/save {saved}")
     assert finish(a) == 0
-    r = subprocess.run([*K3, "chat", str(tiny_model), "--load", str(saved)], input="", text=True,
-                       capture_output=True, env=cli_env(), timeout=60)
-    assert r.returncode == 2 and "not a conversation in this chat format" in r.stderr
+    r = k3_inprocess("chat", tiny_model, "--load", saved, input="")
+    assert r.exit_code == 2 and "not a conversation in this chat format" in r.stderr
     c = spawn(tiny_model, "--max-tokens", "3", "--chat-format", "plain", "--load", str(saved))
     _, status = turn(c, "Again")  # --load resumes at start: the turn carries the saved state
     assert int(status[3]) > 0
@@ -133,18 +131,15 @@ def test_a_conversation_from_another_format_is_refused(tiny_model, tmp_path):
     (["--chat-format", "chatml"], 2, "chat format"),
 ])
 def test_bad_chat_flags_are_refused(tiny_model, args, code, words):
-    r = subprocess.run([*K3, "chat", str(tiny_model), *args], input="", text=True,
-                       capture_output=True, env=cli_env(), timeout=60)
-    assert r.returncode == code, r
-    assert r.stderr.startswith("k3: error:") and words in r.stderr and "Traceback" not in r.stderr
+    r = k3_inprocess("chat", tiny_model, *args, input="")
+    assert r.exit_code == code, r.output
+    assert r.stderr.startswith("k3: error:") and words in r.stderr and "Traceback" not in r.output
 
 
 def test_a_file_that_is_not_a_session_is_a_runtime_refusal(tiny_model, tmp_path):
     junk = tmp_path / "junk.k3s"
     junk.write_bytes(b"not a session file")
-    r = subprocess.run([*K3, "chat", str(tiny_model), "--load", str(junk)], input="", text=True,
-                       capture_output=True, env=cli_env(), timeout=60)
-    assert r.returncode == 1 and "not a k3 session file" in r.stderr and "Traceback" not in r.stderr
-    r = subprocess.run([*K3, "chat", str(tmp_path / "nothing")], input="", text=True,
-                       capture_output=True, env=cli_env(), timeout=60)
-    assert r.returncode == 2 and "does not exist" in r.stderr and "Traceback" not in r.stderr
+    r = k3_inprocess("chat", tiny_model, "--load", junk, input="")
+    assert r.exit_code == 1 and "not a k3 session file" in r.stderr and "Traceback" not in r.output
+    r = k3_inprocess("chat", tmp_path / "nothing", input="")
+    assert r.exit_code == 2 and "does not exist" in r.stderr and "Traceback" not in r.output

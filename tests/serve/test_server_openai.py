@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import json
 import statistics
-import subprocess
 import threading
 import time
 
 import pytest
-from conftest import K3, cli_env
+from conftest import k3_inprocess
 
 from k3core.serve.chat_format import Message, chat_format_for
 
@@ -40,9 +39,10 @@ def test_completion_matches_the_python_api_and_k3_run(client, engine, tiny_model
     assert resp.usage.prompt_tokens == len(ref.prompt_ids) == len(ext["prompt_ids"])
     assert resp.usage.completion_tokens == 8 and resp.usage.total_tokens == len(ref.prompt_ids) + 8
     out = tmp_path / "run.json"
-    subprocess.run([*K3, "run", str(tiny_model), "--prompt", PROMPT, "--gen", "8", "--out", str(out)],
-                   check=True, capture_output=True, env=cli_env())
+    res = k3_inprocess("run", tiny_model, "--prompt", PROMPT, "--gen", "8", "--out", out)
+    assert res.exit_code == 0, res.output
     assert json.loads(out.read_text())["generated_ids"] == ext["completion_ids"]
+    assert res.stdout.strip() == resp.choices[0].text.strip()  # k3 run prints the text
 
 
 def test_streamed_completion_gives_the_same_text_and_usage(client):

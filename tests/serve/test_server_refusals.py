@@ -10,7 +10,7 @@ import sys
 import httpx
 import openai
 import pytest
-from conftest import K3, Served, cli_env
+from conftest import K3, Served, cli_env, k3_inprocess
 
 MODEL = "tiny"
 
@@ -156,11 +156,13 @@ def _serve(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
 
 
 def test_non_loopback_host_needs_an_api_key(tiny_model):
-    for host in ("0.0.0.0", "::"):
-        r = _serve(str(tiny_model), "--host", host)
-        assert r.returncode == 2, r
+    for host in ("0.0.0.0", "::", "192.168.1.5", "example.org"):
+        r = k3_inprocess("serve", tiny_model, "--host", host)
+        assert r.exit_code == 2, r.output
         assert r.stderr.startswith("k3: error: --host") and "--api-key" in r.stderr
-        assert r.stderr.count("\n") <= 2 and "Traceback" not in r.stderr
+        assert r.stderr.count("\n") <= 2 and "Traceback" not in r.output
+    r = _serve(str(tiny_model), "--host", "0.0.0.0")  # and the real command line says the same
+    assert r.returncode == 2 and r.stderr.startswith("k3: error: --host")
 
 
 @pytest.mark.parametrize("args,words", [
@@ -172,14 +174,14 @@ def test_non_loopback_host_needs_an_api_key(tiny_model):
     (["--thinking-effort", "medium"], "low, high, max"),
 ])
 def test_bad_serve_flags_are_refused(tiny_model, args, words):
-    r = _serve(str(tiny_model), *args)
-    assert r.returncode == 2, r
-    assert r.stderr.startswith("k3: error:") and words in r.stderr and "Traceback" not in r.stderr
+    r = k3_inprocess("serve", tiny_model, *args)
+    assert r.exit_code == 2, r.output
+    assert r.stderr.startswith("k3: error:") and words in r.stderr and "Traceback" not in r.output
 
 
 def test_a_missing_model_dir_is_refused(tmp_path):
-    r = _serve(str(tmp_path / "nothing"))
-    assert r.returncode == 2 and r.stderr.startswith("k3: error:") and "Traceback" not in r.stderr
+    r = k3_inprocess("serve", tmp_path / "nothing")
+    assert r.exit_code == 2 and "does not exist" in r.stderr and "Traceback" not in r.output
 
 
 def test_a_busy_port_is_a_runtime_error(tiny_model, server):
