@@ -158,8 +158,8 @@ class Server:
             req = CompletionRequest.model_validate(doc)
         except ValidationError as exc:
             raise validation_error(exc) from None
-        return await self._answer(request, self._prepare(lambda: self.service.completion_job(req)), req.stream,
-                                  req.include_usage)
+        prep = await self._prepare(lambda: self.service.completion_job(req))
+        return await self._answer(request, prep, req.stream, req.include_usage)
 
     async def chat(self, request: Request) -> Response:
         self.check_key(request)
@@ -168,13 +168,14 @@ class Server:
             req = ChatCompletionRequest.model_validate(doc)
         except ValidationError as exc:
             raise validation_error(exc) from None
-        return await self._answer(request, self._prepare(lambda: self.service.chat_job(req)), req.stream,
-                                  req.include_usage)
+        prep = await self._prepare(lambda: self.service.chat_job(req))
+        return await self._answer(request, prep, req.stream, req.include_usage)
 
     @staticmethod
-    def _prepare(make: Any) -> Prepared:
+    async def _prepare(make: Any) -> Prepared:
+        """Tokenize and check, off the event loop (a long prompt takes a while to encode)."""
         try:
-            return cast(Prepared, make())
+            return cast(Prepared, await asyncio.to_thread(make))
         except UsageError as exc:
             raise APIError(400, str(exc), code="invalid_value") from None
 
