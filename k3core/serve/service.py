@@ -109,6 +109,7 @@ class Service:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def __post_init__(self) -> None:
+        self._formats: dict[str | None, ChatFormat] = {}
         self.fmt = self.format_for(None)  # refuse a bad --chat-format at start, not per request
 
     @property
@@ -116,6 +117,13 @@ class Service:
         return int(self.worker.engine.cfg.vocab)
 
     def format_for(self, effort: str | None) -> ChatFormat:
+        """The chat format for a request's ``reasoning_effort`` (``None``: the server's)."""
+        fmt = self._formats.get(effort)
+        if fmt is None:
+            fmt = self._formats[effort] = self._make_format(effort)
+        return fmt
+
+    def _make_format(self, effort: str | None) -> ChatFormat:
         thinking, eff = self.thinking, self.effort
         if effort == "none":
             thinking = False
