@@ -7,11 +7,13 @@ DEMO_DIR ?= models/demo-tiny
 
 .PHONY: setup demo test test-wheel test-long fuzz lint typecheck bench bench-ladder clean
 
-$(VENV)/.installed: pyproject.toml setup.py examples/k3-timing-backend/pyproject.toml
+EXAMPLES := examples/k3-timing-backend examples/k3-fifo-cache examples/k3-flaky-storage
+
+$(VENV)/.installed: pyproject.toml setup.py $(addsuffix /pyproject.toml,$(EXAMPLES))
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[test]'
-	$(PY) -m pip install -q -e examples/k3-timing-backend
+	$(PY) -m pip install -q $(addprefix -e ,$(EXAMPLES))
 	touch $@
 
 setup: $(VENV)/.installed
@@ -23,7 +25,7 @@ demo: setup
 
 ## test: set up and run the default suite (under ~10 minutes on 2 cores)
 test: setup
-	$(PY) -m pytest -q tests examples/k3-timing-backend/tests
+	$(PY) -m pytest -q tests $(addsuffix /tests,$(EXAMPLES))
 	PYTHON=$(PY) bash .ci/wheel-check
 
 ## test-wheel: the built wheel in a fresh venv, used from outside the checkout (part of test)

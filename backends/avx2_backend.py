@@ -28,10 +28,8 @@ import numpy as np
 from k3_backends import avx2_probe
 from numpy.typing import NDArray
 
-from k3core.api.errors import PluginError
-from k3core.api.hookspecs import hookimpl
-from k3core.api.kernels import F32, U16, KernelBackend, Mxfp4, force_parallel_from_env
-from k3core.api.specs import KernelBackendSpec
+from k3.plugin import F32, U16, KernelBackend, KernelBackendSpec, Mxfp4, PluginError, hookimpl
+from k3core.api.kernels import force_parallel_from_env
 
 _ENOMEM = -1
 

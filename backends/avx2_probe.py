@@ -17,7 +17,7 @@ import platform
 import subprocess
 from pathlib import Path
 
-from k3core.api.specs import Availability
+from k3.plugin import Availability
 
 COMPILED_MODULE = "k3_backends._k3avx2"
 BUILD_ERROR_NOTE = "_k3avx2.build-error.txt"
@@ -90,7 +90,7 @@ def _build_error() -> str | None:
 
 def contract_values() -> list[float]:
     """``k3core.api.contract`` in the order ``k3_contract_values`` reports it."""
-    from k3core.api import contract as C
+    from k3.plugin import contract as C
 
     head = [C.LANES, C.MXFP4_GROUP, C.EXP_HI, C.EXP_LO, C.LOG2E, C.LN2_HI, C.LN2_LO,
             C.EXPM1_SERIES_MAX, C.TANH_SAT, C.L2_EPS, C.ROUTER_EPS]

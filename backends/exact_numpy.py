@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 from numpy.typing import NDArray
 
-from k3core.api import contract as C
+from k3.plugin import contract as C
 
 F64 = NDArray[np.float64]
 

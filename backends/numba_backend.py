@@ -30,10 +30,17 @@ from typing import Any
 
 import numpy as np
 
-from k3core.api.errors import K3Error
-from k3core.api.hookspecs import hookimpl
-from k3core.api.kernels import F32, U16, KernelBackend, Mxfp4, force_parallel_from_env
-from k3core.api.specs import Availability, KernelBackendSpec
+from k3.plugin import (
+    F32,
+    U16,
+    Availability,
+    K3Error,
+    KernelBackend,
+    KernelBackendSpec,
+    Mxfp4,
+    hookimpl,
+)
+from k3core.api.kernels import force_parallel_from_env
 
 _INSTALL_HINT = "pip install numba"
 #: Bytes of weights (or equivalent work) per thread below which extra threads are not woken.

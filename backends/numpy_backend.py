@@ -22,10 +22,8 @@ from k3_backends.exact_numpy import (
     tanh_d,
 )
 
-from k3core.api import contract as C
-from k3core.api.hookspecs import hookimpl
-from k3core.api.kernels import F32, U16, KernelBackend, Mxfp4
-from k3core.api.specs import KernelBackendSpec
+from k3.plugin import F32, U16, KernelBackend, KernelBackendSpec, Mxfp4, hookimpl
+from k3.plugin import contract as C
 
 _ROW_BLOCK_BYTES = 8 << 20  # float64 bytes of weights widened at once
 
@@ -179,7 +177,7 @@ class NumpyBackend(KernelBackend):
 
 
 def _available():  # the reference runs everywhere
-    from k3core.api.specs import Availability
+    from k3.plugin import Availability
 
     return Availability.yes()
 

@@ -83,8 +83,7 @@ from typing import Any
 import numpy as np
 from k3_caches.lazy_heap import top_unprotected
 
-from k3core.api.cache_policy import EXPERT_MASK, KEY_SHIFT, CachePolicy, key_layer
-from k3core.api.errors import UsageError
+from k3.plugin import EXPERT_MASK, KEY_SHIFT, CachePolicy, UsageError, key_layer
 
 N_CLASSES = 6  # floor(log2(requests)) buckets: 1, 2-3, 4-7, 8-15, 16-31, 32+
 _CLASS_OF = np.minimum(np.floor(np.log2(np.maximum(np.arange(33), 1))), N_CLASSES - 1)

@@ -12,7 +12,7 @@ from collections import OrderedDict
 from collections.abc import Container
 from typing import Any
 
-from k3core.api.cache_policy import CachePolicy
+from k3.plugin import CachePolicy
 
 
 class LRUPolicy(CachePolicy):

@@ -6,8 +6,7 @@ Only spec records live here; each policy module is imported when its name is res
 
 from __future__ import annotations
 
-from k3core.api.hookspecs import hookimpl
-from k3core.api.specs import CachePolicySpec
+from k3.plugin import CachePolicySpec, hookimpl
 
 
 @hookimpl

@@ -44,8 +44,7 @@ from typing import Any
 import numpy as np
 from k3_caches.lazy_heap import top_unprotected
 
-from k3core.api.cache_policy import CachePolicy
-from k3core.api.errors import PluginError
+from k3.plugin import CachePolicy, PluginError
 
 
 def _load_keys(trace: Any, n_layers: int, n_experts: int) -> np.ndarray:

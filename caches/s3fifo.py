@@ -23,7 +23,7 @@ from collections import OrderedDict, deque
 from collections.abc import Container
 from typing import Any
 
-from k3core.api.cache_policy import CachePolicy
+from k3.plugin import CachePolicy
 
 SMALL, MAIN = 0, 1
 FREQ_CAP = 3

@@ -34,12 +34,12 @@ from k3_storage.alignment import (
     split_payload,
 )
 
-from k3core.api.errors import StorageError
-from k3core.api.storage import (
+from k3.plugin import (
     Buffer,
     IOStats,
+    IOTimer,
+    StorageError,
     StorageFile,
-    _Timer,
     aligned_empty,
     checked_destination,
 )
@@ -102,7 +102,7 @@ class AlignedFile(StorageFile):
     def read_into(self, offset: int, out: Buffer) -> None:
         dst = checked_destination(self.path, self.size, self._closed, offset, out)
         n = dst.size
-        with _Timer(self._stats) as t:
+        with IOTimer(self._stats) as t:
             if n:
                 self._read(offset, dst)
             t.nbytes = n

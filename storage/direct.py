@@ -24,10 +24,14 @@ from k3_storage.aligned_file import AlignedFile, BounceBuffers
 from k3_storage.alignment import DEFAULT_CHUNK_BYTES, check_align
 from k3_storage.open_errors import open_failure, regular_size
 
-from k3core.api.errors import StorageError
-from k3core.api.hookspecs import hookimpl
-from k3core.api.specs import Availability, StorageBackendSpec
-from k3core.api.storage import IOStats, StorageBackend
+from k3.plugin import (
+    Availability,
+    IOStats,
+    StorageBackend,
+    StorageBackendSpec,
+    StorageError,
+    hookimpl,
+)
 
 DIRECT_HINT = "use --storage mmap, or put the model on a filesystem that supports O_DIRECT"
 #: the smallest alignment used: the page size, what the reference engine widens to

@@ -24,16 +24,17 @@ from pathlib import Path
 import numpy as np
 from k3_storage.open_errors import open_failure, regular_size
 
-from k3core.api.errors import StorageError
-from k3core.api.hookspecs import hookimpl
-from k3core.api.specs import Availability, StorageBackendSpec
-from k3core.api.storage import (
+from k3.plugin import (
+    Availability,
     Buffer,
     IOStats,
+    IOTimer,
     StorageBackend,
+    StorageBackendSpec,
+    StorageError,
     StorageFile,
-    _Timer,
     checked_destination,
+    hookimpl,
 )
 
 #: reads at least this large first tell the kernel the whole window is wanted
@@ -59,7 +60,7 @@ class MmapFile(StorageFile):
     def read_into(self, offset: int, out: Buffer) -> None:
         dst = checked_destination(self.path, self.size, self._closed, offset, out)
         n = dst.size
-        with _Timer(self._stats) as t:
+        with IOTimer(self._stats) as t:
             if n:
                 self._copy(offset, dst)
             t.nbytes = n

@@ -6,7 +6,7 @@ import os
 import stat
 from pathlib import Path
 
-from k3core.api.errors import StorageError
+from k3.plugin import StorageError
 
 
 def open_failure(path: Path, exc: OSError) -> StorageError:

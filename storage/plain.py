@@ -17,10 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from k3core.api.errors import StorageError
-from k3core.api.hookspecs import hookimpl
-from k3core.api.specs import StorageBackendSpec
-from k3core.api.storage import StorageBackend, StorageFile
+from k3.plugin import StorageBackend, StorageBackendSpec, StorageError, StorageFile, hookimpl
 
 #: the most one system call is asked for (macOS pread fails with EINVAL at 2 GiB)
 MAX_CALL = 1 << 30

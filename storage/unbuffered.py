@@ -22,10 +22,14 @@ import numpy as np
 from k3_storage.aligned_file import AlignedFile, BounceBuffers
 from k3_storage.alignment import DEFAULT_CHUNK_BYTES, is_pow2
 
-from k3core.api.errors import StorageError
-from k3core.api.hookspecs import hookimpl
-from k3core.api.specs import Availability, StorageBackendSpec
-from k3core.api.storage import IOStats, StorageBackend
+from k3.plugin import (
+    Availability,
+    IOStats,
+    StorageBackend,
+    StorageBackendSpec,
+    StorageError,
+    hookimpl,
+)
 
 HINT = "use --storage direct on Linux, or --storage mmap"
 NOT_WINDOWS = "Windows only: FILE_FLAG_NO_BUFFERING"

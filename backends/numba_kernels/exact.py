@@ -22,7 +22,7 @@ import numpy as np
 from k3_backends.numba_kernels.jit import JIT
 from numba import njit
 
-from k3core.api import contract as C
+from k3.plugin import contract as C
 
 LANES = C.LANES
 EXP_HI = C.EXP_HI

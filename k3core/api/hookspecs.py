@@ -1,7 +1,7 @@
 """The three plugin hooks of the ``k3`` entry-point group.
 
 A plugin is any module (or object) registered under the ``k3`` entry-point group that
-implements one or more of these hooks with ``@k3core.api.hookspecs.hookimpl``. Built-ins
+implements one or more of these hooks with ``@k3.plugin.hookimpl``. Built-in implementations
 register exactly the same way a third party does. Each hook returns a list of spec records;
 see ``docs/plugins.md`` for a complete example.
 """

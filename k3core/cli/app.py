@@ -25,6 +25,8 @@ from k3core import __version__
 # name -> (module under k3core.cli, one-line help shown by ``k3 --help``), in help order
 COMMANDS: dict[str, tuple[str, str]] = {
     "run": ("run", "Generate tokens from MODEL_DIR (greedy unless a sampling flag is given)."),
+    "chat": ("chat", "Talk with MODEL_DIR: state carried between turns, /save and /load."),
+    "serve": ("serve", "Serve MODEL_DIR over an OpenAI-compatible HTTP API."),
     "synth": ("synth", "Write a deterministic synthetic checkpoint (random weights)."),
     "pack-trunk": ("pack_trunk", "Pack every layer's trunk into one aligned file."),
     "backends": ("backends", "List every kernel backend, storage backend and cache policy."),

@@ -1,6 +1,14 @@
-"""``k3 backends``: every registered plugin of every kind, its status and where it comes from."""
+"""``k3 backends``: every registered plugin of every kind, its status and where it comes from.
+
+``--check`` also imports every factory (without building anything) and reports each one that
+cannot be loaded; ``--json`` prints the same facts as one JSON document. The table is never
+cut: piped, it is as wide as its longest line; on a terminal, long cells wrap.
+"""
 
 from __future__ import annotations
+
+import json
+from typing import Any
 
 import typer
 from rich.console import Console
@@ -8,34 +16,79 @@ from rich.markup import escape
 from rich.table import Table
 
 from k3core.cli.guard import guarded
-from k3core.plugins.registry import KIND_WORDS, get_registry
+from k3core.plugins.registry import KIND_WORDS, Registry, get_registry
 
 
-@guarded
-def backends() -> None:
-    """List kernel backends, storage backends and cache policies with their status."""
-    reg = get_registry()
-    console = Console()
-    table = Table(title="k3 plugins", show_lines=False)
-    for col in ("kind", "name", "priority", "status", "from"):
-        table.add_column(col)
+def _rows(reg: Registry, check: bool) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
     for kind, word in KIND_WORDS.items():
         for name in reg.names(kind):
             entry = reg.entries[kind][name]
             avail = reg.probe(kind, name)
+            row: dict[str, Any] = {
+                "kind": word, "name": name, "priority": entry.spec.priority,
+                "description": entry.spec.description if isinstance(entry.spec.description, str)
+                else "", "origin": entry.origin,
+            }
             if entry.conflict_with:
-                status = f"[red]conflict[/] with {escape(entry.conflict_with)}"
+                row.update(status="conflict", reason=f"also claimed by {entry.conflict_with}")
             elif avail.ok:
-                status = "[green]available[/]"
+                row.update(status="available")
             else:
-                status = f"[yellow]unavailable[/]: {escape(avail.reason)}" + (
-                    f" (fix: {escape(avail.hint)})" if avail.hint else "")
-            table.add_row(word, escape(name), str(entry.spec.priority), status, escape(entry.origin))
-    # plugin text is untrusted: escaped so a '[' in it is printed, never read as markup
+                row.update(status="unavailable", reason=avail.reason,
+                           hint=reg.hint(kind, name, avail.hint))
+            if check:
+                problem = reg.check_factory(kind, name)
+                row["factory"] = entry.spec.factory
+                if problem:
+                    row.update(status="broken", reason=problem, hint=reg.hint(kind, name))
+            rows.append(row)
     for b in reg.broken:
-        table.add_row("plugin", escape(b.name), "-", f"[red]broken[/]: {escape(b.reason)}",
-                      escape(b.origin))
-    console.print(table)
+        rows.append({"kind": "plugin", "name": b.name, "priority": None, "description": "",
+                     "origin": b.origin, "status": "broken", "reason": b.reason})
+    return rows
+
+
+def _status_cell(row: dict[str, Any]) -> str:
+    # plugin text is untrusted: escaped so a '[' in it is printed, never read as markup
+    status = row["status"]
+    if status == "available":
+        return "[green]available[/]"
+    colour = "yellow" if status == "unavailable" else "red"
+    text = f"[{colour}]{status}[/]: {escape(str(row.get('reason', '')))}"
+    if row.get("hint"):
+        text += f" (fix: {escape(str(row['hint']))})"
+    return text
+
+
+@guarded
+def backends(
+    check: bool = typer.Option(
+        False, "--check", help="Also import every factory and report each one that fails."),
+    as_json: bool = typer.Option(False, "--json", help="Print the list as JSON."),
+) -> None:
+    """List kernel backends, storage backends and cache policies with their status."""
+    reg = get_registry()
+    rows = _rows(reg, check)
+    failed = [r for r in rows if r["status"] == "broken"]
+    if as_json:
+        typer.echo(json.dumps({"plugins": rows}, indent=1))
+    else:
+        probe = Console()
+        console = probe if probe.is_terminal else Console(width=100_000)
+        table = Table(title="k3 plugins", show_lines=False)
+        for col in ("kind", "name", "priority", "status", "description", "from"):
+            table.add_column(col, overflow="fold")
+        for r in rows:
+            prio = "-" if r["priority"] is None else str(r["priority"])
+            table.add_row(r["kind"], escape(r["name"]), prio, _status_cell(r),
+                          escape(r["description"]), escape(r["origin"]))
+        console.print(table)
+        if check:
+            console.print(f"{len(failed)} broken" if failed else "every factory imports",
+                          markup=False)
+    if check and failed:
+        raise typer.Exit(1)
 
 
 def register(app: typer.Typer) -> None:

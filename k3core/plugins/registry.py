@@ -47,6 +47,7 @@ class Entry:
     spec: PluginSpec
     origin: str  # "dist==version (module)"
     conflict_with: str | None = None
+    dist: str = ""  # the distribution that registered it ('' when added by hand)
 
 
 @dataclass
@@ -83,10 +84,10 @@ class Registry:
             except (Exception, SystemExit) as exc:  # a third-party plugin may do anything
                 reg.broken.append(BrokenPlugin(ep.name, origin, f"failed to import: {_brief(exc)}"))
                 continue
-            reg.add_plugin(plugin, origin, ep.name)
+            reg.add_plugin(plugin, origin, ep.name, dist=dist)
         return reg
 
-    def add_plugin(self, plugin: Any, origin: str, name: str = "") -> None:
+    def add_plugin(self, plugin: Any, origin: str, name: str = "", dist: str = "") -> None:
         """Register one plugin object (module or instance with hook implementations)."""
         pm = pluggy.PluginManager(hookspecs.PROJECT)
         pm.add_hookspecs(hookspecs)
@@ -94,6 +95,9 @@ class Registry:
             pm.register(plugin, name=name or origin)
         except (Exception, SystemExit) as exc:
             self.broken.append(BrokenPlugin(name, origin, f"not a valid k3 plugin: {_brief(exc)}"))
+            return
+        if not pm.get_hookcallers(plugin):
+            self.broken.append(BrokenPlugin(name, origin, _no_hooks(plugin)))
             return
         for kind, hook in HOOKS.items():
             try:
@@ -109,9 +113,9 @@ class Registry:
                         name, origin, f"{hook}() returned {_brief(specs)}, not a list of specs"))
                     continue
                 for spec in specs:
-                    self._add(kind, spec, origin, name)
+                    self._add(kind, spec, origin, name, dist)
 
-    def _add(self, kind: Kind, spec: Any, origin: str, plugin_name: str) -> None:
+    def _add(self, kind: Kind, spec: Any, origin: str, plugin_name: str, dist: str = "") -> None:
         problem = spec_problem(kind, spec)
         if problem:
             self.broken.append(BrokenPlugin(plugin_name, origin, f"{HOOKS[kind]}() {problem}"))
@@ -130,11 +134,53 @@ class Registry:
         if existing is not None:
             existing.conflict_with = origin
             return
-        table[spec.name] = Entry(spec, origin)
+        table[spec.name] = Entry(spec, origin, dist=dist)
 
     # ---- queries ---------------------------------------------------------------------
     def names(self, kind: Kind) -> list[str]:
         return sorted(self.entries.get(kind, {}))
+
+    def available(self, kind: Kind) -> list[str]:
+        """Names that can run here, in the order ``auto`` tries them (best first)."""
+        ranked = sorted(self.entries.get(kind, {}).values(),
+                        key=lambda e: (-e.spec.priority, e.spec.name))
+        return [e.spec.name for e in ranked
+                if e.conflict_with is None and self.probe(kind, e.spec.name).ok]
+
+    def check_factory(self, kind: Kind, name: str) -> str:
+        """Import ``name``'s factory without calling it: '' when it loads, else why not."""
+        entry = self.entries.get(kind, {}).get(name)
+        if entry is None:
+            return f"no {KIND_WORDS[kind]} named '{name}' is registered"
+        spec = entry.spec
+        module_name, _, attr = spec.factory.partition(":")
+        try:
+            obj = spec.load()
+        except ModuleNotFoundError as exc:
+            return f"its factory {spec.factory!r} names a module that cannot be imported: " \
+                   f"{_brief(exc)}"
+        except AttributeError:
+            return f"its factory {spec.factory!r}: module {module_name} has no attribute {attr!r}"
+        except (Exception, SystemExit) as exc:
+            return f"importing its factory {spec.factory!r} raised {_brief(exc)}"
+        if not callable(obj):
+            return f"its factory {spec.factory!r} is {_brief(obj)}, not a class or a callable"
+        base = _base_class(kind)
+        if isinstance(obj, type) and not issubclass(obj, base):
+            return (f"its factory {spec.factory!r} is the class {obj.__name__}, not a subclass "
+                    f"of {base.__module__}.{base.__name__}")
+        return ""
+
+    def hint(self, kind: Kind, name: str, hint: str = "") -> str:
+        """The fix to show for ``name`` (``hint``, else its spec's ``install_hint``), never an
+        install command for a distribution that is already installed."""
+        entry = self.entries.get(kind, {}).get(name)
+        text = hint or (_hint(entry.spec) if entry is not None else "")
+        if _installs_something_installed(text):
+            dist = entry.dist if entry is not None and entry.dist else "the plugin"
+            return (f"{dist} is installed: the fault is in the plugin itself (run "
+                    f"`k3 backends --check`; report it to the plugin's authors)")
+        return text
 
     def probe(self, kind: Kind, name: str) -> Availability:
         """Cached availability of one implementation (a raising probe counts as unavailable)."""
@@ -156,7 +202,7 @@ class Registry:
         try:
             result = entry.spec.probe()
         except (Exception, SystemExit) as exc:
-            return Availability.no(f"its probe raised {_brief(exc)}", _hint(entry.spec))
+            return Availability.no(f"its probe raised {_brief(exc)}", self.hint(kind, name))
         if not isinstance(result, Availability):
             return Availability.no(f"its probe returned {_brief(result)}, not an Availability")
         if not isinstance(result.reason, str) or not isinstance(result.hint, str):
@@ -196,7 +242,7 @@ class Registry:
         if not avail.ok:
             raise PluginError(
                 f"{word} '{name}' is not available here: {avail.reason}",
-                hint=avail.hint or _hint(entry.spec) or None,
+                hint=self.hint(kind, name, avail.hint) or None,
             )
         return entry.spec, ""
 
@@ -211,7 +257,7 @@ class Registry:
         except (Exception, SystemExit) as exc:
             raise PluginError(
                 f"{KIND_WORDS[kind]} '{spec.name}' failed to start: {_brief(exc)}",
-                hint=_hint(spec) or None,
+                hint=self.hint(kind, spec.name) or None,
             ) from None
         base = _base_class(kind)
         if not isinstance(instance, base):
@@ -266,6 +312,35 @@ def _base_class(kind: Kind) -> type:
 
 def _hint(spec: PluginSpec) -> str:
     return spec.install_hint if isinstance(spec.install_hint, str) else ""
+
+
+def _no_hooks(plugin: Any) -> str:
+    """Why a registered module contributes nothing (it implements none of the hooks)."""
+    unmarked = [h for h in HOOKS.values() if callable(getattr(plugin, h, None))]
+    if unmarked:
+        return (f"defines no k3 hooks: {', '.join(unmarked)} is not marked; did you forget "
+                "@hookimpl (from k3.plugin import hookimpl)?")
+    return ("defines no k3 hooks; did you forget @hookimpl (from k3.plugin import hookimpl) "
+            f"on one of {', '.join(HOOKS.values())}?")
+
+
+def _installs_something_installed(hint: str) -> bool:
+    """Whether ``hint`` is a ``pip install NAME ...`` of distributions all installed here."""
+    words = hint.split()
+    if len(words) < 3 or words[:2] != ["pip", "install"]:
+        return False
+    wanted = [w for w in words[2:] if not w.startswith("-")]
+    if not wanted:
+        return False
+    for w in wanted:
+        name = w.split("[")[0]
+        for sep in ("==", ">=", "<=", "~=", ">", "<"):
+            name = name.split(sep)[0]
+        try:
+            metadata.distribution(name)
+        except (metadata.PackageNotFoundError, ValueError):
+            return False
+    return True
 
 
 def _norm(dist: str) -> str:

@@ -2,7 +2,7 @@
 
 A policy plugin's whole test file can be::
 
-    from k3core.testing.cache_policy_conformance import CachePolicyConformance
+    from k3.testing import CachePolicyConformance
     from my_plugin import MyPolicy
 
     class TestMyPolicy(CachePolicyConformance):

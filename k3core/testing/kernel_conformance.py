@@ -3,7 +3,7 @@
 A kernel backend (built-in or third-party) proves conformance with one subclass::
 
     import pytest
-    from k3core.testing.kernel_conformance import KernelConformance
+    from k3.testing import KernelConformance
 
     class TestMine(KernelConformance):
         @pytest.fixture
@@ -16,11 +16,15 @@ words, indices exactly), at awkward sizes, with edge values, at several thread c
 (``backend.set_threads``), and checks that inputs are left untouched except the documented
 in-place state. The one tolerance: a NaN output must be NaN in both, but its sign and payload
 are not compared (hardware NaN propagation is not part of the contract; see
-``docs/kernel-contract.md``). The last tests run the 13-layer oracle model end to end and
-compare its logits byte for byte (full recompute and incremental decoding), and so does the
-``tiny-flat`` model (released tensor layout: bf16 trunk, MXFP4 experts), once more at 1, 2
-and 3 threads with every parallel path forced (``KernelBackend.set_force_parallel``), since
-the small models would otherwise stay below every backend's threading threshold.
+``docs/kernel-contract.md``). ``test_adversarial`` adds inputs built to separate the
+contract's lane sum from every other order and its ``exp`` from a library one
+(:mod:`k3core.testing.adversarial`). The last tests run two 13-layer models generated in
+memory (float32 weights; the released layout with bf16 trunk and MXFP4 experts) end to end
+and compare their logits byte for byte (full recompute and incremental decoding). Nothing is
+read from disk: the suite runs the same from a wheel-installed k3. The in-memory models run
+once more at 1, 2 and 3 threads with every parallel path forced
+(``KernelBackend.set_force_parallel``), since they would otherwise stay below every
+backend's threading threshold.
 
 Subclasses may override :attr:`KernelConformance.THREADS` and ``FORCED_THREADS``.
 """
@@ -36,6 +40,7 @@ import numpy as np
 import pytest
 
 from k3core.api.kernels import KernelBackend, Mxfp4
+from k3core.testing import adversarial
 
 F32_EDGES = np.array(
     [
@@ -89,9 +94,10 @@ def assert_same_bits(got: Any, want: Any, what: str) -> None:
     if bad.size:
         i = int(bad[0])
         gv, wv = got.reshape(-1)[i], want.reshape(-1)[i]
+        where = tuple(int(j) for j in np.unravel_index(i, got.shape)) if got.ndim else ()
         raise AssertionError(
             f"{what}: {bad.size} of {got.size} elements differ from the numpy reference; "
-            f"first at flat index {i}: got {gv!r} (0x{int(g.reshape(-1)[i]):x}), "
+            f"first at index {list(where)} (flat {i}): got {gv!r} (0x{int(g.reshape(-1)[i]):x}), "
             f"reference {wv!r} (0x{int(w.reshape(-1)[i]):x})"
         )
 
@@ -174,7 +180,7 @@ def compare(
     ``inplace`` lists argument positions the op may update (compared after the call); every
     other array argument must come back unchanged.
     """
-    label = what or op
+    label = what if what.startswith(op) else f"{op} {what}".strip()
     mine = [a.copy() if isinstance(a, np.ndarray) else a for a in args]
     theirs = [a.copy() if isinstance(a, np.ndarray) else a for a in args]
     frozen = [
@@ -474,12 +480,23 @@ class KernelConformance:
         compare(kb, "router", logits, biased, 3, False, 1.0, what="router with bias")
         compare(kb, "router", logits, bias, 10, True, 1.0, what="router k = N (NaN last)")
 
+    # --- adversarial inputs ----------------------------------------------------------------
+    @pytest.mark.parametrize("op", adversarial.OPS)
+    def test_adversarial(self, kb: KernelBackend, op: str) -> None:
+        """Inputs where another summation order or a library exp gives other float32 bits:
+        cancelling terms for signed reductions, float32 rounding boundaries found with the
+        reference for sums of positive terms and for exp (``k3core.testing.adversarial``)."""
+        for label, args in adversarial.cases(op):
+            name = adversarial.op_of(label)
+            compare(kb, name, *args, inplace=(5,) if name == "kda_recurrent" else (), what=label)
+
     # --- whole models ---------------------------------------------------------------------------
-    @pytest.mark.parametrize("model", ["oracle", "tiny-flat"])
+    @pytest.mark.parametrize("model", ["float32", "released"])
     @pytest.mark.parametrize("incremental", [False, True], ids=["full", "incremental"])
     def test_model_logits(self, kb: KernelBackend, model: str, incremental: bool) -> None:
-        """The 13-layer oracle (float32 weights) and tiny-flat (bf16 trunk, MXFP4 experts):
-        the logits of every decoding step, byte for byte."""
+        """Two 13-layer models generated in memory (``k3core.testing.synthetic_model``):
+        float32 weights, and the released layout (bf16 trunk, MXFP4 experts): the logits of
+        every decoding step, byte for byte."""
         want = _reference_logits(model, incremental)
         net, prompt = _build_model(model, kb)
         got = _decode_logits(net, prompt, incremental)
@@ -488,28 +505,27 @@ class KernelConformance:
         for step, (g, w) in enumerate(zip(got, want, strict=True)):
             assert_same_bits(g, w, f"{model} logits ({mode}) step {step}")
 
-
     @pytest.mark.parametrize("threads", [1, 2, 3], ids=lambda n: f"threads{n}")
-    @pytest.mark.parametrize("model", ["oracle", "tiny-flat"])
+    @pytest.mark.parametrize("model", ["float32", "released"])
     @pytest.mark.parametrize("incremental", [False, True], ids=["full", "incremental"])
     def test_model_logits_parallel_forced(
-        self, backend: KernelBackend, threads: int, model: str, incremental: bool
+        self, kb: KernelBackend, threads: int, model: str, incremental: bool
     ) -> None:
         """The whole models again with every parallel path taken (``set_force_parallel``):
         the small test models stay below every work threshold, so without it the
         multi-threaded code would never run here. Same bytes at 1, 2 and 3 threads."""
         if threads not in self.FORCED_THREADS:
             pytest.skip(f"thread count {threads} not in {type(self).__name__}.FORCED_THREADS")
-        backend.set_threads(threads)
-        if backend.threads < threads:
-            pytest.skip(f"{backend.name} runs at most {backend.threads} threads in this process")
+        kb.set_threads(threads)
+        if kb.threads < threads:
+            pytest.skip(f"{kb.name} runs at most {kb.threads} threads in this process")
         want = _reference_logits(model, incremental)
-        backend.set_force_parallel(True)
+        kb.set_force_parallel(True)
         try:
-            net, prompt = _build_model(model, backend)
+            net, prompt = _build_model(model, kb)
             got = _decode_logits(net, prompt, incremental)
         finally:
-            backend.set_force_parallel(False)
+            kb.set_force_parallel(False)
         mode = "incremental" if incremental else "full recompute"
         assert len(got) == len(want)
         for step, (g, w) in enumerate(zip(got, want, strict=True)):
@@ -538,14 +554,10 @@ def _build_model(which: str, kernels: KernelBackend) -> tuple[Any, list[int]]:
     return model, list(ref["prompt_ids"])
 
 
-@functools.lru_cache(maxsize=2)
 def _model_data(which: str) -> tuple[Any, Any, dict[str, Any]]:
-    from k3core.testing.fixtures import fixtures_dir
-    from k3core.testing.oracle import load_oracle
-    from k3core.testing.tiny_flat import load_tiny_flat
+    from k3core.testing.synthetic_model import synthetic_model
 
-    loader = {"oracle": load_oracle, "tiny-flat": load_tiny_flat}[which]
-    return loader(fixtures_dir())
+    return synthetic_model(which)
 
 
 def _decode_logits(model: Any, prompt: list[int], incremental: bool) -> list[np.ndarray]:

@@ -2,7 +2,7 @@
 
 A backend's whole test file is one subclass and one fixture::
 
-    from k3core.testing.storage_conformance import StorageConformance
+    from k3.testing import StorageConformance
 
     class TestMyStorage(StorageConformance):
         @pytest.fixture

@@ -26,6 +26,7 @@ from k3core.testing.expert_cache_conformance import (
     FIXTURE_SHARD,
     Rig,
     ShardTruth,
+    cache_fixture,
     drive,
     fixture_cache,
     make_storage,
@@ -34,7 +35,6 @@ from k3core.testing.expert_cache_conformance import (
 )
 from k3core.testing.faults import SCRIBBLE, FaultyStorage
 from k3core.testing.faulty_backend import available_storage, env, register_faulty, unregister_faulty
-from k3core.testing.fixtures import fixtures_dir
 from k3core.tools.synth.writer import synthesize
 
 runner = CliRunner()
@@ -73,7 +73,7 @@ def slot_bytes(rig: Rig, slot: int, layer: int, expert: int) -> np.ndarray:
 @pytest.mark.parametrize("policy", ["lru", "cycle-eta"])
 @pytest.mark.parametrize("storage", STORAGES)
 def test_failed_read_is_dropped_and_never_served(work: Path, storage: str, policy: str) -> None:
-    truth = ShardTruth(fixtures_dir() / "cache")
+    truth = ShardTruth(cache_fixture(work / "truth"))
     _, lo, _ = expert_start(truth, 0, 7)
     faulty = FaultyStorage(make_storage(storage), fail_range=(lo, lo + 1))
     rig = fixture_cache(work / f"fx-{storage}-{policy}", faulty, policy, 5)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 from k3_caches.cycle_eta import CycleETAPolicy
@@ -24,21 +26,28 @@ from k3core.testing.synthetic_trace import full_recompute_trace, incremental_tra
 
 BUILTINS = ["cycle-eta", "lru", "replay", "s3fifo"]
 
-
-class TestLRUConformance(CachePolicyConformance):
-    policy_name = "lru"
-
-
-class TestS3FIFOConformance(CachePolicyConformance):
-    policy_name = "s3fifo"
-
-
-class TestReplayConformance(CachePolicyConformance):
-    policy_name = "replay"
+# every registered policy, built-in or installed, with no list kept by hand
+def _runnable(policy: str) -> object:
+    """An autouse fixture: skip (with the registry's reason) a policy that cannot run here."""
+    @pytest.fixture(autouse=True)
+    def runnable(self: object) -> None:
+        reg = get_registry()
+        if policy not in reg.available("cache"):
+            pytest.skip(f"cache policy '{policy}' cannot run here: {reg.probe('cache', policy).reason}")
+    return runnable
 
 
-class TestCycleETAConformance(CachePolicyConformance):
-    policy_name = "cycle-eta"
+for _name in get_registry().names("cache"):
+    _cls = "TestConformance_" + re.sub(r"\W", "_", _name)
+    globals()[_cls] = type(_cls, (CachePolicyConformance,), {"policy_name": _name,
+                                                             "__module__": __name__,
+                                                             "_runnable": _runnable(_name)})
+
+
+def test_every_registered_policy_runs_the_conformance_suite() -> None:
+    covered = {c.policy_name for c in CachePolicyConformance.__subclasses__()
+               if c.__module__ == __name__ and c.policy_name}
+    assert covered == set(get_registry().names("cache")) and set(BUILTINS) <= covered
 
 
 class TestCycleETAShortMemoryConformance(CachePolicyConformance):

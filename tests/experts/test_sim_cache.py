@@ -24,6 +24,7 @@ from k3core.experts.simulator import (
     slots_for_gb,
 )
 from k3core.experts.trace import read_trace, trace_keys
+from k3core.plugins.registry import get_registry
 from k3core.testing.fixtures import fixtures_dir
 from k3core.testing.synthetic_trace import incremental_trace
 
@@ -97,8 +98,10 @@ def test_json(result: SimResult) -> None:
     assert doc["requests"] == 100_096 and doc["distinct"] == 10_010
     assert doc["hit_rate_units"].startswith("fraction")
     assert [r["slots"] for r in doc["rows"]] == list(TARGET_SLOTS)
+    registered = set(get_registry().names("cache"))  # installed third-party policies too
+    assert {"cycle-eta", "lru", "replay", "s3fifo"} <= registered
     for r in doc["rows"]:
-        assert set(r["hit_rate"]) == {"cycle-eta", "lru", "replay", "s3fifo", BELADY}
+        assert set(r["hit_rate"]) == registered | {BELADY}
         assert all(0.0 <= v <= 1.0 for v in r["hit_rate"].values())
 
 

@@ -10,10 +10,8 @@ from typing import Any
 
 import numpy as np
 
+from k3.plugin import F32, U16, KernelBackend, Mxfp4, PluginError, available, create
 from k3_timing.stats import OpStats, OpTable
-from k3core.api.errors import PluginError
-from k3core.api.kernels import F32, U16, KernelBackend, Mxfp4
-from k3core.plugins.registry import get_registry
 
 NAME = "timed"
 ENV_INNER = "K3_TIMED_INNER"
@@ -31,13 +29,9 @@ def inner_name(requested: str | None = None) -> str:
         )
     if name != "auto":
         return name
-    reg = get_registry()
-    table = reg.entries.get("kernel", {})
-    ranked = sorted(table.values(), key=lambda e: (-e.spec.priority, e.spec.name))
-    for entry in ranked:
-        if entry.spec.name != NAME and entry.conflict_with is None:
-            if reg.probe("kernel", entry.spec.name).ok:
-                return entry.spec.name
+    for other in available("kernel"):  # best first, the order `auto` tries them in
+        if other != NAME:
+            return other
     raise PluginError("the timed backend found no other kernel backend to wrap")
 
 
@@ -58,7 +52,7 @@ class TimedBackend(KernelBackend):
 
     def __init__(self, inner: str | None = None, threads: int | None = None) -> None:
         chosen = inner_name(inner)
-        self.inner, self.inner_name, _ = get_registry().create("kernel", chosen)
+        self.inner, self.inner_name = create("kernel", chosen), chosen
         if threads is not None:
             self.inner.set_threads(threads)
         self.table = OpTable()

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import os
 
-from k3core.api.hookspecs import hookimpl
-from k3core.api.specs import Availability, KernelBackendSpec
+from k3.plugin import Availability, KernelBackendSpec, hookimpl
 
 
 def _probe() -> Availability:

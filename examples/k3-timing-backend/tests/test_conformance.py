@@ -1,7 +1,7 @@
 import pytest
 from k3_timing import TimedBackend
 
-from k3core.testing.kernel_conformance import KernelConformance
+from k3.testing import KernelConformance
 
 
 class TestTimedBackend(KernelConformance):

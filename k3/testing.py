@@ -1,0 +1,43 @@
+"""The conformance suites a k3 plugin proves itself with (the stable testing API).
+
+A plugin's whole test file is one subclass of the suite for its kind::
+
+    import pytest
+    from k3.testing import KernelConformance
+
+    class TestMine(KernelConformance):
+        @pytest.fixture
+        def backend(self):
+            return MyBackend()
+
+* :class:`KernelConformance`: every op bit for bit against the numpy reference, adversarial
+  inputs that separate summation orders and expose a library ``exp``, whole models;
+* :class:`StorageConformance`: byte ranges into caller buffers, short and failed reads refused;
+* :class:`CachePolicyConformance`: the cache-policy contract under a strict driver;
+* :class:`ExpertCacheConformance`: the real expert cache under the policy, byte for byte.
+
+Everything the suites read is generated on the fly or ships inside k3: they run the same from
+a wheel-installed k3, outside any checkout. :func:`assert_same_bits` and
+:func:`checked_replay` are the comparison and the strict driver the suites use.
+"""
+
+from __future__ import annotations
+
+from k3core.testing.cache_policy_conformance import (
+    CachePolicyConformance,
+    ContractViolation,
+    checked_replay,
+)
+from k3core.testing.expert_cache_conformance import ExpertCacheConformance
+from k3core.testing.kernel_conformance import KernelConformance, assert_same_bits
+from k3core.testing.storage_conformance import StorageConformance
+
+__all__ = [
+    "CachePolicyConformance",
+    "ContractViolation",
+    "ExpertCacheConformance",
+    "KernelConformance",
+    "StorageConformance",
+    "assert_same_bits",
+    "checked_replay",
+]

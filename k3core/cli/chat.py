@@ -1,0 +1,184 @@
+"""``k3 chat MODEL_DIR``: a conversation in the terminal (see ``k3core.serve.conversation``).
+
+Commands at the ``user>`` prompt: ``/reset``, ``/save FILE``, ``/load FILE``, ``/help``,
+``/exit`` (or end of input). Ctrl-C while a reply is being written stops it after the
+current token and keeps the conversation; Ctrl-C at the prompt only clears the line.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from k3core.api.errors import K3Error, UsageError
+from k3core.cli.guard import guarded
+
+_C = "Conversation"
+_G = "Generation"
+_X = "Engine"
+
+HELP = ("commands: /reset (start over, keep the system message), /save FILE, /load FILE, "
+        "/help, /exit; Ctrl-C stops a reply and keeps the conversation")
+
+
+class Printer:
+    """Writes a reply's pieces as they arrive: the thinking first, then the answer."""
+
+    def __init__(self, out: Any):
+        self.out = out
+        self.channel: str | None = None
+
+    def __call__(self, piece: dict[str, str]) -> None:
+        for name, label in (("reasoning", "think> "), ("content", "k3> ")):
+            text = piece.get(name)
+            if not text:
+                continue
+            if self.channel != name:
+                self.out.write(("\n" if self.channel else "") + label)
+                self.channel = name
+            self.out.write(text)
+        self.out.flush()
+
+    def end(self) -> None:
+        if self.channel is None:
+            self.out.write("k3> ")
+        self.out.write("\n")
+        self.out.flush()
+
+
+@guarded
+def chat(
+    model_dir: Path = typer.Argument(..., help="Directory with the safetensors shards (and the tokenizer)."),
+    system: str = typer.Option(None, "--system", help="A system message to open the conversation with.", rich_help_panel=_C),
+    chat_format: str = typer.Option("auto", "--chat-format", help="auto (XTML when the tokenizer has its tokens), xtml or plain.", rich_help_panel=_C),
+    think: bool = typer.Option(True, "--think/--no-think", help="Let the model think before it answers (XTML).", rich_help_panel=_C),
+    thinking_effort: str = typer.Option("max", "--thinking-effort", help="low, high or max.", rich_help_panel=_C),
+    load: Path = typer.Option(None, "--load", help="Resume the conversation saved in this file (/save).", rich_help_panel=_C),
+    context: int = typer.Option(4096, "--context", help="Tokens the conversation may hold.", rich_help_panel=_C),
+    max_tokens: int = typer.Option(512, "--max-tokens", help="Most tokens one reply may have (1..4096).", rich_help_panel=_G),
+    temperature: float = typer.Option(None, "--temperature", help="Sample with this temperature (0 = greedy).", rich_help_panel=_G),
+    top_p: float = typer.Option(None, "--top-p", help="Sample from the top-p mass.", rich_help_panel=_G),
+    top_k: int = typer.Option(None, "--top-k", help="Sample from the k most likely ids.", rich_help_panel=_G),
+    seed: int = typer.Option(None, "--seed", help="Sampling seed (turn k uses seed + k).", rich_help_panel=_G),
+    tok: Path = typer.Option(None, "--tok", help="Tokenizer directory (default: MODEL_DIR).", rich_help_panel=_X),
+    preset: str = typer.Option(None, "--preset", help="Memory preset (k3 presets).", rich_help_panel=_X),
+    trunk: Path = typer.Option(None, "--trunk", help="Stream the trunk from this packed directory.", rich_help_panel=_X),
+    backend: str = typer.Option(None, "--backend", help="Kernel backend (k3 backends).", rich_help_panel=_X),
+    storage: str = typer.Option(None, "--storage", help="Storage backend.", rich_help_panel=_X),
+    cache_policy: str = typer.Option(None, "--cache-policy", help="Expert-cache policy.", rich_help_panel=_X),
+    threads: int = typer.Option(None, "--threads", help="Kernel threads.", rich_help_panel=_X),
+) -> None:
+    """Talk with MODEL_DIR: state carried between turns, /save and /load."""
+    if not 1 <= max_tokens <= 4096:
+        raise UsageError(f"--max-tokens must be in 1..4096, got {max_tokens}")
+    from k3core.serve.chat_format import chat_format_for, check_format_options
+    from k3core.serve.conversation import Conversation
+    from k3core.serve.loading import check_context, open_engine_for
+
+    check_context(context)
+    check_format_options(chat_format, think, thinking_effort)
+    engine = open_engine_for(model_dir, context, tok=tok, preset=preset, trunk=trunk, backend=backend,
+                             storage=storage, cache_policy=cache_policy, threads=threads)
+    try:
+        if engine.tokenizer is None:
+            raise UsageError(f"k3 chat needs a tokenizer: none in {model_dir}; pass --tok DIR")
+        fmt = chat_format_for(engine.tokenizer, chat_format, thinking=think, effort=thinking_effort)
+        conv = Conversation(engine.session(), fmt, system, context)
+        if load is not None:
+            conv.load(load)
+        sampling = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed}
+        thinking = getattr(fmt, "thinking", None)
+        how = "" if thinking is None else f", thinking {fmt.effort}" if thinking else ", no thinking"  # type: ignore[attr-defined]
+        print(f"k3 chat: {model_dir.name} ({fmt.name} format{how}, context {context}); /help for commands",
+              file=sys.stderr)
+        if load is not None:
+            print(f"loaded {load}: {len(conv.ids)} tokens, {conv.turns} turns", file=sys.stderr)
+        _loop(conv, max_tokens, {k: v for k, v in sampling.items() if v is not None})
+    finally:
+        engine.close()
+
+
+def _read(prompt: str) -> str | None:
+    """One line from the user; None at end of input. Ctrl-C gives back an empty line."""
+    try:
+        return input(prompt)
+    except EOFError:
+        return None
+    except KeyboardInterrupt:
+        print("^C (/exit or Ctrl-D to leave)", file=sys.stderr)
+        return ""
+
+
+def _loop(conv: Any, max_tokens: int, sampling: dict[str, Any]) -> None:
+    while True:
+        line = _read("user> ")
+        if line is None:
+            print(file=sys.stderr)
+            return
+        text = line.strip()
+        if not text:
+            continue
+        if text.startswith("/"):
+            if _command(conv, text):
+                return
+            continue
+        _turn(conv, line, max_tokens, sampling)
+
+
+def _command(conv: Any, text: str) -> bool:
+    """Run a /command; True to leave."""
+    name, _, arg = text.partition(" ")
+    arg = arg.strip()
+    try:
+        if name in ("/exit", "/quit"):
+            return True
+        if name == "/help":
+            print(HELP, file=sys.stderr)
+        elif name == "/reset":
+            conv.reset()
+            print("conversation reset", file=sys.stderr)
+        elif name in ("/save", "/load"):
+            if not arg:
+                raise UsageError(f"{name} needs a FILE")
+            path = Path(arg).expanduser()
+            if name == "/save":
+                size = conv.save(path)
+                print(f"saved {path} ({len(conv.ids)} tokens, {conv.turns} turns, {size} bytes)", file=sys.stderr)
+            else:
+                conv.load(path)
+                print(f"loaded {path} ({len(conv.ids)} tokens, {conv.turns} turns)", file=sys.stderr)
+        else:
+            raise UsageError(f"unknown command {name}; {HELP}")
+    except K3Error as exc:
+        print(f"k3: error: {exc}", file=sys.stderr)
+    return False
+
+
+def _turn(conv: Any, text: str, max_tokens: int, sampling: dict[str, Any]) -> None:
+    cancel = threading.Event()
+    printer = Printer(sys.stdout)
+
+    def on_sigint(signum: int, frame: Any) -> None:
+        cancel.set()  # stop after the current token: a pass cut in half would spoil the state
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    try:
+        res = conv.say(text, max_tokens, sampling, on_piece=printer, cancel=cancel)
+    except K3Error as exc:
+        print(f"k3: error: {exc}", file=sys.stderr)
+        return
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    printer.end()
+    how = {"stop": "ended", "length": "hit --max-tokens", "cancelled": "stopped by Ctrl-C"}[res.finish]
+    print(f"({len(res.ids)} tokens, {how}; fed {res.prompt_fed} prompt tokens after {res.reused} "
+          f"carried; the conversation holds {res.total}; {res.seconds:.2f} s)", file=sys.stderr)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("chat")(chat)

@@ -1,0 +1,164 @@
+"""``k3 serve MODEL_DIR``: an OpenAI-compatible HTTP server (see ``k3core.serve.app``).
+
+Loopback only unless an API key is set: a non-loopback ``--host`` without ``--api-key``
+(or ``$K3_API_KEY``) is refused (exit 2). Needs the ``serve`` extra (Starlette and uvicorn);
+without it the command says how to install it (exit 2).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import signal
+import socket
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from k3core.api.errors import K3Error, UsageError
+from k3core.cli.guard import guarded
+
+_S = "Server"
+_X = "Engine"
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _need_extra() -> None:
+    try:
+        import starlette  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError:
+        raise UsageError("k3 serve needs the serve extra (Starlette and uvicorn): "
+                         "pip install 'k3[serve]'") from None
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    # IPPROTO_TCP explicitly: asyncio sets TCP_NODELAY only on sockets that say so, and
+    # without it every keep-alive answer waits out the client's delayed ACK (~40 ms)
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise K3Error(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    sock.listen(128)
+    sock.setblocking(False)
+    return sock
+
+
+def _server_class() -> Any:
+    import uvicorn
+
+    class StopOnSignal(uvicorn.Server):
+        """Ctrl-C or SIGTERM ends the server cleanly (exit 0), not with the signal re-raised:
+        generations in progress are cancelled at once, so open streams end before the
+        graceful-shutdown timeout."""
+
+        on_stop: Any = None
+
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            def stop(signum: int, frame: Any) -> None:
+                self.should_exit = True
+                if self.on_stop is not None:
+                    self.on_stop()
+
+            previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
+
+    return StopOnSignal
+
+
+@guarded
+def serve(
+    model_dir: Path = typer.Argument(..., help="Directory with the safetensors shards (and the tokenizer)."),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (non-loopback needs --api-key).", rich_help_panel=_S),
+    port: int = typer.Option(8000, "--port", help="Port (0 = any free port; the one chosen is printed).", rich_help_panel=_S),
+    api_key: str = typer.Option(None, "--api-key", envvar="K3_API_KEY", help="Require Authorization: Bearer KEY (or $K3_API_KEY).", rich_help_panel=_S, show_default=False),
+    model_name: str = typer.Option(None, "--model-name", help="The model id clients ask for (default: MODEL_DIR's name).", rich_help_panel=_S),
+    context: int = typer.Option(4096, "--context", help="Tokens one conversation may hold (prompt + reply).", rich_help_panel=_S),
+    max_queue: int = typer.Option(64, "--max-queue", help="Requests that may wait for the engine (then 429).", rich_help_panel=_S),
+    chat_format: str = typer.Option("auto", "--chat-format", help="auto, xtml or plain.", rich_help_panel=_S),
+    think: bool = typer.Option(True, "--think/--no-think", help="Chat replies think first (XTML); reasoning_effort overrides.", rich_help_panel=_S),
+    thinking_effort: str = typer.Option("max", "--thinking-effort", help="low, high or max.", rich_help_panel=_S),
+    tok: Path = typer.Option(None, "--tok", help="Tokenizer directory (default: MODEL_DIR).", rich_help_panel=_X),
+    trunk: Path = typer.Option(None, "--trunk", help="Stream the trunk from this packed directory.", rich_help_panel=_X),
+    trunk_gb: float = typer.Option(None, "--trunk-gb", help="Trunk budget in GB.", rich_help_panel=_X),
+    cache_gb: float = typer.Option(None, "--cache-gb", help="Routed-expert cache budget in GB.", rich_help_panel=_X),
+    preset: str = typer.Option(None, "--preset", help="Memory preset (k3 presets).", rich_help_panel=_X),
+    backend: str = typer.Option(None, "--backend", help="Kernel backend (k3 backends).", rich_help_panel=_X),
+    storage: str = typer.Option(None, "--storage", help="Storage backend.", rich_help_panel=_X),
+    cache_policy: str = typer.Option(None, "--cache-policy", help="Expert-cache policy.", rich_help_panel=_X),
+    threads: int = typer.Option(None, "--threads", help="Kernel threads.", rich_help_panel=_X),
+) -> None:
+    """Serve MODEL_DIR over an OpenAI-compatible HTTP API (one generation at a time)."""
+    if api_key is not None and not api_key.strip():
+        raise UsageError("--api-key must not be empty")
+    if not is_loopback(host) and api_key is None:
+        raise UsageError(f"--host {host} is not a loopback address: anyone who can reach it could "
+                         "use this machine; set --api-key KEY (or $K3_API_KEY) to serve beyond loopback")
+    if not 0 <= port <= 65535:
+        raise UsageError(f"--port must be in 0..65535, got {port}")
+    if max_queue < 1:
+        raise UsageError(f"--max-queue must be >= 1, got {max_queue}")
+    _need_extra()
+    import uvicorn
+
+    _Server = _server_class()
+
+    from k3core.serve.app import create_app
+    from k3core.serve.chat_format import check_format_options
+    from k3core.serve.loading import check_context, open_engine_for
+    from k3core.serve.logs import log_config
+    from k3core.serve.service import Service
+    from k3core.serve.worker import Worker
+
+    check_context(context)
+    check_format_options(chat_format, think, thinking_effort)
+    engine = open_engine_for(model_dir, context, tok=tok, preset=preset, trunk=trunk,
+                             trunk_gb=trunk_gb, cache_gb=cache_gb, backend=backend,
+                             storage=storage, cache_policy=cache_policy, threads=threads)
+    try:
+        assert engine.tokenizer is not None  # open_engine_for requires one
+        service = Service(Worker(engine, context), engine.tokenizer, model_name or model_dir.resolve().name,
+                          chat_format=chat_format, thinking=think, effort=thinking_effort)
+        app = create_app(service, api_key, max_queue)
+        sock = _bind(host, port)
+        bound = sock.getsockname()[1]
+        shown = f"[{host}]" if ":" in host else host
+        print(f"k3 serve: {service.model_name} ({service.fmt.name} chat format, context {context}) on "
+              f"http://{shown}:{bound}/v1  ({engine.settings_line.removeprefix('k3: ')})", flush=True)
+        config = uvicorn.Config(app, log_config=log_config(), access_log=False, lifespan="off",
+                                timeout_graceful_shutdown=5)
+        server = _Server(config)
+        server.on_stop = service.cancel_all
+        try:
+            server.run(sockets=[sock])
+        finally:
+            service.cancel_all()
+            app.state.server.executor.shutdown(wait=True, cancel_futures=True)
+            sock.close()
+    finally:
+        engine.close()
+    print("k3 serve: stopped", file=sys.stderr)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("serve")(serve)

@@ -1,0 +1,13 @@
+"""Serve: k3 in a conversation and over HTTP, on the run pipeline's engine and sessions.
+
+``chat_format`` renders a conversation to token ids (the Kimi K3 XTML format, or a plain
+text format for tokenizers without its control tokens) and reads a reply back;
+``conversation`` carries one conversation's state across turns; ``worker`` keeps one engine
+and one resident session and runs one generation at a time, continuing the session when a
+prompt extends the previous one; ``protocol`` holds the OpenAI-compatible request and response
+models and error bodies; ``app`` is the ASGI application (Starlette, served by uvicorn; the
+``serve`` extra installs both).
+
+May import: every room below it (``api``, ``plugins``, ``model``, ``tokenizer``,
+``checkpoint``, ``trunk``, ``experts``, ``run``).
+"""

@@ -1,0 +1,326 @@
+"""The ASGI application: OpenAI-compatible routes on Starlette, one generation at a time.
+
+Routes: ``GET /health``, ``GET /v1/models``, ``GET /v1/models/{id}``, ``POST
+/v1/completions``, ``POST /v1/chat/completions`` (``stream: true`` answers with server-sent
+events: one ``data: {chunk}`` per piece of text, a last chunk with the finish reason, a usage
+chunk when ``stream_options.include_usage``, then ``data: [DONE]``).
+
+Generations run on one engine thread, in arrival order (a FIFO queue of at most
+``max_queue`` waiting requests; past it a 429). A client that goes away (a closed stream,
+or a dropped connection while it waits for a plain answer) cancels its generation between
+two tokens, and the engine moves on to the next request.
+
+Every failure is an OpenAI-style error body: 400 for bad JSON, unknown fields, bad values
+or a prompt over the context; 401 for a missing or wrong API key; 404 for an unknown model
+or route; 405, 413, 429; a 500 only for a failure inside the engine, with its one-line
+message and never a traceback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import threading
+from collections.abc import AsyncIterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, cast
+
+from pydantic import ValidationError
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from k3core.api.errors import K3Error, UsageError
+from k3core.api.safejson import JSONRejected, parse_json
+from k3core.serve.protocol import (
+    APIError,
+    ChatChoice,
+    ChatCompletion,
+    ChatCompletionRequest,
+    ChatMessageOut,
+    Completion,
+    CompletionChoice,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+    usage,
+    validation_error,
+)
+from k3core.serve.service import Prepared, Service
+from k3core.serve.worker import Outcome
+
+STOPPING = APIError(503, "the server is stopping; this generation was cancelled",
+                    type_="server_error", code="server_stopping")
+MAX_BODY = 16 << 20
+DRAIN_LIMIT = 64 << 20  # past this a too-large body is cut off without reading it
+log = logging.getLogger("k3.serve")
+
+
+def _error(exc: APIError) -> JSONResponse:
+    headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None
+    return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+
+
+def _sse(obj: Any) -> bytes:
+    return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+
+class Server:
+    """The app's state: the service, the engine thread, the queue bound and the API key."""
+
+    def __init__(self, service: Service, api_key: str | None = None, max_queue: int = 64):
+        self.service = service
+        self.api_key = api_key
+        self.max_queue = max_queue
+        self.waiting = 0
+        self._count = threading.Lock()
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="k3-engine")
+
+    # ---- plumbing ---------------------------------------------------------------------------
+    def check_key(self, request: Request) -> None:
+        if self.api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        scheme, _, token = given.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
+            raise APIError(401, "missing or wrong API key (send Authorization: Bearer KEY)",
+                           type_="authentication_error", code="invalid_api_key")
+
+    async def body(self, request: Request) -> dict[str, Any]:
+        too_big = APIError(413, f"the request body is over {MAX_BODY >> 20} MiB", code="body_too_large")
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > DRAIN_LIMIT:
+            raise too_big
+        data = bytearray()
+        seen = 0
+        async for chunk in request.stream():  # read to the end, so the client hears the answer
+            seen += len(chunk)
+            if seen > DRAIN_LIMIT:
+                raise too_big
+            if seen <= MAX_BODY:
+                data += chunk
+        if seen > MAX_BODY:
+            raise too_big
+        try:
+            doc = parse_json(bytes(data))
+        except JSONRejected as exc:
+            raise APIError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from None
+        if not isinstance(doc, dict):
+            raise APIError(400, "the request body must be a JSON object", code="invalid_json")
+        return doc
+
+    def submit(self, prep: Prepared) -> Future[Outcome]:
+        if self.waiting >= self.max_queue:
+            raise APIError(429, f"the server has {self.waiting} requests waiting (the limit is "
+                                f"{self.max_queue}); try again shortly", type_="rate_limit_error",
+                           code="queue_full")
+        self.service.admit(prep.job)
+        with self._count:
+            self.waiting += 1
+        fut = self.executor.submit(self.service.run, prep)
+
+        def done(_: Future[Outcome]) -> None:
+            self.service.release(prep.job)
+            with self._count:
+                self.waiting -= 1
+
+        fut.add_done_callback(done)
+        fut.add_done_callback(lambda f: f.cancelled() or f.exception())  # always retrieved
+        return fut
+
+    # ---- routes ---------------------------------------------------------------------------
+    async def health(self, request: Request) -> Response:
+        s = self.service
+        w = s.worker
+        return JSONResponse({"status": "ok", "model": s.model_name, "context": w.context,
+                             "waiting": self.waiting, "requests_done": w.jobs_done,
+                             "cancelled": w.cancelled, "resident_tokens": w.session.positions,
+                             "last": w.last})
+
+    async def models(self, request: Request) -> Response:
+        self.check_key(request)
+        card = ModelCard(id=self.service.model_name, created=self.service.created)
+        return JSONResponse(ModelList(data=[card]).model_dump())
+
+    async def model(self, request: Request) -> Response:
+        self.check_key(request)
+        self.service.check_model(request.path_params["model"])
+        return JSONResponse(ModelCard(id=self.service.model_name, created=self.service.created).model_dump())
+
+    async def completions(self, request: Request) -> Response:
+        self.check_key(request)
+        doc = await self.body(request)
+        try:
+            req = CompletionRequest.model_validate(doc)
+        except ValidationError as exc:
+            raise validation_error(exc) from None
+        prep = await self._prepare(lambda: self.service.completion_job(req))
+        return await self._answer(request, prep, req.stream, req.include_usage)
+
+    async def chat(self, request: Request) -> Response:
+        self.check_key(request)
+        doc = await self.body(request)
+        try:
+            req = ChatCompletionRequest.model_validate(doc)
+        except ValidationError as exc:
+            raise validation_error(exc) from None
+        prep = await self._prepare(lambda: self.service.chat_job(req))
+        return await self._answer(request, prep, req.stream, req.include_usage)
+
+    @staticmethod
+    async def _prepare(make: Any) -> Prepared:
+        """Tokenize and check, off the event loop (a long prompt takes a while to encode)."""
+        try:
+            return cast(Prepared, await asyncio.to_thread(make))
+        except UsageError as exc:
+            raise APIError(400, str(exc), code="invalid_value") from None
+
+    # ---- answers ---------------------------------------------------------------------------
+    def _final(self, prep: Prepared, out: Outcome) -> dict[str, Any]:
+        u = usage(prep.prompt_tokens, len(out.ids), out.reused)
+        finish = "stop" if out.finish == "stop" else "length"
+        ext = self.service.extension(prep, out)
+        name = self.service.model_name
+        if prep.kind == "completion":
+            choice = CompletionChoice(text=prep.sink.content, finish_reason=finish)  # type: ignore[arg-type]
+            return Completion(id=prep.id, created=prep.created, model=name, choices=[choice], usage=u,
+                              k3=ext).model_dump()
+        msg = ChatMessageOut(content=prep.sink.content, reasoning_content=prep.sink.reasoning or None)
+        chat = ChatChoice(message=msg, finish_reason=finish)  # type: ignore[arg-type]
+        return ChatCompletion(id=prep.id, created=prep.created, model=name, choices=[chat], usage=u,
+                              k3=ext).model_dump()
+
+    async def _answer(self, request: Request, prep: Prepared, stream: bool, include_usage: bool) -> Response:
+        if stream:
+            loop = asyncio.get_running_loop()
+            queue: asyncio.Queue[dict[str, str] | None] = asyncio.Queue()
+
+            def post(piece: dict[str, str]) -> None:
+                loop.call_soon_threadsafe(queue.put_nowait, piece)
+
+            prep.sink.on_piece = post
+            afut = asyncio.wrap_future(self.submit(prep))  # a full queue is a 429 before any event
+            afut.add_done_callback(lambda _: queue.put_nowait(None))
+            return StreamingResponse(self._events(prep, afut, queue, include_usage),
+                                     media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        fut = self.submit(prep)
+        afut = asyncio.wrap_future(fut)
+        try:
+            while True:
+                done, _ = await asyncio.wait({afut}, timeout=0.2)
+                if done:
+                    break
+                if await request.is_disconnected():
+                    prep.job.cancel.set()
+                    return Response(status_code=499)
+        except asyncio.CancelledError:
+            prep.job.cancel.set()
+            raise
+        out = self._outcome(afut)
+        if out.finish == "cancelled":  # not by this client (it is still here): the server stops
+            raise STOPPING
+        return JSONResponse(self._final(prep, out))
+
+    @staticmethod
+    def _outcome(afut: asyncio.Future[Outcome]) -> Outcome:
+        try:
+            return afut.result()
+        except UsageError as exc:
+            raise APIError(400, str(exc), code="invalid_value") from None
+        except K3Error as exc:
+            raise APIError(500, f"the engine failed: {exc}", type_="server_error", code="engine_error") from None
+        except Exception as exc:
+            log.error("k3 serve: %s: %s", type(exc).__name__, exc)
+            raise APIError(500, f"internal error: {type(exc).__name__}", type_="server_error",
+                           code="internal_error") from None
+
+    def _chunk(self, prep: Prepared, piece: dict[str, str] | None, finish: str | None) -> dict[str, Any]:
+        base = {"id": prep.id, "created": prep.created, "model": self.service.model_name}
+        if prep.kind == "completion":
+            text = (piece or {}).get("content", "")
+            return {**base, "object": "text_completion",
+                    "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}]}
+        delta: dict[str, Any] = {}
+        if piece is not None:
+            if "reasoning" in piece:
+                delta["reasoning_content"] = piece["reasoning"]
+            if "content" in piece:
+                delta["content"] = piece["content"]
+        return {**base, "object": "chat.completion.chunk",
+                "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]}
+
+    async def _events(self, prep: Prepared, afut: asyncio.Future[Outcome],
+                      queue: asyncio.Queue[dict[str, str] | None], include_usage: bool) -> AsyncIterator[bytes]:
+        try:
+            if prep.kind == "chat":
+                first = self._chunk(prep, None, None)
+                first["choices"][0]["delta"] = {"role": "assistant", "content": ""}
+                yield _sse(first)
+            while True:
+                piece = await queue.get()
+                if piece is None:
+                    break
+                yield _sse(self._chunk(prep, piece, None))
+            while not queue.empty():  # pieces posted after the job's end marker
+                piece = queue.get_nowait()
+                if piece is not None:
+                    yield _sse(self._chunk(prep, piece, None))
+            try:
+                out = self._outcome(afut)
+            except APIError as exc:
+                yield _sse(exc.body())
+                yield b"data: [DONE]\n\n"
+                return
+            if out.finish == "cancelled":
+                yield _sse(STOPPING.body())
+                yield b"data: [DONE]\n\n"
+                return
+            yield _sse(self._chunk(prep, None, "stop" if out.finish == "stop" else "length"))
+            if include_usage:
+                final = self._final(prep, out)
+                tail = {"id": prep.id, "created": prep.created, "model": self.service.model_name,
+                        "object": "text_completion" if prep.kind == "completion" else "chat.completion.chunk",
+                        "choices": [], "usage": final["usage"], "k3": final["k3"]}
+                yield _sse(tail)
+            yield b"data: [DONE]\n\n"
+        finally:
+            prep.job.cancel.set()  # the client went away (or we are done: then it is a no-op)
+
+
+def create_app(service: Service, api_key: str | None = None, max_queue: int = 64) -> Starlette:
+    """The ASGI app over an opened service."""
+    srv = Server(service, api_key, max_queue)
+
+    async def on_api_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, APIError)
+        return _error(exc)
+
+    async def on_http(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        msg = (f"no route {request.method} {request.url.path}" if exc.status_code == 404
+               else f"{request.method} is not allowed on {request.url.path}" if exc.status_code == 405
+               else str(exc.detail))
+        return _error(APIError(exc.status_code, msg, code=code))
+
+    async def on_other(request: Request, exc: Exception) -> Response:
+        log.error("k3 serve: %s: %s", type(exc).__name__, exc)
+        return _error(APIError(500, f"internal error: {type(exc).__name__}", type_="server_error",
+                               code="internal_error"))
+
+    routes = [
+        Route("/health", srv.health, methods=["GET"]),
+        Route("/v1/models", srv.models, methods=["GET"]),
+        Route("/v1/models/{model:path}", srv.model, methods=["GET"]),
+        Route("/v1/completions", srv.completions, methods=["POST"]),
+        Route("/v1/chat/completions", srv.chat, methods=["POST"]),
+    ]
+    app = Starlette(routes=routes, exception_handlers={APIError: on_api_error, HTTPException: on_http,
+                                                       Exception: on_other})
+    app.state.server = srv
+    return app

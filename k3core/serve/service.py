@@ -1,0 +1,238 @@
+"""From an OpenAI-style request to a worker job and back: prompts, limits, text, usage.
+
+:class:`Service` holds what the server opened once (the engine's worker, the tokenizer, the
+chat format, the served model's name). :meth:`Service.completion_job` and
+:meth:`Service.chat_job` check a request against the model (its name, the vocabulary, the
+context) and build a :class:`Prepared`: the worker job plus a :class:`TextSink` that turns
+the generated ids into text pieces as they arrive (cut before a stop string, never inside a
+UTF-8 character; for chat, split into the reasoning and response channels). Streamed and
+non-streamed answers are built from the same pieces, so they carry the same text.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+from k3core.api.errors import UsageError
+from k3core.model.generate import Step
+from k3core.run.request import GenerationParams, build
+from k3core.run.stops import TextStream
+from k3core.serve.chat_format import ChatFormat, Message, ReplyStream, chat_format_for
+from k3core.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from k3core.serve.worker import Job, Outcome, Worker
+from k3core.tokenizer.encoding import Tokenizer
+
+#: the most tokens one request may generate (``k3 run --gen``'s ceiling)
+MAX_GEN = 4096
+#: what ``/v1/completions`` generates when ``max_tokens`` is not given (OpenAI's default)
+DEFAULT_COMPLETION_TOKENS = 16
+
+
+@dataclass
+class Prepared:
+    job: Job
+    sink: TextSink
+    prompt_tokens: int
+    kind: str  # "completion" or "chat"
+    id: str
+    created: int
+
+
+class TextSink:
+    """The text of one generation as it arrives: ``{"content": ..., "reasoning": ...}`` pieces.
+
+    A completion shows the session's own text (the run pipeline's stop strings, never half a
+    UTF-8 character). A chat reply is read by its format's :class:`ReplyStream`: each
+    channel's ids become text through their own :class:`TextStream`, and stop strings apply
+    to the response channel only (``on_step`` returns False once one appears).
+    """
+
+    def __init__(self, tok: Tokenizer, stops: list[str], fmt: ChatFormat | None):
+        self.reply: ReplyStream | None = fmt.stream() if fmt is not None else None
+        self.texts = {"reasoning": TextStream(tok), "content": TextStream(tok, stops)}
+        self.content = ""
+        self.reasoning = ""
+        self.on_piece: Callable[[dict[str, str]], None] | None = None
+
+    @property
+    def hit(self) -> bool:
+        return self.texts["content"].hit is not None
+
+    def on_step(self, step: Step | None, piece: str) -> bool:
+        if self.reply is None:
+            if piece:
+                self._out({"content": piece})
+            return True
+        if step is not None:
+            self._channels(self.reply.push(step.token))
+        return not self.hit
+
+    def finish(self) -> None:
+        """The generation is over: release what a chat reply still holds."""
+        if self.reply is not None:
+            self._channels(self.reply.close())
+
+    def _channels(self, parts: list[tuple[str, list[int], bool]]) -> None:
+        for name, ids, closed in parts:
+            if self.hit:
+                return
+            ts = self.texts[name]
+            text = "".join(ts.push(i) for i in ids)
+            if closed:
+                text += ts.finish()
+            if text:
+                self._out({name: text})
+
+    def _out(self, out: dict[str, str]) -> None:
+        self.content += out.get("content", "")
+        self.reasoning += out.get("reasoning", "")
+        if self.on_piece is not None:
+            self.on_piece(out)
+
+
+@dataclass
+class Service:
+    worker: Worker
+    tok: Tokenizer
+    model_name: str
+    chat_format: str = "auto"
+    thinking: bool = True
+    effort: str = "max"
+    created: int = field(default_factory=lambda: int(time.time()))
+    active: set[Job] = field(default_factory=set)
+    stopping: bool = False
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def __post_init__(self) -> None:
+        self._formats: dict[str | None, ChatFormat] = {}
+        self.fmt = self.format_for(None)  # refuse a bad --chat-format at start, not per request
+
+    @property
+    def vocab(self) -> int:
+        return int(self.worker.engine.cfg.vocab)
+
+    def format_for(self, effort: str | None) -> ChatFormat:
+        """The chat format for a request's ``reasoning_effort`` (``None``: the server's)."""
+        fmt = self._formats.get(effort)
+        if fmt is None:
+            fmt = self._formats[effort] = self._make_format(effort)
+        return fmt
+
+    def _make_format(self, effort: str | None) -> ChatFormat:
+        thinking, eff = self.thinking, self.effort
+        if effort == "none":
+            thinking = False
+        elif effort is not None:
+            thinking, eff = True, effort
+        return chat_format_for(self.tok, self.chat_format, thinking=thinking, effort=eff)
+
+    def check_model(self, name: str) -> None:
+        if name != self.model_name:
+            raise APIError(404, f"the model {name!r} does not exist; this server serves "
+                                f"{self.model_name!r} (GET /v1/models)",
+                           param="model", code="model_not_found")
+
+    # ---- requests -------------------------------------------------------------------------
+    def completion_job(self, req: CompletionRequest) -> Prepared:
+        self.check_model(req.model)
+        prompt = req.prompt
+        if isinstance(prompt, str):
+            ids = self.tok.encode(prompt)
+        else:
+            ids = [int(i) for i in cast("list[int]", prompt)]
+            bad = [i for i in ids if not 0 <= i < self.vocab]
+            if bad:
+                raise APIError(400, f"token id {bad[0]} is outside the vocabulary 0..{self.vocab - 1}",
+                               param="prompt", code="invalid_value")
+        max_tokens = DEFAULT_COMPLETION_TOKENS if req.max_tokens is None else req.max_tokens
+        return self._prepare("completion", ids, max_tokens, req, list(req.stop_token_ids or []), None)
+
+    def chat_job(self, req: ChatCompletionRequest) -> Prepared:
+        self.check_model(req.model)
+        fmt = self.format_for(req.reasoning_effort)
+        messages = []
+        for m in req.messages:
+            role = "system" if m.role == "developer" else m.role
+            if m.reasoning_content is not None and role != "assistant":
+                raise APIError(400, "reasoning_content is only for assistant messages",
+                               param="messages", code="invalid_value")
+            messages.append(Message(role, m.text, m.reasoning_content))
+        ids = fmt.render(messages)
+        limit = req.limit
+        if limit is None:
+            limit = min(MAX_GEN, self.worker.context - len(ids))
+            if limit <= 0:
+                self._context_error(len(ids), 1)
+        stop_ids = list(fmt.stop_ids) + list(req.stop_token_ids or [])
+        return self._prepare("chat", ids, limit, req, stop_ids, fmt)
+
+    def _context_error(self, n_prompt: int, max_tokens: int) -> None:
+        raise APIError(400, f"this request needs {n_prompt} prompt tokens + {max_tokens} to generate "
+                            f"= {n_prompt + max_tokens}, over the model's context of "
+                            f"{self.worker.context} tokens; send a shorter prompt or a smaller max_tokens",
+                       param="messages" if max_tokens else "prompt", code="context_length_exceeded")
+
+    def _prepare(self, kind: str, ids: list[int], max_tokens: int,
+                 req: CompletionRequest | ChatCompletionRequest, stop_ids: list[int],
+                 fmt: ChatFormat | None) -> Prepared:
+        if not ids:
+            raise APIError(400, "the prompt is empty: nothing to feed the model", param="prompt",
+                           code="invalid_value")
+        if max_tokens > MAX_GEN:
+            raise APIError(400, f"max_tokens must be at most {MAX_GEN}, got {max_tokens}",
+                           param="max_tokens", code="invalid_value")
+        if len(ids) + max_tokens > self.worker.context:
+            self._context_error(len(ids), max_tokens)
+        bad = [s for s in stop_ids if not 0 <= s < self.vocab]
+        if bad:
+            raise APIError(400, f"stop token id {bad[0]} is outside the vocabulary 0..{self.vocab - 1}",
+                           param="stop_token_ids", code="invalid_value")
+        fields = {"max_tokens": max_tokens, "temperature": req.temperature, "top_p": req.top_p,
+                  "top_k": req.top_k, "seed": req.seed, "stop_ids": sorted(set(stop_ids)),
+                  "ignore_eos": req.ignore_eos,
+                  "stop": req.stops if fmt is None else []}  # a chat applies them to its response
+        try:
+            params = build(GenerationParams, {k: v for k, v in fields.items() if v is not None})
+        except UsageError as exc:
+            raise APIError(400, str(exc), code="invalid_value") from None
+        sink = TextSink(self.tok, req.stops, fmt)
+        job = Job(ids, params, on_step=sink.on_step)
+        prefix = "cmpl" if kind == "completion" else "chatcmpl"
+        return Prepared(job, sink, len(ids), kind, f"{prefix}-{uuid.uuid4().hex[:24]}",
+                        int(time.time()))
+
+    # ---- running ------------------------------------------------------------------------
+    def run(self, prep: Prepared) -> Outcome:
+        """Run on the worker (blocks; the app calls it on its one engine thread)."""
+        out = self.worker.run(prep.job)
+        if out.finish != "cancelled":
+            prep.sink.finish()
+        return out
+
+    def admit(self, job: Job) -> None:
+        """Count a job in (queued or running); refused once the server is stopping."""
+        with self.lock:
+            if self.stopping:
+                raise APIError(503, "the server is stopping", type_="server_error", code="server_stopping")
+            self.active.add(job)
+
+    def release(self, job: Job) -> None:
+        with self.lock:
+            self.active.discard(job)
+
+    def cancel_all(self) -> None:
+        """Stop: cancel every queued and running job, admit no more."""
+        with self.lock:
+            self.stopping = True
+            for job in self.active:
+                job.cancel.set()
+
+    def extension(self, prep: Prepared, out: Outcome) -> dict[str, Any]:
+        """The ``k3`` field of a response: the ids, the reused prefix, the seed."""
+        return {"prompt_ids": prep.job.prompt_ids, "completion_ids": out.ids,
+                "reused_tokens": out.reused, "seed": out.seed, "seconds": round(out.seconds, 6)}

@@ -1,0 +1,84 @@
+"""The server's worker in process: continuing the resident session gives the same logit
+bytes and ids as a fresh run; cancellation and failures leave it usable."""
+
+from __future__ import annotations
+
+import pytest
+
+from k3core.run.request import GenerationParams
+from k3core.serve.worker import Job, Worker
+
+
+@pytest.fixture()
+def worker(engine):
+    return Worker(engine, 512)
+
+
+def job(ids, n, **kw):
+    return Job(list(ids), GenerationParams(max_tokens=n, **kw))
+
+
+def test_continuing_is_bit_identical_to_a_fresh_pass(worker, engine):
+    first = worker.run(job([3, 1, 4, 1, 5], 5))
+    assert first.reused == 0 and first.ids == engine.generate([3, 1, 4, 1, 5], max_tokens=5).ids
+    longer = [3, 1, 4, 1, 5] + first.ids + [9, 2, 6]
+    cont = worker.run(job(longer, 4))
+    assert cont.reused == 5 + len(first.ids) - 1
+    assert worker.session.last.first_logits.tobytes() == engine.logits(longer).tobytes()
+    assert cont.ids == engine.generate(longer, max_tokens=4).ids
+    # the prompt replaces the pending id with another one: everything before it is reused
+    swapped = longer + cont.ids[:-1] + [(cont.ids[-1] + 1) % 1000]
+    again = worker.run(job(swapped, 3))
+    assert again.reused == len(longer) + len(cont.ids) - 1
+    assert worker.session.last.first_logits.tobytes() == engine.logits(swapped).tobytes()
+    assert again.ids == engine.generate(swapped, max_tokens=3).ids
+
+
+def test_sampling_through_the_worker_matches_the_python_api(worker, engine):
+    out = worker.run(job([8, 8, 8], 6, temperature=0.9, top_k=50, seed=7))
+    assert out.seed == 7
+    assert out.ids == engine.generate([8, 8, 8], max_tokens=6, temperature=0.9, top_k=50, seed=7).ids
+
+
+def test_a_cancelled_job_leaves_a_session_to_continue(worker, engine):
+    j = job([2, 7, 1, 8], 50)
+    seen = []
+
+    def on_step(step, piece):
+        if step is not None:
+            seen.append(step.token)
+            if len(seen) == 3:
+                j.cancel.set()
+        return True
+
+    j.on_step = on_step
+    out = worker.run(j)
+    assert out.finish == "cancelled" and out.ids == seen and len(seen) == 3
+    assert worker.cancelled == 1 and worker.last["finish"] == "cancelled"
+    longer = [2, 7, 1, 8] + out.ids + [5]
+    cont = worker.run(job(longer, 3))
+    assert cont.reused == len(longer) - 2
+    assert cont.ids == engine.generate(longer, max_tokens=3).ids
+
+
+def test_a_failure_drops_the_session(worker, engine):
+    j = job([1, 2, 3], 5)
+
+    def boom(step, piece):
+        raise RuntimeError("client callback failed")
+
+    j.on_step = boom
+    with pytest.raises(RuntimeError):
+        worker.run(j)
+    assert worker.session.positions == 0
+    out = worker.run(job([1, 2, 3, 4], 2))
+    assert out.reused == 0 and out.ids == engine.generate([1, 2, 3, 4], max_tokens=2).ids
+
+
+def test_a_prompt_over_the_context_is_refused_before_anything_runs(worker):
+    from k3core.api.errors import UsageError
+
+    with pytest.raises(UsageError, match="context"):
+        worker.run(job([1] * 500, 20))
+    with pytest.raises(UsageError, match="empty"):
+        worker.run(job([], 2))
