@@ -22,6 +22,9 @@ compare its logits byte for byte (full recompute and incremental decoding), and 
 and 3 threads with every parallel path forced (``KernelBackend.set_force_parallel``), since
 the small models would otherwise stay below every backend's threading threshold.
 
+The fused products (``matmul_many``, ``situ_mlp``) are compared with the reference's
+single ops (a backend that does not fuse them inherits exactly those).
+
 Subclasses may override :attr:`KernelConformance.THREADS` and ``FORCED_THREADS``.
 """
 
