@@ -299,7 +299,7 @@ class KernelConformance:
         the reference's single products; no input is modified."""
         rng = _rng("many", T)
         x = activations(rng, (T, 96))
-        ws = [bf16_bits(rng, (5, 96), finite=True), bf16_bits(rng, (33, 96), finite=True),
+        ws: list[Any] = [bf16_bits(rng, (5, 96), finite=True), bf16_bits(rng, (33, 96), finite=True),
               activations(rng, (3, 96), scale=0.05), self._mx(rng, 7, 96), self._mx(rng, 2, 96),
               bf16_bits(rng, (1, 96), finite=True)]
         before = _snapshot(x, *ws)
