@@ -2,6 +2,7 @@
  * generated contract constants (from k3core/api/contract.py) in front of this file. */
 #include "k3avx2_runtime.c"
 #include "k3avx2_pool.c"
+#include "k3avx2_vexp512.c"
 #include "k3avx2_matmul512.c"
 #include "k3avx2_matmul.c"
 #include "k3avx2_elementwise.c"

@@ -44,6 +44,10 @@ void k3_exp(const float *x, int64_t n, float *y) {
 
 /* f32((b1 * tanh_d(g / b1) * sig_d(g)) * (b2 * tanh_d(u / b2))), float64 left to right. */
 void k3_situ_glu(const float *g, const float *u, int64_t n, double b1, double b2, float *y) {
+    const int64_t blocks = (n + 255) / 256;
     K3_PARALLEL_FOR(K3_BIG(n, K3_PAR_ELEMENTS))
-    for (int64_t i = 0; i < n; ++i) y[i] = k3_situ_f(g[i], u[i], b1, b2);
+    for (int64_t b = 0; b < blocks; ++b) {
+        const int64_t i = 256 * b, len = n - i < 256 ? n - i : 256;
+        k3__situ(g + i, u + i, len, b1, b2, y + i);
+    }
 }

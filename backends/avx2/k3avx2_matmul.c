@@ -67,6 +67,15 @@ int k3_use_avx512(int on) {
  * MXFP4 kernel: register j holds columns 4j + {0, 2, 1, 3}. */
 static const int MX_PERM[4] = {0, 2, 1, 3};
 
+/* y = situ(g, u) elementwise: eight lanes at a time on AVX-512 (k3avx2_vexp512.c). */
+static void k3__situ(const float *g, const float *u, int64_t n, double b1, double b2, float *y) {
+    if (g_avx512) {
+        k3__situ512(g, u, n, b1, b2, y);
+        return;
+    }
+    for (int64_t i = 0; i < n; ++i) y[i] = k3_situ_f(g[i], u[i], b1, b2);
+}
+
 /* ---- activations widened once per token block --------------------------------------- */
 /* xd[t, :] = d(x[t, :]) for n tokens, padded with +0.0 to a multiple of 32; `perm` applies
  * MX_PERM. */
@@ -363,7 +372,7 @@ typedef struct {
 
 static void situ_job_fn(void *ctx, int64_t b, int64_t e) {
     const situ_job *j = (const situ_job *)ctx;
-    for (int64_t i = b; i < e; ++i) j->a[i] = k3_situ_f(j->h1[i], j->h3[i], j->b1, j->b2);
+    k3__situ(j->h1 + b, j->h3 + b, e - b, j->b1, j->b2, j->a + b);
 }
 
 /* ---- the SiTU MLP in one call -----------------------------------------------------------

@@ -26,6 +26,9 @@ once more at 1, 2 and 3 threads with every parallel path forced
 (``KernelBackend.set_force_parallel``), since they would otherwise stay below every
 backend's threading threshold.
 
+The fused products (``matmul_many``, ``situ_mlp``) are compared with the reference's
+single ops (a backend that does not fuse them inherits exactly those).
+
 Subclasses may override :attr:`KernelConformance.THREADS` and ``FORCED_THREADS``.
 """
 
@@ -302,7 +305,7 @@ class KernelConformance:
         the reference's single products; no input is modified."""
         rng = _rng("many", T)
         x = activations(rng, (T, 96))
-        ws = [bf16_bits(rng, (5, 96), finite=True), bf16_bits(rng, (33, 96), finite=True),
+        ws: list[Any] = [bf16_bits(rng, (5, 96), finite=True), bf16_bits(rng, (33, 96), finite=True),
               activations(rng, (3, 96), scale=0.05), self._mx(rng, 7, 96), self._mx(rng, 2, 96),
               bf16_bits(rng, (1, 96), finite=True)]
         before = _snapshot(x, *ws)
