@@ -80,7 +80,7 @@ _CHILD = textwrap.dedent(
     b = NumbaBackend(threads=3, force_parallel=True)
     assert b.threads == 3, b.threads
     out = {}
-    for model in ("oracle", "tiny-flat"):
+    for model in ("float32", "released"):
         for inc in (False, True):
             net, prompt = kc._build_model(model, b)
             logits = kc._decode_logits(net, prompt, inc)
@@ -102,7 +102,7 @@ def test_numba_three_threads_forced_whole_models() -> None:
                          timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     got = json.loads(res.stdout.strip().splitlines()[-1])
-    for model in ("oracle", "tiny-flat"):
+    for model in ("float32", "released"):
         for inc in (False, True):
             want = [hashlib.sha256(a.tobytes()).hexdigest() for a in kc._reference_logits(model, inc)]
             assert got[f"{model}-{inc}"] == want, (model, inc)
