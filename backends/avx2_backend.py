@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -28,6 +29,7 @@ from k3_backends import avx2_probe
 from numpy.typing import NDArray
 
 from k3.plugin import F32, U16, KernelBackend, KernelBackendSpec, Mxfp4, PluginError, hookimpl
+from k3core.api.kernels import force_parallel_from_env
 
 _ENOMEM = -1
 
@@ -78,7 +80,7 @@ def _inplace(op: str, name: str, a: Any) -> NDArray[np.float32]:
     return a
 
 
-#: the thread count this OS thread last gave the C library (mirrors its per-thread state)
+#: the (thread count, forced) this OS thread last gave the C library (its per-thread state)
 _LAST_SET = threading.local()
 
 
@@ -87,7 +89,7 @@ class Avx2Backend(KernelBackend):
 
     name = "avx2"
 
-    def __init__(self, threads: int | None = None) -> None:
+    def __init__(self, threads: int | None = None, force_parallel: bool | None = None) -> None:
         cpu = avx2_probe.check_cpu()
         if not cpu.ok:
             raise PluginError(f"kernel backend 'avx2' is not available here: {cpu.reason}",
@@ -102,6 +104,7 @@ class Avx2Backend(KernelBackend):
             ) from exc
         self._ffi = mod.ffi
         self._lib = mod.lib
+        self._forced = force_parallel_from_env() if force_parallel is None else bool(force_parallel)
         self.set_threads(default_threads() if threads is None else threads)
 
     # --- threads -----------------------------------------------------------------------
@@ -110,11 +113,21 @@ class Avx2Backend(KernelBackend):
             raise ValueError(f"avx2: thread count must be an integer >= 1, got {n!r}")
         self._threads = int(n)
         self._lib.k3_set_threads(self._threads)
-        _LAST_SET.n = self._threads
+        self._lib.k3_set_force_parallel(1 if self._forced else 0)
+        _LAST_SET.n = (self._threads, self._forced)
 
     @property
     def threads(self) -> int:
         return self._threads
+
+    def set_force_parallel(self, on: bool) -> None:
+        self._forced = bool(on)
+        self._lib.k3_set_force_parallel(1 if self._forced else 0)
+        _LAST_SET.n = (self._threads, self._forced)
+
+    @property
+    def parallel_forced(self) -> bool:
+        return self._forced
 
     # --- plumbing ----------------------------------------------------------------------
     def _p(self, ctype: str, a: np.ndarray) -> Any:
@@ -137,9 +150,11 @@ class Avx2Backend(KernelBackend):
         # the C library keeps the count per calling OS thread; set it before a call whenever
         # this OS thread last set another count (backends with different counts, several
         # Python threads), and skip the foreign call on the decode loop's hot path otherwise
-        if getattr(_LAST_SET, "n", None) != self._threads:
+        mine = (self._threads, self._forced)
+        if getattr(_LAST_SET, "n", None) != mine:
             self._lib.k3_set_threads(self._threads)
-            _LAST_SET.n = self._threads
+            self._lib.k3_set_force_parallel(1 if self._forced else 0)
+            _LAST_SET.n = mine
 
     # --- matrix products -----------------------------------------------------------------
     def _matmul_x(self, x: Any, cols: int) -> NDArray[np.float32]:
@@ -201,6 +216,92 @@ class Avx2Backend(KernelBackend):
                 self._p("float[]", x), x.shape[0], self._out("float[]", out),
             )
             self._check(rc, "matmul_mxfp4")
+        return out
+
+    # --- fused products ----------------------------------------------------------------------
+    def _kind(self, w: Any) -> int | None:
+        """0 bf16, 1 float32, 2 MXFP4 for a well-formed C-contiguous weight, else None."""
+        if isinstance(w, Mxfp4):
+            p, sc = w.packed, w.scales
+            ok = (isinstance(p, np.ndarray) and isinstance(sc, np.ndarray) and p.dtype == np.uint8
+                  and sc.dtype == np.uint8 and p.ndim == 2 and p.flags.c_contiguous
+                  and sc.flags.c_contiguous and p.shape[1] % 16 == 0
+                  and sc.shape == (p.shape[0], p.shape[1] // 16))
+            return 2 if ok else None
+        if isinstance(w, np.ndarray) and w.ndim == 2 and w.flags.c_contiguous:
+            return {np.dtype(np.uint16): 0, np.dtype(np.float32): 1}.get(w.dtype)
+        return None
+
+    def _wptrs(self, w: Any, keep: list[Any]) -> tuple[Any, Any]:
+        if isinstance(w, Mxfp4):
+            a, b = self._p("uint8_t[]", w.packed), self._p("uint8_t[]", w.scales)
+            keep += [a, b]
+            return self._ffi.cast("void *", a), self._ffi.cast("uint8_t *", b)
+        a = self._p("uint8_t[]", w.view(np.uint8))
+        keep.append(a)
+        return self._ffi.cast("void *", a), self._ffi.NULL
+
+    def matmul_many(self, ws: Sequence[U16 | F32 | Mxfp4], x: F32) -> list[F32]:
+        """One C call per group of weights of one kind (bf16, float32, MXFP4) and width."""
+        groups: dict[tuple[int | None, int], list[int]] = {}
+        for i, w in enumerate(ws):
+            groups.setdefault((self._kind(w), int(w.shape[1])), []).append(i)
+        out: list[Any] = [None] * len(ws)
+        for (kind, _), members in groups.items():
+            if kind is None or len(members) < 2:
+                for i in members:
+                    out[i] = self.matmul(ws[i], x)
+                continue
+            for j in range(0, len(members), 16):
+                part = members[j : j + 16]
+                for i, y in zip(part, self._matmul_group(kind, [ws[i] for i in part], x),
+                                strict=True):
+                    out[i] = y
+        return out
+
+    def _matmul_group(self, kind: int, ws: list[Any], x: F32) -> list[F32]:
+        shapes = [w.shape for w in ws]
+        cols = shapes[0][1]
+        x = self._matmul_x(x, cols)
+        outs = [np.empty((x.shape[0], r), dtype=np.float32) for r, _ in shapes]
+        if x.shape[0] == 0:
+            return outs
+        if any(o.size == 0 for o in outs):
+            return [self.matmul(w, x) for w in ws]
+        keep: list[Any] = []
+        ptrs = [self._wptrs(w, keep) for w in ws]
+        ffi = self._ffi
+        self._sync_threads()
+        rc = self._lib.k3_matmul_many(
+            kind, len(ws), ffi.new("void *[]", [p for p, _ in ptrs]),
+            ffi.new("uint8_t *[]", [s for _, s in ptrs]) if kind == 2 else ffi.NULL,
+            ffi.new("int64_t[]", [r for r, _ in shapes]), cols, self._p("float[]", x),
+            x.shape[0], ffi.new("float *[]", [self._out("float[]", o) for o in outs]),
+        )
+        self._check(rc, "matmul_many")
+        return outs
+
+    def situ_mlp(
+        self, w1: U16 | F32 | Mxfp4, w3: U16 | F32 | Mxfp4, w2: U16 | F32 | Mxfp4, x: F32,
+        b1: float, b2: float,
+    ) -> F32:
+        kinds = {self._kind(w) for w in (w1, w3, w2)}
+        inter, cols = w1.shape
+        out_rows = w2.shape[0]
+        if (len(kinds) != 1 or None in kinds or w3.shape != (inter, cols)
+                or w2.shape[1] != inter or min(inter, cols, out_rows) == 0):
+            return super().situ_mlp(w1, w3, w2, x, b1, b2)
+        x = self._matmul_x(x, cols)
+        out = np.empty((x.shape[0], out_rows), dtype=np.float32)
+        if x.shape[0] == 0:
+            return out
+        keep: list[Any] = []
+        (p1, s1), (p3, s3), (p2, s2) = (self._wptrs(w, keep) for w in (w1, w3, w2))
+        self._sync_threads()
+        rc = self._lib.k3_situ_mlp(kinds.pop(), p1, s1, p3, s3, p2, s2, inter, cols, out_rows,
+                                   self._p("float[]", x), x.shape[0], float(b1), float(b2),
+                                   self._out("float[]", out))
+        self._check(rc, "situ_mlp")
         return out
 
     # --- normalisation and activations ---------------------------------------------------

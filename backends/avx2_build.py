@@ -33,7 +33,7 @@ SRC = HERE / "avx2"
 ROOT = HERE.parent
 MODULE = "k3_backends._k3avx2"
 CFLAGS = ["-std=gnu11", "-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fno-fast-math", "-fopenmp"]
-LDFLAGS = ["-fopenmp"]
+LDFLAGS = ["-fopenmp", "-pthread"]
 SOURCES = sorted(p.name for p in SRC.glob("*.[ch]"))
 
 

@@ -40,6 +40,7 @@ from k3.plugin import (
     Mxfp4,
     hookimpl,
 )
+from k3core.api.kernels import force_parallel_from_env
 
 _INSTALL_HINT = "pip install numba"
 #: Bytes of weights (or equivalent work) per thread below which extra threads are not woken.
@@ -117,13 +118,21 @@ class NumbaBackend(KernelBackend):
 
     ``parallel_grain``: bytes of work per thread below which a kernel runs on fewer threads
     (0 splits every kernel across all ``threads``; the tests use it to exercise the split).
+    ``force_parallel`` (default: ``K3_FORCE_PARALLEL``) is the same as a grain of 0 while it
+    is on (:meth:`set_force_parallel`).
     """
 
     name = "numba"
 
-    def __init__(self, threads: int | None = None, parallel_grain: int = PARALLEL_GRAIN) -> None:
+    def __init__(
+        self,
+        threads: int | None = None,
+        parallel_grain: int = PARALLEL_GRAIN,
+        force_parallel: bool | None = None,
+    ) -> None:
         self._k = _kernels()
         self._grain = max(0, int(parallel_grain))
+        self._forced = force_parallel_from_env() if force_parallel is None else bool(force_parallel)
         if not self._k.bits.subnormals_honoured():
             raise K3Error(
                 "the numba backend needs IEEE subnormals, but denormals-are-zero is switched on "
@@ -144,6 +153,13 @@ class NumbaBackend(KernelBackend):
     def threads(self) -> int:
         return self._threads
 
+    def set_force_parallel(self, on: bool) -> None:
+        self._forced = bool(on)
+
+    @property
+    def parallel_forced(self) -> bool:
+        return self._forced
+
     def _run(self, kernel: Any, work: int, *args: Any) -> None:
         """Launch ``kernel(*args)``. A parallel kernel (``Twins``) gets about one thread per
         ``parallel_grain`` bytes of ``work``, at most ``threads``; with one thread its serial
@@ -153,7 +169,7 @@ class NumbaBackend(KernelBackend):
         if not isinstance(kernel, self._k.jit.Twins):
             kernel(*args)
             return
-        if self._grain == 0:
+        if self._grain == 0 or self._forced:
             n = self._threads
         else:
             n = max(1, min(self._threads, work // self._grain))

@@ -13,6 +13,10 @@
 
 /* ---- runtime ------------------------------------------------------------------ */
 void k3_set_threads(int n);
+void k3_set_force_parallel(int on);
+long long k3_parallel_regions(void);
+int k3_has_avx512(void);
+int k3_use_avx512(int on);
 int k3_contract_values(double *out, int cap);
 int k3_gil_rendezvous(int parties, double timeout_s);
 double k3_read_bandwidth(const uint8_t *buf, size_t nbytes, int repeat, uint64_t *checksum);
@@ -24,6 +28,15 @@ int k3_matmul_f32(const float *w, int64_t rows, int64_t cols,
                   const float *x, int64_t T, float *y);
 int k3_matmul_mxfp4(const uint8_t *packed, const uint8_t *scales, int64_t rows, int64_t cols,
                     const float *x, int64_t T, float *y);
+/* n (1..16) matrices of one kind (0 bf16, 1 f32, 2 MXFP4; scales NULL unless MXFP4) over the
+ * same x[T, cols], in one parallel region: y[i][t, o] as k3_matmul_* would give. */
+int k3_matmul_many(int kind, int n, void **w, uint8_t **scales, const int64_t *rows, int64_t cols,
+                   const float *x, int64_t T, float **y);
+/* y[T, out_rows] = W2 . situ_glu(W1 . x, W3 . x, b1, b2) (W1, W3: [inter, cols]; W2:
+ * [out_rows, inter]), exactly the separate calls' bits, in one parallel region. */
+int k3_situ_mlp(int kind, const void *w1, const uint8_t *s1, const void *w3, const uint8_t *s3,
+                const void *w2, const uint8_t *s2, int64_t inter, int64_t cols, int64_t out_rows,
+                const float *x, int64_t T, double b1, double b2, float *y);
 
 /* ---- normalisation and activations (x viewed as [rows, m] or flat [n]) ------------- */
 void k3_rmsnorm(const float *x, int64_t rows, int64_t m, const float *w, double eps, float *y);

@@ -6,7 +6,7 @@
 /* ---- shortconv: per channel, float32 ------------------------------------------------- */
 void k3_shortconv(const float *x, int64_t T, int64_t C, const float *w, int64_t K, float *hist,
                   float *y) {
-    K3_PARALLEL_FOR(C * T * K >= K3_PAR_ELEMENTS)
+    K3_PARALLEL_FOR(K3_BIG(C * T * K, K3_PAR_ELEMENTS))
     for (int64_t c = 0; c < C; ++c) {
         const float *wc = w + c * K;
         float *hc = hist + c * (K - 1);
@@ -27,7 +27,7 @@ void k3_shortconv(const float *x, int64_t T, int64_t C, const float *w, int64_t 
 void k3_kda_gate(const float *z, int64_t T, int64_t H, int64_t D, const float *dt_bias,
                  const float *a_log, double lower_bound, float *y) {
     const int64_t P = H * D;
-    K3_PARALLEL_FOR(T * P >= K3_PAR_ELEMENTS)
+    K3_PARALLEL_FOR(K3_BIG(T * P, K3_PAR_ELEMENTS))
     for (int64_t tp = 0; tp < T * H; ++tp) {
         int64_t t = tp / H, h = tp % H;
         double a = k3_exp_d((double)a_log[h]);
@@ -67,7 +67,7 @@ int k3_kda_recurrent(const float *q, const float *k, const float *v, const float
                      const float *beta, int64_t T, int64_t H, int64_t Dk, int64_t Dv,
                      float *state, float *out) {
     int err = 0;
-#pragma omp parallel num_threads(k3__threads()) if (T * H * Dk * Dv >= K3_PAR_ATTENTION)
+#pragma omp parallel num_threads(k3__threads()) if (K3_BIG(T * H * Dk * Dv, K3_PAR_ATTENTION))
     {
         double *acc = (double *)k3__alloc((size_t)(32 * Dv) * sizeof(double));
         float *u = (float *)k3__alloc((size_t)Dv * sizeof(float) * 2);
@@ -166,7 +166,7 @@ int k3_mla_attention(const float *q, const float *k_nope, const float *k_rope, c
     (void)S; /* the caller checked pos0 + T <= S */
     const int64_t npos = pos0 + T, qh = n + r;
     int err = 0;
-#pragma omp parallel num_threads(k3__threads()) if (T * H * npos * qh >= K3_PAR_ATTENTION)
+#pragma omp parallel num_threads(k3__threads()) if (K3_BIG(T * H * npos * qh, K3_PAR_ATTENTION))
     {
         float *score = (float *)k3__alloc((size_t)npos * sizeof(float) * 2);
         double *e = (double *)k3__alloc((size_t)npos * sizeof(double));
@@ -204,7 +204,7 @@ int k3_mla_attention(const float *q, const float *k_nope, const float *k_rope, c
 int k3_attn_res(const float *src, int64_t S, int64_t T, int64_t E, const float *fold, double eps,
                 float *out) {
     int err = 0;
-#pragma omp parallel num_threads(k3__threads()) if (S * T * E >= K3_PAR_ATTENTION)
+#pragma omp parallel num_threads(k3__threads()) if (K3_BIG(S * T * E, K3_PAR_ATTENTION))
     {
         float *key = (float *)k3__alloc((size_t)E * sizeof(float));
         float *score = (float *)k3__alloc((size_t)S * sizeof(float) * 2);

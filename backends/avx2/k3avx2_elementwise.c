@@ -5,7 +5,7 @@
 
 /* inv = f32(1 / sqrt(lsum(d(x)^2) / m + eps)); y = x * inv (float32), then * w. */
 void k3_rmsnorm(const float *x, int64_t rows, int64_t m, const float *w, double eps, float *y) {
-    K3_PARALLEL_FOR(rows * m >= K3_PAR_ROWS)
+    K3_PARALLEL_FOR(K3_BIG(rows * m, K3_PAR_ROWS))
     for (int64_t r = 0; r < rows; ++r) {
         const float *xr = x + r * m;
         float *yr = y + r * m;
@@ -18,7 +18,7 @@ void k3_rmsnorm(const float *x, int64_t rows, int64_t m, const float *w, double 
 
 /* inv = f32(1 / sqrt(lsum(d(x)^2) + L2_EPS)); y = x * inv. */
 void k3_l2norm(const float *x, int64_t rows, int64_t m, float *y) {
-    K3_PARALLEL_FOR(rows * m >= K3_PAR_ROWS)
+    K3_PARALLEL_FOR(K3_BIG(rows * m, K3_PAR_ROWS))
     for (int64_t r = 0; r < rows; ++r) {
         const float *xr = x + r * m;
         float *yr = y + r * m;
@@ -28,27 +28,26 @@ void k3_l2norm(const float *x, int64_t rows, int64_t m, float *y) {
 }
 
 void k3_sigmoid(const float *x, int64_t n, float *y) {
-    K3_PARALLEL_FOR(n >= K3_PAR_ELEMENTS)
+    K3_PARALLEL_FOR(K3_BIG(n, K3_PAR_ELEMENTS))
     for (int64_t i = 0; i < n; ++i) y[i] = (float)k3_sig_d((double)x[i]);
 }
 
 void k3_silu(const float *x, int64_t n, float *y) {
-    K3_PARALLEL_FOR(n >= K3_PAR_ELEMENTS)
+    K3_PARALLEL_FOR(K3_BIG(n, K3_PAR_ELEMENTS))
     for (int64_t i = 0; i < n; ++i) y[i] = k3_silu_f(x[i]);
 }
 
 void k3_exp(const float *x, int64_t n, float *y) {
-    K3_PARALLEL_FOR(n >= K3_PAR_ELEMENTS)
+    K3_PARALLEL_FOR(K3_BIG(n, K3_PAR_ELEMENTS))
     for (int64_t i = 0; i < n; ++i) y[i] = (float)k3_exp_d((double)x[i]);
 }
 
 /* f32((b1 * tanh_d(g / b1) * sig_d(g)) * (b2 * tanh_d(u / b2))), float64 left to right. */
 void k3_situ_glu(const float *g, const float *u, int64_t n, double b1, double b2, float *y) {
-    K3_PARALLEL_FOR(n >= K3_PAR_ELEMENTS)
-    for (int64_t i = 0; i < n; ++i) {
-        double gd = (double)g[i], ud = (double)u[i];
-        double a = b1 * k3_tanh_d(gd / b1) * k3_sig_d(gd);
-        double c = b2 * k3_tanh_d(ud / b2);
-        y[i] = (float)(a * c);
+    const int64_t blocks = (n + 255) / 256;
+    K3_PARALLEL_FOR(K3_BIG(n, K3_PAR_ELEMENTS))
+    for (int64_t b = 0; b < blocks; ++b) {
+        const int64_t i = 256 * b, len = n - i < 256 ? n - i : 256;
+        k3__situ(g + i, u + i, len, b1, b2, y + i);
     }
 }

@@ -30,19 +30,30 @@ _Static_assert(K3C_MXFP4_GROUP == 32, "the MXFP4 kernel assumes one scale per 32
 
 /* ---- threads ------------------------------------------------------------------ */
 int k3__threads(void);
+/* 1 when the calling thread asked for every parallel path regardless of the thresholds
+ * below (k3_set_force_parallel: the conformance tests use it so that the small test models
+ * really run the multi-threaded code). */
+int k3__forced(void);
 /* Parallel-for over independent outputs; `work` says whether spawning threads pays off.
  * Results never depend on the thread count: each output is computed by one thread. */
 /* Work (multiply-adds or elements times ~their cost) below which an op runs on the calling
  * thread: a parallel region costs microseconds on an idle machine, and far more on a busy
  * one, where every team member must be scheduled before the region can end. Every big
  * op of the real model is far above these; the tiny test models stay serial. */
-#define K3_PAR_MATMUL (INT64_C(1) << 21)    /* rows * cols * tokens */
+#define K3_PAR_MATMUL (INT64_C(1) << 17)    /* rows * cols * tokens (on the pool: cheap) */
 #define K3_PAR_ELEMENTS (INT64_C(1) << 15)  /* transcendental elements */
 #define K3_PAR_ROWS (INT64_C(1) << 17)      /* norm elements */
 #define K3_PAR_ATTENTION (INT64_C(1) << 20) /* lane-sum terms of an attention op */
+/* Whether `work` reaches `threshold`, or the thresholds are switched off (k3__forced);
+ * counts the regions that will run on more than one thread (k3_parallel_regions). */
+int k3__par(int big);
+#define K3_BIG(work, threshold) k3__par((work) >= (threshold) || k3__forced())
 #define K3_PRAGMA(x) _Pragma(#x)
-#define K3_PARALLEL_FOR(work) \
-    K3_PRAGMA(omp parallel for num_threads(k3__threads()) schedule(static) if(work))
+#define K3_PARALLEL_FOR(cond) \
+    K3_PRAGMA(omp parallel for num_threads(k3__threads()) schedule(static) if(cond))
+
+/* The storage kinds of a matrix product's weights. */
+enum k3_wkind { K3_W_BF16, K3_W_F32, K3_W_MXFP4 };
 
 void *k3__alloc(size_t bytes); /* 64-byte aligned, NULL on failure */
 void k3__free(void *p);
@@ -93,6 +104,14 @@ static inline double k3_sig_d(double x) { return 1.0 / (1.0 + k3_exp_d(-x)); }
 static inline float k3_silu_f(float x) {
     double xd = (double)x;
     return (float)(xd * k3_sig_d(xd));
+}
+
+/* f32((b1 * tanh_d(g / b1) * sig_d(g)) * (b2 * tanh_d(u / b2))), float64 left to right. */
+static inline float k3_situ_f(float g, float u, double b1, double b2) {
+    double gd = (double)g, ud = (double)u;
+    double a = b1 * k3_tanh_d(gd / b1) * k3_sig_d(gd);
+    double c = b2 * k3_tanh_d(ud / b2);
+    return (float)(a * c);
 }
 
 /* ---- the lane sum ------------------------------------------------------------------- */

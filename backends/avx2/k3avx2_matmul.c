@@ -8,12 +8,19 @@
  * Threads split the rows (each output element is computed by exactly one thread).
  *
  * Each row is streamed once per block of tokens (T == 1, the decode case, is bandwidth
- * bound); the other tokens of a block find the row in cache.
+ * bound); the other tokens of a block find the row in cache. On AVX-512 CPUs several tokens
+ * go through k3avx2_matmul512.c (one decode per chunk for four tokens).
+ *
+ * The lane update acc + w*x is one FMA: w*x is exact in float64 (a float32 times a bf16,
+ * float32 or MXFP4 value), so rounding the sum once is what the contract's separate
+ * multiply (exact) and add (rounded) give (docs/kernel-contract.md section 2).
  */
 #include "k3avx2_internal.h"
 
 #define ROUND32(n) (((n) + 31) & ~(int64_t)31)
-#define XBLOCK_BYTES (1 << 20) /* float64 activations kept in L2 per token block */
+/* float64 activations per token block: well inside L2 (1 MiB on Zen 4) beside the weight
+ * rows streaming through, so the multi-token kernels read them from L2, not L3 */
+#define XBLOCK_BYTES (256 << 10)
 /* Software prefetch into L2 this many bytes ahead of the weight stream. Measured on a
  * Zen 4 core: the hardware prefetchers alone leave a 1-thread bf16 matvec at ~60% of its
  * in-cache speed; an L2 prefetch 4 KiB ahead brings it to ~90% (docs/avx2-backend.md). */
@@ -29,6 +36,8 @@ static uint8_t TLO[256][16] __attribute__((aligned(16)));
 static uint8_t THI[256][16] __attribute__((aligned(16)));
 static double WVAL[256][16]; /* the float64 values themselves (scalar fallback) */
 static int g_tables_exact = 0;
+static int g_avx512 = 0;
+int k3_use_avx512(int on); /* the CPU runs the AVX-512 multi-token kernels (k3avx2_matmul512.c) */
 
 __attribute__((constructor)) static void k3__mxfp4_tables(void) {
     int exact = 1;
@@ -43,11 +52,29 @@ __attribute__((constructor)) static void k3__mxfp4_tables(void) {
             THI[b][c] = (uint8_t)(bits >> 56);
         }
     g_tables_exact = exact;
+    g_avx512 = k3_use_avx512(1);
+}
+
+/* Use the AVX-512 multi-token kernels when `on` and the CPU has them; returns whether they
+ * are used now (a switch for the tests and the benchmark: both paths give the same bits). */
+int k3_use_avx512(int on) {
+    __builtin_cpu_init();
+    g_avx512 = on && k3_has_avx512() && __builtin_cpu_supports("avx512dq");
+    return g_avx512;
 }
 
 /* Order of the columns of one 32-column group inside the 8 accumulator registers of the
  * MXFP4 kernel: register j holds columns 4j + {0, 2, 1, 3}. */
 static const int MX_PERM[4] = {0, 2, 1, 3};
+
+/* y = situ(g, u) elementwise: eight lanes at a time on AVX-512 (k3avx2_vexp512.c). */
+static void k3__situ(const float *g, const float *u, int64_t n, double b1, double b2, float *y) {
+    if (g_avx512) {
+        k3__situ512(g, u, n, b1, b2, y);
+        return;
+    }
+    for (int64_t i = 0; i < n; ++i) y[i] = k3_situ_f(g[i], u[i], b1, b2);
+}
 
 /* ---- activations widened once per token block --------------------------------------- */
 /* xd[t, :] = d(x[t, :]) for n tokens, padded with +0.0 to a multiple of 32; `perm` applies
@@ -65,7 +92,7 @@ static void widen_x(double *xd, const float *x, int64_t n, int64_t cols, int64_t
 
 static int64_t token_block(int64_t T, int64_t cp) {
     int64_t tb = XBLOCK_BYTES / (cp * (int64_t)sizeof(double));
-    if (tb < 1) tb = 1;
+    if (tb < 4) tb = 4; /* the multi-token kernels take four tokens per pass over a row */
     return tb < T ? tb : T;
 }
 
@@ -76,16 +103,15 @@ static inline void chunk_bf16(k3_lanes *L, const uint16_t *w, const double *x) {
         __m128i v = _mm_loadu_si128((const __m128i *)(w + 8 * q));
         __m256d lo = _mm256_cvtps_pd(_mm_castsi128_ps(_mm_unpacklo_epi16(z, v)));
         __m256d hi = _mm256_cvtps_pd(_mm_castsi128_ps(_mm_unpackhi_epi16(z, v)));
-        L->a[2 * q] = _mm256_add_pd(L->a[2 * q], _mm256_mul_pd(_mm256_loadu_pd(x + 8 * q), lo));
-        L->a[2 * q + 1] =
-            _mm256_add_pd(L->a[2 * q + 1], _mm256_mul_pd(_mm256_loadu_pd(x + 8 * q + 4), hi));
+        L->a[2 * q] = _mm256_fmadd_pd(_mm256_loadu_pd(x + 8 * q), lo, L->a[2 * q]);
+        L->a[2 * q + 1] = _mm256_fmadd_pd(_mm256_loadu_pd(x + 8 * q + 4), hi, L->a[2 * q + 1]);
     }
 }
 
 static inline void chunk_f32(k3_lanes *L, const float *w, const double *x) {
     for (int k = 0; k < 8; ++k) {
         __m256d wv = _mm256_cvtps_pd(_mm_loadu_ps(w + 4 * k));
-        L->a[k] = _mm256_add_pd(L->a[k], _mm256_mul_pd(_mm256_loadu_pd(x + 4 * k), wv));
+        L->a[k] = _mm256_fmadd_pd(_mm256_loadu_pd(x + 4 * k), wv, L->a[k]);
     }
 }
 
@@ -129,7 +155,7 @@ static inline void decode_group_scalar(double *out, const uint8_t *pk, int b) {
 
 static inline void add_group(k3_lanes *L, const __m256d q[8], const double *xp) {
     for (int k = 0; k < 8; ++k)
-        L->a[k] = _mm256_add_pd(L->a[k], _mm256_mul_pd(_mm256_loadu_pd(xp + 4 * k), q[k]));
+        L->a[k] = _mm256_fmadd_pd(_mm256_loadu_pd(xp + 4 * k), q[k], L->a[k]);
 }
 
 /* Fold lanes stored in MX_PERM order: slot s of register j is lane 4j + MX_PERM[s]. The
@@ -205,50 +231,190 @@ static inline float row_mxfp4(const uint8_t *pk, const uint8_t *sc, int64_t grou
 }
 
 /* ---- drivers ---------------------------------------------------------------------------- */
-enum wkind { W_BF16, W_F32, W_MXFP4 };
 
-static inline float row_dot(enum wkind kind, const void *w, const uint8_t *scales, int64_t o,
+static inline float row_dot(enum k3_wkind kind, const void *w, const uint8_t *scales, int64_t o,
                             int64_t cols, const double *x) {
-    if (kind == W_BF16) return row_bf16((const uint16_t *)w + o * cols, cols, x);
-    if (kind == W_F32) return row_f32((const float *)w + o * cols, cols, x);
+    if (kind == K3_W_BF16) return row_bf16((const uint16_t *)w + o * cols, cols, x);
+    if (kind == K3_W_F32) return row_f32((const float *)w + o * cols, cols, x);
     return row_mxfp4((const uint8_t *)w + o * (cols / 2), scales + o * (cols / 32), cols / 32, x);
 }
 
-static int matmul(enum wkind kind, const void *w, const uint8_t *scales, int64_t rows,
-                  int64_t cols, const float *x, int64_t T, float *y) {
+/* Row o of one matrix for the nt tokens of a widened block (xd: nt x cp; y: the block's
+ * first token, y[t * rows + o]). */
+static inline void do_row(enum k3_wkind kind, int blocked, const void *w, const uint8_t *sc,
+                          int64_t o, int64_t rows, int64_t cols, int64_t cp, const double *xd,
+                          int64_t nt, float *y) {
+    if (blocked) {
+        if (kind == K3_W_BF16)
+            k3__row512_bf16(w, sc, o, rows, cols, cp, xd, nt, y);
+        else if (kind == K3_W_F32)
+            k3__row512_f32(w, sc, o, rows, cols, cp, xd, nt, y);
+        else
+            k3__row512_mxfp4(w, sc, o, rows, cols, cp, xd, nt, y);
+        return;
+    }
+    for (int64_t t = 0; t < nt; ++t) y[t * rows + o] = row_dot(kind, w, sc, o, cols, xd + t * cp);
+}
+
+/* One matrix of a group that shares its input: y[t * rows + o]. */
+typedef struct {
+    const void *w;
+    const uint8_t *sc;
+    int64_t rows;
+    float *y;
+} k3_mat;
+
+/* Rows [b, e) of the concatenated rows of a group of matrices, for one token block. */
+typedef struct {
+    enum k3_wkind kind;
+    int blocked;
+    const k3_mat *m;
+    int n;
+    int64_t cols, cp, t0, nt;
+    const double *xd;
+} rows_job;
+
+static void rows_job_fn(void *ctx, int64_t b, int64_t e) {
+    const rows_job *j = (const rows_job *)ctx;
+    int i = 0;
+    int64_t o = b;
+    while (o >= j->m[i].rows) o -= j->m[i++].rows;
+    for (int64_t g = b; g < e; ++g, ++o) {
+        while (o >= j->m[i].rows) o -= j->m[i++].rows;
+        do_row(j->kind, j->blocked, j->m[i].w, j->m[i].sc, o, j->m[i].rows, j->cols, j->cp, j->xd,
+               j->nt, j->m[i].y + j->t0 * j->m[i].rows);
+    }
+}
+
+/* Every row of every matrix of `m` for one token block: on the pool when `par`. */
+static void group_rows(enum k3_wkind kind, int blocked, const k3_mat *m, int n, int64_t cols,
+                       int64_t cp, const double *xd, int64_t t0, int64_t nt, int par) {
+    int64_t total = 0;
+    for (int i = 0; i < n; ++i) total += m[i].rows;
+    rows_job j = {kind, blocked, m, n, cols, cp, t0, nt, xd};
+    if (par)
+        k3__pool_run(rows_job_fn, &j, total, k3__forced() ? 1 : ROW_CHUNK, k3__threads());
+    else
+        rows_job_fn(&j, 0, total);
+}
+
+/* The multi-token path: AVX-512 with four tokens per decode (also one MXFP4 token). */
+static inline int use_blocked(enum k3_wkind kind, int64_t T) {
+    return (T >= 2 || kind == K3_W_MXFP4) && g_avx512;
+}
+
+/* Several matrices over the same x in one call: x widened once per token block, the rows of
+ * every matrix handed out together on the pool (k3avx2_pool.c).
+ * Tokens in blocks whose float64 activations stay in L2; within a block each row is read
+ * from memory once and from cache for the block's other tokens. Rows go out in chunks as
+ * threads free up: on a busy machine a thread that loses its core does not hold the others
+ * back (the bits never depend on which thread ran a row). */
+static int matmul_group(enum k3_wkind kind, const k3_mat *m, int n, int64_t cols,
+                        const float *x, int64_t T) {
     const int64_t cp = ROUND32(cols);
     const int64_t tb = token_block(T, cp);
+    const int blocked = use_blocked(kind, T);
+    int64_t total = 0;
+    for (int i = 0; i < n; ++i) total += m[i].rows;
     double *xd = (double *)k3__alloc((size_t)(tb * cp) * sizeof(double));
     if (!xd) return K3_ENOMEM;
-    const int64_t big = rows * cols * T >= K3_PAR_MATMUL;
-    /* Tokens in blocks whose float64 activations stay in L2; within a block each row is
-     * read from memory once and from cache for the block's other tokens. Rows go out in
-     * chunks as threads free up: on a busy machine a thread that loses its core does not
-     * hold the others back (the bits never depend on which thread ran a row). */
+    const int par = K3_BIG(total * cols * T, K3_PAR_MATMUL);
     for (int64_t t0 = 0; t0 < T; t0 += tb) {
-        const int64_t t1 = t0 + tb < T ? t0 + tb : T;
-        widen_x(xd, x + t0 * cols, t1 - t0, cols, cp, kind == W_MXFP4);
-        K3_PRAGMA(omp parallel for num_threads(k3__threads()) schedule(dynamic, ROW_CHUNK) if (big))
-        for (int64_t o = 0; o < rows; ++o)
-            for (int64_t t = t0; t < t1; ++t)
-                y[t * rows + o] = row_dot(kind, w, scales, o, cols, xd + (t - t0) * cp);
+        const int64_t nt = t0 + tb < T ? tb : T - t0;
+        widen_x(xd, x + t0 * cols, nt, cols, cp, kind == K3_W_MXFP4 && !blocked);
+        group_rows(kind, blocked, m, n, cols, cp, xd, t0, nt, par);
     }
     k3__free(xd);
     return 0;
 }
 
+static int matmul(enum k3_wkind kind, const void *w, const uint8_t *scales, int64_t rows,
+                  int64_t cols, const float *x, int64_t T, float *y) {
+    k3_mat m = {w, scales, rows, y};
+    return matmul_group(kind, &m, 1, cols, x, T);
+}
+
 int k3_matmul_bf16(const uint16_t *w, int64_t rows, int64_t cols, const float *x, int64_t T,
                    float *y) {
-    return matmul(W_BF16, w, NULL, rows, cols, x, T, y);
+    return matmul(K3_W_BF16, w, NULL, rows, cols, x, T, y);
 }
 
 int k3_matmul_f32(const float *w, int64_t rows, int64_t cols, const float *x, int64_t T,
                   float *y) {
-    return matmul(W_F32, w, NULL, rows, cols, x, T, y);
+    return matmul(K3_W_F32, w, NULL, rows, cols, x, T, y);
 }
 
 int k3_matmul_mxfp4(const uint8_t *packed, const uint8_t *scales, int64_t rows, int64_t cols,
                     const float *x, int64_t T, float *y) {
     if (cols % K3C_MXFP4_GROUP) return K3_EINVAL;
-    return matmul(W_MXFP4, packed, scales, rows, cols, x, T, y);
+    return matmul(K3_W_MXFP4, packed, scales, rows, cols, x, T, y);
+}
+
+int k3_matmul_many(int kind, int n, void **w, uint8_t **scales, const int64_t *rows, int64_t cols,
+                   const float *x, int64_t T, float **y) {
+    if (n < 1 || n > 16 || kind < K3_W_BF16 || kind > K3_W_MXFP4) return K3_EINVAL;
+    if (kind == K3_W_MXFP4 && cols % K3C_MXFP4_GROUP) return K3_EINVAL;
+    k3_mat m[16];
+    for (int i = 0; i < n; ++i) {
+        m[i].w = w[i];
+        m[i].sc = scales ? scales[i] : NULL;
+        m[i].rows = rows[i];
+        m[i].y = y[i];
+    }
+    return matmul_group((enum k3_wkind)kind, m, n, cols, x, T);
+}
+
+typedef struct {
+    const float *h1, *h3;
+    float *a;
+    double b1, b2;
+} situ_job;
+
+static void situ_job_fn(void *ctx, int64_t b, int64_t e) {
+    const situ_job *j = (const situ_job *)ctx;
+    k3__situ(j->h1 + b, j->h3 + b, e - b, j->b1, j->b2, j->a + b);
+}
+
+/* ---- the SiTU MLP in one call -----------------------------------------------------------
+ * y = W2 . situ_glu(W1 . x, W3 . x, b1, b2): the same three products and the same
+ * elementwise SiTU as separate calls (the same bits), in one call: the W1 and W3 rows
+ * together, then SiTU, then the W2 rows, per token block, each stage on the pool. */
+int k3_situ_mlp(int kind, const void *w1, const uint8_t *s1, const void *w3, const uint8_t *s3,
+                const void *w2, const uint8_t *s2, int64_t inter, int64_t cols, int64_t out_rows,
+                const float *x, int64_t T, double b1, double b2, float *y) {
+    if (kind < K3_W_BF16 || kind > K3_W_MXFP4) return K3_EINVAL;
+    if (kind == K3_W_MXFP4 && (cols % K3C_MXFP4_GROUP || inter % K3C_MXFP4_GROUP)) return K3_EINVAL;
+    const enum k3_wkind kd = (enum k3_wkind)kind;
+    const int64_t cp = ROUND32(cols), ip = ROUND32(inter);
+    int64_t tb = token_block(T, cp > ip ? cp : ip);
+    const int blocked = use_blocked(kd, T);
+    double *xd = (double *)k3__alloc((size_t)(tb * cp) * sizeof(double));
+    double *ad = (double *)k3__alloc((size_t)(tb * ip) * sizeof(double));
+    float *h = (float *)k3__alloc((size_t)(3 * tb * inter) * sizeof(float));
+    if (!xd || !ad || !h) {
+        k3__free(xd);
+        k3__free(ad);
+        k3__free(h);
+        return K3_ENOMEM;
+    }
+    float *h1 = h, *h3 = h + tb * inter, *a = h + 2 * tb * inter;
+    const int par = K3_BIG((2 * inter * cols + out_rows * inter) * T, K3_PAR_MATMUL);
+    const k3_mat up[2] = {{w1, s1, inter, h1}, {w3, s3, inter, h3}}; /* block-local */
+    const k3_mat down = {w2, s2, out_rows, y};
+    for (int64_t t0 = 0; t0 < T; t0 += tb) {
+        const int64_t nt = t0 + tb < T ? tb : T - t0;
+        widen_x(xd, x + t0 * cols, nt, cols, cp, kd == K3_W_MXFP4 && !blocked);
+        group_rows(kd, blocked, up, 2, cols, cp, xd, 0, nt, par);
+        situ_job sj = {h1, h3, a, b1, b2};
+        if (par)
+            k3__pool_run(situ_job_fn, &sj, nt * inter, k3__forced() ? 1 : 64, k3__threads());
+        else
+            situ_job_fn(&sj, 0, nt * inter);
+        widen_x(ad, a, nt, inter, ip, kd == K3_W_MXFP4 && !blocked);
+        group_rows(kd, blocked, &down, 1, inter, ip, ad, t0, nt, par);
+    }
+    k3__free(xd);
+    k3__free(ad);
+    k3__free(h);
+    return 0;
 }

@@ -15,7 +15,7 @@ int k3_router(const float *logits, int64_t T, int64_t N, const float *bias, int6
               int64_t kk, int renorm, double scale, int64_t *idx, float *w) {
     const float fscale = (float)scale;
     int err = 0;
-#pragma omp parallel num_threads(k3__threads()) if (T * N >= K3_PAR_ELEMENTS)
+#pragma omp parallel num_threads(k3__threads()) if (K3_BIG(T * N, K3_PAR_ELEMENTS))
     {
         float *s = (float *)k3__alloc((size_t)N * sizeof(float) * 2);
         unsigned char *taken = (unsigned char *)k3__alloc((size_t)N);

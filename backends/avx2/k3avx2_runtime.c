@@ -13,6 +13,34 @@ static _Thread_local int g_threads = 1;
 void k3_set_threads(int n) { g_threads = n < 1 ? 1 : n; }
 int k3__threads(void) { return g_threads; }
 
+/* Per calling thread too: every parallel region taken whatever its size (testing aid). */
+static _Thread_local int g_forced = 0;
+
+void k3_set_force_parallel(int on) { g_forced = on != 0; }
+int k3__forced(void) { return g_forced; }
+
+/* Parallel regions entered with more than one thread since the process started (relaxed:
+ * a diagnostic for the tests that must know the multi-threaded code ran). */
+static atomic_llong g_par_regions = 0;
+
+int k3__par(int big) {
+    if (big && g_threads > 1) atomic_fetch_add_explicit(&g_par_regions, 1, memory_order_relaxed);
+    return big;
+}
+
+long long k3_parallel_regions(void) { return atomic_load(&g_par_regions); }
+
+
+int k3_has_avx512(void) {
+#if defined(__GNUC__)
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl");
+#else
+    return 0;
+#endif
+}
+
 void *k3__alloc(size_t bytes) {
     void *p = NULL;
     if (bytes == 0) bytes = 64;

@@ -23,6 +23,11 @@ from numba import njit
 
 JIT: dict[str, Any] = dict(cache=True, fastmath=False, nogil=True, error_model="numpy")
 PAR: dict[str, Any] = dict(JIT, parallel=True)
+#: The matrix products' lane sums only: LLVM may contract ``acc + x * w`` into an FMA. The
+#: product of a float32 by a bf16, float32 or MXFP4 value is exact in float64, so one
+#: rounding of the sum is what the separate multiply and add give (docs/kernel-contract.md
+#: section 2); nothing else in those kernels multiplies and then adds.
+LANE_SUM: dict[str, Any] = dict(fastmath={"contract"})
 
 
 class Twins(NamedTuple):
@@ -32,12 +37,13 @@ class Twins(NamedTuple):
     serial: Any
 
 
-def twins(fn: Callable[..., Any]) -> Twins:
-    """Compile ``fn`` (a plain function using ``prange``) both parallel and serial."""
+def twins(fn: Callable[..., Any], **extra: Any) -> Twins:
+    """Compile ``fn`` (a plain function using ``prange``) both parallel and serial
+    (``extra`` options, such as :data:`LANE_SUM`, go to both builds)."""
     copy = types.FunctionType(
         fn.__code__, fn.__globals__, fn.__name__ + "_serial", fn.__defaults__, fn.__closure__
     )
     copy.__qualname__ = fn.__qualname__ + "_serial"
     copy.__doc__ = fn.__doc__
     copy.__module__ = fn.__module__
-    return Twins(njit(**PAR)(fn), njit(**JIT)(copy))
+    return Twins(njit(**dict(PAR, **extra))(fn), njit(**dict(JIT, **extra))(copy))

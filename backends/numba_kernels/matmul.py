@@ -17,7 +17,9 @@ odd columns of ``x``) and interleave them back before the fold; each lane still 
 terms in increasing column order, so this is only a change of where a lane is stored.
 
 The products are exact in float64, so the ``*`` then ``+`` per term is the whole rounding
-story; ``fastmath=False`` keeps LLVM from reassociating the lane additions.
+story; these kernels are compiled with the single fast-math flag ``contract`` (LLVM may fuse
+``acc + x * w`` into an FMA, which rounds the exact product's sum once, as the separate ops
+do) and nothing else: no reassociation of the lane additions, no other approximation.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from __future__ import annotations
 import numpy as np
 from k3_backends.numba_kernels.bits import MX_SCALE, bf16_d, e2m1_hi_d, e2m1_lo_d
 from k3_backends.numba_kernels.exact import LANES, fold
-from k3_backends.numba_kernels.jit import JIT, twins
+from k3_backends.numba_kernels.jit import JIT, LANE_SUM, twins
 from k3_backends.numba_kernels.scratch import stack_f64
 from numba import carray, njit, prange, types
 from numba.extending import overload
@@ -222,7 +224,7 @@ def _mxfp4_t4(packed, scales, xe, xo, out):
                 out[t0 + 3, o] = np.float32(_fold_split(e3, d3))
 
 
-dense_t1 = twins(_dense_t1)
-dense_t4 = twins(_dense_t4)
-mxfp4_t1 = twins(_mxfp4_t1)
-mxfp4_t4 = twins(_mxfp4_t4)
+dense_t1 = twins(_dense_t1, **LANE_SUM)
+dense_t4 = twins(_dense_t4, **LANE_SUM)
+mxfp4_t1 = twins(_mxfp4_t1, **LANE_SUM)
+mxfp4_t4 = twins(_mxfp4_t4, **LANE_SUM)

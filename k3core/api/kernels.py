@@ -83,7 +83,9 @@ Conformance is proved with :class:`k3core.testing.kernel_conformance.KernelConfo
 
 from __future__ import annotations
 
+import os
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import cast
 
@@ -93,6 +95,25 @@ from numpy.typing import NDArray
 F32 = NDArray[np.float32]
 U8 = NDArray[np.uint8]
 U16 = NDArray[np.uint16]
+
+#: Environment variable that makes backends created without an explicit choice take every
+#: parallel path (``KernelBackend.set_force_parallel``): ``1`` on, ``0`` or unset off.
+FORCE_PARALLEL_ENV = "K3_FORCE_PARALLEL"
+
+
+def force_parallel_from_env() -> bool:
+    """``K3_FORCE_PARALLEL``: ``1``/``true``/``yes`` on, ``0``/``false``/``no``/unset off."""
+    raw = os.environ.get(FORCE_PARALLEL_ENV, "").strip().lower()
+    if raw in ("", "0", "false", "no", "off"):
+        return False
+    if raw in ("1", "true", "yes", "on"):
+        return True
+    from k3core.api.errors import PluginError
+
+    raise PluginError(
+        f"{FORCE_PARALLEL_ENV}={raw!r} is not a switch",
+        hint=f"set {FORCE_PARALLEL_ENV} to 1 or 0, or unset it",
+    )
 
 
 @dataclass(frozen=True)
@@ -126,6 +147,20 @@ class KernelBackend(ABC):
     @property
     def threads(self) -> int:
         return 1
+
+    def set_force_parallel(self, on: bool) -> None:  # noqa: B027 - optional
+        """Take every parallel code path whenever more than one thread is set, however small
+        the work (off by default; ``K3_FORCE_PARALLEL=1`` switches it on at creation).
+
+        A backend normally keeps small kernels on one thread (waking a worker costs more
+        than they take); the conformance suite switches this on so that the multi-threaded
+        code runs on the small test models too. Results never depend on it. A backend
+        without thresholds may ignore it.
+        """
+
+    @property
+    def parallel_forced(self) -> bool:
+        return False
 
     # --- matrix products ------------------------------------------------------------------
     @abstractmethod
@@ -178,6 +213,23 @@ class KernelBackend(ABC):
     def router(
         self, logits: F32, bias: F32, k: int, renorm: bool, scale: float
     ) -> tuple[NDArray[np.int64], F32]: ...
+
+    # --- fused products: defaults are the separate ops (a backend may do them in one call) ----
+    def matmul_many(self, ws: Sequence[U16 | F32 | Mxfp4], x: F32) -> list[F32]:
+        """``[matmul(w, x) for w in ws]``: several matrices over the same input (q/k/v...).
+
+        A backend may widen ``x`` once and run every row of every matrix in one parallel
+        region; each output is the same lane sum, so the bits are the separate calls'.
+        """
+        return [self.matmul(w, x) for w in ws]
+
+    def situ_mlp(
+        self, w1: U16 | F32 | Mxfp4, w3: U16 | F32 | Mxfp4, w2: U16 | F32 | Mxfp4, x: F32,
+        b1: float, b2: float,
+    ) -> F32:
+        """``matmul(w2, situ_glu(matmul(w1, x), matmul(w3, x), b1, b2))``: a SiTU MLP (an
+        expert, the shared experts, the dense MLP) in one call, with exactly those bits."""
+        return self.matmul(w2, self.situ_glu(self.matmul(w1, x), self.matmul(w3, x), b1, b2))
 
     # --- dispatch helper ----------------------------------------------------------------------
     def matmul(self, w: U16 | F32 | Mxfp4, x: F32) -> F32:

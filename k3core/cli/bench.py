@@ -4,7 +4,10 @@
   input bytes beside the memory read bandwidth measured in the same run;
 * ``k3 bench io``: random expert-sized reads through each storage backend beside the raw
   O_DIRECT and buffered probe at the same sizes and queue depths, in the same run;
-* ``k3 bench ladder``: the memory ladder (same as ``k3 bench-ladder``).
+* ``k3 bench ladder``: the memory ladder (same as ``k3 bench-ladder``);
+* ``k3 bench decode``: a model's s/token and prefill tokens/s beside the bandwidth floor of
+  the same run, bytes read and touched, exposed I/O wait and kernel calls per token, with
+  the ids checked against ``--backend numpy``.
 """
 
 from __future__ import annotations
@@ -24,7 +27,8 @@ from k3core.model.sizes import EXPERT_BYTES
 from k3core.tools.bench.io import DiskBenchResult, probe_disk
 from k3core.tools.bench.kernels import format_table, run_kernel_bench
 
-bench_app = typer.Typer(help="Benchmarks: kernels, storage I/O, the memory ladder.", no_args_is_help=True)
+bench_app = typer.Typer(help="Benchmarks: kernels, storage I/O, the memory ladder, decode.",
+                        no_args_is_help=True)
 
 
 @bench_app.command("kernels")
@@ -92,6 +96,38 @@ def io(
 
 
 bench_app.command("ladder")(bench_ladder)
+
+
+@bench_app.command("decode")
+@guarded
+def decode(
+    model: Path = typer.Argument(..., help="Model directory (a checkpoint in the released layout)."),
+    backend: str = typer.Option("auto", "--backend", help="Kernel backend to time."),
+    threads: int | None = typer.Option(None, "--threads", help="Kernel threads (and the bandwidth loop's)."),
+    storage: str = typer.Option("auto", "--storage", help="Storage backend."),
+    cache_gb: float | None = typer.Option(None, "--cache-gb", help="Routed-expert cache budget in GB."),
+    trunk: Path | None = typer.Option(None, "--trunk", help="Stream the trunk from this packed directory."),
+    trunk_gb: float | None = typer.Option(None, "--trunk-gb", help="Trunk budget in GB (with --trunk)."),
+    ids: str = typer.Option("3,7,11,5,9", "--ids", help="Prompt ids of the decode runs."),
+    gen: int = typer.Option(32, "--gen", help="Tokens per decode run (the first is not timed)."),
+    prefill: int = typer.Option(128, "--prefill", help="Random prompt ids of the prefill runs (0: none)."),
+    repeat: int = typer.Option(3, "--repeat", help="Runs of each kind, each from a fresh engine (medians)."),
+    full_recompute: bool = typer.Option(False, "--full-recompute", help="Time full recompute, not incremental."),
+    check: bool = typer.Option(True, "--check/--no-check", help="Check the ids against --backend numpy."),
+    bandwidth_mb: float = typer.Option(1024.0, "--bandwidth-mb", help="Buffer of the read-bandwidth loop (MB)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
+) -> None:
+    """s/token, prefill tokens/s, bytes, I/O wait, calls per token, next to the bandwidth floor."""
+    from k3core.api.errors import K3Error
+    from k3core.tools.bench.decode import _ids, format_report, run_decode_bench
+
+    res = run_decode_bench(model, backend=backend, threads=threads, storage=storage, cache_gb=cache_gb,
+                           trunk_dir=trunk, trunk_gb=trunk_gb, ids=_ids(ids), gen=gen, prefill=prefill,
+                           repeat=repeat, incremental=not full_recompute, check=check,
+                           bandwidth_bytes=int(bandwidth_mb * 1e6))
+    print(res.to_json() if as_json else format_report(res))
+    if res.ids_match is False:
+        raise K3Error("bench decode: the generated ids differ from --backend numpy")
 
 
 def register(app: typer.Typer) -> None:

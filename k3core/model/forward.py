@@ -98,28 +98,33 @@ class Model:
         c, k = self.cfg, self.k
         T, H, D = x.shape[0], c.kda_heads, c.kda_head_dim
         s = st.kda_state(p.layer)
-        qkv = {}
-        for n in "qkv":
-            raw = k.matmul(p[f"self_attn.{n}_proj.weight"], x)
-            qkv[n] = k.shortconv(raw, p[f"self_attn.{n}_conv1d.weight"], s.conv[n])
+        # every projection of x in one call (q, k, v, beta, the gate's down-projection, g)
+        names = ("q_proj", "k_proj", "v_proj", "b_proj", "f_a_proj", "g_proj")
+        rq, rk, rv, rb, fa, rg = k.matmul_many([p[f"self_attn.{n}.weight"] for n in names], x)
+        qkv = {n: k.shortconv(raw, p[f"self_attn.{n}_conv1d.weight"], s.conv[n])
+               for n, raw in zip("qkv", (rq, rk, rv), strict=True)}
         q = k.l2norm(qkv["q"].reshape(T, H, D)) * self.q_scale
         kk = k.l2norm(qkv["k"].reshape(T, H, D))
         v = qkv["v"].reshape(T, H, D)
-        beta = k.sigmoid(k.matmul(p["self_attn.b_proj.weight"], x))
-        z = k.matmul(p["self_attn.f_b_proj.weight"], k.matmul(p["self_attn.f_a_proj.weight"], x))
+        beta = k.sigmoid(rb)
+        z = k.matmul(p["self_attn.f_b_proj.weight"], fa)
         alpha = k.kda_gate(z, p["self_attn.dt_bias"], p["self_attn.A_log"], c.gate_lb)
         o = k.kda_recurrent(q, kk, v, alpha.reshape(T, H, D), beta, s.S)
         o = k.rmsnorm(o, p["self_attn.o_norm.weight"], c.rms_eps).reshape(T, H * D)
-        o = o * k.sigmoid(k.matmul(p["self_attn.g_proj.weight"], x))
+        o = o * k.sigmoid(rg)
         return k.matmul(p["self_attn.o_proj.weight"], o)
 
     # ---- gated MLA, NoPE (docs/model.md §5.5) ---------------------------------------------------
     def mla(self, p: LayerParams, x: np.ndarray, st: SequenceState) -> np.ndarray:
         c, k = self.cfg, self.k
         T, H, n, r, dv = x.shape[0], c.n_heads, c.qk_nope, c.qk_rope, c.v_head
-        cq = k.rmsnorm(k.matmul(p["self_attn.q_a_proj.weight"], x), p["self_attn.q_a_layernorm.weight"], c.rms_eps)
+        # the projections of x in one call: q down, kv down (+ rope key), output gate
+        ws = [p["self_attn.q_a_proj.weight"], p["self_attn.kv_a_proj_with_mqa.weight"]]
+        if c.mla_out_gate:
+            ws.append(p["self_attn.g_proj.weight"])
+        qa, ckv, *gate = k.matmul_many(ws, x)
+        cq = k.rmsnorm(qa, p["self_attn.q_a_layernorm.weight"], c.rms_eps)
         q = k.matmul(p["self_attn.q_b_proj.weight"], cq).reshape(T, H, n + r)
-        ckv = k.matmul(p["self_attn.kv_a_proj_with_mqa.weight"], x)
         latent = k.rmsnorm(np.ascontiguousarray(ckv[:, : c.kv_lora]), p["self_attn.kv_a_layernorm.weight"], c.rms_eps)
         kv = k.matmul(p["self_attn.kv_b_proj.weight"], latent).reshape(T, H, n + dv)
         cache = st.kv_cache(p.layer)
@@ -130,14 +135,12 @@ class Model:
         o = k.mla_attention(q, cache.k_nope[:b], cache.k_rope[:b], cache.v[:b], a, self.mla_scale)
         o = o.reshape(T, H * dv)
         if c.mla_out_gate:
-            o = o * k.sigmoid(k.matmul(p["self_attn.g_proj.weight"], x))
+            o = o * k.sigmoid(gate[0])
         return k.matmul(p["self_attn.o_proj.weight"], o)
 
     # ---- MLPs (docs/model.md §5.6-5.7, SiTU §4.5) ---------------------------------------------------
     def situ_mlp(self, gate_w: np.ndarray, up_w: np.ndarray, down_w: np.ndarray, x: np.ndarray) -> np.ndarray:
-        c, k = self.cfg, self.k
-        a = k.situ_glu(k.matmul(gate_w, x), k.matmul(up_w, x), c.situ_b1, c.situ_b2)
-        return k.matmul(down_w, a)
+        return self.k.situ_mlp(gate_w, up_w, down_w, x, self.cfg.situ_b1, self.cfg.situ_b2)
 
     def dense_mlp(self, p: LayerParams, x: np.ndarray) -> np.ndarray:
         return self.situ_mlp(p["mlp.gate_proj.weight"], p["mlp.up_proj.weight"], p["mlp.down_proj.weight"], x)
@@ -145,11 +148,11 @@ class Model:
     def moe(self, p: LayerParams, x: np.ndarray) -> np.ndarray:
         c, k = self.cfg, self.k
         pre = "block_sparse_moe."
-        logits = k.matmul(p[pre + "gate.weight"], x)
+        # router gate and the latent down-projection read the same x: one call
+        logits, z = k.matmul_many([p[pre + "gate.weight"], p[pre + "routed_expert_down_proj.weight"]], x)
         idx, w = k.router(logits, p[pre + "gate.e_score_correction_bias"], c.topk, c.moe_renorm, c.routed_scale)
         requests = [int(e) for e in idx.reshape(-1)]
         self.experts.prefetch(p.layer, requests)
-        z = k.matmul(p[pre + "routed_expert_down_proj.weight"], x)
         shared = None
         if c.n_shared > 0:
             shared = self.situ_mlp(
@@ -164,8 +167,7 @@ class Model:
         def use(e: int, ew: ExpertWeights) -> None:
             rows, slots = np.nonzero(idx == e)
             zz = np.ascontiguousarray(z[rows])
-            a = k.situ_glu(k.matmul(ew.w1, zz), k.matmul(ew.w3, zz), c.situ_b1, c.situ_b2)
-            outs[rows, slots] = k.matmul(ew.w2, a)
+            outs[rows, slots] = k.situ_mlp(ew.w1, ew.w3, ew.w2, zz, c.situ_b1, c.situ_b2)
 
         self.experts.run_layer(p.layer, requests, use)
         acc = np.zeros((T, c.latent), dtype=np.float32)

@@ -20,10 +20,15 @@ are not compared (hardware NaN propagation is not part of the contract; see
 contract's lane sum from every other order and its ``exp`` from a library one
 (:mod:`k3core.testing.adversarial`). The last tests run two 13-layer models generated in
 memory (float32 weights; the released layout with bf16 trunk and MXFP4 experts) end to end
-and compare their logits byte for byte (full recompute and incremental decoding). Nothing is
-read from disk: the suite runs the same from a wheel-installed k3.
+and compare their logits byte for byte (full recompute and incremental decoding), once more
+at 1, 2 and 3 threads with every parallel path forced (``KernelBackend.set_force_parallel``),
+since the small models would otherwise stay below every backend's threading threshold.
+Nothing is read from disk: the suite runs the same from a wheel-installed k3.
 
-Subclasses may override :attr:`KernelConformance.THREADS`.
+The fused products (``matmul_many``, ``situ_mlp``) are compared with the reference's
+single ops (a backend that does not fuse them inherits exactly those).
+
+Subclasses may override :attr:`KernelConformance.THREADS` and ``FORCED_THREADS``.
 """
 
 from __future__ import annotations
@@ -208,6 +213,8 @@ class KernelConformance:
 
     #: Thread counts every op is checked at (``backend.set_threads(n)``).
     THREADS: Sequence[int] = (1, 2)
+    #: Thread counts of the whole-model runs with every parallel path forced.
+    FORCED_THREADS: Sequence[int] = (1, 2, 3)
 
     @pytest.fixture
     def backend(self) -> KernelBackend:  # pragma: no cover - subclasses override
@@ -284,6 +291,55 @@ class KernelConformance:
         x = activations(_rng("mx-scales"), (3, 32))
         want = compare(kb, "matmul_mxfp4", Mxfp4(packed, scales), x)
         assert np.all(want[:, 255] == 0.0), "scale byte 255 must contribute exactly zero"
+
+    # --- fused products (defaults compose the single ops; a backend may fuse them) ------------
+    @staticmethod
+    def _mx(rng: np.random.Generator, rows: int, cols: int) -> Mxfp4:
+        return Mxfp4(rng.integers(0, 256, (rows, cols // 2), dtype=np.uint8),
+                     rng.integers(100, 140, (rows, cols // 32), dtype=np.uint8))
+
+    @pytest.mark.parametrize("T", [1, 3, 6])
+    def test_matmul_many(self, kb: KernelBackend, T: int) -> None:
+        """Several matrices (mixed kinds, row counts, a group of one) over the same x equal
+        the reference's single products; no input is modified."""
+        rng = _rng("many", T)
+        x = activations(rng, (T, 96))
+        ws: list[Any] = [bf16_bits(rng, (5, 96), finite=True), bf16_bits(rng, (33, 96), finite=True),
+              activations(rng, (3, 96), scale=0.05), self._mx(rng, 7, 96), self._mx(rng, 2, 96),
+              bf16_bits(rng, (1, 96), finite=True)]
+        before = _snapshot(x, *ws)
+        with np.errstate(all="ignore"):
+            got = kb.matmul_many(ws, x)
+            want = [reference().matmul(w, x) for w in ws]
+        _check_unchanged(before, [x, *ws], "matmul_many")
+        assert len(got) == len(want)
+        for i, (g, w) in enumerate(zip(got, want, strict=True)):
+            assert_same_bits(g, w, f"matmul_many result {i}")
+
+    @pytest.mark.parametrize("kind", ["bf16", "f32", "mxfp4"])
+    @pytest.mark.parametrize("T", [1, 3, 6])
+    def test_situ_mlp(self, kb: KernelBackend, kind: str, T: int) -> None:
+        """``situ_mlp`` equals ``matmul(w2, situ_glu(matmul(w1, x), matmul(w3, x)))`` bit for
+        bit, at awkward widths and with gate values that saturate tanh and sigmoid."""
+        rng = _rng("situ-mlp", kind, T)
+        cols, inter, out = (96, 64, 40) if kind == "mxfp4" else (45, 33, 7)
+
+        def w(rows: int, c: int) -> Any:
+            if kind == "mxfp4":
+                return self._mx(rng, rows, c)
+            if kind == "bf16":
+                return bf16_bits(rng, (rows, c), finite=True)
+            return activations(rng, (rows, c), scale=0.3)
+
+        w1, w3, w2 = w(inter, cols), w(inter, cols), w(out, inter)
+        x = activations(rng, (T, cols), scale=3.0)
+        before = _snapshot(x, w1, w3, w2)
+        with np.errstate(all="ignore"):
+            got = kb.situ_mlp(w1, w3, w2, x, 4.0, 25.0)
+            r = reference()
+            want = r.matmul(w2, r.situ_glu(r.matmul(w1, x), r.matmul(w3, x), 4.0, 25.0))
+        _check_unchanged(before, [x, w1, w3, w2], "situ_mlp")
+        assert_same_bits(got, want, f"situ_mlp {kind}")
 
     # --- normalisation and activations ------------------------------------------------------
     @pytest.mark.parametrize("m", WIDTHS + [7168])
@@ -450,6 +506,32 @@ class KernelConformance:
         assert len(got) == len(want)
         for step, (g, w) in enumerate(zip(got, want, strict=True)):
             assert_same_bits(g, w, f"{model} logits ({mode}) step {step}")
+
+    @pytest.mark.parametrize("threads", [1, 2, 3], ids=lambda n: f"threads{n}")
+    @pytest.mark.parametrize("model", ["float32", "released"])
+    @pytest.mark.parametrize("incremental", [False, True], ids=["full", "incremental"])
+    def test_model_logits_parallel_forced(
+        self, backend: KernelBackend, threads: int, model: str, incremental: bool
+    ) -> None:
+        """The whole models again with every parallel path taken (``set_force_parallel``):
+        the small test models stay below every work threshold, so without it the
+        multi-threaded code would never run here. Same bytes at 1, 2 and 3 threads."""
+        if threads not in self.FORCED_THREADS:
+            pytest.skip(f"thread count {threads} not in {type(self).__name__}.FORCED_THREADS")
+        backend.set_threads(threads)
+        if backend.threads < threads:
+            pytest.skip(f"{backend.name} runs at most {backend.threads} threads in this process")
+        want = _reference_logits(model, incremental)
+        backend.set_force_parallel(True)
+        try:
+            net, prompt = _build_model(model, backend)
+            got = _decode_logits(net, prompt, incremental)
+        finally:
+            backend.set_force_parallel(False)
+        mode = "incremental" if incremental else "full recompute"
+        assert len(got) == len(want)
+        for step, (g, w) in enumerate(zip(got, want, strict=True)):
+            assert_same_bits(g, w, f"{model} logits ({mode}, {threads} threads forced) step {step}")
 
 
 # ---------------------------------------------------------------------------------------

@@ -22,6 +22,7 @@ from k3_backends import avx2_probe
 
 from k3core.api.errors import PluginError
 from k3core.api.kernels import Mxfp4
+from k3core.testing.kernel_conformance import KernelConformance
 
 pytestmark = pytest.mark.skipif(
     not avx2_probe.check_cpu().ok, reason=f"avx2 backend cannot run here: {avx2_probe.check_cpu().reason}"
@@ -528,3 +529,66 @@ def test_read_only_and_strided_inputs(avx2, ref):
     wm.packed.setflags(write=False)
     xm = rand(rng, 1, 64)
     same(avx2.matmul_mxfp4(wm, xm), ref.matmul_mxfp4(wm, xm))
+
+
+class TestEveryKernelSplitAcrossThreads(KernelConformance):
+    """The conformance suite with every parallel region forced at three threads, so even the
+    small test shapes are divided between threads (by default they would run on one)."""
+
+    @pytest.fixture
+    def backend(self):
+        from k3_backends.avx2_backend import Avx2Backend
+
+        return Avx2Backend(threads=3, force_parallel=True)
+
+    @pytest.fixture
+    def kb(self, backend):  # one thread count (three) instead of the base class's 1 and 2
+        backend.set_threads(3)
+        return backend
+
+
+@pytest.mark.parametrize("T", [2, 3, 4, 5, 9])
+@pytest.mark.parametrize("cols", [1, 31, 33, 64, 1000])
+def test_multi_token_kernels_on_both_instruction_sets(ref, T, cols):
+    """The AVX-512 multi-token kernels (one decode per chunk for four tokens) and the AVX2
+    per-token loop give the reference's bits for every token count and awkward widths."""
+    from k3_backends.avx2_backend import Avx2Backend
+
+    rng = np.random.default_rng(T * 1000 + cols)
+    b = Avx2Backend(threads=2, force_parallel=True)
+    w16, wf = bf16(rng, 7, cols), rand(rng, 7, cols)
+    x = rand(rng, T, cols)
+    wm = mxfp4(rng, 7, 32 * (1 + cols // 32))
+    xm = rand(rng, T, wm.shape[1])
+    has = b._lib.k3_use_avx512(1)
+    try:
+        for on in sorted({0, has}):
+            assert b._lib.k3_use_avx512(on) == on
+            same(b.matmul_bf16(w16, x), ref.matmul_bf16(w16, x))
+            same(b.matmul_f32(wf, x), ref.matmul_f32(wf, x))
+            same(b.matmul_mxfp4(wm, xm), ref.matmul_mxfp4(wm, xm))
+    finally:
+        b._lib.k3_use_avx512(1)
+
+
+def test_situ_vector_and_scalar_paths_agree_on_every_exponent(ref):
+    """The AVX-512 SiTU (eight lanes, blended branches) against the scalar code on random
+    float32 bit patterns of every exponent, and against the reference on a sample."""
+    from k3_backends.avx2_backend import Avx2Backend
+
+    rng = np.random.default_rng(11)
+    bits = rng.integers(0, 1 << 32, 1 << 20, dtype=np.uint64).astype(np.uint32)
+    g, u = bits.view(F32), np.roll(bits, 12345).view(F32)
+    b = Avx2Backend(threads=1)
+    if not b._lib.k3_use_avx512(1):
+        pytest.skip("no AVX-512 on this CPU: the scalar SiTU is the only path")
+    try:
+        for b1, b2 in ((4.0, 25.0), (0.5, 3.0)):
+            vec = b.situ_glu(g, u, b1, b2)
+            b._lib.k3_use_avx512(0)
+            same(vec, b.situ_glu(g, u, b1, b2))
+            b._lib.k3_use_avx512(1)
+            small = (rng.standard_normal(4099) * 30).astype(F32)
+            same(b.situ_glu(small, small[::-1].copy(), b1, b2), ref.situ_glu(small, small[::-1].copy(), b1, b2))
+    finally:
+        b._lib.k3_use_avx512(1)

@@ -1,0 +1,143 @@
+/* k3avx2_matmul512.c - the multi-token matrix products on AVX-512 (chosen at run time when
+ * the CPU has AVX-512 F/BW/VL/DQ; k3avx2_matmul.c keeps the AVX2 code for the others).
+ *
+ * Register blocking: each 32-column chunk of a weight row (bf16, float32 or one MXFP4 group)
+ * is decoded ONCE into four zmm registers of float64 weights and applied to up to four
+ * tokens, whose 32 lanes each live in four more zmm registers (register k holds lanes
+ * 8k..8k+7, natural column order). Each token's lanes add their terms in increasing column
+ * order exactly as the T == 1 kernels do, and the fold is the contract's, so every output is
+ * the same lane-ordered sum as the single-token product (the same bits).
+ *
+ * The lane update is an FMA: the product of a float32 by a bf16, float32 or MXFP4 value is
+ * exact in float64, so acc + w*x rounded once (FMA) equals the product (exact) added with
+ * one rounding (docs/kernel-contract.md section 2). Nowhere else is an FMA used.
+ */
+#include "k3avx2_internal.h"
+
+#define K3_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma")))
+#define K3_INLINE512 K3_AVX512 static inline __attribute__((always_inline))
+
+/* E2M1[c] * E8M0[b] as float64 (exact), 64-byte aligned rows: two zmm tables per byte. */
+static double WV512[256][16] __attribute__((aligned(64)));
+
+__attribute__((constructor)) static void k3__wv512_table(void) {
+    for (int b = 0; b < 256; ++b)
+        for (int c = 0; c < 16; ++c) WV512[b][c] = K3C_E2M1[c] * K3C_E8M0[b];
+}
+
+/* The contract's fold of 32 lanes held as 4 x 8 (h = 16, 8 on registers, then 4, 2, 1). */
+K3_INLINE512 double fold512(__m512d a0, __m512d a1, __m512d a2, __m512d a3) {
+    a0 = _mm512_add_pd(a0, a2);
+    a1 = _mm512_add_pd(a1, a3);
+    a0 = _mm512_add_pd(a0, a1);
+    __m256d s = _mm256_add_pd(_mm512_castpd512_pd256(a0), _mm512_extractf64x4_pd(a0, 1));
+    double t[4];
+    _mm256_storeu_pd(t, s);
+    double s0 = t[0] + t[2], s1 = t[1] + t[3];
+    return s0 + s1;
+}
+
+K3_INLINE512 void dec_bf16(__m512d q[4], const uint16_t *w) {
+    for (int h = 0; h < 2; ++h) {
+        __m512i v = _mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(w + 16 * h))), 16);
+        q[2 * h] = _mm512_cvtps_pd(_mm256_castsi256_ps(_mm512_castsi512_si256(v)));
+        q[2 * h + 1] = _mm512_cvtps_pd(_mm256_castsi256_ps(_mm512_extracti64x4_epi64(v, 1)));
+    }
+}
+
+K3_INLINE512 void dec_f32(__m512d q[4], const float *w) {
+    for (int k = 0; k < 4; ++k) q[k] = _mm512_cvtps_pd(_mm256_loadu_ps(w + 8 * k));
+}
+
+/* One MXFP4 group (16 packed bytes, scale byte b) in natural column order. */
+K3_INLINE512 void dec_mxfp4(__m512d q[4], const uint8_t *pk, int b) {
+    const __m128i m0f = _mm_set1_epi8(0x0F);
+    __m128i p = _mm_loadu_si128((const __m128i *)pk);
+    __m128i lo = _mm_and_si128(p, m0f), hi = _mm_and_si128(_mm_srli_epi16(p, 4), m0f);
+    __m128i c0 = _mm_unpacklo_epi8(lo, hi), c1 = _mm_unpackhi_epi8(lo, hi); /* cols 0-15, 16-31 */
+    __m512d t0 = _mm512_load_pd(WV512[b]), t1 = _mm512_load_pd(WV512[b] + 8);
+    q[0] = _mm512_permutex2var_pd(t0, _mm512_cvtepu8_epi64(c0), t1);
+    q[1] = _mm512_permutex2var_pd(t0, _mm512_cvtepu8_epi64(_mm_srli_si128(c0, 8)), t1);
+    q[2] = _mm512_permutex2var_pd(t0, _mm512_cvtepu8_epi64(c1), t1);
+    q[3] = _mm512_permutex2var_pd(t0, _mm512_cvtepu8_epi64(_mm_srli_si128(c1, 8)), t1);
+}
+
+/* Chunk c of row o decoded into q (a column tail is completed with +0.0 weights). */
+K3_INLINE512 void dec_chunk(enum k3_wkind kind, __m512d q[4], const void *w, const uint8_t *sc,
+                            int64_t o, int64_t cols, int64_t c) {
+    if (kind == K3_W_MXFP4) {
+        dec_mxfp4(q, (const uint8_t *)w + o * (cols / 2) + 16 * c, sc[o * (cols / 32) + c]);
+    } else if (kind == K3_W_BF16) {
+        const uint16_t *r = (const uint16_t *)w + o * cols + 32 * c;
+        if (32 * c + 32 <= cols) {
+            dec_bf16(q, r);
+        } else {
+            uint16_t tail[32] = {0};
+            memcpy(tail, r, (size_t)(cols - 32 * c) * sizeof(uint16_t));
+            dec_bf16(q, tail);
+        }
+    } else {
+        const float *r = (const float *)w + o * cols + 32 * c;
+        if (32 * c + 32 <= cols) {
+            dec_f32(q, r);
+        } else {
+            float tail[32] = {0};
+            memcpy(tail, r, (size_t)(cols - 32 * c) * sizeof(float));
+            dec_f32(q, tail);
+        }
+    }
+}
+
+/* NT (1..4) tokens of row o: y[j * rows] = f32(lsum_i W[o, i] * xd[j * cp + i]). */
+K3_INLINE512 void row_tokens(enum k3_wkind kind, const int NT, const void *w, const uint8_t *sc,
+                             int64_t o, int64_t cols, int64_t cp, const double *xd, int64_t rows,
+                             float *y) {
+    __m512d acc[4][4];
+    for (int j = 0; j < NT; ++j)
+        for (int k = 0; k < 4; ++k) acc[j][k] = _mm512_setzero_pd();
+    const int64_t chunks = cp / 32;
+    for (int64_t c = 0; c < chunks; ++c) {
+        __m512d q[4];
+        dec_chunk(kind, q, w, sc, o, cols, c);
+        for (int j = 0; j < NT; ++j)
+            for (int k = 0; k < 4; ++k)
+                acc[j][k] = _mm512_fmadd_pd(q[k], _mm512_loadu_pd(xd + j * cp + 32 * c + 8 * k),
+                                            acc[j][k]);
+    }
+    for (int j = 0; j < NT; ++j)
+        y[j * rows] = (float)fold512(acc[j][0], acc[j][1], acc[j][2], acc[j][3]);
+}
+
+/* Row o for tokens 0..nt-1 of a widened block (xd: nt x cp float64, natural order), four
+ * tokens per pass over the row. */
+K3_INLINE512 void k3__row512(enum k3_wkind kind, const void *w, const uint8_t *sc, int64_t o,
+                                 int64_t rows, int64_t cols, int64_t cp, const double *xd,
+                                 int64_t nt, float *y) {
+    int64_t t = 0;
+    for (; t + 4 <= nt; t += 4)
+        row_tokens(kind, 4, w, sc, o, cols, cp, xd + t * cp, rows, y + t * rows + o);
+    switch (nt - t) {
+    case 3: row_tokens(kind, 3, w, sc, o, cols, cp, xd + t * cp, rows, y + t * rows + o); break;
+    case 2: row_tokens(kind, 2, w, sc, o, cols, cp, xd + t * cp, rows, y + t * rows + o); break;
+    case 1: row_tokens(kind, 1, w, sc, o, cols, cp, xd + t * cp, rows, y + t * rows + o); break;
+    default: break;
+    }
+}
+
+/* The three weight kinds as separate functions, so each inner loop is specialised. */
+K3_AVX512 static void k3__row512_bf16(const void *w, const uint8_t *sc, int64_t o, int64_t rows,
+                                      int64_t cols, int64_t cp, const double *xd, int64_t nt,
+                                      float *y) {
+    k3__row512(K3_W_BF16, w, sc, o, rows, cols, cp, xd, nt, y);
+}
+K3_AVX512 static void k3__row512_f32(const void *w, const uint8_t *sc, int64_t o, int64_t rows,
+                                     int64_t cols, int64_t cp, const double *xd, int64_t nt,
+                                     float *y) {
+    k3__row512(K3_W_F32, w, sc, o, rows, cols, cp, xd, nt, y);
+}
+K3_AVX512 static void k3__row512_mxfp4(const void *w, const uint8_t *sc, int64_t o, int64_t rows,
+                                       int64_t cols, int64_t cp, const double *xd, int64_t nt,
+                                       float *y) {
+    k3__row512(K3_W_MXFP4, w, sc, o, rows, cols, cp, xd, nt, y);
+}

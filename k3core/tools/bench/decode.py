@@ -1,0 +1,325 @@
+"""Decode benchmark: a whole model's speed next to the machine's bandwidth floor, same run.
+
+``run_decode_bench(model_dir, ...)`` opens the engine the way ``k3 run`` does (kernel,
+storage and cache backends through the registry; a packed trunk when ``trunk_dir`` is
+given) and measures, each ``repeat`` times from a fresh engine (medians reported):
+
+* **s/token**: the median decode step after the first (the first step also prefills the
+  prompt), incremental by default;
+* **prefill**: ``prefill`` random prompt ids (seeded) and one generated token; seconds and
+  prompt tokens per second, and the routed-expert bytes that prefill read and requested
+  against ``prefill x`` one token's;
+* **bytes read per token** (experts and trunk from storage) and **bytes touched per token**
+  (the weights one decode step multiplies: trunk layers, lm_head, one embedding row, and
+  every routed expert it requests);
+* **exposed I/O wait** per token (expert and trunk reads the compute waited for);
+* **kernel calls per token** (Python -> kernel backend calls, counted on the leaf ops);
+* **the bandwidth floor**: bytes touched per token over the memory read bandwidth measured
+  in the same run with the same thread count (``k3core.tools.bench.kernels``).
+
+With ``check`` (the default) the same ids are decoded with ``--backend numpy`` and the
+generated ids must be identical (the kernel contract is bit-exact), for the decode run
+and for the prefill run.
+
+``python -m k3core.tools.bench.decode MODEL [--trunk DIR] [--backend avx2] [--json]`` (the CLI
+wires the same code as ``k3 bench decode``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from k3core.api.errors import K3Error, UsageError
+from k3core.api.kernels import KernelBackend
+from k3core.experts.setup import CacheOptions
+from k3core.model.generate import RunResult, Step, generate
+from k3core.model.sizes import sizes_from_config
+from k3core.run.engine import Engine, EngineOptions, open_engine
+
+DEFAULT_IDS = (3, 7, 11, 5, 9)
+#: Interface members that are not kernel calls (counted ops are every other public method).
+_NOT_OPS = {"set_threads", "set_force_parallel", "matmul", "threads", "parallel_forced", "name"}
+
+
+def kernel_ops(backend: KernelBackend) -> list[str]:
+    """The leaf kernel methods of ``backend`` (``matmul`` only dispatches to them)."""
+    names = []
+    for name in dir(type(backend)):
+        if name.startswith("_") or name in _NOT_OPS:
+            continue
+        if callable(getattr(type(backend), name, None)):
+            names.append(name)
+    return names
+
+
+class CallCounter:
+    """Counts calls of every kernel op of one backend instance (wrapping its methods)."""
+
+    def __init__(self, backend: KernelBackend):
+        self.calls = 0
+        for name in kernel_ops(backend):
+            setattr(backend, name, self._wrap(getattr(backend, name)))
+
+    def _wrap(self, fn: Any) -> Any:
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            self.calls += 1
+            return fn(*args, **kwargs)
+
+        return counted
+
+
+@dataclass
+class RunFigures:
+    """One decode run (steps after the first) or one prefill run."""
+
+    seconds: list[float] = field(default_factory=list)
+    calls: list[int] = field(default_factory=list)
+    expert_bytes: list[int] = field(default_factory=list)
+    expert_requests: list[int] = field(default_factory=list)
+    trunk_bytes: list[int] = field(default_factory=list)
+    wait_seconds: list[float] = field(default_factory=list)
+    ids: list[int] = field(default_factory=list)
+
+
+def _counters(eng: Engine, counter: CallCounter) -> tuple[int, int, int, int, float]:
+    st = eng.experts.stats
+    tstats = getattr(eng.model.trunk, "stats", None)
+    tb = int(getattr(tstats, "bytes_read", 0) or 0)
+    tw = float(getattr(tstats, "exposed_wait_seconds", 0.0) or 0.0)
+    return counter.calls, int(st.bytes_read), int(st.requests), tb, float(st.exposed_wait_seconds) + tw
+
+
+def _decode_run(opts: EngineOptions, ids: list[int], gen: int, incremental: bool) -> RunFigures:
+    eng = open_engine(opts)
+    fig = RunFigures()
+    try:
+        counter = CallCounter(eng.kernels)
+        last = [_counters(eng, counter)]
+
+        def on_step(st: Step) -> None:
+            now = _counters(eng, counter)
+            prev = last[0]
+            last[0] = now
+            fig.seconds.append(st.seconds)
+            fig.calls.append(now[0] - prev[0])
+            fig.expert_bytes.append(now[1] - prev[1])
+            fig.expert_requests.append(now[2] - prev[2])
+            fig.trunk_bytes.append(now[3] - prev[3])
+            fig.wait_seconds.append(now[4] - prev[4])
+
+        res: RunResult = generate(eng.model, ids, gen, incremental=incremental, on_step=on_step)
+        fig.ids = list(res.generated_ids)
+    finally:
+        eng.close()
+    return fig
+
+
+def _median(xs: list[float]) -> float:
+    return float(statistics.median(xs)) if xs else 0.0
+
+
+@dataclass
+class DecodeBench:
+    """What ``k3 bench decode`` reports (``to_json`` for ``--json``)."""
+
+    model: str
+    backend: str
+    threads: int
+    incremental: bool
+    trunk: str | None
+    ids: list[int]
+    gen: int
+    repeat: int
+    seconds_per_token: float
+    seconds_per_token_runs: list[float]
+    calls_per_token: float
+    expert_bytes_read_per_token: float
+    trunk_bytes_read_per_token: float
+    exposed_wait_per_token: float
+    bytes_touched_per_token: int
+    bandwidth_gb_s: float
+    bandwidth_how: str
+    floor_seconds_per_token: float
+    prefill_ids: int
+    prefill_seconds: float
+    prefill_seconds_runs: list[float]
+    prefill_tokens_per_s: float
+    prefill_expert_requests: int
+    prefill_expert_bytes_read: int
+    prefill_expert_bytes_if_per_token: int
+    generated_ids: list[int]
+    prefill_generated_ids: list[int]
+    checked_against: str | None
+    ids_match: bool | None
+    notes: list[str] = field(default_factory=list)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+
+def run_decode_bench(
+    model_dir: Path,
+    *,
+    backend: str = "auto",
+    threads: int | None = None,
+    storage: str = "auto",
+    cache_policy: str = "auto",
+    cache_gb: float | None = None,
+    trunk_dir: Path | None = None,
+    trunk_gb: float | None = None,
+    ids: list[int] | None = None,
+    gen: int = 32,
+    prefill: int = 128,
+    repeat: int = 3,
+    incremental: bool = True,
+    check: bool = True,
+    seed: int = 0,
+    bandwidth_bytes: int = 1 << 30,
+) -> DecodeBench:
+    """Measure decode and prefill ``repeat`` times each (fresh engines); see the module doc."""
+    if gen < 2 or repeat < 1 or prefill < 0 or bandwidth_bytes < 1:
+        raise UsageError("bench decode: --gen must be >= 2, --repeat >= 1, --prefill >= 0 and "
+                         "--bandwidth-mb > 0")
+    ids = list(ids or DEFAULT_IDS)
+
+    def options(name: str) -> EngineOptions:
+        return EngineOptions(model_dir, backend=name, storage=storage, cache_policy=cache_policy,
+                             threads=threads, trunk_dir=trunk_dir, trunk_gb=trunk_gb,
+                             cache=CacheOptions(cache_gb=cache_gb))
+
+    probe = open_engine(options(backend))
+    cfg, kname, nthreads = probe.cfg, probe.names["kernel"], probe.kernels.threads
+    probe.close()
+    if any(not 0 <= i < cfg.vocab for i in ids):
+        raise UsageError(f"bench decode: prompt ids must be in 0..{cfg.vocab - 1}")
+    runs = [_decode_run(options(backend), ids, gen, incremental) for _ in range(repeat)]
+    steady = [RunFigures(r.seconds[1:], r.calls[1:], r.expert_bytes[1:], r.expert_requests[1:],
+                         r.trunk_bytes[1:], r.wait_seconds[1:], r.ids) for r in runs]
+    per_run = [_median(s.seconds) for s in steady]
+    pooled = RunFigures()
+    for s in steady:
+        pooled.calls += s.calls
+        pooled.expert_bytes += s.expert_bytes
+        pooled.expert_requests += s.expert_requests
+        pooled.trunk_bytes += s.trunk_bytes
+        pooled.wait_seconds += s.wait_seconds
+    rng = np.random.default_rng(seed)
+    pids = [int(i) for i in rng.integers(0, cfg.vocab, prefill)] if prefill else []
+    pruns = [_decode_run(options(backend), pids, 1, True) for _ in range(repeat)] if prefill else []
+    sizes = sizes_from_config(cfg)
+    requests_per_token = _median([float(x) for x in pooled.expert_requests])
+    touched = (sizes.trunk_bytes + cfg.vocab * cfg.hidden * 2 + sizes.embed_row_bytes
+               + int(round(requests_per_token)) * sizes.expert_bytes)
+    from k3core.tools.bench.kernels import measure_read_bandwidth
+
+    bw, how = measure_read_bandwidth(nthreads, max(1 << 20, bandwidth_bytes))
+    notes: list[str] = []
+    match: bool | None = None
+    if check:
+        want = _decode_run(options("numpy"), ids, gen, incremental).ids
+        match = all(r.ids == want for r in runs)
+        if prefill:
+            pwant = _decode_run(options("numpy"), pids, 1, True).ids
+            match = match and all(r.ids == pwant for r in pruns)
+        if not match:
+            notes.append("generated ids differ from --backend numpy: the kernel contract is broken")
+    psec = [r.seconds[0] for r in pruns]
+    return DecodeBench(
+        model=str(model_dir), backend=kname, threads=nthreads, incremental=incremental,
+        trunk=str(trunk_dir) if trunk_dir else None, ids=ids, gen=gen, repeat=repeat,
+        seconds_per_token=_median(per_run), seconds_per_token_runs=per_run,
+        calls_per_token=_median([float(c) for c in pooled.calls]),
+        expert_bytes_read_per_token=_median([float(b) for b in pooled.expert_bytes]),
+        trunk_bytes_read_per_token=_median([float(b) for b in pooled.trunk_bytes]),
+        exposed_wait_per_token=_median(pooled.wait_seconds),
+        bytes_touched_per_token=touched, bandwidth_gb_s=bw, bandwidth_how=how,
+        floor_seconds_per_token=touched / (bw * 1e9) if bw > 0 else 0.0,
+        prefill_ids=prefill, prefill_seconds=_median(psec), prefill_seconds_runs=psec,
+        prefill_tokens_per_s=prefill / _median(psec) if psec and _median(psec) > 0 else 0.0,
+        prefill_expert_requests=pruns[0].expert_requests[0] if pruns else 0,
+        prefill_expert_bytes_read=pruns[0].expert_bytes[0] if pruns else 0,
+        prefill_expert_bytes_if_per_token=prefill * cfg.topk * sizes.n_moe_layers * sizes.expert_bytes,
+        generated_ids=runs[0].ids, prefill_generated_ids=pruns[0].ids if pruns else [],
+        checked_against="numpy" if check else None, ids_match=match, notes=notes,
+    )
+
+
+def format_report(b: DecodeBench) -> str:
+    mode = "incremental" if b.incremental else "full recompute"
+    gb = 1e9
+    lines = [
+        f"k3 bench decode: {b.model} ({b.backend}, {b.threads} threads, {mode}"
+        + (f", trunk {b.trunk}" if b.trunk else ", resident trunk") + ")",
+        f"decode      : {b.seconds_per_token:.4f} s/token (median of {b.repeat} runs: "
+        + ", ".join(f"{s:.4f}" for s in b.seconds_per_token_runs) + f"; {b.gen} tokens after ids "
+        + ",".join(map(str, b.ids)) + ")",
+        f"floor       : {b.floor_seconds_per_token:.4f} s/token = {b.bytes_touched_per_token / gb:.3f} GB "
+        f"touched per token / {b.bandwidth_gb_s:.1f} GB/s read bandwidth ({b.bandwidth_how}); "
+        f"decode is {b.seconds_per_token / b.floor_seconds_per_token:.2f}x the floor"
+        if b.floor_seconds_per_token > 0 else "floor       : (no bandwidth measured)",
+        f"read        : {b.expert_bytes_read_per_token / gb:.4f} GB experts + "
+        f"{b.trunk_bytes_read_per_token / gb:.4f} GB trunk per token; exposed I/O wait "
+        f"{b.exposed_wait_per_token:.4f} s/token",
+        f"calls       : {b.calls_per_token:.0f} Python->kernel calls per token",
+    ]
+    if b.prefill_ids:
+        lines.append(
+            f"prefill     : {b.prefill_ids} ids + 1 token in {b.prefill_seconds:.3f} s (median of "
+            f"{b.repeat}: " + ", ".join(f"{s:.3f}" for s in b.prefill_seconds_runs)
+            + f") = {b.prefill_tokens_per_s:.1f} tokens/s; routed experts requested "
+            f"{b.prefill_expert_requests}, read {b.prefill_expert_bytes_read / gb:.3f} GB "
+            f"(one token at a time would multiply {b.prefill_expert_bytes_if_per_token / gb:.3f} GB)")
+    if b.checked_against:
+        lines.append(f"ids         : {'identical to' if b.ids_match else 'DIFFERENT from'} "
+                     f"--backend {b.checked_against} (decode: {','.join(map(str, b.generated_ids))})")
+    lines += [f"NOTE: {n}" for n in b.notes]
+    return "\n".join(lines)
+
+
+def _ids(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise UsageError(f"bench decode: --ids must be comma-separated integers, got {text!r}") from None
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m k3core.tools.bench.decode",
+                                 description=__doc__.split("\n\n")[0])
+    ap.add_argument("model", type=Path)
+    ap.add_argument("--backend", default="auto")
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--storage", default="auto")
+    ap.add_argument("--cache-gb", type=float, default=None)
+    ap.add_argument("--trunk", type=Path, default=None)
+    ap.add_argument("--trunk-gb", type=float, default=None)
+    ap.add_argument("--ids", default=",".join(map(str, DEFAULT_IDS)))
+    ap.add_argument("--gen", type=int, default=32)
+    ap.add_argument("--prefill", type=int, default=128)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--full-recompute", action="store_true")
+    ap.add_argument("--no-check", action="store_true")
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args(argv)
+    try:
+        res = run_decode_bench(a.model, backend=a.backend, threads=a.threads, storage=a.storage,
+                               cache_gb=a.cache_gb, trunk_dir=a.trunk, trunk_gb=a.trunk_gb,
+                               ids=_ids(a.ids), gen=a.gen, prefill=a.prefill, repeat=a.repeat,
+                               incremental=not a.full_recompute, check=not a.no_check)
+    except K3Error as exc:
+        print(f"k3: error: {exc}", file=sys.stderr)
+        return 2 if isinstance(exc, UsageError) else 1
+    print(res.to_json() if a.json else format_report(res))
+    return 0 if res.ids_match is not False else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,60 @@
+"""``k3 bench decode``: the figures it reports are present and sane, the ids are checked
+against numpy, and bad arguments are refused with one line and exit code 2."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from k3core.cli.app import app
+from k3core.model.config import ModelConfig
+from k3core.model.shapes import size_config
+from k3core.tools.synth.writer import synthesize
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    return synthesize(tmp_path_factory.mktemp("bench-decode") / "tiny",
+                      ModelConfig.from_json_dict(size_config("tiny")), 3)
+
+
+def test_reports_every_figure_with_ids_checked(model) -> None:
+    res = runner.invoke(app, ["bench", "decode", str(model), "--backend", "numpy", "--gen", "3",
+                              "--prefill", "4", "--repeat", "2", "--json", "--bandwidth-mb", "32"])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.output.strip().splitlines()[-1])
+    assert doc["ids_match"] is True and doc["checked_against"] == "numpy"
+    assert len(doc["seconds_per_token_runs"]) == 2 and doc["seconds_per_token"] > 0
+    assert doc["calls_per_token"] > 100  # every op of 13 layers is a kernel call
+    assert doc["bytes_touched_per_token"] > 0 and doc["bandwidth_gb_s"] > 0
+    assert doc["floor_seconds_per_token"] > 0
+    assert doc["prefill_ids"] == 4 and doc["prefill_tokens_per_s"] > 0
+    assert doc["prefill_expert_requests"] > 0
+    assert len(doc["generated_ids"]) == 3 and len(doc["prefill_generated_ids"]) == 1
+
+
+def test_human_report(model) -> None:
+    res = runner.invoke(app, ["bench", "decode", str(model), "--backend", "numpy", "--gen", "2",
+                              "--prefill", "0", "--repeat", "1", "--no-check", "--bandwidth-mb", "32"])
+    assert res.exit_code == 0, res.output
+    for text in ("s/token", "floor", "Python->kernel calls per token", "exposed I/O wait"):
+        assert text in res.output, text
+    assert "prefill" not in res.output.split("calls")[1]
+
+
+@pytest.mark.parametrize("args,msg", [
+    (["--gen", "1"], "--gen must be >= 2"),
+    (["--ids", "1,x"], "comma-separated integers"),
+    (["--ids", "99999999"], "prompt ids must be in"),
+    (["--bandwidth-mb", "0"], "--bandwidth-mb > 0"),
+])
+def test_bad_arguments_are_refused(model, args, msg) -> None:
+    res = runner.invoke(app, ["bench", "decode", str(model), "--backend", "numpy", "--prefill", "0",
+                              "--repeat", "1", "--no-check", "--bandwidth-mb", "32", *args])
+    assert res.exit_code == 2, res.output
+    assert "k3: error:" in res.output and msg in res.output
