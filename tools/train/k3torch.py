@@ -137,8 +137,9 @@ class K3(nn.Module):
                 self.params[_key(f"layers.{L}.self_attn.dt_bias")] = nn.Parameter(
                     torch.randn(H * D, generator=gen) * 0.5)
             if not c.is_dense(L):
-                Ne, I, Lt = c.n_experts, c.moe_inter, c.latent
-                for part, shape in (("w1", (Ne, I, Lt)), ("w3", (Ne, I, Lt)), ("w2", (Ne, Lt, I))):
+                Ne, Im, Lt = c.n_experts, c.moe_inter, c.latent
+                for part, shape in (("w1", (Ne, Im, Lt)), ("w3", (Ne, Im, Lt)),
+                                    ("w2", (Ne, Lt, Im))):
                     add(f"layers.{L}.block_sparse_moe.experts.{part}", shape)
         # residual-branch outputs start small (a common, harmless init choice)
         for L in range(c.n_layers):
@@ -275,7 +276,6 @@ class K3(nn.Module):
         pre = f"layers.{L}.block_sparse_moe."
         shape = x.shape
         xf = x.reshape(-1, shape[-1])
-        N = xf.shape[0]
         s = torch.sigmoid(self.lin(pre + "gate.weight", xf))
         sel = s + self.P(pre + "gate.e_score_correction_bias")
         idx = torch.topk(sel.detach(), c.topk, dim=-1).indices  # [N, k]

@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="Train the k3 demo model (see module docstring).")
     ap.add_argument("--work", type=Path, default=Path("build/train"))
     ap.add_argument("--out", type=Path, default=Path("demo-model"))
-    ap.add_argument("--steps", type=int, default=450)
+    ap.add_argument("--steps", type=int, default=350)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--lr", type=float, default=3e-3)
@@ -201,8 +201,18 @@ def main(argv: list[str] | None = None) -> int:
     for f in ("tiktoken.model", "tokenizer_config.json"):
         shutil.copy(tok_dir / f, out / f)
     (work / "train_log.json").write_text(json.dumps(log, indent=1) + "\n")
-    print(f"exported to {out}; copy it to {args.out} (tools/train/ship.py does)", flush=True)
+    ship(out, args.out)
+    print(f"exported to {out} and copied into {args.out}", flush=True)
     return 0
+
+
+def ship(export_dir: Path, dest: Path) -> None:
+    """Replace the checkpoint files in ``dest`` by the export (the model card stays)."""
+    dest.mkdir(parents=True, exist_ok=True)
+    for old in dest.glob("model-*.safetensors"):
+        old.unlink()
+    for f in sorted(export_dir.iterdir()):
+        shutil.copy(f, dest / f.name)
 
 
 if __name__ == "__main__":
