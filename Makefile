@@ -19,7 +19,7 @@ setup: $(VENV)/.installed
 ## demo: set up and continue a prompt with the shipped trained model (demo-model/MODEL_CARD.md);
 ## `k3 synth` writes random-weight models of any size for tests and benchmarks
 demo: setup
-	$(K3) run $(DEMO_DIR) --prompt "def fibonacci(n):" --tok $(DEMO_DIR) --gen 48 --incremental
+	$(K3) run $(DEMO_DIR) --prompt-file $(DEMO_DIR)/prompt.txt --tok $(DEMO_DIR) --gen 64 --incremental --temperature 0.6 --top-k 10 --seed 2
 
 .PHONY: train
 ## train: reproduce demo-model/ (CPU, about an hour alone on 2 cores; needs the [train] extra)

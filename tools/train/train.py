@@ -151,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         opt.load_state_dict(state["opt"])
         rng = state["rng"]
         log = state["log"]
+        log["args"] = {k: str(v) for k, v in vars(args).items()}
         step0 = state["step"]
         print(f"resumed at step {step0}", flush=True)
     qat_start = int(args.steps * (1 - args.qat_frac))
