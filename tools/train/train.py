@@ -214,6 +214,7 @@ def ship(export_dir: Path, dest: Path) -> None:
         old.unlink()
     for f in sorted(export_dir.iterdir()):
         shutil.copy(f, dest / f.name)
+        os.chmod(dest / f.name, 0o644)
 
 
 if __name__ == "__main__":
