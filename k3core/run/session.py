@@ -32,9 +32,8 @@ from k3core.api.errors import UsageError
 from k3core.model.generate import Step, StepTimes
 from k3core.model.sampling import Sampler, argmax
 from k3core.model.state import SequenceState
-from k3core.run.idparse import check_vocab
 from k3core.run.memory_plan import check_kv
-from k3core.run.prompt import MAX_PROMPT
+from k3core.run.prompt import MAX_PROMPT, check_vocab
 from k3core.run.request import GenerationParams, build
 from k3core.run.stops import TextStream
 
