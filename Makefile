@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 K3 := $(VENV)/bin/k3
-DEMO_DIR ?= models/demo-tiny
+DEMO_DIR ?= demo-model
 
 .PHONY: setup demo test test-wheel test-long fuzz lint typecheck bench bench-ladder clean
 
@@ -18,10 +18,17 @@ $(VENV)/.installed: pyproject.toml setup.py $(addsuffix /pyproject.toml,$(EXAMPL
 
 setup: $(VENV)/.installed
 
-## demo: set up, write the embedded default model (random weights) and generate from it
+## demo: set up and continue a prompt with the shipped trained model (demo-model/MODEL_CARD.md);
+## `k3 synth` writes random-weight models of any size for tests and benchmarks
 demo: setup
-	$(K3) synth $(DEMO_DIR) --size tiny --seed 0 --force
-	$(K3) run $(DEMO_DIR) --prompt "The capital of France is" --gen 8
+	$(K3) run $(DEMO_DIR) --prompt-file $(DEMO_DIR)/prompt.txt --gen 64 --temperature 0.6 --top-k 10 --seed 2
+
+.PHONY: train
+## train: reproduce demo-model/ (CPU, about an hour alone on 2 cores; needs the [train] extra)
+train: setup
+	$(PY) -m pip install -q -e '.[train]'
+	PYTHONPATH=. nice -n 10 $(PY) -m tools.train.train --work build/train --out $(DEMO_DIR)
+	PYTHONPATH=. $(PY) -m tools.train.oracle $(DEMO_DIR) build/train/corpus/heldout.txt $(DEMO_DIR)/oracle.json
 
 ## test: set up and run the default suite (under ~10 minutes on 2 cores)
 test: setup

@@ -13,10 +13,8 @@
 
 /* ---- runtime ------------------------------------------------------------------ */
 void k3_set_threads(int n);
-int k3_get_threads(void);
 void k3_set_force_parallel(int on);
 long long k3_parallel_regions(void);
-int k3_omp_max_threads(void);
 int k3_has_avx512(void);
 int k3_use_avx512(int on);
 int k3_contract_values(double *out, int cap);

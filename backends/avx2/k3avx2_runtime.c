@@ -1,4 +1,4 @@
-/* k3avx2_runtime.c - thread count, aligned scratch, CPU feature query, the memory read
+/* k3avx2_runtime.c - thread count, aligned scratch, the memory read
  * bandwidth probe used by the kernel benchmark, and the GIL rendezvous diagnostic. */
 #include "k3avx2_internal.h"
 
@@ -11,7 +11,6 @@
 static _Thread_local int g_threads = 1;
 
 void k3_set_threads(int n) { g_threads = n < 1 ? 1 : n; }
-int k3_get_threads(void) { return g_threads; }
 int k3__threads(void) { return g_threads; }
 
 /* Per calling thread too: every parallel region taken whatever its size (testing aid). */
@@ -30,14 +29,6 @@ int k3__par(int big) {
 }
 
 long long k3_parallel_regions(void) { return atomic_load(&g_par_regions); }
-
-int k3_omp_max_threads(void) {
-#ifdef _OPENMP
-    return omp_get_max_threads();
-#else
-    return 1;
-#endif
-}
 
 
 int k3_has_avx512(void) {

@@ -38,6 +38,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench-ladder": ("bench_ladder", "The memory ladder (same as k3 bench ladder)."),
     "bench": ("bench", "Measurements next to their yardsticks: kernels, io, ladder."),
     "sim-cache": ("sim_cache", "Replay an expert trace under every cache policy and Belady."),
+    "perplexity": ("perplexity", "Mean cross-entropy and perplexity of a text file, in windows."),
 }
 
 

@@ -14,7 +14,7 @@ from k3core.experts.locator import ExpertLocator
 from k3core.model.config import load_config
 from k3core.model.sizes import slot_bytes
 from k3core.plugins.registry import get_registry
-from k3core.run.idparse import check_vocab, parse_ids
+from k3core.run.prompt import check_vocab, parse_ids
 from k3core.tools.bench.ladder import (
     K3_CMD,
     MIN_RUNGS,

@@ -25,8 +25,23 @@ class Step:
     seconds: float
 
 
+class StepTimes:
+    """Timing figures of a decode over its ``steps`` and ``prefill_seconds``."""
+
+    steps: list[Step]
+    prefill_seconds: float
+
+    @property
+    def wall_seconds(self) -> float:
+        return sum(s.seconds for s in self.steps) + self.prefill_seconds
+
+    @property
+    def seconds_per_token(self) -> float:
+        return sum(s.seconds for s in self.steps) / len(self.steps) if self.steps else 0.0
+
+
 @dataclass
-class RunResult:
+class RunResult(StepTimes):
     prompt_ids: list[int]
     generated_ids: list[int] = field(default_factory=list)
     steps: list[Step] = field(default_factory=list)
@@ -38,14 +53,6 @@ class RunResult:
     @property
     def full_ids(self) -> list[int]:
         return self.prompt_ids + self.generated_ids
-
-    @property
-    def wall_seconds(self) -> float:
-        return sum(s.seconds for s in self.steps) + self.prefill_seconds
-
-    @property
-    def seconds_per_token(self) -> float:
-        return sum(s.seconds for s in self.steps) / len(self.steps) if self.steps else 0.0
 
 
 def generate(

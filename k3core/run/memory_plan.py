@@ -25,6 +25,7 @@ decimal (1 GB = 10^9 bytes). The plan is a forecast; the run report quotes the m
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 
 import psutil
@@ -50,6 +51,18 @@ def available_bytes() -> int:
 
 def total_bytes() -> int:
     return int(psutil.virtual_memory().total)
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set size of this process so far, in bytes."""
+    if sys.platform == "win32":  # pragma: no cover - exercised on Windows only
+        import psutil
+
+        return int(getattr(psutil.Process().memory_info(), "peak_wset", 0))
+    import resource
+
+    kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(kb) * (1 if sys.platform == "darwin" else 1024)
 
 
 def process_rss() -> int:

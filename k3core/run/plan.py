@@ -199,7 +199,7 @@ def plan_run(req: RunRequest) -> RunPlan:
     eng = plan_engine(req.engine, needs_tokenizer=req.prompt.needs_tokenizer)
     req.outputs.check(inputs=(eng.model_dir, req.engine.trunk))
     for sid in req.generation.stop_ids:
-        from k3core.run.idparse import check_vocab
+        from k3core.run.prompt import check_vocab
 
         check_vocab([sid], eng.cfg.vocab, "--stop-id")
     tok = eng.tokenizer

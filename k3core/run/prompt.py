@@ -10,13 +10,13 @@ prepended only when asked (``--bos``), never by default.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from k3core.api.errors import UsageError
 from k3core.api.files import FileRejected, read_capped
 from k3core.api.units import human
-from k3core.run.idparse import check_vocab, parse_ids
 from k3core.tokenizer.encoding import Tokenizer
 
 #: the longest prompt k3 accepts (the reference's ceiling), and the largest prompt file
@@ -138,3 +138,25 @@ def _read_stdin() -> bytes:
         raise UsageError(f"--prompt-file -: standard input is over the {human(MAX_PROMPT_FILE)} "
                          "limit")
     return data
+
+
+# ---- id lists ------------------------------------------------------------------------------
+_SPLIT = re.compile(r"[,\s]+")
+
+
+def parse_ids(text: str, flag: str = "--ids") -> list[int]:
+    pieces = [p for p in _SPLIT.split(text.strip()) if p]
+    if not pieces:
+        raise UsageError(f"no prompt ids parsed from {flag} {text!r}")
+    out = []
+    for p in pieces:
+        if not p.isdigit():
+            raise UsageError(f"bad {flag} value {p!r}: ids are non-negative integers, e.g. 3,7,11")
+        out.append(int(p))
+    return out
+
+
+def check_vocab(ids: list[int], vocab: int, flag: str = "--ids") -> None:
+    bad = [i for i in ids if i >= vocab]
+    if bad:
+        raise UsageError(f"{flag}: id {bad[0]} is outside the vocabulary (0..{vocab - 1})")

@@ -20,7 +20,7 @@ from rich.table import Table
 from k3core.api.experts import ExpertStats
 from k3core.api.units import human
 from k3core.experts.cache import ExpertCache
-from k3core.run.resources import peak_rss_bytes
+from k3core.run.memory_plan import peak_rss_bytes
 from k3core.trunk.source import report_json, report_lines, ultra_lines
 
 if TYPE_CHECKING:

@@ -29,12 +29,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from k3core.api.errors import UsageError
-from k3core.model.generate import Step
+from k3core.model.generate import Step, StepTimes
 from k3core.model.sampling import Sampler, argmax
 from k3core.model.state import SequenceState
-from k3core.run.idparse import check_vocab
 from k3core.run.memory_plan import check_kv
-from k3core.run.prompt import MAX_PROMPT
+from k3core.run.prompt import MAX_PROMPT, check_vocab
 from k3core.run.request import GenerationParams, build
 from k3core.run.stops import TextStream
 
@@ -43,7 +42,7 @@ if TYPE_CHECKING:
 
 
 @dataclass
-class Generation:
+class Generation(StepTimes):
     """What one call made: ids, text, timings, why it stopped. ``report`` is the run record."""
 
     prompt_ids: list[int]
@@ -61,14 +60,6 @@ class Generation:
     @property
     def full_ids(self) -> list[int]:
         return self.prompt_ids + self.ids
-
-    @property
-    def wall_seconds(self) -> float:
-        return sum(s.seconds for s in self.steps) + self.prefill_seconds
-
-    @property
-    def seconds_per_token(self) -> float:
-        return sum(s.seconds for s in self.steps) / len(self.steps) if self.steps else 0.0
 
 
 def make_sampler(p: GenerationParams) -> Sampler | None:

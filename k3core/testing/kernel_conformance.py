@@ -20,11 +20,10 @@ are not compared (hardware NaN propagation is not part of the contract; see
 contract's lane sum from every other order and its ``exp`` from a library one
 (:mod:`k3core.testing.adversarial`). The last tests run two 13-layer models generated in
 memory (float32 weights; the released layout with bf16 trunk and MXFP4 experts) end to end
-and compare their logits byte for byte (full recompute and incremental decoding). Nothing is
-read from disk: the suite runs the same from a wheel-installed k3. The in-memory models run
-once more at 1, 2 and 3 threads with every parallel path forced
-(``KernelBackend.set_force_parallel``), since they would otherwise stay below every
-backend's threading threshold.
+and compare their logits byte for byte (full recompute and incremental decoding), once more
+at 1, 2 and 3 threads with every parallel path forced (``KernelBackend.set_force_parallel``),
+since the small models would otherwise stay below every backend's threading threshold.
+Nothing is read from disk: the suite runs the same from a wheel-installed k3.
 
 The fused products (``matmul_many``, ``situ_mlp``) are compared with the reference's
 single ops (a backend that does not fuse them inherits exactly those).
@@ -512,23 +511,23 @@ class KernelConformance:
     @pytest.mark.parametrize("model", ["float32", "released"])
     @pytest.mark.parametrize("incremental", [False, True], ids=["full", "incremental"])
     def test_model_logits_parallel_forced(
-        self, kb: KernelBackend, threads: int, model: str, incremental: bool
+        self, backend: KernelBackend, threads: int, model: str, incremental: bool
     ) -> None:
         """The whole models again with every parallel path taken (``set_force_parallel``):
         the small test models stay below every work threshold, so without it the
         multi-threaded code would never run here. Same bytes at 1, 2 and 3 threads."""
         if threads not in self.FORCED_THREADS:
             pytest.skip(f"thread count {threads} not in {type(self).__name__}.FORCED_THREADS")
-        kb.set_threads(threads)
-        if kb.threads < threads:
-            pytest.skip(f"{kb.name} runs at most {kb.threads} threads in this process")
+        backend.set_threads(threads)
+        if backend.threads < threads:
+            pytest.skip(f"{backend.name} runs at most {backend.threads} threads in this process")
         want = _reference_logits(model, incremental)
-        kb.set_force_parallel(True)
+        backend.set_force_parallel(True)
         try:
-            net, prompt = _build_model(model, kb)
+            net, prompt = _build_model(model, backend)
             got = _decode_logits(net, prompt, incremental)
         finally:
-            kb.set_force_parallel(False)
+            backend.set_force_parallel(False)
         mode = "incremental" if incremental else "full recompute"
         assert len(got) == len(want)
         for step, (g, w) in enumerate(zip(got, want, strict=True)):
