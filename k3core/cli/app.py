@@ -107,6 +107,8 @@ def _click_errors() -> tuple[tuple[type[BaseException], ...], ...]:
     abort: list[type[BaseException]] = []
     for mod_name, abort_mod in (("typer._click.exceptions", "typer.exceptions"),
                                 ("click.exceptions", "click.exceptions")):
+        if mod_name.startswith("click.") and "click" not in sys.modules:
+            continue  # nothing imported the click package, so none of its errors can arise
         try:
             mod = importlib.import_module(mod_name)
             amod = importlib.import_module(abort_mod)

@@ -183,32 +183,42 @@ def buffer_bytes(cfg: ModelConfig, positions: int, n_layers: int | None = None) 
     return 4 * (T * c.hidden + T * maxb * c.hidden + scratch + c.vocab)
 
 
+@dataclass(frozen=True)
+class MemoryRequest:
+    """The shape of a run the plan sums: budgets, positions, decoding mode."""
+
+    streamed: bool
+    cache_bytes: int
+    prompt_len: int
+    gen: int
+    incremental: bool
+    n_layers: int | None = None
+    trunk_budget: int | None = None
+    trunk_bytes_resident: int | None = None
+    ultra: bool = False
+    stream_chunk: int = STREAM_CHUNK
+
+
 def plan_memory(
     cfg: ModelConfig,
+    req: MemoryRequest,
     *,
-    streamed: bool,
-    cache_bytes: int,
-    prompt_len: int,
-    gen: int,
-    incremental: bool,
-    n_layers: int | None = None,
-    trunk_budget: int | None = None,
-    trunk_bytes_resident: int | None = None,
-    ultra: bool = False,
     sizes: ModelSizes | None = None,
     expert_bytes: int | None = None,
-    stream_chunk: int = STREAM_CHUNK,
     baseline: int | None = None,
     available: int | None = None,
 ) -> MemoryPlan:
     """Sum every buffer of a run.
 
-    ``streamed`` runs need ``trunk_budget`` (bytes of pinned layers + ring); resident runs
-    take ``trunk_bytes_resident`` or, when omitted, the planned bytes of the layers run.
+    ``req.streamed`` runs need ``req.trunk_budget`` (bytes of pinned layers + ring);
+    resident runs take ``trunk_bytes_resident`` or, when omitted, the planned bytes of the layers run.
     ``sizes`` defaults to :func:`sizes_from_config`; ``expert_bytes`` overrides its expert size
     (slots are rounded down to whole ones). ``baseline`` defaults to this process's RSS and
     ``available`` to MemAvailable: tests inject both.
     """
+    streamed, cache_bytes, prompt_len, gen = req.streamed, req.cache_bytes, req.prompt_len, req.gen
+    incremental, n_layers, ultra = req.incremental, req.n_layers, req.ultra
+    trunk_budget, trunk_bytes_resident = req.trunk_budget, req.trunk_bytes_resident
     if prompt_len < 0 or gen < 0 or cache_bytes < 0:
         raise UsageError("prompt length, --gen and --cache-gb must not be negative")
     L = cfg.n_layers if n_layers is None else n_layers
@@ -228,7 +238,7 @@ def plan_memory(
         trunk = whole if trunk_bytes_resident is None else trunk_bytes_resident
     E = cfg.hidden
     if ultra:
-        tables = min(stream_chunk, sz.tables_bytes) + 2 * ALIGN + 3 * E * 4
+        tables = min(req.stream_chunk, sz.tables_bytes) + 2 * ALIGN + 3 * E * 4
     else:
         tables = sz.tables_bytes
     expert = sz.expert_bytes if expert_bytes is None else expert_bytes

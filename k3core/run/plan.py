@@ -19,12 +19,13 @@ from pathlib import Path
 from typing import Any
 
 from k3core.api.errors import UsageError
+from k3core.api.units import ALIGN, gb_bytes
 from k3core.experts.setup import CacheOptions
 from k3core.model.config import ModelConfig
-from k3core.model.sizes import ALIGN, sizes_from_config
+from k3core.model.sizes import sizes_from_config
 from k3core.plugins.registry import get_registry
 from k3core.run.binding import EngineOptions, read_model_config
-from k3core.run.memory_plan import MemoryPlan, check_kv, plan_memory
+from k3core.run.memory_plan import MemoryPlan, MemoryRequest, check_kv, plan_memory
 from k3core.run.presets import check_plugins, load_preset
 from k3core.run.prompt import PromptSpec, find_tokenizer, load_tokenizer, prompt_ids
 from k3core.run.request import EngineRequest, RunRequest
@@ -71,10 +72,10 @@ class EnginePlan:
         if self.incremental:
             check_kv(self.cfg, prompt_len + gen + 1, n_layers=self.n_layers)
         budget = _trunk_budget(self.cfg, self.n_layers, self.trunk_gb) if self.streamed else None
-        self.memory = plan_memory(
-            self.cfg, streamed=self.streamed, cache_bytes=int(s.cache_gb * 1e9),
-            prompt_len=prompt_len, gen=gen, incremental=self.incremental,
-            n_layers=self.n_layers, trunk_budget=budget, ultra=bool(s.ultra_low_memory))
+        self.memory = plan_memory(self.cfg, MemoryRequest(
+            streamed=self.streamed, cache_bytes=gb_bytes(s.cache_gb), prompt_len=prompt_len,
+            gen=gen, incremental=self.incremental, n_layers=self.n_layers, trunk_budget=budget,
+            ultra=bool(s.ultra_low_memory)))
         return self.memory
 
     def check(self) -> None:

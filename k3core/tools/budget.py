@@ -20,7 +20,7 @@ from k3core.checkpoint.index import CheckpointIndex
 from k3core.model import names
 from k3core.model.config import ModelConfig, load_config
 from k3core.model.sizes import ModelSizes, sizes_from_index
-from k3core.run.memory_plan import MemoryPlan, plan_memory
+from k3core.run.memory_plan import MemoryPlan, MemoryRequest, plan_memory
 from k3core.run.presets import Preset
 
 
@@ -146,10 +146,10 @@ def add_plans(b: Budget, presets: list[Preset], *, prompt_len: int, gen: int,
               total: int | None = None) -> None:
     """Plan the memory of a streamed run under each preset (and ``auto``)."""
     for p in presets:
-        plan = plan_memory(b.cfg, streamed=True, trunk_budget=p.trunk_bytes,
-                           cache_bytes=p.cache_bytes, prompt_len=prompt_len, gen=gen,
-                           incremental=incremental, ultra=p.ultra_low_memory, sizes=b.sizes,
-                           available=available, baseline=baseline)
+        plan = plan_memory(b.cfg, MemoryRequest(
+            streamed=True, trunk_budget=p.trunk_bytes, cache_bytes=p.cache_bytes,
+            prompt_len=prompt_len, gen=gen, incremental=incremental, ultra=p.ultra_low_memory),
+            sizes=b.sizes, available=available, baseline=baseline)
         b.plans.append((p.name, plan, ""))
     from k3core.run.preset_auto import auto_preset, run_overhead
 
@@ -160,8 +160,8 @@ def add_plans(b: Budget, presets: list[Preset], *, prompt_len: int, gen: int,
     except UsageError as exc:
         b.plans.append(("auto", None, str(exc).split(";")[0]))
         return
-    plan = plan_memory(b.cfg, streamed=True, trunk_budget=auto.trunk_bytes,
-                       cache_bytes=auto.cache_bytes, prompt_len=prompt_len, gen=gen,
-                       incremental=incremental, sizes=b.sizes, available=available,
-                       baseline=baseline)
+    plan = plan_memory(b.cfg, MemoryRequest(
+        streamed=True, trunk_budget=auto.trunk_bytes, cache_bytes=auto.cache_bytes,
+        prompt_len=prompt_len, gen=gen, incremental=incremental),
+        sizes=b.sizes, available=available, baseline=baseline)
     b.plans.append(("auto", plan, ""))

@@ -11,7 +11,7 @@ from k3core.model.config import ModelConfig
 from k3core.model.shapes import size_config
 from k3core.model.sizes import EXPERT_BYTES, sizes_from_config, slot_bytes
 from k3core.model.state import kv_bytes_per_position, recurrent_bytes_per_layer
-from k3core.run.memory_plan import check_kv, kv_bytes, plan_memory
+from k3core.run.memory_plan import MemoryRequest, check_kv, kv_bytes, plan_memory
 
 GB = 1_000_000_000
 K3 = ModelConfig.from_json_dict(size_config("real"))
@@ -22,7 +22,8 @@ def plan(cfg=K3, **kw):
     args = dict(streamed=True, trunk_budget=3 * GB, cache_bytes=1 * GB, prompt_len=5, gen=8,
                 incremental=True, baseline=50_000_000, available=20 * GB)
     args.update(kw)
-    return plan_memory(cfg, **args)
+    facts = {k: args.pop(k) for k in ("sizes", "expert_bytes", "baseline", "available") if k in args}
+    return plan_memory(cfg, MemoryRequest(**args), **facts)
 
 
 def test_planned_sizes_are_the_released_checkpoints():
@@ -121,8 +122,8 @@ def test_negative_request_is_refused():
 
 
 def test_baseline_defaults_to_this_process():
-    p = plan_memory(TINY, streamed=True, trunk_budget=GB, cache_bytes=0, prompt_len=1, gen=1,
-                    incremental=False, available=GB)
+    p = plan_memory(TINY, MemoryRequest(streamed=True, trunk_budget=GB, cache_bytes=0,
+                                        prompt_len=1, gen=1, incremental=False), available=GB)
     assert 10_000_000 < p.baseline < 4 * GB
 
 

@@ -31,7 +31,7 @@ import psutil
 
 from k3core.api.units import align_up, human
 from k3core.plugins.registry import KIND_WORDS, Registry, get_registry
-from k3core.run.memory_plan import plan_memory
+from k3core.run.memory_plan import MemoryRequest, plan_memory
 from k3core.tools.doctor.disk_probe import (
     DEFAULT_PROBE_BYTES,
     DiskMeasure,
@@ -262,10 +262,10 @@ def check_fit(r: DoctorReport, mc: ModelCheck, available: int, baseline: int | N
     cfg, sz = mc.cfg, mc.sizes
     if cfg is None or sz is None:
         return
-    floor = plan_memory(cfg, streamed=True, trunk_budget=align_up(sz.largest_layer),
-                        cache_bytes=(sz.topk + 1) * sz.expert_slot_bytes, prompt_len=32,
-                        gen=8, incremental=False, ultra=True, sizes=sz, available=available,
-                        baseline=baseline)
+    floor = plan_memory(cfg, MemoryRequest(
+        streamed=True, trunk_budget=align_up(sz.largest_layer),
+        cache_bytes=(sz.topk + 1) * sz.expert_slot_bytes, prompt_len=32, gen=8,
+        incremental=False, ultra=True), sizes=sz, available=available, baseline=baseline)
     if not floor.fits():
         r.add("fit", "ultra floor", "fail", f"even --preset ultra plans {human(floor.total)} and "
               f"{human(available)} is available: this machine cannot run this model")
@@ -274,9 +274,10 @@ def check_fit(r: DoctorReport, mc: ModelCheck, available: int, baseline: int | N
     from k3core.run.presets import load_preset
 
     p = load_preset(r.preset)
-    plan = plan_memory(cfg, streamed=True, trunk_budget=p.trunk_bytes, cache_bytes=p.cache_bytes,
-                       prompt_len=32, gen=8, incremental=True, ultra=p.ultra_low_memory,
-                       sizes=sz, available=available, baseline=baseline)
+    plan = plan_memory(cfg, MemoryRequest(
+        streamed=True, trunk_budget=p.trunk_bytes, cache_bytes=p.cache_bytes, prompt_len=32,
+        gen=8, incremental=True, ultra=p.ultra_low_memory), sizes=sz, available=available,
+        baseline=baseline)
     status: Status = "ok" if plan.fits() else "warn"
     r.add("fit", f"preset {p.name}", status, f"plans {human(plan.total)} of {human(available)} "
           "available" + ("" if plan.fits() else "; use --preset ultra or auto"))
