@@ -46,9 +46,7 @@ def perplexity_cmd(
         raise UsageError(f"--threads must be >= 1, got {threads}")
     data = read_text_file(file)
     opts = EngineOptions(model_dir=model_dir, backend=backend, threads=threads)
-    if not model_dir.is_dir():
-        raise UsageError(f"model directory {model_dir} does not exist")
-    cfg = read_model_config(opts)
+    cfg = read_model_config(opts)  # a missing MODEL_DIR is refused there, as for k3 run
     tokenizer = load_tokenizer(tok or model_dir, cfg.vocab, required=True)
     assert tokenizer is not None
     ids = tokenizer.encode_bytes(data, allow_special=False)

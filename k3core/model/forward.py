@@ -15,7 +15,7 @@ import numpy as np
 
 from k3core.api.errors import K3Error
 from k3core.api.experts import ExpertExecutor, ExpertSource, ExpertWeights
-from k3core.api.kernels import KernelBackend
+from k3core.api.kernels import F32, U16, KernelBackend, Mxfp4
 from k3core.model.config import ModelConfig
 from k3core.model.layer_params import LayerParams
 from k3core.model.sources import ModelTables, TrunkSource
@@ -141,7 +141,8 @@ class Model:
         return k.matmul(p["self_attn.o_proj.weight"], o)
 
     # ---- MLPs (docs/model.md §5.6-5.7, SiTU §4.5) ---------------------------------------------------
-    def situ_mlp(self, gate_w: np.ndarray, up_w: np.ndarray, down_w: np.ndarray, x: np.ndarray) -> np.ndarray:
+    def situ_mlp(self, gate_w: U16 | F32 | Mxfp4, up_w: U16 | F32 | Mxfp4,
+                 down_w: U16 | F32 | Mxfp4, x: F32) -> F32:
         return self.k.situ_mlp(gate_w, up_w, down_w, x, self.cfg.situ_b1, self.cfg.situ_b2)
 
     def dense_mlp(self, p: LayerParams, x: np.ndarray) -> np.ndarray:
@@ -166,16 +167,15 @@ class Model:
                 x,
             )
         T = x.shape[0]
-        outs = np.empty((T, c.topk, c.latent), dtype=np.float32)
-
-        def use(e: int, ew: ExpertWeights) -> None:
-            rows, slots = np.nonzero(idx == e)
-            zz = np.ascontiguousarray(z[rows])
-            outs[rows, slots] = k.situ_mlp(ew.w1, ew.w3, ew.w2, zz, c.situ_b1, c.situ_b2)
-
         if remote is not None:
             outs = remote()  # the workers' outputs, waited for after the shared experts
         else:
+            outs = np.empty((T, c.topk, c.latent), dtype=np.float32)
+
+            def use(e: int, ew: ExpertWeights) -> None:
+                rows, slots = np.nonzero(idx == e)
+                outs[rows, slots] = self.situ_mlp(ew.w1, ew.w3, ew.w2, np.ascontiguousarray(z[rows]))
+
             self.experts.run_layer(p.layer, requests, use)
         acc = np.zeros((T, c.latent), dtype=np.float32)
         for j in range(c.topk):

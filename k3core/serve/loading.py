@@ -32,8 +32,6 @@ def check_context(context: int) -> int:
 def open_engine_for(model_dir: Path, context: int = DEFAULT_CONTEXT, **flags: Any) -> Engine:
     """Open ``model_dir`` with ``k3 run``'s engine flags (``None`` = not given)."""
     check_context(context)
-    if not Path(model_dir).is_dir():
-        raise UsageError(f"model directory {model_dir} does not exist")
     fields = {"model_dir": model_dir, "incremental": True, **flags}
     req = build(EngineRequest, {k: v for k, v in fields.items() if v is not None})
     plan = plan_engine(req, needs_tokenizer=True)
