@@ -23,6 +23,12 @@ a wheel-installed k3, outside any checkout. :func:`assert_same_bits` and
 
 from __future__ import annotations
 
+try:
+    import pytest  # noqa: F401 - the suites are pytest classes
+except ImportError:  # pragma: no cover - depends on the environment
+    raise ImportError("k3.testing runs its suites under pytest, which is not installed: "
+                      "pip install pytest") from None
+
 from k3core.testing.cache_policy_conformance import (
     CachePolicyConformance,
     ContractViolation,
