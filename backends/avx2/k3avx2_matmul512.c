@@ -50,17 +50,23 @@ K3_INLINE512 void dec_f32(__m512d q[4], const float *w) {
     for (int k = 0; k < 4; ++k) q[k] = _mm512_cvtps_pd(_mm256_loadu_ps(w + 8 * k));
 }
 
-/* One MXFP4 group (16 packed bytes, scale byte b) in natural column order. */
+/* One MXFP4 group (16 packed bytes, scale byte b) in natural column order. Column i's code is
+ * the nibble at bit 4i of the group read as two little-endian 64-bit words, so each word is
+ * broadcast to every qword lane and shifted right by 4 x its column (vpsrlvq); the table
+ * permute reads only the low four bits of each lane's index. Per group: two broadcast loads,
+ * four shifts and four permutes, and no byte shuffles (which queued on one port before). */
 K3_INLINE512 void dec_mxfp4(__m512d q[4], const uint8_t *pk, int b) {
-    const __m128i m0f = _mm_set1_epi8(0x0F);
-    __m128i p = _mm_loadu_si128((const __m128i *)pk);
-    __m128i lo = _mm_and_si128(p, m0f), hi = _mm_and_si128(_mm_srli_epi16(p, 4), m0f);
-    __m128i c0 = _mm_unpacklo_epi8(lo, hi), c1 = _mm_unpackhi_epi8(lo, hi); /* cols 0-15, 16-31 */
-    __m512d t0 = _mm512_load_pd(WV512[b]), t1 = _mm512_load_pd(WV512[b] + 8);
-    q[0] = _mm512_permutex2var_pd(t0, _mm512_cvtepu8_epi64(c0), t1);
-    q[1] = _mm512_permutex2var_pd(t0, _mm512_cvtepu8_epi64(_mm_srli_si128(c0, 8)), t1);
-    q[2] = _mm512_permutex2var_pd(t0, _mm512_cvtepu8_epi64(c1), t1);
-    q[3] = _mm512_permutex2var_pd(t0, _mm512_cvtepu8_epi64(_mm_srli_si128(c1, 8)), t1);
+    const __m512i s0 = _mm512_setr_epi64(0, 4, 8, 12, 16, 20, 24, 28);
+    const __m512i s1 = _mm512_setr_epi64(32, 36, 40, 44, 48, 52, 56, 60);
+    int64_t u0, u1;
+    memcpy(&u0, pk, 8);
+    memcpy(&u1, pk + 8, 8);
+    const __m512i a = _mm512_set1_epi64(u0), c = _mm512_set1_epi64(u1); /* cols 0-15, 16-31 */
+    const __m512d t0 = _mm512_load_pd(WV512[b]), t1 = _mm512_load_pd(WV512[b] + 8);
+    q[0] = _mm512_permutex2var_pd(t0, _mm512_srlv_epi64(a, s0), t1);
+    q[1] = _mm512_permutex2var_pd(t0, _mm512_srlv_epi64(a, s1), t1);
+    q[2] = _mm512_permutex2var_pd(t0, _mm512_srlv_epi64(c, s0), t1);
+    q[3] = _mm512_permutex2var_pd(t0, _mm512_srlv_epi64(c, s1), t1);
 }
 
 /* Chunk c of row o decoded into q (a column tail is completed with +0.0 weights). */
@@ -89,6 +95,26 @@ K3_INLINE512 void dec_chunk(enum k3_wkind kind, __m512d q[4], const void *w, con
     }
 }
 
+/* Software prefetch into L2, PREFETCH512_AHEAD bytes ahead of the weight stream: one
+ * 64-byte line per line of weights (4 MXFP4 groups, 1 bf16 chunk, half a float32 chunk) and
+ * one line of MXFP4 scale bytes per 64 groups. Measured on a Zen 4 core, 1 thread, MXFP4
+ * [3072 x 3584] from DRAM: 5.9 GB/s without, 6.9-7.2 GB/s with 2-4 KiB ahead. */
+#define PREFETCH512_AHEAD 2048
+K3_INLINE512 void prefetch_chunk(enum k3_wkind kind, const void *w, const uint8_t *sc, int64_t o,
+                                 int64_t cols, int64_t c) {
+    if (kind == K3_W_MXFP4) {
+        const char *r = (const char *)w + o * (cols / 2) + 16 * c;
+        if ((c & 3) == 0) _mm_prefetch(r + PREFETCH512_AHEAD, _MM_HINT_T1);
+        if ((c & 63) == 0) _mm_prefetch((const char *)sc + o * (cols / 32) + c + PREFETCH512_AHEAD / 16, _MM_HINT_T1);
+    } else if (kind == K3_W_BF16) {
+        _mm_prefetch((const char *)w + 2 * (o * cols + 32 * c) + PREFETCH512_AHEAD, _MM_HINT_T1);
+    } else {
+        const char *r = (const char *)w + 4 * (o * cols + 32 * c) + PREFETCH512_AHEAD;
+        _mm_prefetch(r, _MM_HINT_T1);
+        _mm_prefetch(r + 64, _MM_HINT_T1);
+    }
+}
+
 /* NT (1..4) tokens of row o: y[j * rows] = f32(lsum_i W[o, i] * xd[j * cp + i]). */
 K3_INLINE512 void row_tokens(enum k3_wkind kind, const int NT, const void *w, const uint8_t *sc,
                              int64_t o, int64_t cols, int64_t cp, const double *xd, int64_t rows,
@@ -99,6 +125,7 @@ K3_INLINE512 void row_tokens(enum k3_wkind kind, const int NT, const void *w, co
     const int64_t chunks = cp / 32;
     for (int64_t c = 0; c < chunks; ++c) {
         __m512d q[4];
+        prefetch_chunk(kind, w, sc, o, cols, c);
         dec_chunk(kind, q, w, sc, o, cols, c);
         for (int j = 0; j < NT; ++j)
             for (int k = 0; k < 4; ++k)
