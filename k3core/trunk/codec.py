@@ -1,0 +1,155 @@
+"""Lossless codecs for one window of a packed trunk: encode at pack time, decode into a slot.
+
+A codec is named ``NAME`` or ``NAME:LEVEL`` (``k3 pack-trunk --codec``):
+
+* ``none``: the bytes verbatim (the default; a trunk packed so is the version-1 format);
+* ``zstd`` / ``lz4``: the window through Zstandard (``zstandard``) or LZ4 block (``lz4``);
+* ``bp-zstd`` / ``bp-lz4``: for a window of a two-byte tensor (bf16, f16) the bytes are
+  first split into two planes, the high bytes (sign and exponent, about 3.4 bits of entropy
+  in trained weights) then the low bytes (mantissa, nearly 8 bits), and the planes go
+  through the compressor; decode joins them back with one 16-bit shift-or. Windows of
+  other dtypes go through the compressor as they are.
+
+A window whose encoding is not smaller than its raw bytes is stored raw (the pack decides
+per window; the manifest's window table says which, see :mod:`k3core.trunk.windows`).
+Decoding is bounded: at most the window's recorded raw length is produced, and anything
+else (a library error, a short or long result) is a :class:`CodecError`; the caller names
+the layer and window. ``docs/trunk.md`` has the measured ratios and decode speeds.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from k3core.api.errors import UsageError
+
+if TYPE_CHECKING:
+    import zstandard
+
+#: the codec names a manifest may carry and ``--codec`` accepts
+NAMES = ("none", "zstd", "lz4", "bp-zstd", "bp-lz4")
+DEFAULT_LEVEL = {"zstd": 3, "bp-zstd": 3, "lz4": 0, "bp-lz4": 0, "none": 0}
+LEVELS = {"zstd": range(-7, 23), "bp-zstd": range(-7, 23), "lz4": range(0, 17),
+          "bp-lz4": range(0, 17), "none": range(0, 1)}
+
+
+class CodecError(Exception):
+    """A window that does not decode to its recorded raw length."""
+
+
+@dataclass(frozen=True)
+class Codec:
+    name: str
+    level: int
+
+    @property
+    def spec(self) -> str:
+        return self.name if self.level == DEFAULT_LEVEL[self.name] else f"{self.name}:{self.level}"
+
+    @property
+    def planes(self) -> bool:
+        return self.name.startswith("bp-")
+
+    @property
+    def base(self) -> str:
+        return self.name.removeprefix("bp-")
+
+    def encode(self, raw: np.ndarray, itemsize: int) -> bytes:
+        """The encoded bytes of ``raw`` (uint8) from a tensor of ``itemsize``-byte elements."""
+        src = split_planes(raw) if self.planes and itemsize == 2 and raw.size % 2 == 0 else raw
+        if self.base == "zstd":
+            import zstandard
+
+            return zstandard.ZstdCompressor(level=self.level).compress(src.data)
+        if self.base == "lz4":
+            import lz4.block
+
+            mode = "high_compression" if self.level > 0 else "default"
+            return bytes(lz4.block.compress(src, mode=mode, compression=self.level,
+                                            store_size=False))
+        return bytes(src)
+
+    def decode_into(self, data: memoryview | np.ndarray, out: np.ndarray, itemsize: int) -> None:
+        """Decode ``data`` into ``out`` (uint8, exactly the window's raw length)."""
+        n = out.size
+        data = data if isinstance(data, memoryview) else data.data
+        try:
+            if self.base == "zstd":
+                import zstandard
+
+                claimed = zstandard.frame_content_size(data)
+                if claimed != n:  # never let a damaged frame size the allocation
+                    raise CodecError(f"{self.name} frame claims {claimed} bytes, not {n}")
+                got = _zstd().decompress(data, max_output_size=n)
+            elif self.base == "lz4":
+                import lz4.block
+
+                got = lz4.block.decompress(data, uncompressed_size=n)
+            else:
+                got = bytes(data)
+        except CodecError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - any library error is a damaged window
+            raise CodecError(f"{self.name} cannot decode it ({type(exc).__name__}: {exc})") from None
+        if len(got) != n:
+            raise CodecError(f"{self.name} decodes it to {len(got)} bytes, not {n}")
+        flat = np.frombuffer(got, dtype=np.uint8)
+        if self.planes and itemsize == 2 and n % 2 == 0:
+            join_planes(flat, out)
+        else:
+            out[:] = flat
+
+
+def split_planes(raw: np.ndarray) -> np.ndarray:
+    """Little-endian 16-bit elements as two planes: every high byte, then every low byte."""
+    pairs = raw.reshape(-1, 2)
+    return np.concatenate([pairs[:, 1], pairs[:, 0]])
+
+
+def join_planes(planes: np.ndarray, out: np.ndarray) -> None:
+    """Inverse of :func:`split_planes`, written into ``out`` (uint8, same length)."""
+    half = planes.size // 2
+    o16 = out.view(np.uint16)
+    np.left_shift(planes[:half], 8, out=o16, dtype=np.uint16)
+    np.bitwise_or(o16, planes[half:], out=o16)
+
+
+_local = threading.local()
+
+
+def _zstd() -> zstandard.ZstdDecompressor:
+    """One decompression context per thread (a context is not shared across threads)."""
+    d = getattr(_local, "zstd", None)
+    if d is None:
+        import zstandard
+
+        d = _local.zstd = zstandard.ZstdDecompressor()
+    return d
+
+
+def parse_codec(spec: str) -> Codec:
+    """``NAME`` or ``NAME:LEVEL`` as a :class:`Codec`; ``UsageError`` (exit 2) otherwise."""
+    name, _, lvl = spec.strip().partition(":")
+    if name not in NAMES:
+        raise UsageError(f"--codec {spec!r}: unknown codec (known: {', '.join(NAMES)})")
+    level = DEFAULT_LEVEL[name]
+    if lvl:
+        try:
+            level = int(lvl)
+        except ValueError:
+            raise UsageError(f"--codec {spec!r}: the level must be an integer") from None
+        if level not in LEVELS[name]:
+            r = LEVELS[name]
+            raise UsageError(f"--codec {spec!r}: {name} levels are {r.start}..{r.stop - 1}")
+    return Codec(name, level)
+
+
+def codec_for_manifest(name: str) -> Codec:
+    """The decoder a manifest names (the level does not matter to decoding)."""
+    if name not in NAMES:
+        raise ValueError(name)
+    return Codec(name, DEFAULT_LEVEL[name])
