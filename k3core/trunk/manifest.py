@@ -321,7 +321,9 @@ def _parse_root(doc: Any, root: Path) -> TrunkManifest:
     if version not in (VERSION, VERSION_CODEC):
         raise _Bad(f"version {version} is not supported (this k3 reads versions {VERSION} "
                    f"and {VERSION_CODEC}); repack the trunk")
-    codec = doc.get("codec", "none") if version == VERSION_CODEC else "none"
+    codec = doc.get("codec") if version == VERSION_CODEC else "none"
+    if version == VERSION_CODEC and codec is None:
+        raise _Bad(f"version {VERSION_CODEC} is a compressed trunk but names no codec")
     if version == VERSION and "codec" in doc:
         raise _Bad(f"a version {VERSION} trunk has no codec; repack the trunk")
     if not isinstance(codec, str) or codec not in CODEC_NAMES or (

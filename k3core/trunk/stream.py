@@ -204,6 +204,9 @@ class StreamedTrunk(TrunkSource):
         self._staging_bytes = max((staging_bytes(manifest.layers[L].windows) for L in range(n)),
                                   default=0) if manifest.compressed else 0
         self._local = threading.local()  # a staging buffer per reading thread
+        #: reads the next chunk of encoded windows while the current one decodes
+        self._prefetch = (ThreadPoolExecutor(1, thread_name_prefix="k3-trunk-prefetch")
+                          if manifest.compressed else None)
         self._file: StorageFile | None = _open(storage, manifest)
         self._cond = threading.Condition()
         self._stop = threading.Event()
@@ -263,6 +266,8 @@ class StreamedTrunk(TrunkSource):
             t.join(JOIN_SECONDS)
             if t.is_alive():  # a read is stuck in the kernel: leave the file to the daemon
                 return
+        if self._prefetch is not None:
+            self._prefetch.shutdown(wait=True, cancel_futures=True)
         f, self._file = self._file, None
         if f is not None:
             f.close()
@@ -352,11 +357,12 @@ class StreamedTrunk(TrunkSource):
         assert self._codec is not None
         staging = getattr(self._local, "staging", None)
         if staging is None:
-            staging = self._local.staging = aligned_empty(self._staging_bytes, ALIGN)
+            staging = self._local.staging = aligned_empty(2 * self._staging_bytes, ALIGN)
         t0 = time.perf_counter()
         for _ in decoded_windows(f, self.manifest.bin_path, lay.layer, lay.file_off, lay.windows,
                                  self._codec, staging,
-                                 lambda w: buf[w.raw_off : w.raw_off + w.raw_len]):
+                                 lambda w: buf[w.raw_off : w.raw_off + w.raw_len],
+                                 self._prefetch):
             pass
         with self._cond:
             self.stats.decoded_bytes += lay.span

@@ -12,7 +12,8 @@ a window is ``[raw_len, stored_len]``; the offsets are the running sums, and
 :func:`decoded_windows` reads a layer's encoded bytes in aligned chunks of about
 :data:`READ_CHUNK` (whole windows; O_DIRECT needs no fix-up because a layer's run is
 aligned and padded) into a staging buffer and decodes each window into the destination the
-caller gives (the ring slot, a pinned buffer, or a scratch window for ``--verify-trunk``).
+caller gives (the ring slot, a pinned buffer, or a scratch window for ``--verify-trunk``);
+with a prefetch thread the next chunk is read while the current one decodes.
 A window that does not decode is a ``CheckpointError`` naming the layer and the window; a
 window that decodes to wrong bytes is caught by the layer's CRC-32 of its raw bytes, which
 the caller checks exactly as for an uncompressed trunk.
@@ -20,7 +21,9 @@ the caller checks exactly as for an uncompressed trunk.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -140,25 +143,55 @@ def decoded_windows(
     codec: Codec,
     staging: np.ndarray,
     dest: Callable[[Window], np.ndarray],
+    prefetch: Executor | None = None,
 ) -> Iterator[Window]:
     """Read and decode every window of a layer into ``dest(window)``, yielding each after it
     is decoded. Storage errors propagate; a window that does not decode is a
-    ``CheckpointError``."""
-    for a, b in chunks(windows):
-        start, length = _aligned_range(windows, a, b)
-        f.read_into(file_off + start, staging[:length])
-        for i in range(a, b):
-            w = windows[i]
-            src = staging[w.off - start : w.off - start + w.nbytes]
-            out = dest(w)
-            if w.stored_raw:
-                out[:] = src
-            else:
-                try:
-                    codec.decode_into(src, out, w.itemsize)
-                except CodecError as exc:
-                    raise CheckpointError(
-                        f"{bin_path}: layer {layer} window {i} (raw bytes [{w.raw_off}, "
-                        f"{w.raw_off + w.raw_len})) does not decode: {exc}; the file is "
-                        "damaged, repack the trunk") from None
-            yield w
+    ``CheckpointError``.
+
+    With a ``prefetch`` executor (one thread) the next chunk is read into the other half of
+    ``staging`` (which must then hold two chunks) while this one decodes, so a layer costs
+    about the larger of its read and its decode rather than their sum."""
+    parts = chunks(windows)
+    half = staging.size // 2 if prefetch is not None else staging.size
+    bufs = (staging[:half], staging[half : 2 * half]) if prefetch is not None else (staging,)
+
+    def read(k: int) -> None:
+        start, length = _aligned_range(windows, *parts[k])
+        f.read_into(file_off + start, bufs[k % len(bufs)][:length])
+
+    pending: Future[None] | None = None
+    try:
+        if prefetch is None:
+            read(0)
+        else:
+            pending = prefetch.submit(read, 0)
+        for k, (a, b) in enumerate(parts):
+            if pending is not None:
+                done, pending = pending, None
+                done.result()
+                if k + 1 < len(parts):
+                    pending = prefetch.submit(read, k + 1)  # type: ignore[union-attr]
+            elif k:
+                read(k)
+            start = _aligned_range(windows, a, b)[0]
+            buf = bufs[k % len(bufs)]
+            for i in range(a, b):
+                w = windows[i]
+                src = buf[w.off - start : w.off - start + w.nbytes]
+                out = dest(w)
+                if w.stored_raw:
+                    out[:] = src
+                else:
+                    try:
+                        codec.decode_into(src, out, w.itemsize)
+                    except CodecError as exc:
+                        raise CheckpointError(
+                            f"{bin_path}: layer {layer} window {i} (raw bytes [{w.raw_off}, "
+                            f"{w.raw_off + w.raw_len})) does not decode: {exc}; the file is "
+                            "damaged, repack the trunk") from None
+                yield w
+    finally:
+        if pending is not None:  # never leave a read running into a buffer we hand back
+            with contextlib.suppress(BaseException):
+                pending.result()

@@ -392,17 +392,22 @@ def bound_lines(rungs: Sequence[Rung]) -> list[str]:
 
 
 def check_same_ids(rungs: Sequence[Rung]) -> None:
-    rungs = all_rungs(rungs)
-    failed = [r for r in rungs if not r.ok]
+    failed = [f"{r.budget_gb:g} GB: {r.error}" for r in rungs if not r.ok] + [
+        f"{r.budget_gb:g} GB from the codec trunk: {r.coded.error}" for r in rungs
+        if r.coded is not None and not r.coded.ok]
     if failed:
-        raise K3Error("ladder: rung(s) failed: " + "; ".join(
-            f"{r.budget_gb:g} GB: {r.error}" for r in failed))
+        raise K3Error("ladder: rung(s) failed: " + "; ".join(failed))
     first = rungs[0].ids
     for r in rungs[1:]:
         if r.ids != first:
             raise K3Error(f"ladder: the {r.budget_gb:g} GB rung generated {r.ids}, the "
-                          f"{rungs[0].budget_gb:g} GB rung {first}; every budget and "
-                          "every trunk codec must give the same tokens")
+                          f"{rungs[0].budget_gb:g} GB rung {first}; every budget must give "
+                          "the same tokens")
+    for r in rungs:
+        if r.coded is not None and r.coded.ids != first:
+            raise K3Error(f"ladder: the {r.budget_gb:g} GB rung from the {r.coded.codec} trunk "
+                          f"generated {r.coded.ids}, the raw trunk {first}; a codec must give "
+                          "the same tokens")
 
 
 def write_tsv(path: Path, rungs: Sequence[Rung]) -> None:
