@@ -12,9 +12,11 @@ engine's own decoder (:meth:`k3core.trunk.codec.Codec.decode_into`) on one threa
 ``repeat`` times, and keeps the fastest pass: decode GB/s is raw bytes produced per second
 per core. Every decoded window is compared with its raw bytes before a figure is kept. The
 CRC-32 speed (what the reader pays per raw byte already) and a plain copy are the
-yardsticks in the same run. From ratio ``r`` and decode speed ``d`` it also gives the
-break-even disk: decoding on the reader thread after each read (sequential) wins over raw
-reads when the disk is slower than ``d * (1 - 1/r)``.
+yardsticks in the same run. From ratio ``r`` and decode speed ``d`` it also gives the raw
+trunk bytes per second one reader thread delivers from a disk of ``D`` GB/s: the reader
+reads the next chunk while it decodes this one, so that is ``min(r * D, d)`` against ``D``
+for an uncompressed trunk (``disks``: 0.5, 2 and 6 GB/s unless told, a SATA SSD and two
+NVMe generations).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from k3core.trunk.windows import WINDOW_BYTES, plan_windows
 DEFAULT_CODECS = ("lz4", "zstd:0", "zstd:1", "zstd:3", "zstd:9", "bp-lz4", "bp-zstd:0",
                   "bp-zstd:1", "bp-zstd:3", "bp-zstd:9", "bp-zstd:19")
 DEFAULT_MAX_BYTES = 256 * 10**6
+DEFAULT_DISKS = (0.5, 2.0, 6.0)
 
 
 @dataclass
@@ -46,7 +49,8 @@ class CodecResult:
     windows_raw: int  # windows stored raw (their encoding was not smaller)
     encode_mb_s: float
     decode_gb_s: float
-    break_even_disk_gb_s: float
+    #: raw GB/s one reader delivers from each of ``CodecBench.disks_gb_s``
+    delivered_gb_s: list[float]
 
 
 @dataclass
@@ -60,6 +64,7 @@ class CodecBench:
     bf16_share: float
     crc32_gb_s: float
     copy_gb_s: float
+    disks_gb_s: list[float]
     results: list[CodecResult] = field(default_factory=list)
     full_windows: int = 0
     full_results: list[CodecResult] = field(default_factory=list)
@@ -119,7 +124,8 @@ def _best(fn: object, repeat: int) -> float:
 
 
 def run_codec_bench(target: Path, specs: list[str], max_bytes: int = DEFAULT_MAX_BYTES,
-                    repeat: int = 3, window: int = WINDOW_BYTES) -> CodecBench:
+                    repeat: int = 3, window: int = WINDOW_BYTES,
+                    disks: tuple[float, ...] = DEFAULT_DISKS) -> CodecBench:
     """Measure every codec of ``specs`` on ``target``'s bytes (see the module docstring)."""
     if not target.is_dir():
         raise UsageError(f"bench codec: {target} is not a directory of safetensors shards")
@@ -154,18 +160,19 @@ def run_codec_bench(target: Path, specs: list[str], max_bytes: int = DEFAULT_MAX
             out_buf[: w.size] = w
 
     bench = CodecBench(str(target), what, raw, len(runs), len(wins), window, bf16 / raw,
-                       raw / _best(crc_all, repeat) / 1e9, raw / _best(copy_all, repeat) / 1e9)
-    bench.results = _measure(codecs, wins, repeat)
+                       raw / _best(crc_all, repeat) / 1e9, raw / _best(copy_all, repeat) / 1e9,
+                       list(disks))
+    bench.results = _measure(codecs, wins, repeat, disks)
     two_byte = np.concatenate([w for w, item in wins if item == 2] or [np.empty(0, np.uint8)])
     full = [(two_byte[a : a + window], 2) for a in range(0, two_byte.size - window + 1, window)]
     if full:
         bench.full_windows = len(full)
-        bench.full_results = _measure(codecs, full, repeat)
+        bench.full_results = _measure(codecs, full, repeat, disks)
     return bench
 
 
-def _measure(codecs: list[Codec], wins: list[tuple[np.ndarray, int]], repeat: int
-             ) -> list[CodecResult]:
+def _measure(codecs: list[Codec], wins: list[tuple[np.ndarray, int]], repeat: int,
+             disks: tuple[float, ...]) -> list[CodecResult]:
     raw = sum(w.size for w, _ in wins)
     out_buf = np.empty(max(w.size for w, _ in wins), np.uint8)
     results = []
@@ -193,17 +200,17 @@ def _measure(codecs: list[Codec], wins: list[tuple[np.ndarray, int]], repeat: in
         ratio = raw / stored
         dec = raw / _best(decode_all, repeat) / 1e9
         results.append(CodecResult(c.spec, ratio, stored, sum(e is None for e in enc),
-                                   raw / enc_s / 1e6, dec, dec * (1 - 1 / ratio)))
+                                   raw / enc_s / 1e6, dec, [min(ratio * d, dec) for d in disks]))
     return results
 
 
-def _table(results: list[CodecResult]) -> list[str]:
+def _table(results: list[CodecResult], disks: list[float]) -> list[str]:
     lines = [f"  {'codec':<12} {'ratio':>7} {'stored MB':>10} {'raw win':>8} {'encode MB/s':>12} "
-             f"{'decode GB/s/core':>17} {'break-even disk GB/s':>21}"]
+             f"{'decode GB/s/core':>17}" + "".join(f" {f'@{d:g} GB/s':>10}" for d in disks)]
     for r in results:
         lines.append(f"  {r.codec:<12} {r.ratio:>7.3f} {r.stored_bytes / 1e6:>10.2f} "
-                     f"{r.windows_raw:>8} {r.encode_mb_s:>12.1f} {r.decode_gb_s:>17.2f} "
-                     f"{r.break_even_disk_gb_s:>21.2f}")
+                     f"{r.windows_raw:>8} {r.encode_mb_s:>12.1f} {r.decode_gb_s:>17.2f}"
+                     + "".join(f" {x:>10.2f}" for x in r.delivered_gb_s))
     return lines
 
 
@@ -213,11 +220,11 @@ def format_lines(b: CodecBench) -> list[str]:
              f"{b.window_bytes // 1024} KiB, {100 * b.bf16_share:.1f} % in two-byte tensors",
              f"  yardsticks (one core): CRC-32 {b.crc32_gb_s:.2f} GB/s, copy {b.copy_gb_s:.2f} GB/s",
              "  the packer's windows on this model:"]
-    lines += _table(b.results)
+    lines += _table(b.results, b.disks_gb_s)
     if b.full_results:
         lines.append(f"  the same two-byte tensors' bytes as {b.full_windows} full windows (the "
                      "windows of a trunk whose tensors are larger than a window, as Kimi K3's):")
-        lines += _table(b.full_results)
-    lines.append("  break-even: decoding after each read wins over raw reads on a disk slower "
-                 "than decode x (1 - 1/ratio)")
+        lines += _table(b.full_results, b.disks_gb_s)
+    lines.append("  @D GB/s: raw trunk GB/s one reader thread delivers from a disk of D GB/s, "
+                 "min(ratio x D, decode), against D uncompressed")
     return lines

@@ -319,11 +319,6 @@ def _codec_cells(c: Rung | None) -> list[str]:
             f"{c.read_s_per_token:.3f}", "yes" if c.ok else f"no ({c.error})"]
 
 
-def all_rungs(rungs: Sequence[Rung]) -> list[Rung]:
-    """Every rung run, the codec trunk's beside the raw trunk's."""
-    return [x for r in rungs for x in (r, r.coded) if x is not None]
-
-
 def write_plot(path: Path, rungs: Sequence[Rung], title: str) -> None:
     """s/token and peak RSS against the budget, written atomically."""
     import matplotlib
