@@ -10,9 +10,12 @@ A codec is named ``NAME`` or ``NAME:LEVEL`` (``k3 pack-trunk --codec``):
   need (it encodes at about 1 GB/s and decodes about twice as fast as level 3);
 * ``bp-zstd`` / ``bp-lz4``: for a window of a two-byte tensor (bf16, f16) the bytes are
   first split into two planes, the high bytes (sign and exponent, about 3.4 bits of entropy
-  in trained weights) then the low bytes (mantissa, nearly 8 bits), and the planes go
-  through the compressor; decode joins them back with one 16-bit shift-or. Windows of
-  other dtypes go through the compressor as they are. ``bp-zstd`` defaults to level 0.
+  in trained weights) and the low bytes (mantissa, nearly 8 bits), and each plane goes
+  through the compressor as its own stream (``u32`` length of the high plane's stream, the
+  stream, then the low plane's), so the entropy coder never mixes the two distributions
+  (one zstd block of up to 128 KiB shares one Huffman table: a single stream of both planes
+  gains nothing on a small window); decode joins them back with one 16-bit shift-or.
+  Windows of other dtypes go through the compressor as they are. ``bp-zstd`` defaults to level 0.
 
 A window whose encoding is not smaller than its raw bytes is stored raw (the pack decides
 per window; the manifest's window table says which, see :mod:`k3core.trunk.windows`).
@@ -23,6 +26,7 @@ the layer and window. ``docs/trunk.md`` has the measured ratios and decode speed
 
 from __future__ import annotations
 
+import struct
 import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -64,7 +68,33 @@ class Codec:
 
     def encode(self, raw: np.ndarray, itemsize: int) -> bytes:
         """The encoded bytes of ``raw`` (uint8) from a tensor of ``itemsize``-byte elements."""
-        src = split_planes(raw) if self.planes and itemsize == 2 and raw.size % 2 == 0 else raw
+        if self._split(raw.size, itemsize):
+            planes = split_planes(raw)
+            hi = self._encode(planes[: raw.size // 2])
+            return _HI_LEN.pack(len(hi)) + hi + self._encode(planes[raw.size // 2 :])
+        return self._encode(raw)
+
+    def decode_into(self, data: memoryview | np.ndarray, out: np.ndarray, itemsize: int) -> None:
+        """Decode ``data`` into ``out`` (uint8, exactly the window's raw length)."""
+        n = out.size
+        data = data if isinstance(data, memoryview) else data.data
+        if not self._split(n, itemsize):
+            out[:] = np.frombuffer(self._decode(data, n), dtype=np.uint8)
+            return
+        if len(data) < _HI_LEN.size:
+            raise CodecError(f"{self.name}: {len(data)} bytes cannot hold two planes")
+        (hi_len,) = _HI_LEN.unpack(data[: _HI_LEN.size])
+        if hi_len > len(data) - _HI_LEN.size:
+            raise CodecError(f"{self.name}: the high plane's {hi_len} bytes run past the window")
+        hi = self._decode(data[_HI_LEN.size : _HI_LEN.size + hi_len], n // 2)
+        lo = self._decode(data[_HI_LEN.size + hi_len :], n // 2)
+        join_planes(np.frombuffer(hi, np.uint8), np.frombuffer(lo, np.uint8), out)
+
+    def _split(self, n: int, itemsize: int) -> bool:
+        return self.planes and itemsize == 2 and n % 2 == 0
+
+    def _encode(self, src: np.ndarray) -> bytes:
+        src = np.ascontiguousarray(src)
         if self.base == "zstd":
             import zstandard
 
@@ -78,14 +108,12 @@ class Codec:
             import lz4.block
 
             mode = "high_compression" if self.level > 0 else "default"
-            return bytes(lz4.block.compress(src, mode=mode, compression=self.level,
+            return bytes(lz4.block.compress(src.data, mode=mode, compression=self.level,
                                             store_size=False))
-        return bytes(src)
+        return src.tobytes()
 
-    def decode_into(self, data: memoryview | np.ndarray, out: np.ndarray, itemsize: int) -> None:
-        """Decode ``data`` into ``out`` (uint8, exactly the window's raw length)."""
-        n = out.size
-        data = data if isinstance(data, memoryview) else data.data
+    def _decode(self, data: memoryview, n: int) -> bytes:
+        """Exactly ``n`` decoded bytes of one stream, or ``CodecError``."""
         try:
             if self.base == "zstd":
                 import zstandard
@@ -106,11 +134,11 @@ class Codec:
             raise CodecError(f"{self.name} cannot decode it ({type(exc).__name__}: {exc})") from None
         if len(got) != n:
             raise CodecError(f"{self.name} decodes it to {len(got)} bytes, not {n}")
-        flat = np.frombuffer(got, dtype=np.uint8)
-        if self.planes and itemsize == 2 and n % 2 == 0:
-            join_planes(flat, out)
-        else:
-            out[:] = flat
+        return got
+
+
+#: a byte-plane window starts with the high plane's encoded length
+_HI_LEN = struct.Struct("<I")
 
 
 def split_planes(raw: np.ndarray) -> np.ndarray:
@@ -119,12 +147,11 @@ def split_planes(raw: np.ndarray) -> np.ndarray:
     return np.concatenate([pairs[:, 1], pairs[:, 0]])
 
 
-def join_planes(planes: np.ndarray, out: np.ndarray) -> None:
-    """Inverse of :func:`split_planes`, written into ``out`` (uint8, same length)."""
-    half = planes.size // 2
+def join_planes(hi: np.ndarray, lo: np.ndarray, out: np.ndarray) -> None:
+    """Inverse of :func:`split_planes`: the planes' bytes interleaved into ``out`` (uint8)."""
     o16 = out.view(np.uint16)
-    np.left_shift(planes[:half], 8, out=o16, dtype=np.uint16)
-    np.bitwise_or(o16, planes[half:], out=o16)
+    np.left_shift(hi, 8, out=o16, dtype=np.uint16)
+    np.bitwise_or(o16, lo, out=o16)
 
 
 _local = threading.local()

@@ -105,7 +105,7 @@ def test_byte_planes_round_trip_and_put_exponents_first() -> None:
     planes = split_planes(raw)
     assert planes[:512].tobytes() == (np.arange(512, dtype="<u2") >> 8).astype(np.uint8).tobytes()
     out = np.empty_like(raw)
-    join_planes(planes, out)
+    join_planes(planes[:512], planes[512:], out)
     assert out.tobytes() == raw.tobytes()
 
 
