@@ -162,18 +162,15 @@ def decoded_windows(
 
     pending: Future[None] | None = None
     try:
-        if prefetch is None:
-            read(0)
-        else:
-            pending = prefetch.submit(read, 0)
+        read(0)  # the first chunk here: a one-chunk layer never waits on another thread
         for k, (a, b) in enumerate(parts):
             if pending is not None:
                 done, pending = pending, None
                 done.result()
-                if k + 1 < len(parts):
-                    pending = prefetch.submit(read, k + 1)  # type: ignore[union-attr]
             elif k:
                 read(k)
+            if prefetch is not None and k + 1 < len(parts):
+                pending = prefetch.submit(read, k + 1)
             start = _aligned_range(windows, a, b)[0]
             buf = bufs[k % len(bufs)]
             for i in range(a, b):

@@ -305,3 +305,20 @@ def test_bench_codec_measures_real_format_bytes() -> None:
 def test_bench_codec_refuses_a_non_directory(tmp_path) -> None:
     res = runner.invoke(app, ["bench", "codec", str(tmp_path / "nope"), "--codecs", "lz4"])
     assert res.exit_code == 2 and "not a directory" in res.output
+
+
+@pytest.mark.parametrize("name", NAMES[1:])
+def test_a_cut_or_bitten_window_is_a_codec_error_never_a_wrong_size(name) -> None:
+    from k3core.trunk.codec import CodecError
+
+    raw = (np.arange(20_000) % 251).astype("<u2").view(np.uint8).copy()
+    codec = parse_codec(name)
+    enc = codec.encode(raw, 2)
+    out = np.empty(raw.size, np.uint8)
+    for bad in (enc[: len(enc) // 2], b"", b"\xff" * 8, enc + b"\x00" * 64):
+        try:
+            codec.decode_into(memoryview(bad), out, 2)
+        except CodecError:
+            continue
+        # it decoded to the right size (wrong bytes are the CRC-32's to catch); any other
+        # exception escaping here would reach the user as a traceback
