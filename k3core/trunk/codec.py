@@ -12,7 +12,9 @@ A codec is named ``NAME`` or ``NAME:LEVEL`` (``k3 pack-trunk --codec``):
   first split into two planes, the high bytes (sign and exponent, about 3.4 bits of entropy
   in trained weights) and the low bytes (mantissa, nearly 8 bits), and each plane goes
   through the compressor as its own stream (``u32`` length of the high plane's stream, the
-  stream, then the low plane's), so the entropy coder never mixes the two distributions
+  stream, then the low plane's, or the low plane raw when its encoding saves under 1/64,
+  flagged by the length's top bit: one decode per window for the mantissas' nearly 8 bits
+  of entropy is not worth its time), so the entropy coder never mixes the two distributions
   (one zstd block of up to 128 KiB shares one Huffman table: a single stream of both planes
   gains nothing on a small window); decode joins them back with one 16-bit shift-or.
   Windows of other dtypes go through the compressor as they are. ``bp-zstd`` defaults to level 0.
@@ -71,7 +73,11 @@ class Codec:
         if self._split(raw.size, itemsize):
             planes = split_planes(raw)
             hi = self._encode(planes[: raw.size // 2])
-            return _HI_LEN.pack(len(hi)) + hi + self._encode(planes[raw.size // 2 :])
+            lo_raw = planes[raw.size // 2 :]
+            lo = self._encode(lo_raw)
+            if len(lo) > lo_raw.size - lo_raw.size // 64:  # mantissas: not worth a decode
+                return _HI_LEN.pack(len(hi) | _LO_RAW) + hi + lo_raw.tobytes()
+            return _HI_LEN.pack(len(hi)) + hi + lo
         return self._encode(raw)
 
     def decode_into(self, data: memoryview | np.ndarray, out: np.ndarray, itemsize: int) -> None:
@@ -83,11 +89,19 @@ class Codec:
             return
         if len(data) < _HI_LEN.size:
             raise CodecError(f"{self.name}: {len(data)} bytes cannot hold two planes")
-        (hi_len,) = _HI_LEN.unpack(data[: _HI_LEN.size])
+        (head,) = _HI_LEN.unpack(data[: _HI_LEN.size])
+        hi_len = head & ~_LO_RAW
         if hi_len > len(data) - _HI_LEN.size:
             raise CodecError(f"{self.name}: the high plane's {hi_len} bytes run past the window")
         hi = self._decode(data[_HI_LEN.size : _HI_LEN.size + hi_len], n // 2)
-        lo = self._decode(data[_HI_LEN.size + hi_len :], n // 2)
+        rest = data[_HI_LEN.size + hi_len :]
+        if head & _LO_RAW:
+            if len(rest) != n // 2:
+                raise CodecError(f"{self.name}: the raw low plane is {len(rest)} bytes, "
+                                 f"not {n // 2}")
+            lo: bytes | memoryview = rest
+        else:
+            lo = self._decode(rest, n // 2)
         join_planes(np.frombuffer(hi, np.uint8), np.frombuffer(lo, np.uint8), out)
 
     def _split(self, n: int, itemsize: int) -> bool:
@@ -137,8 +151,10 @@ class Codec:
         return got
 
 
-#: a byte-plane window starts with the high plane's encoded length
+#: a byte-plane window starts with the high plane's encoded length; the top bit set means
+#: the low plane follows raw (its encoding saved under 1/64 of it, as mantissas usually do)
 _HI_LEN = struct.Struct("<I")
+_LO_RAW = 1 << 31
 
 
 def split_planes(raw: np.ndarray) -> np.ndarray:
