@@ -89,9 +89,12 @@ def _budgets(sizes: list[int]) -> dict[str, tuple[float, int]]:
 # ---- the codecs themselves ------------------------------------------------------------------
 @pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("itemsize", [1, 2, 4])
-def test_every_codec_gives_back_the_same_bytes(name, itemsize) -> None:
+@pytest.mark.parametrize("kind", ["weights", "patterned"])
+def test_every_codec_gives_back_the_same_bytes(name, itemsize, kind) -> None:
     rng = np.random.default_rng(itemsize)
     bf16 = (rng.standard_normal(40_000).astype(np.float32).view(np.uint32) >> 16).astype("<u2")
+    if kind == "patterned":  # a low plane that compresses: stored encoded, not raw
+        bf16 = (np.arange(40_000) % 97 * 3 + 0x3F00).astype("<u2")
     raw = bf16.view(np.uint8)[: 80_000 // itemsize * itemsize].copy()
     codec = parse_codec(name)
     enc = codec.encode(raw, itemsize)
