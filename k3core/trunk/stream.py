@@ -23,7 +23,12 @@ Invariants, all under one condition variable:
   checked at open (on a helper thread, overlapping the next layer's read), ring layers the
   first time they are read in a run (with ``verify_every``, which ``--verify-trunk`` sets,
   on every read). A mismatch is a ``CheckpointError`` (exit 1) naming the layer, raised by
-  the open or by the ``acquire`` of that layer, and the bytes are never served.
+  the open or by the ``acquire`` of that layer, and the bytes are never served;
+* a trunk packed with a codec is read as encoded windows in aligned chunks, decoded into
+  the slot (or pinned buffer) by the thread that reads it, with a daemon prefetch thread
+  reading the next chunk meanwhile (:mod:`k3core.trunk.windows`); the checksum is that of
+  the decoded bytes, checked as above, and a window that does not decode fails the read
+  the same way (``CheckpointError`` naming layer and window, never served).
 
 ``acquire`` returns :class:`~k3core.model.layer_params.LayerParams` built by ``prepare_layer`` over
 read-only zero-copy views into the slot (bf16 matrices stay views, small vectors are
@@ -53,7 +58,7 @@ from k3core.model.sources import TrunkSource
 from k3core.trunk.codec import codec_for_manifest
 from k3core.trunk.manifest import TrunkLayer, TrunkManifest, checksum_problem
 from k3core.trunk.plan import DEFAULT_RING, TrunkPlan, plan_trunk
-from k3core.trunk.windows import decoded_windows, staging_bytes
+from k3core.trunk.windows import Prefetcher, decoded_windows, staging_bytes
 
 EMPTY, READING, READY = "empty", "reading", "ready"
 HUGE_PAGE = 2 * 1024 * 1024
@@ -205,8 +210,7 @@ class StreamedTrunk(TrunkSource):
                                   default=0) if manifest.compressed else 0
         self._local = threading.local()  # a staging buffer per reading thread
         #: reads the next chunk of encoded windows while the current one decodes
-        self._prefetch = (ThreadPoolExecutor(1, thread_name_prefix="k3-trunk-prefetch")
-                          if manifest.compressed else None)
+        self._prefetch = Prefetcher() if manifest.compressed else None
         self._file: StorageFile | None = _open(storage, manifest)
         self._cond = threading.Condition()
         self._stop = threading.Event()
@@ -267,7 +271,7 @@ class StreamedTrunk(TrunkSource):
             if t.is_alive():  # a read is stuck in the kernel: leave the file to the daemon
                 return
         if self._prefetch is not None:
-            self._prefetch.shutdown(wait=True, cancel_futures=True)
+            self._prefetch.shutdown()
         f, self._file = self._file, None
         if f is not None:
             f.close()

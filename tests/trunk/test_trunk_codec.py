@@ -325,3 +325,51 @@ def test_a_cut_or_bitten_window_is_a_codec_error_never_a_wrong_size(name) -> Non
             continue
         # it decoded to the right size (wrong bytes are the CRC-32's to catch); any other
         # exception escaping here would reach the user as a traceback
+
+
+# ---- failed reads and the prefetch thread -------------------------------------------------
+@pytest.mark.parametrize("ring", [1, 2])
+def test_a_failed_window_read_is_raised_and_never_served(coded, sizes, ring) -> None:
+    from k3core.api.errors import StorageError
+    from k3core.testing.faulty_backend import FaultyStorage
+    from k3core.trunk.stream import StreamedTrunk
+
+    cfg = load_config(DEMO / "config.json")
+    with CheckpointIndex.open(DEMO, PlainStorage()) as idx:
+        man = open_trunk(coded, idx, cfg)
+        faulty = FaultyStorage(PlainStorage())
+        faulty.fail_offsets.add(man.layers[5].file_off)
+        tr = StreamedTrunk(cfg, man, faulty, ring * max(sizes), ring=ring)
+        try:
+            for L in range(5):
+                tr.acquire(L)
+                tr.release(L)
+            with pytest.raises(StorageError, match="trunk layer 5: .*injected read failure"):
+                tr.acquire(5)
+            assert tr.held_layers() == [] and all(s != 5 for s, _ in tr.slot_states())
+            faulty.fail_offsets.clear()  # the device recovers: the layer is read again, whole
+            p5 = tr.acquire(5)
+            name = "language_model.model.layers.5.self_attn.o_proj.weight"
+            got = p5["self_attn.o_proj.weight"]
+            assert np.asarray(got).tobytes() == idx.read(name).tobytes()
+            tr.release(5)
+        finally:
+            tr.close()
+
+
+def test_the_prefetcher_hands_back_results_and_errors_and_stops() -> None:
+    import threading
+
+    from k3core.trunk.windows import Prefetcher
+
+    p = Prefetcher()
+    assert p.submit(lambda a, b: a + b, 2, 3).result(5) == 5
+    boom = p.submit(lambda: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        boom.result(5)
+    t = next(t for t in threading.enumerate() if t.name == "k3-trunk-prefetch")
+    assert t.daemon  # a read stuck in the kernel never keeps the process alive
+    p.shutdown()
+    assert not t.is_alive()
+    with pytest.raises(RuntimeError):
+        p.submit(lambda: None)
