@@ -170,6 +170,12 @@ def test_every_codec_streams_the_same_bits(work, sizes, resident, codec) -> None
         assert got == resident, (codec, ring)
 
 
+def test_ultra_low_memory_from_a_coded_trunk_is_bit_identical(coded, work, sizes, resident):
+    got = _run(work, "ultra", "--trunk", str(coded), "--trunk-gb", f"{2 * max(sizes) / 1e9:.9f}",
+               "--ultra-low-memory")
+    assert got == resident
+
+
 def test_verify_trunk_decodes_every_window(coded, work, resident) -> None:
     assert _run(work, "verify", "--trunk", str(coded), "--verify-trunk") == resident
 
