@@ -5,6 +5,8 @@
 * ``k3 bench io``: random expert-sized reads through each storage backend beside the raw
   O_DIRECT and buffered probe at the same sizes and queue depths, in the same run;
 * ``k3 bench ladder``: the memory ladder (same as ``k3 bench-ladder``);
+* ``k3 bench codec``: ratio and one-core decode GB/s of each trunk codec on a model's own
+  trunk bytes, beside CRC-32 and copy speed in the same run;
 * ``k3 bench decode``: a model's s/token and prefill tokens/s beside the bandwidth floor of
   the same run, bytes read and touched, exposed I/O wait and kernel calls per token, with
   the ids checked against ``--backend numpy``.
@@ -24,10 +26,18 @@ from k3core.api.units import ALIGN
 from k3core.cli.bench_ladder import bench_ladder
 from k3core.cli.guard import guarded
 from k3core.model.sizes import EXPERT_BYTES
+from k3core.tools.bench.codec import (
+    DEFAULT_CODECS,
+    DEFAULT_DISKS,
+    DEFAULT_MAX_BYTES,
+    run_codec_bench,
+)
+from k3core.tools.bench.codec import format_lines as codec_lines
 from k3core.tools.bench.io import DiskBenchResult, probe_disk
 from k3core.tools.bench.kernels import format_table, run_kernel_bench
+from k3core.trunk.windows import WINDOW_BYTES
 
-bench_app = typer.Typer(help="Benchmarks: kernels, storage I/O, the memory ladder, decode.",
+bench_app = typer.Typer(help="Benchmarks: kernels, storage I/O, the memory ladder, trunk codecs, decode.",
                         no_args_is_help=True)
 
 
@@ -96,6 +106,31 @@ def io(
 
 
 bench_app.command("ladder")(bench_ladder)
+
+
+@bench_app.command("codec")
+@guarded
+def codec(
+    model: Path = typer.Argument(..., help="Model directory (or any directory of safetensors shards)."),
+    codecs: str = typer.Option(",".join(DEFAULT_CODECS), "--codecs", help="Codecs NAME[:LEVEL], comma-separated."),
+    max_mb: float = typer.Option(DEFAULT_MAX_BYTES / 1e6, "--max-mb", help="Raw MB measured at most (whole runs spread over the walk)."),
+    window_kb: int = typer.Option(WINDOW_BYTES // 1024, "--window-kb", help="Raw window size in KiB (the packer's is 1024)."),
+    repeat: int = typer.Option(3, "--repeat", help="Decode passes per codec (the fastest is kept)."),
+    disks: str = typer.Option(",".join(f"{d:g}" for d in DEFAULT_DISKS), "--disk-gb-s", help="Disk speeds (GB/s) to show the delivered raw GB/s for."),
+    as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
+) -> None:
+    """Ratio and one-core decode GB/s of each trunk codec on the model's own trunk bytes."""
+    specs = [c for c in codecs.split(",") if c.strip()]
+    if not specs:
+        raise UsageError("bench codec: --codecs lists no codec")
+    try:
+        speeds = tuple(float(d) for d in disks.split(",") if d.strip())
+    except ValueError:
+        raise UsageError(f"bench codec: --disk-gb-s expects GB/s values like 0.5,2; got {disks!r}") from None
+    if not all(d > 0 for d in speeds):
+        raise UsageError("bench codec: --disk-gb-s values must be positive")
+    res = run_codec_bench(model, specs, int(max_mb * 1e6), repeat, window_kb * 1024, speeds)
+    print(res.to_json() if as_json else "\n".join(codec_lines(res)))
 
 
 @bench_app.command("decode")

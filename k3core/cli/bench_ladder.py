@@ -45,6 +45,7 @@ def bench_ladder(
     no_limit: bool = typer.Option(False, "--no-limit", help="Do not cap each rung's memory."),
     headroom_gb: float = typer.Option(None, "--headroom-gb", help="Allowance over budget + tables + experts + state (default 2 GB cgroup / 4 GB RLIMIT_AS)."),
     timeout: float = typer.Option(None, "--timeout", help="Seconds allowed per rung."),
+    codec_trunk: Path = typer.Option(None, "--codec-trunk", help="The same model packed with a codec (k3 pack-trunk --codec): every budget also runs from it, in the codec_* columns."),
     cache_gb: float = typer.Option(None, "--cache-gb", help="Expert cache per rung (default: the smallest legal one, top-k + 1 slots, so the ladder measures the trunk)."),
 ) -> None:
     """Run the same request at trunk budgets from nothing pinned to everything pinned."""
@@ -58,6 +59,10 @@ def bench_ladder(
     backend_obj, _, _ = get_registry().create("storage", storage)
     with CheckpointIndex.open(model_dir, backend_obj) as index:
         man = open_trunk(trunk_dir, index, cfg)
+        coded_man = open_trunk(codec_trunk, index, cfg) if codec_trunk is not None else None
+        if coded_man is not None and not coded_man.compressed:
+            raise UsageError(f"--codec-trunk {codec_trunk} was packed without a codec; pack it "
+                             "with `k3 pack-trunk MODEL_DIR DIR --codec NAME`")
         rest = fixed_bytes(cfg, index, len(prompt) + gen + 1)
         if cache_gb is None:
             stride = slot_bytes(ExpertLocator(cfg, index).max_bytes(range(cfg.n_layers)))
@@ -90,6 +95,17 @@ def bench_ladder(
                   f"{r.peak_rss / 1e9:.2f} GB (plan {r.plan_total / 1e9:.2f}), "
                   f"limit {r.limit_kind}") if r.ok else f"FAILED: {r.error}"
         print(f"  rung {i}: --trunk-gb {b:g}: {status}", flush=True)
+        if codec_trunk is not None:
+            coded_base = [str(codec_trunk) if x == str(trunk_dir) else x for x in base]
+            c = r.coded = run_rung(i, b, cfg, coded_base, out_dir, positions, int(b * 1e9) + rest,
+                                   not no_limit, timeout,
+                                   None if headroom_gb is None else int(headroom_gb * 1e9),
+                                   tag="-codec")
+            status = (f"{c.s_per_token:.3f} s/token, {c.trunk_bytes_per_token / 1e9:.3f} GB "
+                      f"trunk/token read, {c.read_s_per_token:.3f} s/token reading and "
+                      f"decoding, peak RSS {c.peak_rss / 1e9:.2f} GB") if c.ok else (
+                          f"FAILED: {c.error}")
+            print(f"  rung {i}: --trunk-gb {b:g}, {c.codec} trunk: {status}", flush=True)
     write_tsv(out_dir / "ladder.tsv", rungs)
     print(f"wrote {out_dir / 'ladder.tsv'}")
     ok = [r for r in rungs if r.ok]

@@ -21,6 +21,7 @@ from k3core.cli.guard import guarded
 from k3core.model.config import load_config
 from k3core.plugins.registry import get_registry
 from k3core.run.model_dir import config_path
+from k3core.trunk.codec import parse_codec
 from k3core.trunk.pack import pack_trunk as pack
 from k3core.trunk.plan import gb_ceil
 
@@ -32,8 +33,12 @@ def pack_trunk(
     storage: str = typer.Option("auto", "--storage", help="Storage backend to read the shards with."),
     config: Path = typer.Option(None, "--config", help="Model config (default MODEL_DIR/config.json)."),
     force: bool = typer.Option(False, "--force", help="Replace a packed trunk already in TRUNK_DIR."),
+    codec: str = typer.Option("none", "--codec", help="Lossless codec NAME[:LEVEL]: none, zstd, "
+                              "lz4, bp-zstd, bp-lz4 (bp-: bf16 byte planes first; "
+                              "docs/trunk.md has the measurements)."),
 ) -> None:
     """Copy every layer's non-expert tensors into TRUNK_DIR/trunk.bin (4096-aligned runs)."""
+    chosen = parse_codec(codec)
     cfg = load_config(config_path(model_dir, config))
     backend, sname, note = get_registry().create("storage", storage)
     if note:
@@ -48,9 +53,15 @@ def pack_trunk(
             def on_layer(done: int, n: int, nbytes: int, total: int) -> None:
                 bar.update(task, completed=nbytes, total=total, layers=f"layer {done}/{n}")
 
-            man = pack(index, cfg, trunk_dir, backend, force=force, progress=on_layer)
+            man = pack(index, cfg, trunk_dir, backend, force=force, progress=on_layer,
+                       codec=chosen)
     secs = time.perf_counter() - t0
     largest = max(lay.nbytes for lay in man.layers)
+    if man.compressed:
+        raw = sum(lay.nbytes for lay in man.layers)
+        print(f"codec {chosen.spec}: {human(raw)} of raw runs stored in "
+              f"{human(man.total_bytes)} (ratio {raw / man.total_bytes:.3f}), "
+              f"{sum(len(lay.windows) for lay in man.layers)} windows")
     print(f"packed {man.n_layers} layers, {human(man.total_bytes)} into "
           f"{man.bin_path} in {secs:.2f} s ({man.total_bytes / max(secs, 1e-9) / 1e6:.0f} MB/s, "
           f"storage '{sname}')")

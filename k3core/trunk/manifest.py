@@ -55,10 +55,21 @@ from k3core.checkpoint.safetensors_header import DTYPES
 from k3core.model import names
 from k3core.model.config import ModelConfig
 from k3core.model.layer_params import trunk_suffixes
+from k3core.trunk.codec import NAMES as CODEC_NAMES
+from k3core.trunk.codec import codec_for_manifest
 from k3core.trunk.sample import check_samples
+from k3core.trunk.windows import (
+    Window,
+    WindowTableError,
+    decoded_windows,
+    parse_windows,
+    staging_bytes,
+)
 
 FORMAT = "k3-trunk"
 VERSION = 1
+#: the version of a trunk packed with a codec (an older k3 refuses it instead of misreading)
+VERSION_CODEC = 2
 MANIFEST_NAME = "trunk.json"
 DATA_NAME = "trunk.bin"
 #: a manifest larger than this is refused (93 layers x ~30 tensors is ~0.5 MB)
@@ -93,11 +104,24 @@ class TrunkLayer:
     span: int  # the tensors' bytes, unpadded
     checksum: str
     tensors: dict[str, TrunkTensor]
+    #: a compressed layer (:mod:`k3core.trunk.windows`): encoded bytes, their padded run
+    #: in ``trunk.bin`` and the window table; an uncompressed layer has no windows
+    stored: int = 0
+    file_nbytes: int = 0
+    windows: tuple[Window, ...] = ()
+
+    @property
+    def disk_nbytes(self) -> int:
+        """The bytes of ``trunk.bin`` this layer occupies (what reading it fetches)."""
+        return self.file_nbytes if self.windows else self.nbytes
 
     def to_json(self) -> dict[str, Any]:
+        codec = {"stored": self.stored, "file_nbytes": self.file_nbytes,
+                 "windows": [[w.raw_len, w.nbytes] for w in self.windows]}
         return {
             "layer": self.layer, "file_off": self.file_off, "nbytes": self.nbytes,
             "span": self.span, "checksum": self.checksum,
+            **(codec if self.windows else {}),
             "tensors": {t.name: {"off": t.off, "nbytes": t.nbytes, "dtype": t.dtype,
                                  "shape": list(t.shape)} for t in self.tensors.values()},
         }
@@ -135,6 +159,11 @@ class TrunkManifest:
     config_fingerprint: tuple[int, ...]
     total_bytes: int
     tables: dict[str, TableChecksums] | None = None
+    codec: str = "none"
+
+    @property
+    def compressed(self) -> bool:
+        return self.codec != "none"
 
     @property
     def n_layers(self) -> int:
@@ -146,7 +175,8 @@ class TrunkManifest:
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "format": FORMAT, "version": VERSION, "align": self.align,
+            "format": FORMAT, "version": VERSION_CODEC if self.compressed else VERSION,
+            **({"codec": self.codec} if self.compressed else {}), "align": self.align,
             "n_layers": self.n_layers, "total_bytes": self.total_bytes,
             "source_fingerprint": self.source_fingerprint,
             "source_sample": self.source_sample,
@@ -184,7 +214,8 @@ def open_trunk(
     man = parse_manifest(doc, root, index, cfg, n_layers or cfg.n_layers)
     _check_bin(man)
     layers = [(lay.layer, *run_source(lay, index), lay.span, lay.file_off) for lay in man.layers]
-    check_samples(root, man.bin_path, index, storage or index.storage, layers, man.source_sample)
+    check_samples(root, man.bin_path, index, storage or index.storage, layers, man.source_sample,
+                  compare_bin=not man.compressed)
     if verify:
         verify_trunk(man, storage or index.storage, progress)
     return man
@@ -287,9 +318,18 @@ def _parse_root(doc: Any, root: Path) -> TrunkManifest:
     if doc.get("format") != FORMAT:
         raise _Bad(f"format must be {FORMAT!r}, got {_kind(doc.get('format'))}")
     version = _int(doc, "version", 0, 1 << 31)
-    if version != VERSION:
-        raise _Bad(f"version {version} is not supported (this k3 reads version {VERSION}); "
-                   "repack the trunk")
+    if version not in (VERSION, VERSION_CODEC):
+        raise _Bad(f"version {version} is not supported (this k3 reads versions {VERSION} "
+                   f"and {VERSION_CODEC}); repack the trunk")
+    codec = doc.get("codec") if version == VERSION_CODEC else "none"
+    if version == VERSION_CODEC and codec is None:
+        raise _Bad(f"version {VERSION_CODEC} is a compressed trunk but names no codec")
+    if version == VERSION and "codec" in doc:
+        raise _Bad(f"a version {VERSION} trunk has no codec; repack the trunk")
+    if not isinstance(codec, str) or codec not in CODEC_NAMES or (
+            version == VERSION_CODEC and codec == "none"):
+        raise _Bad(f"codec {_kind(codec)} is not one this k3 decodes (known: "
+                   f"{', '.join(CODEC_NAMES[1:])}); repack the trunk or upgrade k3")
     align = _int(doc, "align", 1, 1 << 30)
     if align != ALIGN:
         raise _Bad(f"align must be {ALIGN}, got {align}; repack the trunk")
@@ -314,7 +354,7 @@ def _parse_root(doc: Any, root: Path) -> TrunkManifest:
     layers: list[TrunkLayer | None] = [None] * n
     for i, raw in enumerate(raw_layers):
         try:
-            lay = _parse_layer(raw, n, total)
+            lay = _parse_layer(raw, n, total, codec != "none")
         except _Bad as exc:
             raise _Bad(f"layers[{i}]: {exc}") from None
         if layers[lay.layer] is not None:
@@ -323,12 +363,12 @@ def _parse_root(doc: Any, root: Path) -> TrunkManifest:
     done = [lay for lay in layers if lay is not None]  # all present: n entries, no repeats
     runs = sorted(done, key=lambda lay: lay.file_off)
     for a, b in pairwise(runs):
-        if a.file_off + a.nbytes > b.file_off:
+        if a.file_off + a.disk_nbytes > b.file_off:
             raise _Bad(f"layer {a.layer}'s run overlaps layer {b.layer}'s in {DATA_NAME}")
-    return TrunkManifest(root, align, tuple(done), fp, sample, tuple(cfp), total)
+    return TrunkManifest(root, align, tuple(done), fp, sample, tuple(cfp), total, codec=codec)
 
 
-def _parse_layer(raw: Any, n: int, total: int) -> TrunkLayer:
+def _parse_layer(raw: Any, n: int, total: int, compressed: bool) -> TrunkLayer:
     if not isinstance(raw, dict):
         raise _Bad(f"must be an object, got {_kind(raw)}")
     L = _int(raw, "layer", 0, n - 1)
@@ -340,8 +380,18 @@ def _parse_layer(raw: Any, n: int, total: int) -> TrunkLayer:
             raise _Bad(f"file_off {off} and nbytes {nbytes} must be multiples of {ALIGN}")
         if not nbytes - ALIGN < span <= nbytes:
             raise _Bad(f"span {span} does not pad to nbytes {nbytes} (align {ALIGN})")
-        if off + nbytes > total:
-            raise _Bad(f"run [{off}, {off + nbytes}) ends past total_bytes {total}")
+        stored = file_nbytes = 0
+        if compressed:
+            stored = _int(raw, "stored", 1)
+            file_nbytes = _int(raw, "file_nbytes", ALIGN)
+            if file_nbytes % ALIGN or not file_nbytes - ALIGN < stored <= file_nbytes:
+                raise _Bad(f"stored {stored} does not pad to file_nbytes {file_nbytes} "
+                           f"(align {ALIGN})")
+        elif "windows" in raw:
+            raise _Bad("has a window table but the trunk has no codec")
+        disk = file_nbytes if compressed else nbytes
+        if off + disk > total:
+            raise _Bad(f"run [{off}, {off + disk}) ends past total_bytes {total}")
         checksum = raw.get("checksum")
         if not isinstance(checksum, str) or not _CHECKSUM_RE.match(checksum):
             raise _Bad("checksum must be 'crc32:' and 8 lowercase hex digits")
@@ -355,9 +405,16 @@ def _parse_layer(raw: Any, n: int, total: int) -> TrunkLayer:
         for a, b in pairwise(ordered):
             if a.off + a.nbytes > b.off:
                 raise _Bad(f"tensors {show(a.name)} and {show(b.name)} overlap")
+        windows: tuple[Window, ...] = ()
+        if compressed:
+            try:
+                windows = parse_windows(raw.get("windows"), span, stored, [
+                    (t.off, t.nbytes, t.np_dtype.itemsize) for t in ordered])
+            except WindowTableError as exc:
+                raise _Bad(str(exc)) from None
     except _Bad as exc:
         raise _Bad(f"layer {L}: {exc}") from None
-    return TrunkLayer(L, off, nbytes, span, checksum, parsed)
+    return TrunkLayer(L, off, nbytes, span, checksum, parsed, stored, file_nbytes, windows)
 
 
 def _parse_tensor(name: str, t: Any, L: int, span: int) -> TrunkTensor:
@@ -440,6 +497,9 @@ def checksum_problem(man: TrunkManifest, lay: TrunkLayer, data: np.ndarray) -> s
 def verify_trunk(man: TrunkManifest, storage: StorageBackend,
                  progress: Callable[[int, int], None] | None = None) -> None:
     """Re-read every run and compare its checksum; ``CheckpointError`` on a mismatch."""
+    if man.compressed:
+        _verify_compressed(man, storage, progress)
+        return
     buf = aligned_empty(min(VERIFY_CHUNK, max(lay.nbytes for lay in man.layers)), ALIGN)
     f = storage.open(man.bin_path)
     try:
@@ -455,6 +515,33 @@ def verify_trunk(man: TrunkManifest, storage: StorageBackend,
                                           f"{exc.message}") from None
                 crc = zlib.crc32(buf[: min(n, lay.span - done)].data, crc)
                 done += n
+            if crc_tag(crc) != lay.checksum:
+                raise CheckpointError(f"{man.bin_path}: layer {lay.layer} fails its checksum "
+                                      f"({crc_tag(crc)}, manifest {lay.checksum}); the file "
+                                      "is damaged, repack the trunk")
+            if progress:
+                progress(lay.layer + 1, man.n_layers)
+    finally:
+        f.close()
+
+
+def _verify_compressed(man: TrunkManifest, storage: StorageBackend,
+                       progress: Callable[[int, int], None] | None) -> None:
+    """``verify_trunk`` for a compressed trunk: decode every window, CRC the raw bytes."""
+    codec = codec_for_manifest(man.codec)
+    staging = aligned_empty(max(staging_bytes(lay.windows) for lay in man.layers), ALIGN)
+    scratch = np.empty(max(w.raw_len for lay in man.layers for w in lay.windows), np.uint8)
+    f = storage.open(man.bin_path)
+    try:
+        for lay in man.layers:
+            crc = 0
+            try:
+                for w in decoded_windows(f, man.bin_path, lay.layer, lay.file_off, lay.windows,
+                                         codec, staging, lambda w: scratch[: w.raw_len]):
+                    crc = zlib.crc32(scratch[: w.raw_len].data, crc)
+            except StorageError as exc:
+                raise CheckpointError(f"{man.bin_path}: layer {lay.layer}: "
+                                      f"{exc.message}") from None
             if crc_tag(crc) != lay.checksum:
                 raise CheckpointError(f"{man.bin_path}: layer {lay.layer} fails its checksum "
                                       f"({crc_tag(crc)}, manifest {lay.checksum}); the file "

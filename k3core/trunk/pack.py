@@ -23,6 +23,7 @@ import json
 import os
 import zlib
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,6 +37,7 @@ from k3core.checkpoint.index import CheckpointIndex, TensorInfo
 from k3core.model import names
 from k3core.model.config import ModelConfig
 from k3core.model.layer_params import trunk_suffixes
+from k3core.trunk.codec import Codec
 from k3core.trunk.manifest import (
     DATA_NAME,
     MANIFEST_NAME,
@@ -47,9 +49,12 @@ from k3core.trunk.manifest import (
     table_chunk_rows,
 )
 from k3core.trunk.sample import source_sample
+from k3core.trunk.windows import Window, plan_windows
 
 #: bytes copied per read (bounds the packer's memory whatever the layer size)
 COPY_CHUNK = 64 * 1024 * 1024
+
+NO_CODEC = Codec("none", 0)
 
 PackProgress = Callable[[int, int, int, int], None]  # (layers done, layers, bytes done, total)
 
@@ -106,8 +111,13 @@ def pack_trunk(
     *,
     force: bool = False,
     progress: PackProgress | None = None,
+    codec: Codec = NO_CODEC,
 ) -> TrunkManifest:
-    """Pack every layer of ``index`` into ``trunk_dir``; returns the manifest written."""
+    """Pack every layer of ``index`` into ``trunk_dir``; returns the manifest written.
+
+    With a ``codec`` other than ``none`` each layer is cut into windows and every window
+    encoded on its own (:mod:`k3core.trunk.windows`); the checksums stay those of the raw
+    bytes."""
     out = Path(trunk_dir)
     runs = plan_pack(index, cfg)
     if (out / MANIFEST_NAME).exists() or (out / DATA_NAME).exists():
@@ -122,12 +132,14 @@ def pack_trunk(
     tmp_bin = out / f".{DATA_NAME}.partial-{os.getpid()}"
     tmp_json = out / f".{MANIFEST_NAME}.partial-{os.getpid()}"
     try:
-        layers = _write_bin(tmp_bin, runs, storage, progress)
+        layers = (_write_bin(tmp_bin, runs, storage, progress) if codec.name == "none"
+                  else _write_bin_coded(tmp_bin, runs, storage, progress, codec))
         sample = source_sample(index, ((r.path, r.start, r.span) for r in runs))
         tables = {n: table_checksums(index, n) for n in (names.EMBED, names.LM_HEAD)
                   if n in index}
         man = TrunkManifest(out, ALIGN, tuple(layers), index.fingerprint(), sample,
-                            tuple(cfg.fingerprint()), sum(r.nbytes for r in runs), tables)
+                            tuple(cfg.fingerprint()), sum(lay.disk_nbytes for lay in layers),
+                            tables, codec=codec.name)
         _write_file(tmp_json, json.dumps(man.to_json(), indent=1).encode() + b"\n")
         with contextlib.suppress(FileNotFoundError):
             os.unlink(out / MANIFEST_NAME)
@@ -185,6 +197,74 @@ def _write_bin(path: Path, runs: list[LayerRun], storage: StorageBackend,
     finally:
         os.close(fd)
     return layers
+
+
+def _write_bin_coded(path: Path, runs: list[LayerRun], storage: StorageBackend,
+                     progress: PackProgress | None, codec: Codec) -> list[TrunkLayer]:
+    """Like ``_write_bin``, each layer's windows encoded (on every core) as they are copied."""
+    raw_total = sum(r.nbytes for r in runs)
+    buf = aligned_empty(min(COPY_CHUNK, max(r.nbytes for r in runs)), ALIGN)
+    layers: list[TrunkLayer] = []
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_BINARY", 0), 0o666)
+    try:
+        with ThreadPoolExecutor(os.cpu_count() or 1, thread_name_prefix="k3-pack") as pool:
+            pos = raw_done = 0
+            for r in runs:
+                crc, stored, windows = _encode_run(fd, r, storage, buf, codec, pool)
+                padded = align_up(stored)
+                if padded > stored:
+                    _write_all(fd, memoryview(bytes(padded - stored)))
+                tensors = {t.name: TrunkTensor(t.name, t.offset - r.start, t.nbytes, t.dtype,
+                                               t.shape) for t in r.tensors}
+                layers.append(TrunkLayer(r.layer, pos, r.nbytes, r.span, crc_tag(crc), tensors,
+                                         stored, padded, windows))
+                pos += padded
+                raw_done += r.nbytes
+                if progress:
+                    progress(r.layer + 1, len(runs), raw_done, raw_total)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return layers
+
+
+def _encode_run(fd: int, r: LayerRun, storage: StorageBackend, buf: np.ndarray, codec: Codec,
+                pool: ThreadPoolExecutor) -> tuple[int, int, tuple[Window, ...]]:
+    """Copy one run as encoded windows; returns (CRC-32 of the raw span, stored, windows)."""
+    plan = plan_windows([(t.offset - r.start, t.nbytes, t.np_dtype.itemsize)
+                         for t in r.tensors])
+    try:
+        src = storage.open(r.path)
+    except (StorageError, OSError) as exc:
+        raise CheckpointError(f"{r.path}: cannot open: {getattr(exc, 'message', exc)}") from None
+    crc = stored = 0
+    windows: list[Window] = []
+    try:
+        i = 0
+        while i < len(plan):
+            j = i + 1  # a group of whole windows of at most one buffer
+            while j < len(plan) and plan[j][0] + plan[j][1] - plan[i][0] <= buf.nbytes:
+                j += 1
+            g0 = plan[i][0]
+            n = plan[j - 1][0] + plan[j - 1][1] - g0
+            src.read_into(r.start + g0, buf[:n])
+            crc = zlib.crc32(buf[:n].data, crc)
+
+            def enc(w: tuple[int, int, int], g0: int = g0) -> bytes:
+                raw = buf[w[0] - g0 : w[0] - g0 + w[1]]
+                out = codec.encode(raw, w[2])
+                return out if len(out) < w[1] else raw.tobytes()  # never larger than raw
+
+            for w, data in zip(plan[i:j], pool.map(enc, plan[i:j]), strict=True):
+                _write_all(fd, memoryview(data))
+                windows.append(Window(w[0], w[1], stored, len(data), w[2]))
+                stored += len(data)
+            i = j
+    except StorageError as exc:
+        raise StorageError(f"packing layer {r.layer}: {exc.message}") from None
+    finally:
+        src.close()
+    return crc, stored, tuple(windows)
 
 
 def _copy_run(fd: int, r: LayerRun, storage: StorageBackend, buf: np.ndarray) -> int:

@@ -74,8 +74,11 @@ def open_streamed_trunk(
     lines += plan_lines(trunk.plan, walked, n_layers)
     mode = "reader thread reads ahead" if trunk.has_reader else (
         "read on demand" if trunk.plan.ring else "nothing streams")
-    lines.append(f"read mode     : storage '{storage_name or storage.name}', one 4096-aligned "
-                 f"read per layer, {mode}; " + ("whole file checksummed at open, every read "
+    how = (f"{man.codec}-coded windows read in 4096-aligned chunks and decoded into the slot "
+           "(on the reader thread when there is one)" if man.compressed
+           else "one 4096-aligned read per layer")
+    lines.append(f"read mode     : storage '{storage_name or storage.name}', {how}, "
+                 f"{mode}; " + ("whole file checksummed at open, every read "
                                                 "checked" if verify else
                                                 "each layer checked before first use"))
     lines.append(f"trunk streaming enabled from {trunk_dir} in {time.perf_counter() - t0:.2f} s")

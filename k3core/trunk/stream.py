@@ -23,7 +23,12 @@ Invariants, all under one condition variable:
   checked at open (on a helper thread, overlapping the next layer's read), ring layers the
   first time they are read in a run (with ``verify_every``, which ``--verify-trunk`` sets,
   on every read). A mismatch is a ``CheckpointError`` (exit 1) naming the layer, raised by
-  the open or by the ``acquire`` of that layer, and the bytes are never served.
+  the open or by the ``acquire`` of that layer, and the bytes are never served;
+* a trunk packed with a codec is read as encoded windows in aligned chunks, decoded into
+  the slot (or pinned buffer) by the thread that reads it, with a daemon prefetch thread
+  reading the next chunk meanwhile (:mod:`k3core.trunk.windows`); the checksum is that of
+  the decoded bytes, checked as above, and a window that does not decode fails the read
+  the same way (``CheckpointError`` naming layer and window, never served).
 
 ``acquire`` returns :class:`~k3core.model.layer_params.LayerParams` built by ``prepare_layer`` over
 read-only zero-copy views into the slot (bf16 matrices stay views, small vectors are
@@ -50,8 +55,10 @@ from k3core.model import names
 from k3core.model.config import ModelConfig
 from k3core.model.layer_params import LayerParams, prepare_layer
 from k3core.model.sources import TrunkSource
+from k3core.trunk.codec import codec_for_manifest
 from k3core.trunk.manifest import TrunkLayer, TrunkManifest, checksum_problem
 from k3core.trunk.plan import DEFAULT_RING, TrunkPlan, plan_trunk
+from k3core.trunk.windows import Prefetcher, decoded_windows, staging_bytes
 
 EMPTY, READING, READY = "empty", "reading", "ready"
 HUGE_PAGE = 2 * 1024 * 1024
@@ -102,6 +109,9 @@ class TrunkStats:
     verified: int = 0  # checksum checks passed (pinned at open, ring reads)
     verify_seconds: float = 0.0  # CPU time inside those checks
     verify_every: bool = False
+    codec: str = "none"
+    decoded_bytes: int = 0  # raw bytes decoded from a compressed trunk (ring and pinned)
+    decode_seconds: float = 0.0  # time inside those reads and decodes, on their threads
 
     @property
     def overlapped_seconds(self) -> float:
@@ -120,6 +130,12 @@ class TrunkStats:
             f"({rate:.0f} MB/s); pinned load {human(self.pin_bytes)} in "
             f"{self.pin_seconds:.2f} s",
         ]
+        if self.codec != "none":
+            rate = self.decoded_bytes / self.decode_seconds / 1e9 if self.decode_seconds else 0.0
+            lines.append(f"  codec {self.codec}: decoded {human(self.decoded_bytes)} from "
+                         f"{human(self.bytes_read + self.pin_bytes)} read, "
+                         f"{self.decode_seconds:.2f} s reading and decoding "
+                         f"({rate:.2f} GB/s of raw bytes)")
         when = "on every read" if self.verify_every else "before first use"
         lines.append(f"  checksums: {self.verified} layer checks passed ({when}) in "
                      f"{self.verify_seconds:.2f} s")
@@ -131,7 +147,7 @@ class TrunkStats:
                          "waiting in acquire")
         return lines
 
-    def to_json(self) -> dict[str, float | int]:
+    def to_json(self) -> dict[str, float | int | str]:
         return {
             "trunk_bytes_read": self.bytes_read + self.pin_bytes,
             "trunk_ring_bytes_read": self.bytes_read,
@@ -151,6 +167,9 @@ class TrunkStats:
             "trunk_checksums_verified": self.verified,
             "trunk_verify_seconds": self.verify_seconds,
             "trunk_verify_every_read": self.verify_every,
+            "trunk_codec": self.codec,
+            "trunk_decoded_bytes": self.decoded_bytes,
+            "trunk_decode_seconds": self.decode_seconds,
         }
 
 
@@ -185,7 +204,13 @@ class StreamedTrunk(TrunkSource):
                                           budget_bytes, ring)
         self.stats = TrunkStats(n, len(self.plan.pinned), self.plan.ring,
                                 self.plan.slot_bytes, self.plan.pinned_bytes,
-                                verify_every=verify_every)
+                                verify_every=verify_every, codec=manifest.codec)
+        self._codec = codec_for_manifest(manifest.codec) if manifest.compressed else None
+        self._staging_bytes = max((staging_bytes(manifest.layers[L].windows) for L in range(n)),
+                                  default=0) if manifest.compressed else 0
+        self._local = threading.local()  # a staging buffer per reading thread
+        #: reads the next chunk of encoded windows while the current one decodes
+        self._prefetch = Prefetcher() if manifest.compressed else None
         self._file: StorageFile | None = _open(storage, manifest)
         self._cond = threading.Condition()
         self._stop = threading.Event()
@@ -245,6 +270,8 @@ class StreamedTrunk(TrunkSource):
             t.join(JOIN_SECONDS)
             if t.is_alive():  # a read is stuck in the kernel: leave the file to the daemon
                 return
+        if self._prefetch is not None:
+            self._prefetch.shutdown()
         f, self._file = self._file, None
         if f is not None:
             f.close()
@@ -280,7 +307,7 @@ class StreamedTrunk(TrunkSource):
                     t0 = time.perf_counter()
                     self._read(f, lay, buf)
                     self.stats.pin_seconds += time.perf_counter() - t0
-                    self.stats.pin_bytes += lay.nbytes
+                    self.stats.pin_bytes += lay.disk_nbytes
                     checks.append(pool.submit(self._check, lay, buf))  # zlib drops the GIL
                     self._pinned[L] = self._bind(L, buf)
                     if progress:
@@ -318,11 +345,32 @@ class StreamedTrunk(TrunkSource):
 
     def _read(self, f: StorageFile, lay: TrunkLayer, buf: np.ndarray) -> None:
         try:
-            f.read_into(lay.file_off, buf[: lay.nbytes])
+            if self._codec is not None:
+                self._read_coded(f, lay, buf)
+            else:
+                f.read_into(lay.file_off, buf[: lay.nbytes])
+        except CheckpointError:
+            raise  # a window that does not decode: named by decoded_windows
         except K3Error as exc:
             raise StorageError(f"trunk layer {lay.layer}: {exc.message}") from None
         except (OSError, ValueError, BufferError) as exc:
             raise StorageError(f"trunk layer {lay.layer}: read failed: {exc}") from None
+
+    def _read_coded(self, f: StorageFile, lay: TrunkLayer, buf: np.ndarray) -> None:
+        """Read ``lay``'s encoded windows in aligned chunks and decode them into ``buf``."""
+        assert self._codec is not None
+        staging = getattr(self._local, "staging", None)
+        if staging is None:
+            staging = self._local.staging = aligned_empty(2 * self._staging_bytes, ALIGN)
+        t0 = time.perf_counter()
+        for _ in decoded_windows(f, self.manifest.bin_path, lay.layer, lay.file_off, lay.windows,
+                                 self._codec, staging,
+                                 lambda w: buf[w.raw_off : w.raw_off + w.raw_len],
+                                 self._prefetch):
+            pass
+        with self._cond:
+            self.stats.decoded_bytes += lay.span
+            self.stats.decode_seconds += time.perf_counter() - t0
 
     def _wanted(self) -> list[int]:
         """The held layer and the next ``ring - 1`` streamed layers, nearest first."""
@@ -386,7 +434,7 @@ class StreamedTrunk(TrunkSource):
         with self._cond:
             slot.state = READY
             self.stats.reads += 1
-            self.stats.bytes_read += lay.nbytes
+            self.stats.bytes_read += lay.disk_nbytes
             self.stats.read_seconds += dt
             self._cond.notify_all()
 

@@ -94,3 +94,21 @@ def test_bench_ladder_end_to_end(packed, tmp_path) -> None:
     rows = (out / "ladder.tsv").read_text().splitlines()
     assert len(rows) - 1 >= MIN_RUNGS
     assert "every rung generated" in res.output and "bound by" in res.output
+
+
+def test_codec_rungs_are_gated_and_get_their_columns() -> None:
+    coded = Rung(0.1, ok=True, ids=[1, 2], codec="bp-zstd", s_per_token=0.25,
+                 trunk_bytes_per_token=2e9)
+    a = Rung(0.1, ok=True, ids=[1, 2], coded=coded)
+    check_same_ids([a])
+    rows = [line.split("\t") for line in tsv_text([a, Rung(0.2, ok=True, ids=[1, 2])]).splitlines()]
+    cells = dict(zip(rows[0], rows[1], strict=True))
+    assert (cells["codec"], cells["codec_s_per_token"], cells["codec_trunk_gb_read_per_token"],
+            cells["codec_ok"]) == ("bp-zstd", "0.250", "2.0000", "yes")
+    assert dict(zip(rows[0], rows[2], strict=True))["codec"] == "-"
+    a.coded = Rung(0.1, ok=True, ids=[1, 3], codec="bp-zstd")
+    with pytest.raises(K3Error, match="a codec must give the same tokens"):
+        check_same_ids([a])
+    a.coded = Rung(0.1, error="exit 1: bad window", codec="bp-zstd")
+    with pytest.raises(K3Error, match="bad window"):
+        check_same_ids([a])

@@ -106,7 +106,7 @@ def test_truncated_trunk_bin(model, trunk, work) -> None:
     ("escape", lambda d: _grow_tensor(d, 2), "escapes its run"),
     ("missing-layer", lambda d: _drop_layer(d, 7), "n_layers is 13 but layers lists 12"),
     ("twice", lambda d: _set(d, ["layers", 7], d["layers"][6]), "layer 6 is listed twice"),
-    ("version", lambda d: _set(d, ["version"], 2), "version 2 is not supported"),
+    ("version", lambda d: _set(d, ["version"], 3), "version 3 is not supported"),
     ("past-end", lambda d: _set(d, ["total_bytes"], d["total_bytes"] - ALIGN), "past total_bytes"),
     ("moved-tensor", lambda d: _shift_tensor(d, 1), "not where the verbatim copy puts it"),
 ])

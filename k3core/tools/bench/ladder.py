@@ -9,6 +9,9 @@ records the budget, the pinned layers and ring, the steady-state seconds per tok
 excluded; median, with the mean beside it), the trunk bytes read per token, the measured peak RSS (the child's own
 ``ru_maxrss``), the memory plan and the generated ids; it writes ``ladder.tsv`` and
 ``ladder.png`` atomically and fails (exit 1) unless every rung produced the same ids.
+Given a second trunk of the same model packed with a codec (``--codec-trunk``), every
+budget runs from both, and the ``codec_*`` columns carry the coded trunk's time and trunk
+bytes read per token beside the raw trunk's (its read seconds include the decode).
 
 For each streaming rung it also says what bounds the time per token: the larger of the
 trunk read time per token (device seconds on the reader) and the compute time per token
@@ -69,6 +72,9 @@ class Rung:
     limit_bytes: int = 0
     limit_kind: str = "none"
     ids: list[int] = field(default_factory=list)
+    codec: str = "none"
+    #: the same budget run from the trunk packed with a codec (``--codec-trunk``)
+    coded: Rung | None = None
 
     @property
     def compute_s_per_token(self) -> float:
@@ -229,10 +235,11 @@ def run_rung(
     enforce: bool,
     timeout: float | None,
     headroom: int | None = None,
+    tag: str = "",
 ) -> Rung:
     rung = Rung(budget_gb)
-    out_json = out_dir / f"rung-{i:02d}.json"
-    log = out_dir / f"rung-{i:02d}.log"
+    out_json = out_dir / f"rung-{i:02d}{tag}.json"
+    log = out_dir / f"rung-{i:02d}{tag}.log"
     cmd = base_cmd + ["--trunk-gb", f"{budget_gb:.6f}", "--out", str(out_json)]
     with contextlib.suppress(FileNotFoundError):
         out_json.unlink()
@@ -274,6 +281,7 @@ def run_rung(
     rung.pinned = int(doc.get("trunk_pinned_layers", 0))
     rung.n_layers = int(doc.get("trunk_layers", doc.get("layers", 0)))
     rung.ring = int(doc.get("trunk_ring_slots", 0))
+    rung.codec = str(doc.get("trunk_codec", "none"))
     rung.slot_bytes = int(doc.get("trunk_slot_bytes", 0))
     rung.peak_rss = max(int(doc.get("peak_rss_bytes", 0)), cg_peak)
     rung.plan_total = plan_total(cfg, doc, positions)
@@ -283,7 +291,9 @@ def run_rung(
 TSV_COLUMNS = ("budget_gb", "pinned_layers", "n_layers", "ring_slots", "slot_gb", "step0_s",
                "s_per_token", "mean_s_per_token", "trunk_gb_read_per_token", "trunk_read_s_per_token",
                "exposed_wait_s_per_token", "compute_s_per_token", "bound", "peak_rss_gb",
-               "plan_total_gb", "limit_kind", "limit_gb", "ok", "generated_ids")
+               "plan_total_gb", "limit_kind", "limit_gb", "ok", "generated_ids",
+               "codec", "codec_s_per_token", "codec_trunk_gb_read_per_token",
+               "codec_trunk_read_s_per_token", "codec_ok")
 
 
 def tsv_text(rungs: Sequence[Rung]) -> str:
@@ -297,9 +307,16 @@ def tsv_text(rungs: Sequence[Rung]) -> str:
             f"{r.wait_s_per_token:.3f}", f"{r.compute_s_per_token:.3f}", r.bound,
             f"{r.peak_rss / 1e9:.3f}", f"{r.plan_total / 1e9:.3f}", r.limit_kind,
             f"{r.limit_bytes / 1e9:.2f}", "yes" if r.ok else f"no ({r.error})",
-            ",".join(map(str, r.ids)),
+            ",".join(map(str, r.ids)), *_codec_cells(r.coded),
         ]))
     return "\n".join(rows) + "\n"
+
+
+def _codec_cells(c: Rung | None) -> list[str]:
+    if c is None:
+        return ["-", "-", "-", "-", "-"]
+    return [c.codec, f"{c.s_per_token:.3f}", f"{c.trunk_bytes_per_token / 1e9:.4f}",
+            f"{c.read_s_per_token:.3f}", "yes" if c.ok else f"no ({c.error})"]
 
 
 def write_plot(path: Path, rungs: Sequence[Rung], title: str) -> None:
@@ -317,6 +334,14 @@ def write_plot(path: Path, rungs: Sequence[Rung], title: str) -> None:
             color="tab:gray", label="max(trunk read, compute) per token (mean)")
     ax.plot(x, [r.read_s_per_token for r in ok], "v:", color="tab:green",
             label="trunk read s/token (reader thread)")
+    coded = [r for r in ok if r.coded is not None and r.coded.ok]
+    if coded:
+        name = coded[0].coded.codec if coded[0].coded else ""
+        ax.plot([r.budget_gb for r in coded], [r.coded.s_per_token for r in coded if r.coded],
+                "o-", color="tab:purple", label=f"s/token, {name} trunk")
+        ax.plot([r.budget_gb for r in coded],
+                [r.coded.read_s_per_token for r in coded if r.coded], "v:",
+                color="tab:pink", label=f"read+decode s/token, {name} trunk")
     ax.set_xlabel("--trunk-gb (GB)")
     ax.set_ylabel("seconds per token")
     ax.set_ylim(bottom=0)
@@ -362,15 +387,21 @@ def bound_lines(rungs: Sequence[Rung]) -> list[str]:
 
 
 def check_same_ids(rungs: Sequence[Rung]) -> None:
-    failed = [r for r in rungs if not r.ok]
+    failed = [f"{r.budget_gb:g} GB: {r.error}" for r in rungs if not r.ok] + [
+        f"{r.budget_gb:g} GB from the codec trunk: {r.coded.error}" for r in rungs
+        if r.coded is not None and not r.coded.ok]
     if failed:
-        raise K3Error("ladder: rung(s) failed: " + "; ".join(
-            f"{r.budget_gb:g} GB: {r.error}" for r in failed))
+        raise K3Error("ladder: rung(s) failed: " + "; ".join(failed))
     first = rungs[0].ids
     for r in rungs[1:]:
         if r.ids != first:
             raise K3Error(f"ladder: the {r.budget_gb:g} GB rung generated {r.ids}, the "
                           f"{rungs[0].budget_gb:g} GB rung {first}; every budget must give "
+                          "the same tokens")
+    for r in rungs:
+        if r.coded is not None and r.coded.ids != first:
+            raise K3Error(f"ladder: the {r.budget_gb:g} GB rung from the {r.coded.codec} trunk "
+                          f"generated {r.coded.ids}, the raw trunk {first}; a codec must give "
                           "the same tokens")
 
 

@@ -1,0 +1,236 @@
+"""The window table of a compressed trunk layer, and reading a layer through it.
+
+A layer packed with a codec (:mod:`k3core.trunk.codec`) is cut into *windows*: each lies
+inside one tensor (a tensor of more than :data:`WINDOW_BYTES` is several windows), the
+windows tile the layer's run ``[0, span)`` in order, and each is encoded on its own, so any
+window (and so any tensor, or any part of a layer made of whole tensors) decodes without
+the others. The encoded windows follow one another from the layer's 4096-aligned
+``file_off``; the run of ``stored`` bytes is padded to ``file_nbytes``. In ``trunk.json``
+a window is ``[raw_len, stored_len]``; the offsets are the running sums, and
+``stored_len == raw_len`` means the window is stored raw (its encoding was not smaller).
+
+:func:`decoded_windows` reads a layer's encoded bytes in aligned chunks of about
+:data:`READ_CHUNK` (whole windows; O_DIRECT needs no fix-up because a layer's run is
+aligned and padded) into a staging buffer and decodes each window into the destination the
+caller gives (the ring slot, a pinned buffer, or a scratch window for ``--verify-trunk``);
+with a prefetch thread the next chunk is read while the current one decodes.
+A window that does not decode is a ``CheckpointError`` naming the layer and the window; a
+window that decodes to wrong bytes is caught by the layer's CRC-32 of its raw bytes, which
+the caller checks exactly as for an uncompressed trunk.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import queue
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import Executor, Future
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from k3core.api.errors import CheckpointError
+from k3core.api.storage import StorageFile
+from k3core.api.units import ALIGN, align_up
+from k3core.trunk.codec import Codec, CodecError
+
+#: raw bytes per window at pack time (a tensor's last window may be shorter)
+WINDOW_BYTES = 1 << 20
+#: the largest raw window a manifest may describe (bounds one decode's output)
+MAX_WINDOW_BYTES = 64 << 20
+MAX_WINDOWS_PER_LAYER = 1 << 22
+#: encoded bytes read per chunk (whole windows; one window larger than this is one chunk)
+READ_CHUNK = 8 << 20
+
+
+@dataclass(frozen=True)
+class Window:
+    raw_off: int  # relative to the layer's run
+    raw_len: int
+    off: int  # relative to the layer's file_off
+    nbytes: int  # stored (encoded) bytes
+    itemsize: int  # of the tensor it lies in
+
+    @property
+    def stored_raw(self) -> bool:
+        return self.nbytes == self.raw_len
+
+
+def plan_windows(tensors: list[tuple[int, int, int]], window: int = WINDOW_BYTES
+                 ) -> list[tuple[int, int, int]]:
+    """``(raw_off, raw_len, itemsize)`` windows over ``(off, nbytes, itemsize)`` tensors
+    sorted by offset and tiling the run."""
+    out = []
+    for off, nbytes, itemsize in tensors:
+        step = max(itemsize, window // itemsize * itemsize)
+        for a in range(off, off + nbytes, step):
+            out.append((a, min(step, off + nbytes - a), itemsize))
+    return out
+
+
+class WindowTableError(ValueError):
+    """A window table that does not describe the layer (the manifest parser names it)."""
+
+
+def parse_windows(raw: object, span: int, stored: int,
+                  tensors: list[tuple[int, int, int]]) -> tuple[Window, ...]:
+    """Check a manifest's ``windows`` list against the layer's ``span``, ``stored`` bytes
+    and its ``(off, nbytes, itemsize)`` tensors; ``WindowTableError`` names the problem."""
+    if not isinstance(raw, list) or not raw:
+        raise WindowTableError("windows must be a non-empty list")
+    if len(raw) > MAX_WINDOWS_PER_LAYER:
+        raise WindowTableError(f"{len(raw)} windows is more than {MAX_WINDOWS_PER_LAYER}")
+    spans = sorted(tensors)
+    out: list[Window] = []
+    raw_off = off = 0
+    k = 0  # the tensor the current window starts in
+    for i, w in enumerate(raw):
+        if (not isinstance(w, list) or len(w) != 2
+                or not all(isinstance(x, int) and not isinstance(x, bool) for x in w)):
+            raise WindowTableError(f"windows[{i}] must be [raw_len, stored_len] integers")
+        rl, sl = w
+        if not 1 <= rl <= MAX_WINDOW_BYTES:
+            raise WindowTableError(f"windows[{i}]: raw_len {rl} is out of range "
+                                   f"1..{MAX_WINDOW_BYTES}")
+        if not 1 <= sl <= rl:
+            raise WindowTableError(f"windows[{i}]: stored_len {sl} is out of range 1..{rl}")
+        while k < len(spans) and spans[k][0] + spans[k][1] <= raw_off:
+            k += 1
+        if k == len(spans) or not spans[k][0] <= raw_off < raw_off + rl <= sum(spans[k][:2]):
+            raise WindowTableError(f"windows[{i}] (raw bytes [{raw_off}, {raw_off + rl})) "
+                                   "does not lie inside one tensor")
+        out.append(Window(raw_off, rl, off, sl, spans[k][2]))
+        raw_off += rl
+        off += sl
+    if raw_off != span:
+        raise WindowTableError(f"windows cover {raw_off} raw bytes, not the span {span}")
+    if off != stored:
+        raise WindowTableError(f"windows hold {off} stored bytes, not {stored}")
+    return tuple(out)
+
+
+def chunks(windows: tuple[Window, ...], limit: int = READ_CHUNK) -> list[tuple[int, int]]:
+    """``[first, last)`` index ranges of consecutive windows, each about ``limit`` stored bytes."""
+    out = []
+    i = 0
+    while i < len(windows):
+        j, size = i, 0
+        while j < len(windows) and (j == i or size + windows[j].nbytes <= limit):
+            size += windows[j].nbytes
+            j += 1
+        out.append((i, j))
+        i = j
+    return out
+
+
+def _aligned_range(windows: tuple[Window, ...], a: int, b: int) -> tuple[int, int]:
+    start = windows[a].off // ALIGN * ALIGN
+    return start, align_up(windows[b - 1].off + windows[b - 1].nbytes) - start
+
+
+def staging_bytes(windows: tuple[Window, ...], limit: int = READ_CHUNK) -> int:
+    """The staging buffer one layer's chunked reads need."""
+    return max((_aligned_range(windows, a, b)[1] for a, b in chunks(windows, limit)),
+               default=ALIGN)
+
+
+class Prefetcher(Executor):
+    """A one-thread executor on a daemon thread: a read stuck in the kernel can never keep
+    the process from exiting (``ThreadPoolExecutor`` joins its threads at exit)."""
+
+    def __init__(self, name: str = "k3-trunk-prefetch"):
+        self._jobs: queue.SimpleQueue[tuple[Future[Any], Callable[..., Any], tuple[Any, ...]]
+                                      | None] = queue.SimpleQueue()
+        self._name = name
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:
+        if self._closed:
+            raise RuntimeError("prefetcher is shut down")
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+            self._thread.start()
+        fut: Future[Any] = Future()
+        self._jobs.put((fut, functools.partial(fn, **kwargs) if kwargs else fn, args))
+        return fut
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            fut, fn, args = job
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(fn(*args))
+                except BaseException as exc:  # noqa: BLE001 - handed to the waiting caller
+                    fut.set_exception(exc)
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        self._closed = True
+        self._jobs.put(None)
+        t = self._thread
+        if wait and t is not None and t is not threading.current_thread():
+            t.join(5.0)
+
+
+def decoded_windows(
+    f: StorageFile,
+    bin_path: Path,
+    layer: int,
+    file_off: int,
+    windows: tuple[Window, ...],
+    codec: Codec,
+    staging: np.ndarray,
+    dest: Callable[[Window], np.ndarray],
+    prefetch: Executor | None = None,
+) -> Iterator[Window]:
+    """Read and decode every window of a layer into ``dest(window)``, yielding each after it
+    is decoded. Storage errors propagate; a window that does not decode is a
+    ``CheckpointError``.
+
+    With a ``prefetch`` executor (one thread) the next chunk is read into the other half of
+    ``staging`` (which must then hold two chunks) while this one decodes, so a layer costs
+    about the larger of its read and its decode rather than their sum."""
+    parts = chunks(windows)
+    half = staging.size // 2 if prefetch is not None else staging.size
+    bufs = (staging[:half], staging[half : 2 * half]) if prefetch is not None else (staging,)
+
+    def read(k: int) -> None:
+        start, length = _aligned_range(windows, *parts[k])
+        f.read_into(file_off + start, bufs[k % len(bufs)][:length])
+
+    pending: Future[None] | None = None
+    try:
+        read(0)  # the first chunk here: a one-chunk layer never waits on another thread
+        for k, (a, b) in enumerate(parts):
+            if pending is not None:
+                done, pending = pending, None
+                done.result()
+            elif k:
+                read(k)
+            if prefetch is not None and k + 1 < len(parts):
+                pending = prefetch.submit(read, k + 1)
+            start = _aligned_range(windows, a, b)[0]
+            buf = bufs[k % len(bufs)]
+            for i in range(a, b):
+                w = windows[i]
+                src = buf[w.off - start : w.off - start + w.nbytes]
+                out = dest(w)
+                if w.stored_raw:
+                    out[:] = src
+                else:
+                    try:
+                        codec.decode_into(src, out, w.itemsize)
+                    except CodecError as exc:
+                        raise CheckpointError(
+                            f"{bin_path}: layer {layer} window {i} (raw bytes [{w.raw_off}, "
+                            f"{w.raw_off + w.raw_len})) does not decode: {exc}; the file is "
+                            "damaged, repack the trunk") from None
+                yield w
+    finally:
+        if pending is not None:  # never leave a read running into a buffer we hand back
+            with contextlib.suppress(BaseException):
+                pending.result()
