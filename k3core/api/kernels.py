@@ -235,10 +235,12 @@ class KernelBackend(ABC):
         out = np.empty((T, H, dv), dtype=np.float32)
         for h in range(H):
             rows = w_kvb[h * (n + dv) : (h + 1) * (n + dv)]
-            q_lat = self.matmul(np.ascontiguousarray(rows[:n].T), np.ascontiguousarray(q[:, h, :n]))
+            w_kt = cast(U16 | F32, np.ascontiguousarray(rows[:n].T))
+            q_lat = self.matmul(w_kt, np.ascontiguousarray(q[:, h, :n]))
             qq = np.concatenate([q_lat, q[:, h, n:]], axis=-1)[:, None, :]
             o_lat = self.mla_attention(qq, k_lat, k_rope, k_lat, pos0, scale)[:, 0, :]
-            out[:, h, :] = self.matmul(np.ascontiguousarray(rows[n:]), np.ascontiguousarray(o_lat))
+            w_v = cast(U16 | F32, np.ascontiguousarray(rows[n:]))
+            out[:, h, :] = self.matmul(w_v, np.ascontiguousarray(o_lat))
         return out
 
     @abstractmethod
