@@ -120,3 +120,34 @@ def test_accelerated_backends_every_mode_forced_parallel(streamed, monkeypatch, 
             got = _run(model, backend, threads, **extra)
             for mode, data in got.items():
                 assert data == want, f"{backend} {threads} threads {where} {mode}: logits differ"
+
+
+def _old_style_backend():
+    """A backend written before ``mla_latent_attention`` existed: only the abstract ops."""
+    from k3_backends.numpy_backend import NumpyBackend
+
+    from k3core.api.kernels import KernelBackend
+
+    ref = NumpyBackend()
+    ops = {name: (lambda op: lambda self, *a: getattr(ref, op)(*a))(name)
+           for name in KernelBackend.__abstractmethods__}
+    return type("OldStyle", (KernelBackend,), ops)()
+
+
+def test_a_backend_without_the_fused_op_gets_the_contract_bits() -> None:
+    """The non-abstract default composes the op from ``matmul`` and ``mla_attention``."""
+    from k3core.testing import kernel_conformance as kc
+
+    old = _old_style_backend()
+    assert "mla_latent_attention" not in type(old).__dict__
+    rng = np.random.default_rng(11)
+    T, H, n, r, dv, C, pos0 = 3, 4, 24, 8, 16, 32, 4
+    q = rng.standard_normal((T, H, n + r)).astype(np.float32)
+    cache = rng.standard_normal((pos0 + T + 1, C + r)).astype(np.float32)
+    for w in (rng.standard_normal((H * (n + dv), C)).astype(np.float32),
+              kc.bf16_bits(rng, (H * (n + dv), C), finite=True) & np.uint16(0xBFFF)):
+        kc.compare(old, "mla_latent_attention", q, cache, w, pos0, 0.17)
+    net, prompt = kc._build_model("released", old)
+    got = kc._decode_logits(net, prompt, True)
+    for g, want in zip(got, kc._reference_logits("released", True), strict=True):
+        kc.assert_same_bits(g, want, "old-style backend logits")
