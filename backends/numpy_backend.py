@@ -171,10 +171,14 @@ class NumpyBackend(KernelBackend):
             rows = d(cache[:N])  # [N, C+r]
             q_lat = f32(lsum(d(q[t, :, :n])[:, :, None] * wk, axis=1))  # [H, C]
             qq = np.concatenate([q_lat, q[t, :, n:]], axis=-1)  # [H, C+r]
-            score = f32(lsum(d(qq)[None] * rows[:, None, :]) * scale)  # [N, H]
-            p = _softmax(score, axis=0)
-            o_lat = f32(lsum(d(p)[:, :, None] * rows[:, None, :Cl], axis=0))  # [H, C]
-            out[t] = f32(lsum(wv * d(o_lat)[:, None, :]))  # [H, dv]
+            # heads in blocks, so the float64 products stay near _ROW_BLOCK_BYTES
+            hb = max(1, _ROW_BLOCK_BYTES // (8 * N * (Cl + r)))
+            for h0 in range(0, H, hb):
+                hs = slice(h0, min(H, h0 + hb))
+                score = f32(lsum(d(qq[hs])[None] * rows[:, None, :]) * scale)  # [N, hb]
+                p = _softmax(score, axis=0)
+                o_lat = f32(lsum(d(p)[:, :, None] * rows[:, None, :Cl], axis=0))  # [hb, C]
+                out[t, hs] = f32(lsum(wv[hs] * d(o_lat)[:, None, :]))  # [hb, dv]
         return out
 
     def attn_res(self, sources: F32, fold: F32, eps: float) -> F32:
