@@ -129,8 +129,9 @@ def _mla_latent_heads(q, cache, w, n, dv, pos0, scale, out):
         for j in range(dv):
             row = w[base + n + j]
             lanes[:] = 0.0
-            for c in range(C):
-                lanes[c % LANES] += widen(row[c]) * od[c]
+            for c0 in range(0, C, LANES):
+                for ln in range(min(LANES, C - c0)):
+                    lanes[ln] += widen(row[c0 + ln]) * od[c0 + ln]
             out[t, h, j] = np.float32(fold(lanes))
 
 
