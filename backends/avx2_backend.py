@@ -29,7 +29,7 @@ from k3_backends import avx2_probe
 from numpy.typing import NDArray
 
 from k3.plugin import F32, U16, KernelBackend, KernelBackendSpec, Mxfp4, PluginError, hookimpl
-from k3core.api.kernels import force_parallel_from_env
+from k3core.api.kernels import force_parallel_from_env, latent_shapes
 
 _ENOMEM = -1
 
@@ -445,6 +445,26 @@ class Avx2Backend(KernelBackend):
             rc = self._lib.k3_mla_attention(
                 self._p("float[]", q), self._p("float[]", k_nope), self._p("float[]", k_rope),
                 self._p("float[]", v), T, H, n, r, dv, S, pos0, float(scale),
+                self._out("float[]", out),
+            )
+            self._check(rc, op)
+        return out
+
+    def mla_latent_attention(
+        self, q: F32, cache: F32, w_kvb: U16 | F32, pos0: int, scale: float
+    ) -> F32:
+        op = "mla_latent_attention"
+        q, cache = _f32(op, "q", q), _f32(op, "cache", cache)
+        pos0 = int(pos0)
+        T, H, n, C, r, dv = latent_shapes(q, cache, w_kvb, pos0)
+        w = np.ascontiguousarray(w_kvb)
+        out = np.empty((T, H, dv), dtype=np.float32)
+        if out.size:
+            self._sync_threads()
+            wp = self._p("uint8_t[]", w.view(np.uint8))
+            rc = self._lib.k3_mla_latent_attention(
+                self._p("float[]", q), self._p("float[]", cache), self._ffi.cast("void *", wp),
+                0 if w.dtype == np.uint16 else 1, T, H, n, C, r, dv, pos0, float(scale),
                 self._out("float[]", out),
             )
             self._check(rc, op)

@@ -40,7 +40,7 @@ from k3.plugin import (
     Mxfp4,
     hookimpl,
 )
-from k3core.api.kernels import force_parallel_from_env
+from k3core.api.kernels import force_parallel_from_env, latent_shapes
 
 _INSTALL_HINT = "pip install numba"
 #: Bytes of weights (or equivalent work) per thread below which extra threads are not woken.
@@ -345,6 +345,20 @@ class NumbaBackend(KernelBackend):
             self._run(
                 self._k.attention.mla_heads, work, q, k_nope, k_rope, v, pos0, float(scale), out
             )
+        return out
+
+    def mla_latent_attention(
+        self, q: F32, cache: F32, w_kvb: U16 | F32, pos0: int, scale: float
+    ) -> F32:
+        q, cache = _f32(q), _f32(cache)
+        pos0 = int(pos0)
+        T, H, n, C, r, dv = latent_shapes(q, cache, w_kvb, pos0)
+        w = _ro(np.ascontiguousarray(w_kvb))
+        out = np.empty((T, H, dv), dtype=np.float32)
+        if T:
+            work = 8 * T * H * ((pos0 + T) * (2 * C + r) + (n + dv) * C)
+            self._run(self._k.attention.mla_latent_heads, work, q, cache, w, n, dv, pos0,
+                      float(scale), out)
         return out
 
     def attn_res(self, sources: F32, fold: F32, eps: float) -> F32:

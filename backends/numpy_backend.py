@@ -24,6 +24,7 @@ from k3_backends.exact_numpy import (
 
 from k3.plugin import F32, U16, KernelBackend, KernelBackendSpec, Mxfp4, hookimpl
 from k3.plugin import contract as C
+from k3core.api.kernels import latent_shapes
 
 _ROW_BLOCK_BYTES = 8 << 20  # float64 bytes of weights widened at once
 
@@ -155,6 +156,29 @@ class NumpyBackend(KernelBackend):
             score = f32(lsum(d(q[t])[None] * d(keys)) * scale)  # [n, H]
             p = _softmax(score, axis=0)
             out[t] = f32(lsum(d(p)[:, :, None] * d(v[:n]), axis=0))
+        return out
+
+    def mla_latent_attention(
+        self, q: F32, cache: F32, w_kvb: U16 | F32, pos0: int, scale: float
+    ) -> F32:
+        T, H, n, Cl, r, dv = latent_shapes(q, cache, w_kvb, pos0)
+        w = bf16_to_f32(w_kvb) if w_kvb.dtype == np.uint16 else w_kvb
+        wd = d(w).reshape(H, n + dv, Cl)
+        wk, wv = wd[:, :n, :], wd[:, n:, :]  # [H, n, C], [H, dv, C]
+        out = np.empty((T, H, dv), dtype=np.float32)
+        for t in range(T):
+            N = pos0 + t + 1
+            rows = d(cache[:N])  # [N, C+r]
+            q_lat = f32(lsum(d(q[t, :, :n])[:, :, None] * wk, axis=1))  # [H, C]
+            qq = np.concatenate([q_lat, q[t, :, n:]], axis=-1)  # [H, C+r]
+            # heads in blocks, so the float64 products stay near _ROW_BLOCK_BYTES
+            hb = max(1, _ROW_BLOCK_BYTES // (8 * N * (Cl + r)))
+            for h0 in range(0, H, hb):
+                hs = slice(h0, min(H, h0 + hb))
+                score = f32(lsum(d(qq[hs])[None] * rows[:, None, :]) * scale)  # [N, hb]
+                p = _softmax(score, axis=0)
+                o_lat = f32(lsum(d(p)[:, :, None] * rows[:, None, :Cl], axis=0))  # [hb, C]
+                out[t, hs] = f32(lsum(wv[hs] * d(o_lat)[:, None, :]))  # [hb, dv]
         return out
 
     def attn_res(self, sources: F32, fold: F32, eps: float) -> F32:

@@ -57,6 +57,11 @@ int k3_kda_recurrent(const float *q, const float *k, const float *v, const float
 int k3_mla_attention(const float *q, const float *k_nope, const float *k_rope, const float *v,
                      int64_t T, int64_t H, int64_t n, int64_t r, int64_t dv, int64_t S,
                      int64_t pos0, double scale, float *out);
+/* Absorbed MLA over the latent cache[S, C+r] (rows 0 .. pos0+T-1 read): w is kv_b
+ * [H*(n+dv), C] of kind 0 (bf16) or 1 (float32); out[T, H, dv]. */
+int k3_mla_latent_attention(const float *q, const float *cache, const void *w, int kind,
+                            int64_t T, int64_t H, int64_t n, int64_t C, int64_t r, int64_t dv,
+                            int64_t pos0, double scale, float *out);
 int k3_attn_res(const float *src, int64_t S, int64_t T, int64_t E, const float *fold,
                 double eps, float *out);
 int k3_router(const float *logits, int64_t T, int64_t N, const float *bias, int64_t k,

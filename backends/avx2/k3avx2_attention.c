@@ -1,4 +1,5 @@
-/* k3avx2_attention.c - shortconv, kda_gate, kda_recurrent, mla_attention and attn_res
+/* k3avx2_attention.c - shortconv, kda_gate, kda_recurrent, mla_attention,
+ * mla_latent_attention and attn_res
  * (k3core/api/kernels.py "attention building blocks"). Channels, heads or tokens are split
  * across threads; every lane sum runs on one thread in the contract's order. */
 #include "k3avx2_internal.h"
@@ -194,6 +195,166 @@ int k3_mla_attention(const float *q, const float *k_nope, const float *k_rope, c
         k3__free(e);
         k3__free(acc);
         k3__free(qd);
+    }
+    return err ? K3_ENOMEM : 0;
+}
+
+/* ---- mla_latent_attention: absorbed MLA over the latent cache ------------------------
+ * One (token, head) per task. q_lat = f32(lsum_i q_nope[i] W_k[h][i, :]) as column lane
+ * sums (lane i % 32, whole rows of W_k added in increasing i); scores over [q_lat|q_rope]
+ * . cache[s]; softmax; o_lat = f32(lsum_s p[s] latent[s, :]) as column lane sums (lane
+ * s % 32); o[j] = f32(dot(W_v[h][j, :], o_lat)) by the matrix-row kernels. With AVX-512
+ * (k3_use_avx512) the column lane sums and the score dot run on zmm registers. */
+static inline void colsum_add_w(double *acc, int64_t m, int64_t i, float a, const void *w,
+                                int kind) {
+    const double ai = (double)a;
+    double *lane = acc + (i % 32) * m;
+    if (kind == K3_W_BF16) {
+        const uint16_t *row = (const uint16_t *)w;
+        for (int64_t j = 0; j < m; ++j) {
+            union { uint32_t u; float f; } v = {(uint32_t)row[j] << 16};
+            lane[j] = lane[j] + ai * (double)v.f;
+        }
+    } else {
+        const float *row = (const float *)w;
+        for (int64_t j = 0; j < m; ++j) lane[j] = lane[j] + ai * (double)row[j];
+    }
+}
+
+/* The AVX-512 variants (chosen with the matrix products' switch, k3_use_avx512): the same
+ * elementwise lane updates eight columns at a time, and the score dot with its 32 lanes in
+ * four zmm registers folded by fold512 (k3avx2_matmul512.c). Multiplies and adds are
+ * separate, as in the AVX2 code, so both paths give the same bits. */
+K3_AVX512 static void colsum_add512(double *acc, int64_t m, int64_t i, float a, const void *w,
+                                    int kind) {
+    const double ai = (double)a;
+    const __m512d av = _mm512_set1_pd(ai);
+    double *lane = acc + (i % 32) * m;
+    int64_t j = 0;
+    if (kind == K3_W_BF16) {
+        const uint16_t *row = (const uint16_t *)w;
+        for (; j + 8 <= m; j += 8) {
+            __m256i b32 = _mm256_slli_epi32(
+                _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(row + j))), 16);
+            __m512d r = _mm512_cvtps_pd(_mm256_castsi256_ps(b32));
+            _mm512_storeu_pd(lane + j, _mm512_add_pd(_mm512_loadu_pd(lane + j),
+                                                     _mm512_mul_pd(av, r)));
+        }
+        for (; j < m; ++j) {
+            union { uint32_t u; float f; } v = {(uint32_t)row[j] << 16};
+            lane[j] = lane[j] + ai * (double)v.f;
+        }
+    } else {
+        const float *row = (const float *)w;
+        for (; j + 8 <= m; j += 8) {
+            __m512d r = _mm512_cvtps_pd(_mm256_loadu_ps(row + j));
+            _mm512_storeu_pd(lane + j, _mm512_add_pd(_mm512_loadu_pd(lane + j),
+                                                     _mm512_mul_pd(av, r)));
+        }
+        for (; j < m; ++j) lane[j] = lane[j] + ai * (double)row[j];
+    }
+}
+
+K3_AVX512 static void colsum_end512(double *acc, int64_t m, float *out) {
+    for (int h = 16; h >= 1; h /= 2)
+        for (int l = 0; l < h; ++l) {
+            double *lo = acc + l * m, *hi = acc + (l + h) * m;
+            int64_t j = 0;
+            for (; j + 8 <= m; j += 8)
+                _mm512_storeu_pd(lo + j, _mm512_add_pd(_mm512_loadu_pd(lo + j),
+                                                       _mm512_loadu_pd(hi + j)));
+            for (; j < m; ++j) lo[j] = lo[j] + hi[j];
+        }
+    for (int64_t j = 0; j < m; ++j) out[j] = (float)acc[j];
+}
+
+K3_AVX512 static double dot512_f32(const float *a, const float *b, int64_t n) {
+    __m512d L[4] = {_mm512_setzero_pd(), _mm512_setzero_pd(), _mm512_setzero_pd(),
+                    _mm512_setzero_pd()};
+    int64_t i = 0;
+    for (; i + 32 <= n; i += 32)
+        for (int k = 0; k < 4; ++k)
+            L[k] = _mm512_add_pd(L[k], _mm512_mul_pd(_mm512_cvtps_pd(_mm256_loadu_ps(a + i + 8 * k)),
+                                                     _mm512_cvtps_pd(_mm256_loadu_ps(b + i + 8 * k))));
+    if (i < n) {
+        float ta[32] = {0}, tb[32] = {0};
+        memcpy(ta, a + i, (size_t)(n - i) * sizeof(float));
+        memcpy(tb, b + i, (size_t)(n - i) * sizeof(float));
+        for (int k = 0; k < 4; ++k)
+            L[k] = _mm512_add_pd(L[k], _mm512_mul_pd(_mm512_cvtps_pd(_mm256_loadu_ps(ta + 8 * k)),
+                                                     _mm512_cvtps_pd(_mm256_loadu_ps(tb + 8 * k))));
+    }
+    return fold512(L[0], L[1], L[2], L[3]);
+}
+
+/* lane_colsum of the latent rows, AVX-512 lane updates. */
+K3_AVX512 static void lane_colsum512(const float *a, const float *M, int64_t rows, int64_t m,
+                                     int64_t ld, double *acc, float *out) {
+    colsum_begin(acc, m);
+    for (int64_t i = 0; i < rows; ++i) colsum_add512(acc, m, i, a[i], M + i * ld, K3_W_F32);
+    colsum_end512(acc, m, out);
+}
+
+int k3_mla_latent_attention(const float *q, const float *cache, const void *w, int kind,
+                            int64_t T, int64_t H, int64_t n, int64_t C, int64_t r, int64_t dv,
+                            int64_t pos0, double scale, float *out) {
+    const int64_t npos = pos0 + T, cr = C + r, qh = n + r, hw = n + dv;
+    const int64_t cpad = (C + 31) & ~(int64_t)31;
+    const size_t esz = kind == K3_W_BF16 ? sizeof(uint16_t) : sizeof(float);
+    const int wide = g_avx512; /* k3_use_avx512: the AVX-512 lane updates and score dot */
+    int err = 0;
+#pragma omp parallel num_threads(k3__threads()) \
+    if (K3_BIG(T * H * (npos * (2 * C + r) + hw * C), K3_PAR_ATTENTION))
+    {
+        float *score = (float *)k3__alloc((size_t)npos * sizeof(float) * 2);
+        double *e = (double *)k3__alloc((size_t)npos * sizeof(double));
+        double *acc = (double *)k3__alloc((size_t)(32 * C) * sizeof(double));
+        float *qq = (float *)k3__alloc((size_t)(cr + C) * sizeof(float));
+        double *od = (double *)k3__alloc((size_t)cpad * sizeof(double));
+        int ok = score && e && acc && qq && od;
+        if (!ok) {
+#pragma omp atomic write
+            err = 1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t th = 0; th < T * H; ++th) {
+            if (!ok) continue;
+            int64_t t = th / H, h = th % H, len = pos0 + t + 1;
+            float *p = score + npos, *olat = qq + cr;
+            const float *qv = q + (t * H + h) * qh;
+            const char *wh = (const char *)w + (size_t)(h * hw) * (size_t)C * esz;
+            colsum_begin(acc, C);
+            if (wide) {
+                for (int64_t i = 0; i < n; ++i)
+                    colsum_add512(acc, C, i, qv[i], wh + (size_t)(i * C) * esz, kind);
+                colsum_end512(acc, C, qq);
+            } else {
+                for (int64_t i = 0; i < n; ++i)
+                    colsum_add_w(acc, C, i, qv[i], wh + (size_t)(i * C) * esz, kind);
+                colsum_end(acc, C, qq);
+            }
+            for (int64_t j = 0; j < r; ++j) qq[C + j] = qv[n + j];
+            for (int64_t s = 0; s < len; ++s)
+                score[s] = (float)((wide ? dot512_f32(qq, cache + s * cr, cr)
+                                         : k3_dot_f32(qq, cache + s * cr, cr)) * scale);
+            softmax_f32(score, len, e, p);
+            if (wide)
+                lane_colsum512(p, cache, len, C, cr, acc, olat);
+            else
+                lane_colsum(p, cache, len, C, cr, acc, olat);
+            for (int64_t c = 0; c < cpad; ++c) od[c] = c < C ? (double)olat[c] : 0.0;
+            float *o = out + (t * H + h) * dv;
+            for (int64_t j = 0; j < dv; ++j) {
+                const char *row = wh + (size_t)((n + j) * C) * esz;
+                o[j] = kind == K3_W_BF16 ? row_bf16((const uint16_t *)row, C, od)
+                                         : row_f32((const float *)row, C, od);
+            }
+        }
+        k3__free(score);
+        k3__free(e);
+        k3__free(acc);
+        k3__free(qq);
+        k3__free(od);
     }
     return err ? K3_ENOMEM : 0;
 }

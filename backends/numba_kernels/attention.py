@@ -21,6 +21,7 @@ from k3_backends.numba_kernels.exact import (
     sumsq_f32,
 )
 from k3_backends.numba_kernels.jit import JIT, twins
+from k3_backends.numba_kernels.matmul import widen
 from numba import njit, prange
 
 #: Output columns mixed per pass in ``attn_res_tokens`` (keeps the lane buffer small).
@@ -77,6 +78,63 @@ def _mla_heads(q, k_nope, k_rope, v, pos0, scale, out):
             out[t, h, j] = np.float32(acc[0, j])
 
 
+def _mla_latent_heads(q, cache, w, n, dv, pos0, scale, out):
+    """Absorbed MLA over the latent cache, one (token, head) per task (the contract's row).
+
+    ``q_lat = f32(lsum_i q_nope[i] W_k[h][i, :])`` (lane ``i % 32``, a whole row of columns
+    at once); ``score[s] = f32(lsum([q_lat|q_rope] * cache[s]) * scale)``; softmax;
+    ``o_lat = f32(lsum_s p[s] latent[s, :])``; ``o[j] = f32(lsum_c W_v[h][j, c] o_lat[c])``.
+    """
+    T, H, _ = q.shape
+    C = w.shape[1]
+    cr = cache.shape[1]
+    S = pos0 + T
+    for th in prange(T * H):
+        t = th // H
+        h = th % H
+        N = pos0 + t + 1
+        base = h * (n + dv)
+        lanes = np.empty(LANES)
+        score = np.empty(S, dtype=np.float32)
+        e = np.empty(S)
+        p = np.empty(S, dtype=np.float32)
+        qq = np.empty(cr, dtype=np.float32)
+        od = np.empty(C)
+        acc = np.zeros((LANES, C))
+        for i in range(n):
+            qi = np.float64(q[t, h, i])
+            row = w[base + i]
+            lane = i % LANES
+            for c in range(C):
+                acc[lane, c] += qi * widen(row[c])
+        fold_rows(acc, C, min(n, LANES))
+        for c in range(C):
+            qq[c] = np.float32(acc[0, c])
+        for j in range(cr - C):
+            qq[C + j] = q[t, h, n + j]
+        for s in range(N):
+            lanes[:] = 0.0
+            dot_into(lanes, qq, cache[s], 0)
+            score[s] = np.float32(fold(lanes) * scale)
+        softmax_into(score, N, e, lanes, p)
+        acc[:, :] = 0.0
+        for s in range(N):
+            ps = np.float64(p[s])
+            lane = s % LANES
+            for c in range(C):
+                acc[lane, c] += ps * np.float64(cache[s, c])
+        fold_rows(acc, C, min(N, LANES))
+        for c in range(C):
+            od[c] = np.float64(np.float32(acc[0, c]))
+        for j in range(dv):
+            row = w[base + n + j]
+            lanes[:] = 0.0
+            for c0 in range(0, C, LANES):
+                for ln in range(min(LANES, C - c0)):
+                    lanes[ln] += widen(row[c0 + ln]) * od[c0 + ln]
+            out[t, h, j] = np.float32(fold(lanes))
+
+
 @njit(**JIT)
 def attn_res_tokens(src, fold_w, eps, out):
     """Per token: ``key_s = rmsnorm(src[s], eps)``; ``score_s = f32(lsum(d(key_s) d(fold)))``;
@@ -113,3 +171,4 @@ def attn_res_tokens(src, fold_w, eps, out):
 
 
 mla_heads = twins(_mla_heads)
+mla_latent_heads = twins(_mla_latent_heads)

@@ -67,6 +67,19 @@ Ops (each row below is what the reference computes; shapes use T = tokens)
     ``score[s] = f32(dot([q_nope|q_rope], [k_nope[s]|k_rope[s]]) * scale)`` over the
     concatenated ``n + r`` dims (nope first), ``scale`` a float64;
     ``p = softmax(score)``; ``o[j] = f32(lsum_s(d(p[s]) * d(v[s,j])))``.
+    ``mla_latent_attention(q[T,H,n+r], cache[S,C+r], w_kvb[H*(n+dv),C], pos0, scale)``:
+    absorbed MLA over the latent cache (row ``s`` = normed latent ``[C]`` then ``k_rope``
+    ``[r]``; ``C`` = ``w_kvb`` columns, ``r`` = cache width - C, ``n`` = q width - r,
+    ``dv`` = rows/H - n; ``w_kvb`` bf16 or float32). Head h's rows ``h*(n+dv) ..+n`` are
+    ``W_k[h]`` ``[n,C]``, the next ``dv`` rows ``W_v[h]``. Per query t (position
+    ``pos0 + t``, keys ``s <= pos0 + t``) and head h:
+    ``q_lat[c] = f32(lsum_i(d(q[t,h,i]) * d(W_k[h][i,c])))`` (i = 0..n-1, lane ``i % 32``);
+    ``score[s] = f32(dot([q_lat|q_rope], cache[s]) * scale)`` (lanes continue over the
+    ``C + r`` dims); ``p = softmax(score)``;
+    ``o_lat[c] = f32(lsum_s(d(p[s]) * d(cache[s,c])))``;
+    ``o[t,h,j] = f32(dot(W_v[h][j,:], o_lat))``. Equivalently, per head,
+    ``matmul(W_k[h]^T, q_nope)``, then ``mla_attention`` with one shared key/value head
+    (``k_nope = v = latent``), then ``matmul(W_v[h], o_lat)``: the default implementation.
     ``attn_res(src[S,T,E], fold[E], eps)``: per token, ``key_s = rmsnorm(src_s, None, eps)``;
     ``score_s = f32(dot(key_s, fold))``; ``p = softmax(score)``;
     ``out[i] = f32(lsum_s(d(p[s]) * d(src[s,i])))`` (raw sources are mixed).
@@ -206,6 +219,30 @@ class KernelBackend(ABC):
         self, q: F32, k_nope: F32, k_rope: F32, v: F32, pos0: int, scale: float
     ) -> F32: ...
 
+    def mla_latent_attention(
+        self, q: F32, cache: F32, w_kvb: U16 | F32, pos0: int, scale: float
+    ) -> F32:
+        """Absorbed MLA attention over the latent KV cache (the contract's row above).
+
+        Not abstract, so backends written before it keep working: this default composes it
+        from :meth:`matmul` and :meth:`mla_attention` head by head, with exactly the
+        contract's bits. A backend should override it with one fused call.
+        """
+        T, H, n, C, r, dv = latent_shapes(q, cache, w_kvb, pos0)
+        lat = cache[: pos0 + T]
+        k_lat = np.ascontiguousarray(lat[:, None, :C])
+        k_rope = np.ascontiguousarray(lat[:, C:])
+        out = np.empty((T, H, dv), dtype=np.float32)
+        for h in range(H):
+            rows = w_kvb[h * (n + dv) : (h + 1) * (n + dv)]
+            w_kt = cast(U16 | F32, np.ascontiguousarray(rows[:n].T))
+            q_lat = self.matmul(w_kt, np.ascontiguousarray(q[:, h, :n]))
+            qq = np.concatenate([q_lat, q[:, h, n:]], axis=-1)[:, None, :]
+            o_lat = self.mla_attention(qq, k_lat, k_rope, k_lat, pos0, scale)[:, 0, :]
+            w_v = cast(U16 | F32, np.ascontiguousarray(rows[n:]))
+            out[:, h, :] = self.matmul(w_v, np.ascontiguousarray(o_lat))
+        return out
+
     @abstractmethod
     def attn_res(self, sources: F32, fold: F32, eps: float) -> F32: ...
 
@@ -241,3 +278,29 @@ class KernelBackend(ABC):
         if w.dtype == np.float32:
             return self.matmul_f32(cast(F32, w), x)
         raise TypeError(f"unsupported weight dtype {w.dtype}")
+
+
+def latent_shapes(
+    q: F32, cache: F32, w_kvb: U16 | F32, pos0: int
+) -> tuple[int, int, int, int, int, int]:
+    """``(T, H, n, C, r, dv)`` of a :meth:`KernelBackend.mla_latent_attention` call, checked.
+
+    Raises ``TypeError`` for a weight that is not bf16 bits or float32 and ``ValueError``
+    for shapes that do not agree or too few cached rows.
+    """
+    if not isinstance(w_kvb, np.ndarray) or w_kvb.dtype not in (np.uint16, np.float32):
+        got = w_kvb.dtype if isinstance(w_kvb, np.ndarray) else type(w_kvb).__name__
+        raise TypeError(f"mla_latent_attention: w_kvb must be bf16 bits or float32, got {got}")
+    if q.ndim != 3 or cache.ndim != 2 or w_kvb.ndim != 2:
+        raise ValueError("mla_latent_attention: expected q[T,H,n+r], cache[S,C+r], w_kvb[H*(n+dv),C]")
+    T, H, nr = (int(x) for x in q.shape)
+    C = int(w_kvb.shape[1])
+    r = int(cache.shape[1]) - C
+    n = nr - r
+    if H < 1 or C < 1 or r < 0 or n < 1 or w_kvb.shape[0] % H or w_kvb.shape[0] // H <= n:
+        raise ValueError(f"mla_latent_attention: shapes do not agree: q {q.shape} cache "
+                         f"{cache.shape} w_kvb {w_kvb.shape}")
+    if pos0 < 0 or pos0 + T > cache.shape[0]:
+        raise ValueError(f"mla_latent_attention: queries at {pos0}..{pos0 + T - 1} need "
+                         f"{pos0 + T} cached positions, have {cache.shape[0]}")
+    return T, H, n, C, r, int(w_kvb.shape[0]) // H - n

@@ -22,7 +22,7 @@ def budget(
     prompt_len: int = typer.Option(32, "--prompt-len", help="Prompt tokens to plan for."),
     gen: int = typer.Option(8, "--gen", help="Generated tokens to plan for."),
     incremental: bool = typer.Option(True, "--incremental/--full-recompute",
-                                     help="Plan the KV cache of incremental decoding."),
+                                     help="Plan incremental decoding or full recompute (both hold the latent KV cache)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """Classify every tensor (trunk, tables, routed experts) and plan each preset's memory."""

@@ -128,13 +128,12 @@ class Model:
         cq = k.rmsnorm(qa, p["self_attn.q_a_layernorm.weight"], c.rms_eps)
         q = k.matmul(p["self_attn.q_b_proj.weight"], cq).reshape(T, H, n + r)
         latent = k.rmsnorm(np.ascontiguousarray(ckv[:, : c.kv_lora]), p["self_attn.kv_a_layernorm.weight"], c.rms_eps)
-        kv = k.matmul(p["self_attn.kv_b_proj.weight"], latent).reshape(T, H, n + dv)
+        # the cache holds the latent and the rope key; attention absorbs kv_b_proj (§5.5)
         cache = st.kv_cache(p.layer)
         a, b = st.pos, st.pos + T
-        cache.k_nope[a:b] = kv[:, :, :n]
-        cache.v[a:b] = kv[:, :, n:]
-        cache.k_rope[a:b] = ckv[:, c.kv_lora :]
-        o = k.mla_attention(q, cache.k_nope[:b], cache.k_rope[:b], cache.v[:b], a, self.mla_scale)
+        cache.rows[a:b, : c.kv_lora] = latent
+        cache.rows[a:b, c.kv_lora :] = ckv[:, c.kv_lora :]
+        o = k.mla_latent_attention(q, cache.rows[:b], p["self_attn.kv_b_proj.weight"], a, self.mla_scale)
         o = o.reshape(T, H * dv)
         if c.mla_out_gate:
             o = o * k.sigmoid(gate[0])

@@ -1,4 +1,4 @@
-"""Per-sequence decoding state: KDA recurrent matrices, conv history, MLA KV cache.
+"""Per-sequence decoding state: KDA recurrent matrices, conv history, MLA latent KV cache.
 
 One :class:`SequenceState` per sequence, so full recompute (a fresh state every step),
 incremental decoding (one state carried across steps) and any later saved session share
@@ -29,13 +29,26 @@ class KDAState:
 
 @dataclass
 class KVCache:
-    k_nope: np.ndarray  # [cap, H, n]
-    k_rope: np.ndarray  # [cap, r]
-    v: np.ndarray  # [cap, H, dv]
+    """One MLA layer's cache: per position the normed latent ``[kv_lora]`` then the shared
+    rope key ``[qk_rope]``, float32 (``docs/model.md`` §6). Attention reads it through the
+    absorbed kernel (``KernelBackend.mla_latent_attention``); nothing is expanded per head.
+    Rows at and beyond ``SequenceState.pos`` are never read, so a rollback that lowers
+    ``pos`` leaves them harmless (the next step overwrites them)."""
+
+    rows: np.ndarray  # [cap, kv_lora + qk_rope]
+    kv_lora: int
 
     @property
     def capacity(self) -> int:
-        return int(self.k_nope.shape[0])
+        return int(self.rows.shape[0])
+
+    @property
+    def latent(self) -> np.ndarray:
+        return self.rows[:, : self.kv_lora]
+
+    @property
+    def k_rope(self) -> np.ndarray:
+        return self.rows[:, self.kv_lora :]
 
 
 @dataclass
@@ -77,11 +90,7 @@ class SequenceState:
         if kv is None:
             c = self.cfg
             cap = self.capacity
-            kv = KVCache(
-                np.zeros((cap, c.n_heads, c.qk_nope), dtype=np.float32),
-                np.zeros((cap, c.qk_rope), dtype=np.float32),
-                np.zeros((cap, c.n_heads, c.v_head), dtype=np.float32),
-            )
+            kv = KVCache(np.zeros((cap, c.kv_lora + c.qk_rope), dtype=np.float32), c.kv_lora)
             self.kv[layer] = kv
         return kv
 
@@ -102,9 +111,15 @@ def _new_kda(c: ModelConfig) -> KDAState:
 
 
 def kv_bytes_per_position(cfg: ModelConfig) -> int:
-    """Bytes of expanded KV cache one position costs across all MLA layers."""
-    per_layer = cfg.n_heads * (cfg.qk_nope + cfg.v_head) + cfg.qk_rope
-    return 4 * per_layer * cfg.n_mla
+    """Bytes of latent KV cache one position costs across all MLA layers (float32 latent
+    plus rope key per layer)."""
+    return 4 * (cfg.kv_lora + cfg.qk_rope) * cfg.n_mla
+
+
+def expanded_kv_bytes_per_position(cfg: ModelConfig) -> int:
+    """What one position would cost with per-head keys and values expanded through
+    ``kv_b_proj`` (k_nope and v per head plus the rope key): the layout the latent replaces."""
+    return 4 * (cfg.n_heads * (cfg.qk_nope + cfg.v_head) + cfg.qk_rope) * cfg.n_mla
 
 
 def recurrent_bytes_per_layer(cfg: ModelConfig) -> int:

@@ -13,7 +13,9 @@ recurrent state        KDA state + conv history for every KDA layer run; one slo
                        ultra-low-memory full recompute
 buffers                activations and per-layer scratch for T = prompt + gen + 1
                        positions, estimated from the model's widths
-KV cache               incremental only: T x the expanded per-position KV bytes
+KV cache               every mode: T x the latent KV bytes per position (kv_lora + qk_rope
+                       float32 per MLA layer run); full recompute holds one too, for the
+                       sequence it recomputes
 python + libraries     this process's resident set when the plan is made (measured)
 =====================  ============================================================
 
@@ -146,14 +148,14 @@ def check_kv(cfg: ModelConfig, positions: int, available: int | None = None,
             f"the KV cache for {positions} positions needs {human(kv)} "
             f"({kv_bytes(cfg, 1, n_layers) / 1e6:.2f} MB/position) and the machine has "
             f"{human(avail)} available: this is a memory limit, not an engine ceiling; ask for a "
-            "shorter request (fewer prompt tokens or a smaller --gen), or use --full-recompute "
-            "(full recompute carries no KV cache)"
+            "shorter request (fewer prompt tokens or a smaller --gen); every decoding mode, "
+            "--full-recompute included, holds this latent cache"
         )
     return kv
 
 
 def kv_bytes(cfg: ModelConfig, positions: int, n_layers: int | None = None) -> int:
-    """Expanded fp32 KV bytes for ``positions`` over the MLA layers among those run."""
+    """Latent fp32 KV bytes for ``positions`` over the MLA layers among those run."""
     if n_layers is None or n_layers >= cfg.n_layers:
         return positions * kv_bytes_per_position(cfg)
     n_mla = sum(1 for L in range(n_layers) if cfg.is_mla(L))
@@ -166,7 +168,7 @@ def buffer_bytes(cfg: ModelConfig, positions: int, n_layers: int | None = None) 
 
     The reference's shape, ``(T*hidden + T*maxb*hidden + scratch(T) + vocab) * 4``, with
     ``maxb`` = AttnRes blocks + 2 and scratch(T) the widest layer's per-token temporaries
-    (KDA projections, MLA query/key/value with their float64 copies, the MLP intermediates)
+    (KDA projections, the MLA latent row, query and head outputs, the MLP intermediates)
     times two for the kernels' own temporaries.
     """
     c = cfg
@@ -175,8 +177,9 @@ def buffer_bytes(cfg: ModelConfig, positions: int, n_layers: int | None = None) 
     maxb = L // max(c.attn_res_block, 1) + 2
     P = c.kda_heads * c.kda_head_dim
     kda = 6 * P + c.kda_heads + c.kda_head_dim
-    mla = (c.q_lora + c.kv_lora + c.qk_rope + c.n_heads * (2 * c.qk_nope + c.qk_rope + 3 * c.v_head)
-           + 4 * c.n_heads * (c.qk_nope + c.qk_rope + c.v_head))  # + float64 keys/values
+    # projections, the latent row, the query and the per-head outputs (absorbed attention
+    # never expands keys or values per head)
+    mla = c.q_lora + 2 * (c.kv_lora + c.qk_rope) + c.n_heads * (c.qk_nope + c.qk_rope + 2 * c.v_head)
     mlp = max(3 * c.dense_inter,
               c.n_experts + c.topk * (c.latent + 2 * c.moe_inter) + 3 * c.n_shared * c.moe_inter)
     scratch = 2 * T * max(kda, mla, mlp)
@@ -250,7 +253,7 @@ def plan_memory(
     per_layer = recurrent_bytes_per_layer(cfg)
     recurrent = per_layer * (min(n_kda, 1) if ultra and not incremental else n_kda)
     T = prompt_len + gen + 1
-    kv = kv_bytes(cfg, T, L) if incremental else 0
+    kv = kv_bytes(cfg, T, L)  # full recompute holds one for the sequence it recomputes
     return MemoryPlan(
         trunk=trunk,
         tables=tables,

@@ -69,8 +69,7 @@ class EnginePlan:
     def plan_memory(self, prompt_len: int, gen: int) -> MemoryPlan:
         """Sum the run's buffers for ``prompt_len`` + ``gen`` positions (and keep the plan)."""
         s = self.merged.settings
-        if self.incremental:
-            check_kv(self.cfg, prompt_len + gen + 1, n_layers=self.n_layers)
+        check_kv(self.cfg, prompt_len + gen + 1, n_layers=self.n_layers)  # every mode holds one
         budget = _trunk_budget(self.cfg, self.n_layers, self.trunk_gb) if self.streamed else None
         self.memory = plan_memory(self.cfg, MemoryRequest(
             streamed=self.streamed, cache_bytes=gb_bytes(s.cache_gb), prompt_len=prompt_len,

@@ -73,9 +73,12 @@ class AutoBudget:
 
 def run_overhead(cfg: ModelConfig, positions: int = DEFAULT_POSITIONS,
                  incremental: bool = True, baseline: int | None = None) -> int:
-    """Fixed cost of a run besides the budgets: state, buffers, KV, this interpreter."""
+    """Fixed cost of a run besides the budgets: state, buffers, KV, this interpreter.
+
+    The latent KV cache is counted whatever ``incremental`` says: full recompute holds one
+    for the sequence it recomputes (``incremental`` is kept for callers)."""
     state = recurrent_bytes_per_layer(cfg) * cfg.n_kda
-    kv = kv_bytes(cfg, positions) if incremental else 0
+    kv = kv_bytes(cfg, positions)
     base = process_rss() if baseline is None else baseline
     return state + buffer_bytes(cfg, positions) + kv + base
 

@@ -248,7 +248,7 @@ def grow_state(state: SequenceState, capacity: int) -> None:
     """Make room for ``capacity`` positions, keeping every cached position's bytes."""
     old = state.capacity
     for layer, kv in list(state.kv.items()):
-        changes = {}
+        changes: dict[str, Any] = {}
         for f in fields(kv):
             a = getattr(kv, f.name)
             if isinstance(a, np.ndarray) and a.ndim and a.shape[0] == old:

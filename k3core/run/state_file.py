@@ -5,7 +5,7 @@ a rename), so a file is complete or absent:
 
 =========  ===================================================================
 8 bytes    magic ``K3STATE\\n``
-4 bytes    format version (:data:`VERSION`)
+4 bytes    format version (:data:`VERSION`; 2 since the KV cache holds the MLA latent)
 4 bytes    header length H
 H bytes    JSON header: ``fingerprint``, ``ids``, ``pos``, ``capacity`` and, per array,
            ``name``, ``dtype``, ``shape``, ``offset``, ``nbytes``; ``body_sha256``
@@ -16,7 +16,9 @@ The fingerprint is a SHA-256 over the model's architecture (every config field),
 number of layers run and a sample of its weights (the final norm and the first bytes of the
 embedding and lm_head), so a session made on another model or config is refused, as is a
 file whose arrays do not have the shapes this model's state has. A refused file is a
-:class:`StateFileError` (exit 1); nothing is half-loaded.
+:class:`StateFileError` (exit 1); nothing is half-loaded. A file of another format version
+(version 1 held the expanded per-head keys and values) is refused with exit 2: it is input
+this k3 does not read, and the session must be made again.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from k3core.api.errors import K3Error
+from k3core.api.errors import Exit, K3Error
 from k3core.model import names
 from k3core.model.state import SequenceState
 from k3core.run.memory_plan import check_kv
@@ -40,7 +42,9 @@ if TYPE_CHECKING:
     from k3core.run.binding import Bound
 
 MAGIC = b"K3STATE\n"
-VERSION = 1
+VERSION = 2
+#: what each older format held, for the refusal message
+OLD_VERSIONS = {1: "the expanded per-head MLA keys and values"}
 MAX_HEADER = 16 << 20
 SAMPLE = 4096
 
@@ -138,7 +142,11 @@ def _header(f: Any, size: int, engine: Bound, where: str
         raise StateFileError(f"{where}: not a k3 session file (bad magic)")
     version, hlen = struct.unpack("<II", start[8:16])
     if version != VERSION:
-        raise StateFileError(f"{where}: format version {version}; this k3 reads version {VERSION}")
+        held = f" (it holds {OLD_VERSIONS[version]})" if version in OLD_VERSIONS else ""
+        raise StateFileError(
+            f"{where}: session format version {version}{held}; this k3 reads version {VERSION} "
+            "only (the KV cache now holds the MLA latent): save the session again with this k3",
+            exit_code=Exit.USAGE)
     if hlen > MAX_HEADER or 16 + hlen > size:
         raise StateFileError(f"{where}: truncated or damaged header")
     try:

@@ -367,6 +367,75 @@ def _mla_cases(want: int = 6) -> list[Case]:
     return out
 
 
+def _latent_case(label: str, qv: np.ndarray, keys: np.ndarray, w_v: np.ndarray,
+                 n_lat: int, bf16: bool) -> Case:
+    """One ``mla_latent_attention`` case from the concatenated query ``qv`` ``[C+r]`` (the
+    absorbed part set exactly through ``n = 1``, ``q_nope = 1`` and ``W_k[h][0] = qv[:C]``),
+    the cache rows ``keys`` ``[S, C+r]`` and ``W_v[h]`` ``[dv, C]``; two equal heads."""
+    C = n_lat
+    S, dv = keys.shape[0], w_v.shape[0]
+    H = 2
+    q = np.zeros((1, H, 1 + qv.shape[0] - C), dtype=np.float32)
+    q[0, :, 0] = 1.0
+    q[0, :, 1:] = qv[C:]
+    w = np.zeros((H * (1 + dv), C), dtype=np.float32)
+    for h in range(H):
+        w[h * (1 + dv)] = qv[:C]
+        w[h * (1 + dv) + 1 : (h + 1) * (1 + dv)] = w_v
+    if bf16:  # every value here is exact in bf16
+        w = (w.view(np.uint32) >> 16).astype(np.uint16)
+    return (f"{label}{' bf16' if bf16 else ''}", (q, keys.copy(), w, S - 1, 1.0))
+
+
+def _latent_cases() -> list[Case]:
+    """Cancelling terms in each of the four reductions of the absorbed MLA: the absorbed
+    query (over n), the score (over C + r, lanes running on from the latent into the rope
+    dims), the latent mixture (over positions) and the ``W_v`` product (over C)."""
+    out: list[Case] = []
+    for name, pat in CANCEL_PATTERNS.items():
+        for bf16 in (False, True):
+            # absorbed query: q_nope carries the pattern, W_k is all ones
+            n = pat[2] + 1
+            q = np.zeros((1, 2, n + 8), dtype=np.float32)
+            q[0, :, :n] = _cancel_vector(n, pat)
+            w = np.zeros((2 * (n + 4), 4), dtype=np.float32)
+            for h in range(2):
+                w[h * (n + 4) : h * (n + 4) + n] = 1.0
+                w[h * (n + 4) + n : (h + 1) * (n + 4)] = np.eye(4, dtype=np.float32)
+            cache = np.zeros((3, 4 + 8), dtype=np.float32)
+            cache[0, :4] = 1.0
+            if bf16:
+                w = (w.view(np.uint32) >> 16).astype(np.uint16)
+            out.append((f"mla_latent_attention query cancel {name}{' bf16' if bf16 else ''}",
+                        (q, cache, w, 2, 1.0)))
+            # the score: +big and the small term in the latent dims, -big in the rope dims
+            C = 24 if pat[2] < 40 else 40
+            width = pat[2] + 8
+            qv = np.zeros(width, dtype=np.float32)
+            qv[[pat[0], pat[1], pat[2]]] = BIG, SMALL, BIG
+            keys = np.zeros((4, width), dtype=np.float32)
+            keys[0, [pat[0], pat[1]]], keys[0, pat[2]] = 1.0, -1.0
+            keys[1, 0] = -1.0  # another row, so that the mixture shows the softmax
+            out.append(_latent_case(f"mla_latent_attention score cancel {name}", qv, keys,
+                                    np.eye(C, dtype=np.float32)[:3], C, bf16))
+            # the mixture over positions, equal scores
+            S, C = pat[2] + 1, 4
+            keys = np.zeros((S, C + 8), dtype=np.float32)
+            for c in range(C):
+                keys[:, c] = _cancel_vector(S, pat, 1.0 if c % 2 else -1.0)
+            out.append(_latent_case(f"mla_latent_attention mixture cancel {name}",
+                                    np.zeros(C + 8, dtype=np.float32), keys,
+                                    np.eye(C, dtype=np.float32), C, bf16))
+            # the W_v product over the latent width
+            C = pat[2] + 1
+            keys = np.zeros((3, C + 8), dtype=np.float32)
+            keys[:, :C] = 1.0
+            w_v = np.stack([_cancel_vector(C, pat), -_cancel_vector(C, pat)])
+            out.append(_latent_case(f"mla_latent_attention output cancel {name}",
+                                    np.zeros(C + 8, dtype=np.float32), keys, w_v, C, bf16))
+    return out
+
+
 def _router_cases() -> list[Case]:
     """The renormalisation sum: the winner (weight ~0.9), three knobs (weights ~1e-5, ~1e-11,
     ~1e-16) and 52 selected weights of 0.77 * 2**-53 relative to it (each lost against the
@@ -427,6 +496,7 @@ _BUILDERS: dict[str, Callable[[], list[Case]]] = {
     "kda_gate": _kda_gate_cases,
     "situ_glu": _situ_cases,
     "mla_attention": _mla_cases,
+    "mla_latent_attention": _latent_cases,
     "router": _router_cases,
 }
 for _op in HARD_FLOAT32:

@@ -448,6 +448,64 @@ class KernelConformance:
         hot = q * np.float32(100.0)  # scores that underflow exp_d after max subtraction
         compare(kb, "mla_attention", hot, k_nope, k_rope, v, pos0, scale, what="mla, peaked")
 
+    @pytest.mark.parametrize("n,r,dv,C", [(24, 8, 16, 32), (40, 24, 17, 33), (1, 0, 1, 1),
+                                          (33, 5, 3, 65), (128, 64, 128, 512)])
+    @pytest.mark.parametrize("T,pos0", [(1, 0), (3, 0), (1, 37), (3, 5)])
+    @pytest.mark.parametrize("wkind", ["bf16", "f32"])
+    def test_mla_latent_attention(
+        self, kb: KernelBackend, n: int, r: int, dv: int, C: int, T: int, pos0: int, wkind: str
+    ) -> None:
+        """Absorbed MLA over the latent cache: awkward and real widths, a cache holding rows
+        past the last position (ignored), peaked scores, bf16 and float32 ``kv_b``."""
+        rng = _rng("mla-latent", n, r, dv, C, T, pos0, wkind)
+        H, cap = 3 if C < 512 else 2, pos0 + T + 2
+        q = activations(rng, (T, H, n + r), mild=True)
+        cache = activations(rng, (cap, C + r), mild=True)
+        if wkind == "bf16":
+            w: np.ndarray = bf16_bits(rng, (H * (n + dv), C), finite=True)
+            w = np.where(((w >> 7) & 0xFF) > 0x85, w & 0x807F | 0x3F00, w).astype(np.uint16)
+        else:
+            w = activations(rng, (H * (n + dv), C), scale=0.2, mild=True)
+        scale = 1.0 / float(np.sqrt(n + r))
+        op = "mla_latent_attention"
+        compare(kb, op, q, cache[: pos0 + T], w, pos0, scale)
+        compare(kb, op, q, cache, w, pos0, scale, what="mla latent, longer cache")
+        hot = q * np.float32(100.0)  # scores that underflow exp_d after max subtraction
+        compare(kb, op, hot, cache, w, pos0, scale, what="mla latent, peaked")
+
+    @pytest.mark.parametrize("where", ["q_nope", "q_rope", "latent", "k_rope", "weight"])
+    @pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf])
+    def test_mla_latent_attention_nonfinite(self, kb: KernelBackend, where: str, value: float) -> None:
+        """One NaN or inf in a query, a cache row or ``kv_b`` propagates as IEEE says."""
+        rng = _rng("mla-latent-nan", where, value)
+        T, H, n, r, dv, C, pos0 = 3, 2, 9, 4, 5, 11, 2
+        q = activations(rng, (T, H, n + r), mild=True)
+        cache = activations(rng, (pos0 + T, C + r), mild=True)
+        w = activations(rng, (H * (n + dv), C), scale=0.3, mild=True)
+        target = {"q_nope": (q, (1, 0, 2)), "q_rope": (q, (0, 1, n + 1)),
+                  "latent": (cache, (3, 4)), "k_rope": (cache, (1, C + 2)),
+                  "weight": (w, (n + dv + 1, 3))}[where]
+        target[0][target[1]] = value
+        compare(kb, "mla_latent_attention", q, cache, w, pos0, 0.3, what=f"mla latent {where}={value}")
+
+    def test_mla_latent_attention_parallel_forced(self, backend: KernelBackend) -> None:
+        """The fused op with every parallel path taken, at 1, 2 and 3 threads."""
+        rng = _rng("mla-latent-forced")
+        T, H, n, r, dv, C, pos0 = 3, 5, 40, 24, 17, 33, 6
+        q = activations(rng, (T, H, n + r), mild=True)
+        cache = activations(rng, (pos0 + T + 1, C + r), mild=True)
+        w = bf16_bits(rng, (H * (n + dv), C), finite=True)
+        w = np.where(((w >> 7) & 0xFF) > 0x85, w & 0x807F | 0x3F00, w).astype(np.uint16)
+        backend.set_force_parallel(True)
+        try:
+            for threads in (1, 2, 3):
+                backend.set_threads(threads)
+                compare(backend, "mla_latent_attention", q, cache, w, pos0, 0.125,
+                        what=f"mla latent forced, {threads} threads")
+        finally:
+            backend.set_force_parallel(False)
+            backend.set_threads(1)
+
     @pytest.mark.parametrize("S", [1, 2, 9, 33])
     @pytest.mark.parametrize("T", [1, 3])
     @pytest.mark.parametrize("E", [1, 33, 4097])

@@ -20,7 +20,7 @@ from k3core.checkpoint.index import CheckpointIndex
 from k3core.model import names
 from k3core.model.config import ModelConfig, load_config
 from k3core.model.sizes import ModelSizes, sizes_from_index
-from k3core.run.memory_plan import MemoryPlan, MemoryRequest, plan_memory
+from k3core.run.memory_plan import MemoryPlan, MemoryRequest, kv_bytes, plan_memory
 from k3core.run.presets import Preset
 
 
@@ -59,7 +59,9 @@ class Budget:
             "expert_total_bytes": self.expert_total_bytes,
             "expert_bytes_per_token": self.sizes.expert_bytes_per_token,
             "other_bytes": self.other_bytes, "other_tensors": self.other_count,
+            "kv_bytes_per_position": kv_bytes(self.cfg, 1),
             "plans": [{"preset": n, "total_bytes": p.total if p else None,
+                       "kv_cache_bytes": p.kv_cache if p else None,
                        "available_bytes": p.available if p else None,
                        "fits": p.fits() if p else False, "note": note}
                       for n, p, note in self.plans],
@@ -88,6 +90,11 @@ class Budget:
         if self.other_count:
             out.append(f"not text model   : {human(self.other_bytes)} ({self.other_count} tensors, "
                        "never read)")
+        planned = next((plan for _, plan, _ in self.plans if plan is not None), None)
+        if planned is not None:
+            out.append(f"KV cache (latent): {human(planned.kv_cache)} for {planned.positions} "
+                       f"positions ({human(kv_bytes(self.cfg, 1))} a position; every decoding "
+                       "mode holds it, full recompute included)")
         if self.plans:
             out.append("memory each preset would plan:")
             out.append(f"  {'preset':<12}{'trunk':>10}{'cache':>10}{'total':>11}  fits?")

@@ -592,3 +592,26 @@ def test_situ_vector_and_scalar_paths_agree_on_every_exponent(ref):
             same(b.situ_glu(small, small[::-1].copy(), b1, b2), ref.situ_glu(small, small[::-1].copy(), b1, b2))
     finally:
         b._lib.k3_use_avx512(1)
+
+
+@pytest.mark.parametrize("C,n,r,dv", [(512, 128, 64, 128), (37, 9, 5, 3), (8, 1, 0, 1)])
+def test_mla_latent_avx512_and_avx2_paths_agree(ref, C, n, r, dv):
+    """The latent attention's AVX-512 lane updates and score dot against its AVX2 code and
+    the reference (bf16 and float32 kv_b, forced parallel at two threads)."""
+    from k3_backends.avx2_backend import Avx2Backend
+
+    rng = np.random.default_rng(C + n)
+    b = Avx2Backend(threads=2, force_parallel=True)
+    T, H, pos0 = 3, 2, 4
+    q = rand(rng, T * H, n + r).reshape(T, H, n + r)
+    cache = rand(rng, pos0 + T + 1, C + r)
+    ws = (bf16(rng, H * (n + dv), C) & np.uint16(0xBFFF), rand(rng, H * (n + dv), C))
+    has = b._lib.k3_use_avx512(1)
+    try:
+        for on in sorted({0, has}):
+            assert b._lib.k3_use_avx512(on) == on
+            for w in ws:
+                same(b.mla_latent_attention(q, cache, w, pos0, 0.07),
+                     ref.mla_latent_attention(q, cache, w, pos0, 0.07))
+    finally:
+        b._lib.k3_use_avx512(1)

@@ -152,6 +152,39 @@ def _mla_with(total: Callable[[np.ndarray], np.ndarray] = X.lsum,
     return mla_attention
 
 
+def _latent_with(q_sum: Callable[[np.ndarray], np.ndarray] = X.lsum,
+                 score_sum: Callable[[np.ndarray], np.ndarray] = X.lsum,
+                 mix: Callable[[np.ndarray], np.ndarray] = X.lsum,
+                 out_sum: Callable[[np.ndarray], np.ndarray] = X.lsum,
+                 total: Callable[[np.ndarray], np.ndarray] = X.lsum,
+                 restart_at_rope: bool = False) -> Callable[..., np.ndarray]:
+    """Absorbed MLA with one of its reductions done another way (every sum over the last axis)."""
+    def mla_latent_attention(q, cache, w_kvb, pos0, scale):  # type: ignore[no-untyped-def]
+        T, H, nr = q.shape
+        C = w_kvb.shape[1]
+        n = nr - (cache.shape[1] - C)
+        dv = w_kvb.shape[0] // H - n
+        w = X.bf16_to_f32(w_kvb) if w_kvb.dtype == np.uint16 else w_kvb
+        wd = d(w).reshape(H, n + dv, C)
+        out = np.empty((T, H, dv), dtype=np.float32)
+        for t in range(T):
+            N = pos0 + t + 1
+            rows = d(cache[:N])
+            q_lat = f32(q_sum(np.moveaxis(d(q[t, :, :n])[:, :, None] * wd[:, :n], 1, -1)))
+            qq = d(np.concatenate([q_lat, q[t, :, n:]], axis=-1))
+            if restart_at_rope:  # lanes start again at the rope dims
+                dot = X.lsum(qq[None, :, :C] * rows[:, None, :C]) + X.lsum(qq[None, :, C:] * rows[:, None, C:])
+            else:
+                dot = score_sum(qq[None] * rows[:, None, :])
+            score = f32(dot * scale)
+            e = X.exp_d(d(score) - d(np.max(score, axis=0, keepdims=True)))
+            p = f32(e / total(np.moveaxis(e, 0, -1))[None])
+            o_lat = f32(mix(np.moveaxis(d(p)[:, :, None] * rows[:, None, :C], 0, -1)))
+            out[t] = f32(out_sum(wd[:, n:] * d(o_lat)[:, None, :]))
+        return out
+    return mla_latent_attention
+
+
 def _attn_res_with(mix: Callable[[np.ndarray], np.ndarray] = X.lsum,
                    score_sum: Callable[[np.ndarray], np.ndarray] = X.lsum) -> Callable[..., np.ndarray]:
     ref = NumpyBackend()
@@ -238,6 +271,9 @@ for _how, _total in SUMS.items():
     MUTANTS[f"attn_res mixture {_how}"] = ("attn_res", {"attn_res": _attn_res_with(mix=_total)})
     MUTANTS[f"attn_res score {_how}"] = ("attn_res", {"attn_res": _attn_res_with(score_sum=_total)})
     MUTANTS[f"mla score {_how}"] = ("mla_attention", {"mla_attention": _mla_with(score_sum=_total)})
+    for _part in ("q_sum", "score_sum", "mix", "out_sum"):
+        MUTANTS[f"mla latent {_part} {_how}"] = (
+            "mla_latent_attention", {"mla_latent_attention": _latent_with(**{_part: _total})})
     MUTANTS[f"kda_recurrent output {_how}"] = (
         "kda_recurrent", {"kda_recurrent": _kda_recurrent_with(o_sum=_total)})
     MUTANTS[f"kda_recurrent state {_how}"] = (
@@ -246,6 +282,8 @@ for _how in ("np.sum", "sequential float64", "16 lanes"):
     MUTANTS[f"mla softmax denominator {_how}"] = (
         "mla_attention", {"mla_attention": _mla_with(total=SUMS[_how])})
     MUTANTS[f"router renorm {_how}"] = ("router", {"router": _router_with(SUMS[_how])})
+MUTANTS["mla latent score: lanes restart at the rope dims"] = (
+    "mla_latent_attention", {"mla_latent_attention": _latent_with(restart_at_rope=True)})
 MUTANTS["mla score nope and rope summed apart"] = (
     "mla_attention", {"mla_attention": _mla_with(split=True)})
 for _how in ("np.sum", "sequential float64", "16 lanes"):

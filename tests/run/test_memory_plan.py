@@ -10,7 +10,11 @@ from k3core.experts.setup import expert_slots
 from k3core.model.config import ModelConfig
 from k3core.model.shapes import size_config
 from k3core.model.sizes import EXPERT_BYTES, sizes_from_config, slot_bytes
-from k3core.model.state import kv_bytes_per_position, recurrent_bytes_per_layer
+from k3core.model.state import (
+    expanded_kv_bytes_per_position,
+    kv_bytes_per_position,
+    recurrent_bytes_per_layer,
+)
 from k3core.run.memory_plan import MemoryRequest, check_kv, kv_bytes, plan_memory
 
 GB = 1_000_000_000
@@ -55,7 +59,8 @@ def test_resident_ultra_and_full_recompute_rows():
     assert plan(streamed=False, trunk_bytes_resident=123).trunk == 123
     u = plan(ultra=True, incremental=False)
     assert u.rows()[1][0] == "embed + lm_head (STREAMED)" and u.tables < 100_000_000
-    assert u.recurrent == recurrent_bytes_per_layer(K3) and u.kv_cache == 0
+    assert u.recurrent == recurrent_bytes_per_layer(K3)
+    assert u.kv_cache == 14 * kv_bytes_per_position(K3)  # full recompute holds one too
     assert plan(ultra=True, incremental=True).recurrent == 69 * recurrent_bytes_per_layer(K3)
     ultra = plan(trunk_budget=int(2.5 * GB), cache_bytes=int(0.31 * GB), ultra=True,
                  incremental=False)
@@ -103,15 +108,30 @@ def _refusal(p):
     return str(exc.value)
 
 
+def test_the_latent_cache_is_43_times_smaller_than_expanded_heads():
+    per = kv_bytes_per_position(K3)
+    assert per == 4 * (512 + 64) * 24 == 55_296  # latent + rope key, float32, 24 MLA layers
+    assert expanded_kv_bytes_per_position(K3) == 2_365_440  # the reference's 2.37 MB/position
+    assert round(expanded_kv_bytes_per_position(K3) / per, 1) == 42.8
+
+
+@pytest.mark.parametrize("incremental", [True, False], ids=["incremental", "full"])
+def test_every_mode_plans_the_kv_cache(incremental):
+    for cfg in (K3, TINY):
+        p = plan(cfg, incremental=incremental, trunk_budget=GB)
+        assert p.kv_cache == kv_bytes(cfg, 5 + 8 + 1) == 14 * kv_bytes_per_position(cfg) > 0
+        assert ("KV cache", p.kv_cache) in p.rows()
+
+
 def test_kv_refusal_is_a_usage_error():
     per = kv_bytes_per_position(K3)
-    assert abs(per - 2_370_000) < 10_000  # the reference's 2.37 MB/position
     assert check_kv(K3, 4096, available=100 * GB) == 4096 * per
     with pytest.raises(UsageError) as exc:
-        check_kv(K3, 32_768, available=50 * GB)  # 77.7 GB > 45 GB
+        check_kv(K3, 1_000_000, available=50 * GB)  # 55.3 GB > 45 GB
     msg = str(exc.value)
     assert exc.value.exit_code == 2
-    assert "memory limit" in msg and "--full-recompute" in msg and "GB" in msg
+    assert "memory limit" in msg and "--full-recompute included" in msg and "GB" in msg
+    assert "0.06 MB/position" in msg
 
 
 def test_negative_request_is_refused():

@@ -133,7 +133,8 @@ def test_session_file_refusals(engine, model, tmp_path):
         fresh = engine.session()
         with pytest.raises(k3.StateFileError, match=needle) as exc:
             fresh.load(bad)
-        assert exc.value.exit_code == 1 and fresh.ids == [] and fresh.state is None
+        want = 2 if "version" in needle else 1  # another format version: input k3 does not read
+        assert exc.value.exit_code == want and fresh.ids == [] and fresh.state is None
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)
     with pytest.raises(k3.StateFileError, match="not a regular file"):

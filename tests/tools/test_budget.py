@@ -8,6 +8,7 @@ import pytest
 from k3_storage.plain import PlainStorage
 from typer.testing import CliRunner
 
+from k3core.api.units import human
 from k3core.checkpoint.index import CheckpointIndex
 from k3core.cli.app import app
 from k3core.model.config import ModelConfig
@@ -91,3 +92,19 @@ def test_env_model_dir_and_refusals(model, monkeypatch, tmp_path):
     assert runner.invoke(app, ["budget"]).exit_code == 2
     assert runner.invoke(app, ["budget", str(tmp_path / "nope")]).exit_code == 2
     assert runner.invoke(app, ["budget", str(model), "--gen", "-1"]).exit_code == 2
+
+
+@pytest.mark.parametrize("mode", ["--incremental", "--full-recompute"])
+def test_budget_reports_the_latent_kv_cache_in_every_mode(model, mode):
+    from k3core.model.config import load_config
+    from k3core.model.state import kv_bytes_per_position
+
+    per = kv_bytes_per_position(load_config(model))
+    res = runner.invoke(app, ["budget", str(model), mode, "--prompt-len", "20", "--gen", "9"])
+    assert res.exit_code == 0, res.output
+    assert f"KV cache (latent): {human(30 * per)} for 30 positions" in res.output
+    res = runner.invoke(app, ["budget", str(model), mode, "--prompt-len", "20", "--gen", "9",
+                              "--json"])
+    doc = json.loads(res.output)
+    assert doc["kv_bytes_per_position"] == per > 0
+    assert {p["kv_cache_bytes"] for p in doc["plans"]} == {30 * per}

@@ -207,13 +207,18 @@ def _matvec_mxfp4(rows: int, cols: int, what: str) -> Case:
 def default_cases() -> list[Case]:
     """The real Kimi K3 widths (docs/model.md §1): E 7168, P 12288, Lt 3584, I 3072."""
     H, D, E = 96, 128, 7168
-    mla_pos, n, r, dv = 1024, 128, 64, 128
+    mla_pos, n, r, dv, C = 1024, 128, 64, 128, 512
 
     def kda(rng: np.random.Generator) -> tuple[Any, ...]:
         q, k, v = (rng.standard_normal((1, H, D), dtype=np.float32) * 0.1 for _ in range(3))
         alpha = rng.uniform(0.9, 1.0, (1, H, D)).astype(np.float32)
         beta = rng.uniform(0.0, 1.0, (1, H)).astype(np.float32)
         return q, k, v, alpha, beta, rng.standard_normal((H, D, D), dtype=np.float32)
+
+    def latent(rng: np.random.Generator) -> tuple[Any, ...]:
+        q = rng.standard_normal((1, H, n + r), dtype=np.float32)
+        cache = rng.standard_normal((mla_pos, C + r), dtype=np.float32)
+        return q, cache, _bf16(rng, H * (n + dv), C)
 
     def mla(rng: np.random.Generator) -> tuple[Any, ...]:
         q = rng.standard_normal((1, H, n + r), dtype=np.float32)
@@ -248,6 +253,13 @@ def default_cases() -> list[Case]:
             mla,
             lambda b, a: b.mla_attention(a[0], a[1], a[2], a[3], mla_pos - 1, (n + r) ** -0.5),
             mla_pos * H * (n + dv) * 4 + mla_pos * r * 4,
+        ),
+        Case(
+            "mla_latent_attention",
+            f"{H} heads, {mla_pos} latent positions",
+            latent,
+            lambda b, a: b.mla_latent_attention(a[0], a[1], a[2], mla_pos - 1, (n + r) ** -0.5),
+            mla_pos * (C + r) * 4 + H * (n + dv) * C * 2,
         ),
         Case(
             "router",
