@@ -45,6 +45,8 @@ class Preset(BaseModel):
     cache_policy: str | None = Field(default=None, pattern=PLUGIN_PATTERN)
     threads: int | None = Field(default=None, ge=1, le=4096)
     incremental: bool | None = None
+    lookahead: str | None = Field(default=None, pattern=r"^(on|off|attn|out)$")
+    expert_readers: int | None = Field(default=None, ge=1, le=64)
 
     _origin: str = PrivateAttr(default="")
 
