@@ -52,7 +52,6 @@ from k3core.checkpoint.index import CheckpointIndex
 from k3core.experts.locator import ExpertLocator, ExpertRef
 from k3core.model import sizes
 
-
 #: the lookahead counters in ``stats.extra`` (docs/expert-cache.md, "Router lookahead")
 LOOKAHEAD_COUNTERS = ("lookahead_layers", "lookahead_guessed", "lookahead_resident",
                       "lookahead_reads", "lookahead_skipped", "lookahead_used",
