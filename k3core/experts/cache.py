@@ -368,6 +368,8 @@ class ExpertCache(ExpertSource):
         self._settle()
         experts = list(dict.fromkeys(int(e) for e in guess))
         self._guessed[layer] = set(experts)
+        if self.recorder is not None:
+            self.recorder.record_guess(layer, experts)  # type: ignore[attr-defined]
         x = self.stats.extra
         x["lookahead_layers"] += 1
         x["lookahead_guessed"] += len(experts)

@@ -24,7 +24,7 @@ from k3core.model.state import SequenceState
 LayerHook = Callable[[int, np.ndarray], None]
 
 #: what ``--lookahead on`` means: the approximation that measured best (docs/expert-cache.md)
-LOOKAHEAD_ON = "attn"
+LOOKAHEAD_ON = "out"
 LOOKAHEAD_MODES = ("off", "attn", "out")
 
 
