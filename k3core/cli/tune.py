@@ -33,7 +33,8 @@ def tune(
 ) -> None:
     """Time a short decode per candidate setting; write the fastest with the reference's ids."""
     from k3core.run.prompt import parse_ids
-    from k3core.tools.tune import DEFAULT_IDS, TuneOptions, tune as run_tune
+    from k3core.tools.tune import DEFAULT_IDS, TuneOptions
+    from k3core.tools.tune import tune as run_tune
 
     if not 2 <= gen <= 64:
         raise UsageError(f"--gen must be in 2..64, got {gen}")
