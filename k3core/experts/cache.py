@@ -21,7 +21,8 @@ Mechanics (the policy plugin only decides *what stays resident*):
   router to an approximation of its input) and reads the guessed experts that are not
   resident at low priority: after every real read already queued, into a free slot or a
   slot the policy gives up among keys that are neither in use (the visit being served,
-  another guess still reading) nor due this step (a layer later than the one being served).
+  another guess still reading) nor due this step (a layer later than the one being served),
+  and at most half the slots hold guesses not yet requested (the real requests keep room).
   When the real request of that layer arrives, a guessed read it wants is adopted (waited
   for like its own read), one it does not want is cancelled if it has not started (its slot
   goes back EMPTY), else it completes and stays as an ordinary resident expert. A guess
@@ -206,7 +207,8 @@ class ExpertCache(ExpertSource):
             key, e = v.keys[v.pos], v.experts[v.pos]
             v.pos += 1
             if key in batch:
-                self.policy.on_hit(key)
+                if batch[key].slot is not None:  # a transient one is not resident
+                    self.policy.on_hit(key)
                 self.stats.extra["reuse"] += 1
                 continue
             slot = self.slot_of.get(key)
@@ -378,6 +380,9 @@ class ExpertCache(ExpertSource):
             key = make_key(layer, e)
             if key in self.slot_of:
                 x["lookahead_resident"] += 1
+                continue
+            if len(self._guesses) >= self.capacity // 2:  # leave the real requests room
+                x["lookahead_skipped"] += 1
                 continue
             ref = self.locator.ref(layer, e)
             if ref.nbytes > self.slot_bytes:

@@ -52,7 +52,7 @@ class EngineOptions:
     ultra_low_memory: bool = False
     verify_trunk: bool = False
     cache: CacheOptions = field(default_factory=CacheOptions)
-    lookahead: str = "on"  # router lookahead: on, off, attn, out (docs/expert-cache.md)
+    lookahead: str = "off"  # router lookahead: off, on, attn, out (docs/expert-cache.md)
 
 
 @dataclass

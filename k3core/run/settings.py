@@ -60,7 +60,7 @@ class Settings(BaseModel):
     cache_policy: str | None = None  # None: the engine's default policy
     threads: int | None = Field(default=None, ge=1, le=4096)
     incremental: bool = True  # incremental decoding; --full-recompute opts out
-    lookahead: str = Field(default="on", pattern=LOOKAHEAD_PATTERN)  # router lookahead
+    lookahead: str = Field(default="off", pattern=LOOKAHEAD_PATTERN)  # router lookahead
     expert_readers: int = Field(default=4, ge=1, le=64)  # expert-cache reader threads
 
 
