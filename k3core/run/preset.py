@@ -57,6 +57,12 @@ class Preset(BaseModel):
             raise ValueError("must be a finite number")
         return v
 
+    @field_validator("lookahead", mode="before")
+    @classmethod
+    def _onoff(cls, v: object) -> object:
+        # YAML 1.1 reads a bare on/off as a boolean: take it as the word it was
+        return ("on" if v else "off") if isinstance(v, bool) else v
+
     @field_validator("description", "notes")
     @classmethod
     def _printable(cls, v: str) -> str:
