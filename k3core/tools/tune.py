@@ -199,7 +199,8 @@ def tune(o: TuneOptions, progress: Callable[[str], None] | None = None) -> TuneR
         scored: list[tuple[float, Any]] = []
         for v in values:
             setting = {**best, knob.key: v}
-            sig = tuple(sorted(setting.items()))
+            # a value equal to the engine's default is the same run as leaving it out
+            sig = tuple(sorted((k, x) for k, x in setting.items() if DEFAULTS.get(k) != x))
             t = done.get(sig)
             if t is None:
                 say("trying " + " ".join(f"{k}={x}" for k, x in setting.items()))
