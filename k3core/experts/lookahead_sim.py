@@ -7,12 +7,13 @@ the guessed experts that are not resident the way the engine's cache does
 (:class:`k3core.experts.cache.ExpertCache`): into a free slot, else a victim the policy
 chooses among keys that are not protected (the visit just served, other guesses not yet
 requested, and every key of the guessed layer or a later one: due this step); a guess that
-finds no such slot is skipped. When the guessed layer's visit comes, a guessed expert it
+finds no such slot, or would make guesses not yet requested hold more than half the slots,
+is skipped. When the guessed layer's visit comes, a guessed expert it
 requests is *used* (served without a read on the request's path), the others are *wasted*.
 
 The replay has no clock: every guessed read is taken to complete in time, and none is
-cancelled (the engine cancels an unwanted read that has not started), so ``wasted`` is an
-upper bound and ``demand reads`` a lower bound of what the engine sees. *Recall* depends only
+cancelled (the engine cancels an unwanted read that has not started), and the visit before
+a guess is protected whichever mode made it: it approximates what the engine sees. *Recall* depends only
 on the guesses: the share of each guessed visit's distinct experts that were guessed.
 """
 
@@ -114,7 +115,7 @@ def replay_lookahead(policy: CachePolicy, view: TraceView, capacity: int, topk: 
             k = (layer << KEY_SHIFT) | e
             if k in resident:
                 continue
-            if place(k, keep):
+            if len(pending) < capacity // 2 and place(k, keep):
                 keep.add(k)
                 pending[k] = layer
                 out.guess_reads += 1
