@@ -124,3 +124,14 @@ def test_the_candidate_table() -> None:
     assert [k.key for k in KNOBS][:1] == ["backend"]
     assert {"threads", "expert_readers", "lookahead"} <= {k.key for k in KNOBS}
     assert thread_counts(1) == [1] and thread_counts(6) == [1, 2, 4, 6] and thread_counts(8) == [1, 2, 4, 8]
+
+
+def test_a_preset_carries_lookahead_and_expert_readers() -> None:
+    from k3core.run.presets import PresetError, parse_preset
+
+    base = "name: a\ntrunk_gb: 1\ncache_gb: 1\n"
+    assert parse_preset(base + "lookahead: off\n").lookahead == "off"  # YAML's bare off
+    assert parse_preset(base + "lookahead: on\nexpert_readers: 2\n").expert_readers == 2
+    for bad in ("lookahead: maybe\n", "expert_readers: 0\n", "expert_readers: 65\n"):
+        with pytest.raises(PresetError):
+            parse_preset(base + bad)
