@@ -76,6 +76,7 @@ class Model:
         T = ids.shape[0]
         state.check_room(T)
         self.layers_completed = 0
+        self._guess = None  # a guess a failed pass left is never submitted
         self.experts.begin_step()
         h = self.tables.embed(ids)
         blocks: list[np.ndarray] = []
