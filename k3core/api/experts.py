@@ -75,6 +75,10 @@ class ExpertSource(ABC):
         for e, w in zip(distinct, self.get_many(layer, distinct), strict=True):
             use(e, w)
 
+    def lookahead(self, layer: int, guess: Sequence[int]) -> None:  # noqa: B027
+        """A guess of ``layer``'s experts (not a request): a source may start reading them
+        at low priority (optional; nothing may depend on it)."""
+
     def begin_step(self) -> None:  # noqa: B027
         """Called at the start of every generation step."""
 

@@ -39,6 +39,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("bench", "Measurements next to their yardsticks: kernels, io, ladder."),
     "sim-cache": ("sim_cache", "Replay an expert trace under every cache policy and Belady."),
     "perplexity": ("perplexity", "Mean cross-entropy and perplexity of a text file, in windows."),
+    "tune": ("tune", "Pick the fastest settings that keep the ids; write them as a preset."),
 }
 
 

@@ -5,7 +5,9 @@ engine's). Sizes come as ``--slots`` or ``--cache-gb`` (decimal GB, converted wi
 expert's byte size like the reference's ``sim_cache.py``); the defaults are the reference's
 twelve budgets. ``--model DIR`` takes top-k, the layer and expert counts and the expert size
 from that model, so a trace k3 recorded from a synthetic model is replayed with its own
-shape. See ``docs/expert-cache.md``.
+shape. A trace recorded with the router lookahead has its guesses beside it
+(``expert_guess.bin``, or ``--guesses FILE``): the lookahead is replayed too (recall, demand
+reads, wasted bytes). See ``docs/expert-cache.md``.
 """
 
 from __future__ import annotations
@@ -61,6 +63,18 @@ def model_shape(model_dir: Path) -> dict[str, int]:
             "n_experts": cfg.n_experts, "expert_bytes": nbytes}
 
 
+def read_guess_file(trace: Path, given: Path | None, requests: int,
+                    shape: dict[str, int] | None) -> np.ndarray | None:
+    """The lookahead's guesses: ``--guesses``, else ``expert_guess.bin`` beside the trace."""
+    from k3core.experts.guess_trace import GUESS_NAME, read_guesses
+
+    path = given if given is not None else trace.parent / GUESS_NAME
+    if given is None and not path.is_file():
+        return None
+    return read_guesses(path, requests, n_layers=shape["max_layer"] if shape else None,
+                        n_experts=shape["n_experts"] if shape else None)
+
+
 def check_visits(pairs: np.ndarray, topk: int) -> None:
     """Every layer visit of the trace must be whole positions of ``topk`` requests."""
     from k3core.experts.simulator import TraceView
@@ -100,6 +114,8 @@ def sim_cache(
     policy: list[str] = typer.Option([], "--policy", help="Replay only this policy (repeatable; default: every registered one)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object (hit rates as fractions 0..1)."),
     plot: Path = typer.Option(None, "--plot", help="Also write hit rate versus slots as a PNG."),
+    guesses: Path = typer.Option(None, "--guesses", help="The router lookahead's expert_guess.bin (default: beside TRACE when there)."),
+    no_lookahead: bool = typer.Option(False, "--no-lookahead", help="Ignore the lookahead's guesses."),
 ) -> None:
     """Replay TRACE under every cache policy and Belady: hit rate and bytes read per token."""
     from k3core.experts.simulator import EXPERT_BYTES, MODEL_TOPK, simulate
@@ -124,6 +140,7 @@ def sim_cache(
     if shape is not None:
         check_hist(trace, shape["max_layer"] + 1, shape["n_experts"])
     check_visits(pairs, k)
+    guess_rows = None if no_lookahead else read_guess_file(trace, guesses, len(pairs), shape)
     moe_layers = shape["n_layers"] if shape else len(np.unique(pairs[:, 0]))
     sizes = slot_list if slot_list is not None else None
     if sizes is not None and all(s < k + 1 for s in sizes):
@@ -144,10 +161,20 @@ def sim_cache(
                          f"{nbytes:,}-byte experts")
     if plot is not None:
         result.plot(plot)
+    la_text, la_json = "", None
+    if guess_rows is not None:
+        from k3core.experts.lookahead_sim import lookahead_for
+
+        la_text, la_json = lookahead_for(result, pairs, guess_rows, policy or None, k)
     if as_json:
-        print(json.dumps(result.to_json(), indent=2, allow_nan=False))
+        doc = result.to_json()
+        if la_json is not None:
+            doc["lookahead"] = la_json
+        print(json.dumps(doc, indent=2, allow_nan=False))
         return
     print(result.to_text())
+    if la_text:
+        print(la_text)
     if result.skipped_slots:
         print(f"skipped sizes under top-k + 1 = {k + 1} slots: {', '.join(map(str, result.skipped_slots))}")
     if plot is not None:

@@ -13,8 +13,12 @@ Format (the reference engine's, so traces move between engines; docs/engine-beha
     ``{"n_layers": L, "n_experts": E, "counts": {"layer,expert": count, ...}}``: the request
     count of every expert over the whole run, zero entries omitted.
 
-Both files are written to temporary names in the target directory and renamed only when
-both are complete, so a reader never sees half a trace (and a full disk leaves neither). Reading refuses, with one line and exit 2
+``expert_guess.bin``
+    Only when the run made router-lookahead guesses: the guesses, a versioned sidecar
+    (:mod:`k3core.experts.guess_trace`); the two files above keep the reference's format.
+
+The files are written to temporary names in the target directory and renamed only when
+all are complete, so a reader never sees half a trace (and a full disk leaves none). Reading refuses, with one line and exit 2
 (:class:`TraceError`), anything that is not a plausible trace: a missing or empty file, an
 odd number of int32 values, negative or out-of-range layers or experts, or a file larger
 than :data:`MAX_TRACE_BYTES`.
@@ -34,6 +38,7 @@ import numpy as np
 from k3core.api.cache_policy import KEY_SHIFT
 from k3core.api.errors import OutputError, UsageError
 from k3core.api.filemode import give_new_file_mode
+from k3core.experts.guess_trace import GUESS_NAME, guess_bytes
 
 TRACE_NAME = "expert_trace.bin"
 HIST_NAME = "expert_hist.json"
@@ -171,8 +176,14 @@ def write_trace(
     *,
     n_layers: int | None = None,
     n_experts: int | None = None,
+    guesses: np.ndarray | None = None,
 ) -> tuple[Path, Path]:
     """Write ``expert_trace.bin`` and ``expert_hist.json`` into an existing ``directory``.
+
+    With ``guesses`` (``(M, 3)`` ``(at, layer, expert)`` rows of the router lookahead) the
+    sidecar ``expert_guess.bin`` (:mod:`k3core.experts.guess_trace`) is written with them;
+    without, a sidecar left there by an earlier trace is removed (it would describe another
+    trace).
 
     ``pairs`` is an ``(N, 2)`` array-like of ``(layer, expert)`` in request order; ``hist``
     the per-expert request counts (computed from ``pairs`` when omitted; the engine passes
@@ -195,15 +206,23 @@ def write_trace(
         "n_experts": ne,
         "counts": {f"{layer},{expert}": int(n) for (layer, expert), n in sorted(hist.items()) if n},
     }
-    trace_path, hist_path = d / TRACE_NAME, d / HIST_NAME
+    trace_path, hist_path, guess_path = d / TRACE_NAME, d / HIST_NAME, d / GUESS_NAME
     hist_bytes = (json.dumps(doc, separators=(",", ":")) + "\n").encode()
     staged: list[str] = []
+    finals = [trace_path, hist_path]
     target = trace_path
-    try:  # both files complete under temporary names first: a full disk leaves neither
+    try:  # every file complete under temporary names first: a full disk leaves none
         staged.append(_stage(trace_path, arr.astype(_DTYPE).tobytes()))
         target = hist_path
         staged.append(_stage(hist_path, hist_bytes))
-        for tmp, final in zip(list(staged), (trace_path, hist_path), strict=True):
+        if guesses is not None:
+            target = guess_path
+            staged.append(_stage(guess_path, guess_bytes(guesses, arr.shape[0])))
+            finals.append(guess_path)
+        elif guess_path.is_file():
+            target = guess_path
+            guess_path.unlink()
+        for tmp, final in zip(list(staged), finals, strict=True):
             target = final
             os.replace(tmp, final)
             staged.remove(tmp)
@@ -252,6 +271,7 @@ class TraceRecorder:
         self._buf = np.empty((self._CHUNK, 2), dtype=np.int32)
         self._fill = 0
         self.counts = np.zeros((self.n_layers + 1, self.n_experts), dtype=np.int64)
+        self.guesses: list[tuple[int, int, int]] = []  # (at, layer, expert): the lookahead's
 
     def __len__(self) -> int:
         return len(self._chunks) * self._CHUNK + self._fill
@@ -269,6 +289,11 @@ class TraceRecorder:
         for e in experts:
             self.record(layer, int(e))
 
+    def record_guess(self, layer: int, experts: Iterable[int]) -> None:
+        """A lookahead guess of ``layer``'s experts, made before the next request."""
+        at = len(self)
+        self.guesses.extend((at, int(layer), int(e)) for e in experts)
+
     def pairs(self) -> np.ndarray:
         """All recorded requests so far as an ``(N, 2)`` int32 array."""
         return np.concatenate([*self._chunks, self._buf[: self._fill]], axis=0)
@@ -282,6 +307,8 @@ class TraceRecorder:
 
     def write(self, directory: str | os.PathLike[str]) -> tuple[Path, Path]:
         """Write ``expert_trace.bin`` and ``expert_hist.json`` into ``directory``."""
+        guesses = np.array(self.guesses, dtype=np.int64).reshape(-1, 3) if self.guesses else None
         return write_trace(
-            directory, self.pairs(), self.hist(), n_layers=self.n_layers, n_experts=self.n_experts
+            directory, self.pairs(), self.hist(), n_layers=self.n_layers, n_experts=self.n_experts,
+            guesses=guesses,
         )

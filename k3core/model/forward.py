@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from k3core.api.errors import K3Error
+from k3core.api.errors import K3Error, UsageError
 from k3core.api.experts import ExpertExecutor, ExpertSource, ExpertWeights
 from k3core.api.kernels import F32, U16, KernelBackend, Mxfp4
 from k3core.model.config import ModelConfig
@@ -22,6 +22,18 @@ from k3core.model.sources import ModelTables, TrunkSource
 from k3core.model.state import SequenceState
 
 LayerHook = Callable[[int, np.ndarray], None]
+
+#: what ``--lookahead on`` means: the approximation that measured best (docs/expert-cache.md)
+LOOKAHEAD_ON = "out"
+LOOKAHEAD_MODES = ("off", "attn", "out")
+
+
+def lookahead_mode(value: str) -> str:
+    """``on`` -> :data:`LOOKAHEAD_ON`; ``off``, ``attn``, ``out`` as given; else refused."""
+    mode = LOOKAHEAD_ON if value == "on" else value
+    if mode not in LOOKAHEAD_MODES:
+        raise UsageError(f"--lookahead must be on, off, attn or out, got {value!r}")
+    return mode
 
 
 class Model:
@@ -50,6 +62,12 @@ class Model:
         self.shared_kda_slot = False
         #: routed experts computed elsewhere (k3core.cluster); None computes them here
         self.executor: ExpertExecutor | None = None
+        #: router lookahead (docs/expert-cache.md): "off", "attn" (guess layer L+1's experts
+        #: from layer L's MLP input) or "out" (from layer L's output); never changes the bits
+        self.lookahead = "off"
+        #: guesses not made because layer L+1's trunk was not resident or read yet
+        self.lookahead_unready = 0
+        self._guess: tuple[int, list[int]] | None = None
 
     # ---- top level ------------------------------------------------------------------------
     def forward(self, ids: np.ndarray, state: SequenceState, all_logits: bool = False) -> np.ndarray:
@@ -58,6 +76,7 @@ class Model:
         T = ids.shape[0]
         state.check_room(T)
         self.layers_completed = 0
+        self._guess = None  # a guess a failed pass left is never submitted
         self.experts.begin_step()
         h = self.tables.embed(ids)
         blocks: list[np.ndarray] = []
@@ -91,9 +110,42 @@ class Model:
         a = self.mla(p, xn, st) if p.mla else self.kda(p, xn, st)
         pref = a if pref is None else pref + a
         x_m = self.k.attn_res(np.stack(blocks + [pref]), p["fold_mlp"], eps)
+        if self.lookahead == "attn":
+            self._guess = self.guess(p.layer + 1, x_m, [])
         xn = self.k.rmsnorm(x_m, p["post_attention_layernorm.weight"], eps)
         m = self.dense_mlp(p, xn) if p.dense else self.moe(p, xn)
-        return pref + m
+        self._submit_guess()  # a dense layer's (the MoE submits right after its own reads)
+        out = pref + m
+        if self.lookahead == "out":
+            self._guess = self.guess(p.layer + 1, out, blocks)
+            self._submit_guess()
+        return out
+
+    # ---- router lookahead (docs/expert-cache.md, "Router lookahead") ----------------------------
+    def guess(self, layer: int, x: np.ndarray, blocks: list[np.ndarray]) -> tuple[int, list[int]] | None:
+        """Layer ``layer``'s router applied to ``x``, an approximation of its MLP input: its
+        top-k ids, or ``None`` (a dense or missing layer, or its trunk not resident/read yet).
+        With ``blocks`` the approximation first takes ``layer``'s MLP attention residual of
+        ``blocks + [x]``. Only reads are started from a guess; the real router decides."""
+        if self.executor is not None or layer >= self.n_layers or self.cfg.is_dense(layer):
+            return None
+        q = self.trunk.peek(layer)
+        if q is None:
+            self.lookahead_unready += 1
+            return None
+        c, k, pre = self.cfg, self.k, "block_sparse_moe."
+        if blocks:
+            x = k.attn_res(np.stack(blocks + [x]), q["fold_mlp"], c.rms_eps)
+        xn = k.rmsnorm(x, q["post_attention_layernorm.weight"], c.rms_eps)
+        logits = k.matmul(q[pre + "gate.weight"], xn)
+        idx, _ = k.router(logits, q[pre + "gate.e_score_correction_bias"], c.topk, c.moe_renorm,
+                          c.routed_scale)
+        return layer, [int(e) for e in idx.reshape(-1)]
+
+    def _submit_guess(self) -> None:
+        g, self._guess = self._guess, None
+        if g is not None:
+            self.experts.lookahead(*g)
 
     # ---- KDA (docs/model.md §5.4) ---------------------------------------------------------------
     def kda(self, p: LayerParams, x: np.ndarray, st: SequenceState) -> np.ndarray:
@@ -157,6 +209,7 @@ class Model:
         remote = self.executor.submit(p.layer, idx, z) if self.executor is not None else None
         if remote is None:
             self.experts.prefetch(p.layer, requests)
+            self._submit_guess()  # queued behind this layer's own reads
         shared = None
         if c.n_shared > 0:
             shared = self.situ_mlp(

@@ -39,6 +39,12 @@ class TrunkSource(ABC):
     def release(self, layer: int) -> None:  # noqa: B027 - resident sources keep everything
         """The caller is done with ``layer`` (its slot may be reused)."""
 
+    def peek(self, layer: int) -> LayerParams | None:
+        """``layer`` if it is resident or already read, without waiting or holding it
+        (``None`` otherwise). Valid only until the next ``acquire``: the router lookahead
+        reads a later layer's gate with it while the current layer is held."""
+        return None
+
     def close(self) -> None:  # noqa: B027
         """Stop reader threads and free buffers."""
 
@@ -62,6 +68,9 @@ class ResidentTrunk(TrunkSource):
 
     def acquire(self, layer: int) -> LayerParams:
         return self.layers[layer]
+
+    def peek(self, layer: int) -> LayerParams | None:
+        return self.layers[layer] if 0 <= layer < len(self.layers) else None
 
 
 def _present(cfg: ModelConfig, reader: TensorReader, layer: int) -> list[str]:

@@ -23,7 +23,7 @@ from k3core.checkpoint.bounds import check_bind_shapes
 from k3core.checkpoint.index import CheckpointIndex
 from k3core.experts.setup import CacheOptions, build_expert_cache
 from k3core.model.config import ModelConfig, load_config
-from k3core.model.forward import Model
+from k3core.model.forward import Model, lookahead_mode
 from k3core.model.sources import ModelTables, ResidentTrunk, TrunkSource, expert_from_reader
 from k3core.plugins.registry import get_registry
 from k3core.run.model_dir import config_path
@@ -52,6 +52,7 @@ class EngineOptions:
     ultra_low_memory: bool = False
     verify_trunk: bool = False
     cache: CacheOptions = field(default_factory=CacheOptions)
+    lookahead: str = "off"  # router lookahead: off, on, attn, out (docs/expert-cache.md)
 
 
 @dataclass
@@ -164,6 +165,7 @@ def bind(
     experts: ExpertSource = cache or InMemoryExperts(lambda L, e: expert_from_reader(cfg, index, L, e))
     model = Model(cfg, kernels, trunk, tables, experts, n_layers=n_layers)
     model.shared_kda_slot = opts.ultra_low_memory
+    model.lookahead = lookahead_mode(opts.lookahead)
     names = {"kernel": kname, "storage": sname, "cache": pname,
              "trunk": "streamed" if opts.trunk_dir is not None else "resident"}
     return cls(cfg, model, index, kernels, storage, experts, names, notes, timings, trunk_lines)

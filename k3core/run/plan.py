@@ -85,12 +85,13 @@ class EnginePlan:
     def options(self, trace_dir: Path | None = None) -> EngineOptions:
         s, r = self.merged.settings, self.request
         cache = CacheOptions(
-            cache_gb=s.cache_gb, trace_dir=trace_dir,
+            cache_gb=s.cache_gb, trace_dir=trace_dir, readers=s.expert_readers,
             policy_options={"trace": str(r.cache_trace)} if r.cache_trace is not None else {})
         return EngineOptions(
             self.model_dir, r.config, r.layers, s.backend, self.storage, s.cache_policy or "auto",
             s.threads, trunk_dir=r.trunk, trunk_gb=self.trunk_gb, ring=r.trunk_ring,
-            ultra_low_memory=bool(s.ultra_low_memory), verify_trunk=r.verify_trunk, cache=cache)
+            ultra_low_memory=bool(s.ultra_low_memory), verify_trunk=r.verify_trunk, cache=cache,
+            lookahead=s.lookahead)
 
     def lines(self, verbose: bool = False) -> list[str]:
         """The report's plan block: model, preset, settings and their sources, memory."""

@@ -45,6 +45,8 @@ class Preset(BaseModel):
     cache_policy: str | None = Field(default=None, pattern=PLUGIN_PATTERN)
     threads: int | None = Field(default=None, ge=1, le=4096)
     incremental: bool | None = None
+    lookahead: str | None = Field(default=None, pattern=r"^(on|off|attn|out)$")
+    expert_readers: int | None = Field(default=None, ge=1, le=64)
 
     _origin: str = PrivateAttr(default="")
 
@@ -54,6 +56,12 @@ class Preset(BaseModel):
         if v is not None and not math.isfinite(v):
             raise ValueError("must be a finite number")
         return v
+
+    @field_validator("lookahead", mode="before")
+    @classmethod
+    def _onoff(cls, v: object) -> object:
+        # YAML 1.1 reads a bare on/off as a boolean: take it as the word it was
+        return ("on" if v else "off") if isinstance(v, bool) else v
 
     @field_validator("description", "notes")
     @classmethod

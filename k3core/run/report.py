@@ -173,6 +173,9 @@ class RunReport:
         if cache is not None:
             self.table("expert cache (whole run)", cache_summary(
                 stats, cache.capacity, cache.stride, engine.names["cache"], cache.policy.describe()))
+            if model.lookahead != "off":
+                self.table("router lookahead", lookahead_summary(stats, model.lookahead,
+                                                                 model.lookahead_unready))
         for line in report_lines(model.trunk, model.tables):
             self.line(line)
         trunk_read = report_json(model.trunk, model.tables).get("trunk_read_seconds", 0.0)
@@ -214,6 +217,7 @@ def run_record(engine: Bound, gen: Generation) -> dict[str, Any]:
                                              "top_k": s.top_k, "seed": s.seed},
         "stopped_at": gen.stopped_at,
         **cache_json(stats),
+        **lookahead_json(stats, model.lookahead, model.lookahead_unready),
         **report_json(model.trunk, model.tables),
         **step_log,
     }
@@ -248,3 +252,39 @@ def cache_json(stats: ExpertStats) -> dict[str, Any]:
         "expert_exposed_wait_seconds": stats.exposed_wait_seconds,
         "expert_drops": stats.drops,
     }
+
+
+def lookahead_json(stats: ExpertStats, mode: str, unready: int) -> dict[str, Any]:
+    """The router lookahead's figures (docs/expert-cache.md, "Router lookahead")."""
+    x = stats.extra
+    real = int(x.get("lookahead_real", 0))
+    recalled = int(x.get("lookahead_recalled", 0))
+    return {
+        "lookahead": mode,
+        "lookahead_recall": recalled / real if real else None,
+        "lookahead_guessed_layers": int(x.get("lookahead_layers", 0)),
+        "lookahead_unready_layers": unready,
+        "lookahead_reads": int(x.get("lookahead_reads", 0)),
+        "lookahead_used_reads": int(x.get("lookahead_used", 0)),
+        "lookahead_cancelled_reads": int(x.get("lookahead_cancelled", 0)),
+        "lookahead_skipped": int(x.get("lookahead_skipped", 0)),
+        "lookahead_bytes_read": int(x.get("lookahead_bytes", 0)),
+        "lookahead_wasted_bytes": int(x.get("lookahead_wasted_bytes", 0)),
+    }
+
+
+def lookahead_summary(stats: ExpertStats, mode: str, unready: int) -> list[tuple[str, str]]:
+    j = lookahead_json(stats, mode, unready)
+    recall = j["lookahead_recall"]
+    return [
+        ("mode", f"{mode} (guesses only start reads; the real router decides)"),
+        ("recall", "n/a" if recall is None else
+         f"{100 * recall:.1f}% of the real experts of {j['lookahead_guessed_layers']} guessed "
+         f"layer visits were guessed ({unready} not guessed: trunk not read yet)"),
+        ("guessed reads", f"{j['lookahead_reads']}: {j['lookahead_used_reads']} used, "
+         f"{j['lookahead_cancelled_reads']} cancelled unstarted, {j['lookahead_skipped']} "
+         "skipped (no slot a guess may take)"),
+        ("read", f"{human(j['lookahead_bytes_read'])}; wasted {human(j['lookahead_wasted_bytes'])} "
+         "(read for a guess the real router did not make)"),
+        ("exposed wait", f"{stats.exposed_wait_seconds:.2f} s (the expert cache's, whole run)"),
+    ]

@@ -134,6 +134,8 @@ class EngineRequest(_Strict):
     cache_trace: Path | None = None
     threads: int | None = None
     incremental: bool | None = None
+    lookahead: str | None = None
+    expert_readers: int | None = None
     verify_trunk: bool = False
 
     @model_validator(mode="after")
@@ -154,7 +156,8 @@ class EngineRequest(_Strict):
                 "cache_gb": self.cache_gb, "ultra_low_memory": self.ultra_low_memory,
                 "backend": self.backend, "storage": self.storage,
                 "cache_policy": self.cache_policy, "threads": self.threads,
-                "incremental": self.incremental}
+                "incremental": self.incremental, "lookahead": self.lookahead,
+                "expert_readers": self.expert_readers}
 
 
 class OutputRequest(_Strict):

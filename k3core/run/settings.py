@@ -39,7 +39,9 @@ ENV_VARS: tuple[tuple[str, str], ...] = (
 )
 #: preset keys that are settings (the rest, like notes, describe the preset)
 PRESET_KEYS = ("trunk_gb", "cache_gb", "ultra_low_memory", "backend", "storage",
-               "cache_policy", "threads", "incremental")
+               "cache_policy", "threads", "incremental", "lookahead", "expert_readers")
+#: ``--lookahead`` values: ``on`` is :data:`LOOKAHEAD_ON` (docs/expert-cache.md)
+LOOKAHEAD_PATTERN = r"^(on|off|attn|out)$"
 
 
 class Settings(BaseModel):
@@ -58,6 +60,8 @@ class Settings(BaseModel):
     cache_policy: str | None = None  # None: the engine's default policy
     threads: int | None = Field(default=None, ge=1, le=4096)
     incremental: bool = True  # incremental decoding; --full-recompute opts out
+    lookahead: str = Field(default="off", pattern=LOOKAHEAD_PATTERN)  # router lookahead
+    expert_readers: int = Field(default=4, ge=1, le=64)  # expert-cache reader threads
 
 
 DEFAULTS: dict[str, Any] = Settings().model_dump()

@@ -261,6 +261,21 @@ class StreamedTrunk(TrunkSource):
             self._held.pop(layer, None)
             self._cond.notify_all()
 
+    def peek(self, layer: int) -> LayerParams | None:
+        """A pinned layer, or a streamed one whose slot is already READY (never waits).
+
+        While the caller holds the layer before it, the reader keeps that slot: it is one of
+        the layers the ring wants next."""
+        pinned = self._pinned.get(layer)
+        if pinned is not None:
+            return pinned
+        with self._cond:
+            slot = self._slot_of(layer) if layer in self._pos else None
+            if slot is None or slot.state != READY:
+                return None
+            buf = slot.buf
+        return self._bind(layer, buf)
+
     def close(self) -> None:
         self._stop.set()
         with self._cond:

@@ -1,0 +1,62 @@
+"""``k3 tune MODEL_DIR [--trunk DIR]``: pick threads, backend, expert readers and the router
+lookahead on this machine, keep only settings whose ids match ``--backend numpy``, and write
+the winner as a user preset (``k3core.tools.tune``, docs/presets.md)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import typer
+
+from k3core.api.errors import UsageError
+from k3core.cli.guard import guarded
+
+
+@guarded
+def tune(
+    model_dir: Path = typer.Argument(..., help="Directory with the safetensors shards."),
+    trunk: Path = typer.Option(None, "--trunk", help="Stream the trunk from this packed directory (k3 pack-trunk)."),
+    trunk_gb: float = typer.Option(None, "--trunk-gb", help="Trunk budget in GB (1e9 B), kept in the preset."),
+    cache_gb: float = typer.Option(None, "--cache-gb", help="Routed-expert cache budget in GB, kept in the preset."),
+    storage: str = typer.Option(None, "--storage", help="Storage backend (kept in the preset)."),
+    backend: list[str] = typer.Option([], "--backend", help="A kernel backend to try (repeatable; default: every available one)."),
+    threads: list[int] = typer.Option([], "--threads", help="A thread count to try (repeatable; default 1, 2, 4, ... up to the CPU count)."),
+    expert_readers: list[int] = typer.Option([], "--expert-readers", help="An expert reader count to try (repeatable; default 1, 2, 4, 8)."),
+    lookahead: list[str] = typer.Option([], "--lookahead", help="A router lookahead to try (repeatable; default off, on)."),
+    name: str = typer.Option("tuned", "--name", help="The preset to write (a user preset: k3 presets show NAME)."),
+    ids: str = typer.Option(None, "--ids", help="Prompt token ids for every timed run (default 3,7,11,5,9)."),
+    gen: int = typer.Option(6, "--gen", help="Tokens each run decodes (2..64; the first step also prefills)."),
+    force: bool = typer.Option(False, "--force", help="Replace a preset of that name."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+) -> None:
+    """Time a short decode per candidate setting; write the fastest with the reference's ids."""
+    from k3core.run.prompt import parse_ids
+    from k3core.tools.tune import DEFAULT_IDS, TuneOptions
+    from k3core.tools.tune import tune as run_tune
+
+    if not 2 <= gen <= 64:
+        raise UsageError(f"--gen must be in 2..64, got {gen}")
+    if any(t < 1 for t in threads):
+        raise UsageError("--threads must be >= 1")
+    if any(not 1 <= r <= 64 for r in expert_readers):
+        raise UsageError("--expert-readers must be in 1..64")
+    bad = [v for v in lookahead if v not in ("on", "off", "attn", "out")]
+    if bad:
+        raise UsageError(f"--lookahead must be on, off, attn or out, got {bad[0]!r}")
+    prompt = parse_ids(ids) if ids is not None else list(DEFAULT_IDS)
+    opts = TuneOptions(model_dir, trunk=trunk, trunk_gb=trunk_gb, cache_gb=cache_gb,
+                       storage=storage, backends=backend, threads=threads,
+                       expert_readers=expert_readers, lookahead=lookahead, name=name,
+                       ids=prompt, gen=gen, force=force)
+    result = run_tune(opts, progress=lambda s: print(f"tune: {s}", file=sys.stderr))
+    if as_json:
+        print(json.dumps(result.to_json(), indent=2))
+        return
+    for line in result.lines():
+        print(line)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("tune")(tune)
