@@ -39,6 +39,7 @@ from k3core.checkpoint.index import CheckpointIndex, TensorInfo
 from k3core.model import names
 from k3core.model.config import ModelConfig
 from k3core.model.layer_params import trunk_suffixes
+from k3core.trunk.holes import crc32_zeros, data_segments
 from k3core.trunk.manifest import (
     DATA_NAME,
     MANIFEST_NAME,
@@ -49,7 +50,6 @@ from k3core.trunk.manifest import (
     crc_tag,
     table_chunk_rows,
 )
-from k3core.trunk.holes import crc32_zeros, data_segments
 from k3core.trunk.sample import source_sample
 
 #: bytes copied per read (bounds the packer's memory whatever the layer size)

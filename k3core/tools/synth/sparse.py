@@ -37,7 +37,7 @@ import numpy as np
 from k3core.api.errors import OutputError
 from k3core.model import names
 from k3core.model.config import ModelConfig
-from k3core.model.layer_params import trunk_suffixes, expected_shapes
+from k3core.model.layer_params import expected_shapes, trunk_suffixes
 from k3core.model.sizes import planned_tensor_bytes
 
 #: live hidden channels (and the columns of every matrix block)
