@@ -91,16 +91,15 @@ class ModelTables:
         for n in names.MODEL_TABLES:
             if n not in reader:
                 raise CheckpointError(f"missing model tensor {n}")
-        self._row: Callable[[str, int], np.ndarray] | None = getattr(reader, "read_row", None)
+        row = getattr(reader, "read_row", None)
+        info = getattr(reader, "info", None)
+        self._row: Callable[[str, int], np.ndarray] | None = row if info is not None else None
         self.embed_w: np.ndarray | None = None
-        if self._row is None:
+        if self._row is None or info is None:
             self.embed_w = _checked(reader.read(names.EMBED), (V, E), names.EMBED)
-        else:
-            _checked(self._row(names.EMBED, 0).reshape(1, E), (1, E), names.EMBED)
-            info = getattr(reader, "info", None)
-            shape = tuple(info(names.EMBED).shape) if info is not None else (V, E)
-            if shape != (V, E):
-                raise CheckpointError(f"{names.EMBED} has shape {list(shape)}, expected {[V, E]}")
+        else:  # checked from the header; no row is read until a token asks for it
+            t = info(names.EMBED)
+            _check_meta(tuple(t.shape), t.np_dtype, (V, E), names.EMBED)
         self.head_w = _checked(reader.read(names.LM_HEAD), (V, E), names.LM_HEAD)
         self.norm = _vec(_checked(reader.read(names.NORM), (E,), names.NORM))
         rn = _vec(_checked(reader.read(names.OUT_RES_NORM), (E,), names.OUT_RES_NORM))
@@ -135,11 +134,15 @@ class ModelTables:
 
 
 def _checked(a: np.ndarray, shape: tuple[int, ...], name: str) -> np.ndarray:
-    if tuple(a.shape) != shape:
-        raise CheckpointError(f"{name} has shape {list(a.shape)}, expected {list(shape)}")
-    if a.dtype.type not in (np.uint16, np.float16, np.float32):
-        raise CheckpointError(f"{name} has dtype {a.dtype}, expected bf16, f16 or f32")
+    _check_meta(tuple(a.shape), a.dtype, shape, name)
     return a
+
+
+def _check_meta(got: tuple[int, ...], dtype: np.dtype, shape: tuple[int, ...], name: str) -> None:
+    if got != shape:
+        raise CheckpointError(f"{name} has shape {list(got)}, expected {list(shape)}")
+    if dtype.type not in (np.uint16, np.float16, np.float32):
+        raise CheckpointError(f"{name} has dtype {dtype}, expected bf16, f16 or f32")
 
 
 def expert_from_reader(cfg: ModelConfig, reader: TensorReader, layer: int, e: int) -> ExpertWeights:
