@@ -8,6 +8,8 @@ experts with sane scales, ``A_log`` padded to ``head_dim``, and a tokenizer (``t
 ``L + 1`` with its trunk tensors first (one contiguous run) and each expert's six tensors
 contiguous after them, as in the released checkpoint; the model tables take the last shard.
 Everything is written under a temporary name and renamed into place only when complete.
+``sparse=True`` writes the same layout with the released dtypes and the data as holes
+(:mod:`k3core.tools.synth.sparse`).
 """
 
 from __future__ import annotations
@@ -190,12 +192,11 @@ def synthesize(
         (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=1, sort_keys=True))
         conf = cfg.to_nested_dict()
         conf["k3_synthetic"] = {"seed": seed, "note": "random weights written by k3 synth"}
+        if sparse:
+            conf["k3_synthetic"]["sparse"] = True
         (tmp / "config.json").write_text(json.dumps(conf, indent=1))
         if cfg.vocab >= 256:
             write_tokenizer(tmp, cfg.vocab, seed=seed)
-        if sparse:
-            conf["k3_synthetic"]["sparse"] = True
-            (tmp / "config.json").write_text(json.dumps(conf, indent=1))
         if extra:
             extra(tmp)
         if out.exists():
