@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 K3 := $(VENV)/bin/k3
 DEMO_DIR ?= demo-model
 
-.PHONY: setup demo test test-wheel test-long fuzz lint typecheck bench bench-ladder clean
+.PHONY: setup demo test test-wheel test-long fuzz lint typecheck bench bench-ladder rehearsal clean
 
 EXAMPLES := examples/k3-timing-backend examples/k3-fifo-cache examples/k3-flaky-storage
 
@@ -66,6 +66,25 @@ bench-ladder: setup
 	test -f $(LADDER_MODEL)/config.json || $(K3) synth $(LADDER_MODEL) --size medium --seed 0
 	test -f $(LADDER_MODEL)-trunk/trunk.json || $(K3) pack-trunk $(LADDER_MODEL) $(LADDER_MODEL)-trunk
 	$(K3) bench-ladder $(LADDER_MODEL) $(LADDER_MODEL)-trunk --gen 6 --out-dir build/ladder
+
+## rehearsal: the real-shape sparse rehearsal (docs/rehearsal.md): k3 synth --size full --sparse,
+## k3 budget, k3 pack-trunk (holes stay holes: ~230 MB of disk), then k3 run --gen 2 per preset in
+## REHEARSAL_PRESETS and the table of peak RSS and trunk overlap (tens of minutes on 2 cores)
+REHEARSAL_DIR ?= build/rehearsal
+REHEARSAL_PRESETS ?= laptop ultra auto
+REHEARSAL_IDS ?= 1
+rehearsal: setup
+	test -f $(REHEARSAL_DIR)/model/config.json || $(K3) synth $(REHEARSAL_DIR)/model --size full --sparse --seed 0
+	$(K3) budget $(REHEARSAL_DIR)/model
+	test -f $(REHEARSAL_DIR)/trunk/trunk.json || $(K3) pack-trunk $(REHEARSAL_DIR)/model $(REHEARSAL_DIR)/trunk
+	du -sh $(REHEARSAL_DIR)/model $(REHEARSAL_DIR)/trunk
+	set -e; for p in $(REHEARSAL_PRESETS); do \
+	  $(K3) run $(REHEARSAL_DIR)/model --trunk $(REHEARSAL_DIR)/trunk --preset $$p \
+	    --ids $(REHEARSAL_IDS) --gen 2 --out $(REHEARSAL_DIR)/$$p.json > $(REHEARSAL_DIR)/$$p.log 2>&1 \
+	    || { tail -5 $(REHEARSAL_DIR)/$$p.log; exit 1; }; \
+	  grep -E 'PEAK RSS|exposed waiting|s/token average' $(REHEARSAL_DIR)/$$p.log; \
+	done
+	$(PY) -m k3core.tools.rehearsal $(addprefix $(REHEARSAL_DIR)/,$(addsuffix .json,$(REHEARSAL_PRESETS)))
 
 lint: setup
 	$(PY) -m ruff check k3 k3core backends storage caches tests fuzz examples

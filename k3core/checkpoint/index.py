@@ -148,6 +148,19 @@ class CheckpointIndex:
         if t.nbytes:
             self._read(t.path, t.offset, out, what=f"tensor {show(name)}")
 
+    def read_row(self, name: str, row: int) -> np.ndarray:
+        """Row ``row`` of a 2-D tensor as a new typed array: one read, the table never loaded
+        (the embedding's rows are gathered this way)."""
+        t = self.info(name)
+        if len(t.shape) != 2 or not 0 <= row < t.shape[0]:
+            raise CheckpointError(f"tensor {show(name)} of shape {list(t.shape)} has no row {row}")
+        n = t.nbytes // t.shape[0]
+        at = t.offset + row * n
+        raw = aligned_empty(n + at % ALIGN, ALIGN)[at % ALIGN:]
+        if n:
+            self._read(t.path, at, raw, what=f"tensor {show(name)} row {row}")
+        return raw.view(t.np_dtype)
+
     def read_range(self, path: str | Path, offset: int, nbytes: int) -> np.ndarray:
         """Bytes ``[offset, offset + nbytes)`` of shard ``path`` as a new ``uint8`` array."""
         p = Path(path)

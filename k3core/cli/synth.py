@@ -45,24 +45,39 @@ def _overrides(pairs: list[str]) -> dict[str, object]:
     return out
 
 
+_SIZES = [s for s in SIZES if s != "real"] + ["full"]
+
+
 @guarded
 def synth(
     out_dir: Path = typer.Argument(..., help="Directory to create."),
-    size: str = typer.Option("tiny", "--size", help=f"One of: {', '.join(s for s in SIZES if s != 'real')}."),
+    size: str = typer.Option("tiny", "--size", help=f"One of: {', '.join(_SIZES)} "
+                             "(full = the released Kimi K3 shape, --sparse only)."),
     seed: int = typer.Option(0, "--seed", help="Seed; the same seed writes the same bytes."),
     set_: list[str] = typer.Option([], "--set", help="Override a config key, e.g. --set num_hidden_layers=5."),
+    sparse: bool = typer.Option(False, "--sparse", help="Released dtypes, data as holes plus a "
+                                "small pattern: a few tens of MB on disk at any shape."),
     force: bool = typer.Option(False, "--force", help="Replace OUT_DIR if it exists."),
 ) -> None:
     """Write a synthetic Kimi K3 checkpoint in the released layout (its weights are random)."""
-    if size not in SIZES or size == "real":
-        raise UsageError(f"unknown --size {size!r}; choose one of {', '.join(s for s in SIZES if s != 'real')}")
+    if size not in _SIZES:
+        raise UsageError(f"unknown --size {size!r}; choose one of {', '.join(_SIZES)}")
+    if size == "full" and not sparse:
+        raise UsageError("--size full writes 1.56 TB of data; pass --sparse to write its "
+                         "shapes and headers with the data as holes")
     if seed < 0:
         raise UsageError(f"--seed must be >= 0, got {seed}")
-    cfg = ModelConfig.from_json_dict(size_config(size, _overrides(set_)), source=f"--size {size}")
+    name = "real" if size == "full" else size
+    cfg = ModelConfig.from_json_dict(size_config(name, _overrides(set_)), source=f"--size {size}")
+    vision = size == "full"
+    total = cfg.n_layers + 1 + (2 if vision else 0)
     with Progress(TextColumn("synth"), BarColumn(), TextColumn("{task.completed}/{task.total} shards"), TimeElapsedColumn()) as bar:
-        task = bar.add_task("synth", total=cfg.n_layers + 1)
-        path = synthesize(out_dir, cfg, seed, force=force, progress=lambda d, t: bar.update(task, completed=d))
-    print(f"wrote {path} ({cfg.describe().removeprefix('config: ')}); its weights are random (seed {seed})")
+        task = bar.add_task("synth", total=total)
+        path = synthesize(out_dir, cfg, seed, force=force, sparse=sparse, vision=vision,
+                          progress=lambda d, t: bar.update(task, completed=d))
+    kind = "sparse: holes plus a small pattern" if sparse else "random"
+    print(f"wrote {path} ({cfg.describe().removeprefix('config: ')}); its weights are {kind} "
+          f"(seed {seed})")
 
 
 def register(app: typer.Typer) -> None:

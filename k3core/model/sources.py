@@ -16,7 +16,7 @@ from typing import Protocol
 
 import numpy as np
 
-from k3core.api.errors import CheckpointError
+from k3core.api.errors import CheckpointError, K3Error
 from k3core.api.experts import ExpertWeights
 from k3core.api.kernels import KernelBackend, Mxfp4
 from k3core.model import names
@@ -86,7 +86,13 @@ def _present(cfg: ModelConfig, reader: TensorReader, layer: int) -> list[str]:
 
 
 class ModelTables:
-    """Embedding, final norm, model-level AttnRes fold and the head, resident."""
+    """Embedding, final norm, model-level AttnRes fold and the head.
+
+    The head and the vectors are resident. A reader that can read one row
+    (``read_row(name, row)``, the checkpoint index) serves the embedding a row per token id,
+    so the 163840-row table is never loaded (bf16 row gathers, the same bits); any other
+    reader (the oracle adapter) loads it whole.
+    """
 
     def __init__(self, cfg: ModelConfig, reader: TensorReader):
         self.cfg = cfg
@@ -94,15 +100,39 @@ class ModelTables:
         for n in names.MODEL_TABLES:
             if n not in reader:
                 raise CheckpointError(f"missing model tensor {n}")
-        self.embed_w = _checked(reader.read(names.EMBED), (V, E), names.EMBED)
+        row = getattr(reader, "read_row", None)
+        info = getattr(reader, "info", None)
+        self._row: Callable[[str, int], np.ndarray] | None = row if info is not None else None
+        self.embed_w: np.ndarray | None = None
+        if self._row is None or info is None:
+            self.embed_w = _checked(reader.read(names.EMBED), (V, E), names.EMBED)
+        else:  # checked from the header; no row is read until a token asks for it
+            t = info(names.EMBED)
+            _check_meta(tuple(t.shape), t.np_dtype, (V, E), names.EMBED)
         self.head_w = _checked(reader.read(names.LM_HEAD), (V, E), names.LM_HEAD)
         self.norm = _vec(_checked(reader.read(names.NORM), (E,), names.NORM))
         rn = _vec(_checked(reader.read(names.OUT_RES_NORM), (E,), names.OUT_RES_NORM))
         rp = _vec(_checked(reader.read(names.OUT_RES_PROJ), (1, E), names.OUT_RES_PROJ))
         self.fold_out = rn * rp
 
+    @property
+    def resident_bytes(self) -> int:
+        """What the tables hold: the head, the embedding when loaded whole, three vectors."""
+        embed = 0 if self.embed_w is None else self.embed_w.nbytes
+        return self.head_w.nbytes + embed + 3 * 4 * self.cfg.hidden
+
     def embed(self, ids: np.ndarray) -> np.ndarray:
-        rows = self.embed_w[ids]
+        if self.embed_w is not None:
+            rows = self.embed_w[ids]
+        else:
+            flat = np.asarray(ids).reshape(-1)
+            for pos, i in enumerate(flat):
+                if not 0 <= int(i) < self.cfg.vocab:
+                    raise K3Error(f"token id {int(i)} at position {pos} is outside the "
+                                  "vocabulary")
+            got = [self._row(names.EMBED, int(i)) for i in flat] if self._row else []
+            rows = np.stack(got).reshape(*np.shape(ids), self.cfg.hidden) if got else \
+                np.empty((*np.shape(ids), self.cfg.hidden), dtype=np.uint16)
         if rows.dtype == np.uint16:
             return (rows.astype(np.uint32) << 16).view(np.float32)
         return np.ascontiguousarray(rows, dtype=np.float32)
@@ -113,11 +143,15 @@ class ModelTables:
 
 
 def _checked(a: np.ndarray, shape: tuple[int, ...], name: str) -> np.ndarray:
-    if tuple(a.shape) != shape:
-        raise CheckpointError(f"{name} has shape {list(a.shape)}, expected {list(shape)}")
-    if a.dtype.type not in (np.uint16, np.float16, np.float32):
-        raise CheckpointError(f"{name} has dtype {a.dtype}, expected bf16, f16 or f32")
+    _check_meta(tuple(a.shape), a.dtype, shape, name)
     return a
+
+
+def _check_meta(got: tuple[int, ...], dtype: np.dtype, shape: tuple[int, ...], name: str) -> None:
+    if got != shape:
+        raise CheckpointError(f"{name} has shape {list(got)}, expected {list(shape)}")
+    if dtype.type not in (np.uint16, np.float16, np.float32):
+        raise CheckpointError(f"{name} has dtype {dtype}, expected bf16, f16 or f32")
 
 
 def expert_from_reader(cfg: ModelConfig, reader: TensorReader, layer: int, e: int) -> ExpertWeights:

@@ -5,8 +5,10 @@ Rows (docs/engine-behaviours.md §3 item 5, plus what a Python process costs by 
 =====================  ============================================================
 trunk                  the ``--trunk-gb`` budget when streaming (never more than the
                        whole trunk), else the bytes of every bound layer
-embed + lm_head        the model tables; in ultra-low-memory mode one stream chunk,
-                       two alignment pads and the three hidden-size vectors
+embed + lm_head        the model tables: lm_head and the three hidden-size vectors
+                       (embedding rows are read per token id, the table is never
+                       loaded); in ultra-low-memory mode one stream chunk, two
+                       alignment pads and the three vectors
 expert cache           the ``--cache-gb`` budget rounded down to whole slots (never
                        more than every expert of the model)
 recurrent state        KDA state + conv history for every KDA layer run; one slot in
@@ -242,8 +244,8 @@ def plan_memory(
     E = cfg.hidden
     if ultra:
         tables = min(req.stream_chunk, sz.tables_bytes) + 2 * ALIGN + 3 * E * 4
-    else:
-        tables = sz.tables_bytes
+    else:  # the embedding is gathered a row at a time (ModelTables with a row reader)
+        tables = sz.tables_bytes - cfg.vocab * sz.embed_row_bytes
     expert = sz.expert_bytes if expert_bytes is None else expert_bytes
     cache, slots = cache_bytes, None
     if expert > 0:

@@ -6,7 +6,10 @@ offset of ``trunk.bin`` and is padded with zeros to a multiple of 4096 (see
 :mod:`k3core.trunk.manifest` for ``trunk.json``). A layer whose trunk tensors span two
 shards, or leave a gap (which would drag expert bytes along), is refused before anything
 is written. Bytes are read through a storage backend in bounded chunks and checksummed
-(CRC-32 of the unpadded run) on the way.
+(CRC-32 of the unpadded run) on the way. Holes stay holes: only the data extents of a
+sparse shard are read and written (:mod:`k3core.trunk.holes`), the padding is never
+written, and the checksum still covers every raw byte, so a sparse checkpoint
+(``k3 synth --sparse``) packs into a sparse ``trunk.bin``.
 
 Atomic: ``trunk.bin`` and ``trunk.json`` are written under temporary names and fsynced;
 an old ``trunk.json`` is removed, then the new ``trunk.bin`` and ``trunk.json`` are renamed
@@ -38,6 +41,7 @@ from k3core.model import names
 from k3core.model.config import ModelConfig
 from k3core.model.layer_params import trunk_suffixes
 from k3core.trunk.codec import Codec
+from k3core.trunk.holes import crc32_zeros, data_segments
 from k3core.trunk.manifest import (
     DATA_NAME,
     MANIFEST_NAME,
@@ -179,20 +183,30 @@ def table_checksums(index: CheckpointIndex, name: str) -> TableChecksums:
 def _write_bin(path: Path, runs: list[LayerRun], storage: StorageBackend,
                progress: PackProgress | None) -> list[TrunkLayer]:
     total = sum(r.nbytes for r in runs)
+    segments = [data_segments(r.path, r.start, r.span) for r in runs]
+    dense = all(sum(n for _, n in s) == r.span for s, r in zip(segments, runs, strict=True))
     buf = aligned_empty(min(COPY_CHUNK, max(r.nbytes for r in runs)), ALIGN)
     layers: list[TrunkLayer] = []
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_BINARY", 0), 0o666)
     try:
-        _reserve(fd, total)
         pos = 0
-        for r in runs:
-            crc = _copy_run(fd, r, storage, buf)
+        if dense:
+            _reserve(fd, 0, total)
+        else:  # a sparse source: reserve (and write) its data extents only, holes stay holes
+            for r, segs in zip(runs, segments, strict=True):
+                for off, n in segs:
+                    _reserve(fd, pos + off - r.start, n)
+                pos += r.nbytes
+            pos = 0
+        for r, segs in zip(runs, segments, strict=True):
+            crc = _copy_run(fd, r, segs, pos, storage, buf)
             tensors = {t.name: TrunkTensor(t.name, t.offset - r.start, t.nbytes, t.dtype, t.shape)
                        for t in r.tensors}
             layers.append(TrunkLayer(r.layer, pos, r.nbytes, r.span, crc_tag(crc), tensors))
             pos += r.nbytes
             if progress:
                 progress(r.layer + 1, len(runs), pos, total)
+        os.ftruncate(fd, total)  # the padding (and any trailing hole) reads as zeros
         os.fsync(fd)
     finally:
         os.close(fd)
@@ -267,28 +281,41 @@ def _encode_run(fd: int, r: LayerRun, storage: StorageBackend, buf: np.ndarray, 
     return crc, stored, tuple(windows)
 
 
-def _copy_run(fd: int, r: LayerRun, storage: StorageBackend, buf: np.ndarray) -> int:
+def _copy_run(fd: int, r: LayerRun, segments: list[tuple[int, int]], dest: int,
+              storage: StorageBackend, buf: np.ndarray) -> int:
+    """Copy the data extents of ``r`` to ``dest`` onward; the CRC-32 covers every byte."""
     try:
         src = storage.open(r.path)
     except (StorageError, OSError) as exc:
         raise CheckpointError(f"{r.path}: cannot open: {getattr(exc, 'message', exc)}") from None
     crc = 0
+    cursor = r.start
     try:
-        done = 0
-        while done < r.span:
-            n = min(buf.nbytes, r.span - done)
-            src.read_into(r.start + done, buf[:n])
-            crc = zlib.crc32(buf[:n].data, crc)
-            _write_all(fd, buf[:n].data)
-            done += n
+        for off, length in segments:
+            crc = crc32_zeros(crc, off - cursor)
+            done = 0
+            while done < length:
+                n = min(buf.nbytes, length - done)
+                src.read_into(off + done, buf[:n])
+                crc = zlib.crc32(buf[:n].data, crc)
+                _pwrite_all(fd, buf[:n].data, dest + off - r.start + done)
+                done += n
+            cursor = off + length
+        crc = crc32_zeros(crc, r.start + r.span - cursor)
     except StorageError as exc:
         raise StorageError(f"packing layer {r.layer}: {exc.message}") from None
     finally:
         src.close()
-    pad = r.nbytes - r.span
-    if pad:
-        _write_all(fd, memoryview(bytes(pad)))
     return crc
+
+
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    while data:
+        n = os.pwrite(fd, data, offset)
+        if n <= 0:
+            raise OSError(errno.EIO, "write returned nothing")
+        data = data[n:]
+        offset += n
 
 
 def _write_all(fd: int, data: memoryview) -> None:
@@ -299,12 +326,12 @@ def _write_all(fd: int, data: memoryview) -> None:
         data = data[n:]
 
 
-def _reserve(fd: int, total: int) -> None:
+def _reserve(fd: int, offset: int, length: int) -> None:
     """Fail early on a full disk where the filesystem can preallocate."""
-    if not hasattr(os, "posix_fallocate") or total == 0:
+    if not hasattr(os, "posix_fallocate") or length == 0:
         return
     try:
-        os.posix_fallocate(fd, 0, total)
+        os.posix_fallocate(fd, offset, length)
     except OSError as exc:
         if exc.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
             raise

@@ -123,10 +123,8 @@ def report_json(trunk: object, tables: object) -> dict[str, object]:
                              "requested_ring": plan.requested_ring}
     if isinstance(tables, StreamedTables):
         out.update(tables.stats.to_json())
+    if isinstance(tables, ModelTables):
         out["tables_resident_bytes"] = tables.resident_bytes
-    elif isinstance(tables, ModelTables):
-        out["tables_resident_bytes"] = (tables.embed_w.nbytes + tables.head_w.nbytes
-                                        + 3 * 4 * tables.cfg.hidden)
     return out
 
 

@@ -146,7 +146,7 @@ def test_pack_trunk_on_a_small_disk(model, small_disk, monkeypatch, preallocate)
     """With preallocation the disk says no before any byte is copied; without it (a
     filesystem that cannot preallocate) a write fails part-way through."""
     if not preallocate:
-        monkeypatch.setattr(k3core.trunk.pack, "_reserve", lambda fd, total: None)
+        monkeypatch.setattr(k3core.trunk.pack, "_reserve", lambda fd, offset, length: None)
     res = k3("pack-trunk", model, small_disk / "trunk")
     exit3(res, f"packed trunk to {small_disk / 'trunk'}", "No space left on device")
     assert entries(small_disk) == []

@@ -8,6 +8,8 @@ experts with sane scales, ``A_log`` padded to ``head_dim``, and a tokenizer (``t
 ``L + 1`` with its trunk tensors first (one contiguous run) and each expert's six tensors
 contiguous after them, as in the released checkpoint; the model tables take the last shard.
 Everything is written under a temporary name and renamed into place only when complete.
+``sparse=True`` writes the same layout with the released dtypes and the data as holes
+(:mod:`k3core.tools.synth.sparse`).
 """
 
 from __future__ import annotations
@@ -28,6 +30,9 @@ from k3core.model import names
 from k3core.model.config import ModelConfig
 from k3core.model.layer_params import expected_shapes
 from k3core.tokenizer.fit import write_tokenizer
+from k3core.tools.synth.sparse import check_keeps_holes, vision_shards, write_sparse_shard
+from k3core.tools.synth.sparse import layer_tensors as sparse_layer
+from k3core.tools.synth.sparse import table_tensors as sparse_tables
 
 _ST_DTYPE = {np.dtype(np.uint16): "bfloat16", np.dtype(np.float32): "float32", np.dtype(np.uint8): "uint8"}
 
@@ -144,30 +149,51 @@ def synthesize(
     force: bool = False,
     progress: Callable[[int, int], None] | None = None,
     extra: Callable[[Path], None] | None = None,
+    sparse: bool = False,
+    vision: bool = False,
 ) -> Path:
-    """Write the checkpoint to ``out_dir`` atomically; ``progress(done, total)`` per shard."""
+    """Write the checkpoint to ``out_dir`` atomically; ``progress(done, total)`` per shard.
+
+    ``sparse`` writes the released dtypes with the data as holes plus a small pattern
+    (:mod:`k3core.tools.synth.sparse`); ``vision`` adds the two stand-in vision shards the
+    released checkpoint ends with (sparse only).
+    """
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()) and not force:
         raise UsageError(f"{out} exists and is not empty; pass --force to replace it")
+    if vision and not sparse:
+        raise UsageError("the vision stand-in shards are written only with --sparse")
     tmp = out.with_name(f".{out.name}.partial-{os.getpid()}")
     try:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
+        if sparse:
+            check_keeps_holes(tmp)
         g = _Gen(cfg, seed)
-        n_shards = cfg.n_layers + 1
+        n_shards = cfg.n_layers + 1 + (2 if vision else 0)
         weight_map: dict[str, str] = {}
         total = 0
         for i in range(n_shards):
             shard = f"model-{i + 1:05d}-of-{n_shards:05d}.safetensors"
-            tensors = layer_tensors(g, i) if i < cfg.n_layers else table_tensors(g)
-            total += write_shard(tmp / shard, tensors)
-            weight_map.update(dict.fromkeys(tensors, shard))
+            if sparse:
+                sp = (sparse_layer(cfg, seed, i) if i < cfg.n_layers else
+                      sparse_tables(cfg, seed) if i == cfg.n_layers else
+                      vision_shards()[i - cfg.n_layers - 1])
+                total += write_sparse_shard(tmp / shard, sp)
+                os.chmod(tmp / shard, 0o666 & ~_UMASK)
+                weight_map.update(dict.fromkeys((t.name for t in sp), shard))
+            else:
+                tensors = layer_tensors(g, i) if i < cfg.n_layers else table_tensors(g)
+                total += write_shard(tmp / shard, tensors)
+                weight_map.update(dict.fromkeys(tensors, shard))
             if progress:
                 progress(i + 1, n_shards)
         index = {"metadata": {"total_size": total, "k3_synth_seed": seed}, "weight_map": weight_map}
         (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=1, sort_keys=True))
         conf = cfg.to_nested_dict()
         conf["k3_synthetic"] = {"seed": seed, "note": "random weights written by k3 synth"}
+        if sparse:
+            conf["k3_synthetic"]["sparse"] = True
         (tmp / "config.json").write_text(json.dumps(conf, indent=1))
         if cfg.vocab >= 256:
             write_tokenizer(tmp, cfg.vocab, seed=seed)
