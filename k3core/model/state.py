@@ -14,11 +14,15 @@ step, so it still needs one slot per layer; a shared-slot state refuses a second
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from k3core.api.errors import K3Error
 from k3core.model.config import ModelConfig
+
+if TYPE_CHECKING:
+    from k3core.model.rollback import KDATrail
 
 
 @dataclass
@@ -49,6 +53,8 @@ class SequenceState:
     kv: dict[int, KVCache] = field(default_factory=dict)
     shared_kda_slot: bool = False
     _shared_layer: int | None = field(default=None, repr=False)
+    #: set during a speculative verify pass: what a rollback of its drafts needs
+    trail: KDATrail | None = field(default=None, repr=False)
 
     def kda_state(self, layer: int) -> KDAState:
         if self.shared_kda_slot:
