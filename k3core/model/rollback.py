@@ -90,7 +90,7 @@ def begin(state: SequenceState, sure: int) -> None:
 def truncate(kern: KernelBackend, state: SequenceState, kept_pos: int) -> None:
     """End the verify pass: keep ``kept_pos`` positions (at least the pass's sure rows)."""
     trail, state.trail = state.trail, None
-    if trail is None or kept_pos >= state.pos:
+    if not isinstance(trail, KDATrail) or kept_pos >= state.pos:
         return
     accepted = kept_pos - trail.pos0 - trail.sure
     if accepted < 0:

@@ -14,15 +14,13 @@ step, so it still needs one slot per layer; a shared-slot state refuses a second
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 
 from k3core.api.errors import K3Error
+from k3core.api.kernels import KernelBackend
 from k3core.model.config import ModelConfig
-
-if TYPE_CHECKING:
-    from k3core.model.rollback import KDATrail
 
 
 @dataclass
@@ -42,6 +40,14 @@ class KVCache:
         return int(self.k_nope.shape[0])
 
 
+class VerifyTrail(Protocol):
+    """What a speculative verify pass records per KDA layer (``k3core.model.rollback``)."""
+
+    def kda(self, kern: KernelBackend, layer: int, s: KDAState, hist0: dict[str, np.ndarray],
+            raw: tuple[np.ndarray, np.ndarray, np.ndarray], q: np.ndarray, k: np.ndarray,
+            v: np.ndarray, alpha: np.ndarray, beta: np.ndarray) -> np.ndarray: ...
+
+
 @dataclass
 class SequenceState:
     """The carried state of one sequence; ``pos`` positions have been consumed."""
@@ -54,7 +60,7 @@ class SequenceState:
     shared_kda_slot: bool = False
     _shared_layer: int | None = field(default=None, repr=False)
     #: set during a speculative verify pass: what a rollback of its drafts needs
-    trail: KDATrail | None = field(default=None, repr=False)
+    trail: VerifyTrail | None = field(default=None, repr=False)
 
     def kda_state(self, layer: int) -> KDAState:
         if self.shared_kda_slot:
