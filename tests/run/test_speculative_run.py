@@ -171,3 +171,18 @@ def test_rows_are_bytes_of_single_steps_on_the_demo_model() -> None:
         for i in range(6):
             assert int(np.argmax(rows[i])) == ref.ids[i]
         assert rows[0].tobytes() == ref.first_logits.tobytes()
+
+
+def test_chat_turns_identical_with_spec() -> None:
+    from k3core.serve.chat_format import chat_format_for
+    from k3core.serve.conversation import Conversation
+
+    with k3.load(DEMO, backend=FAST) as eng:
+        fmt = chat_format_for(eng.tokenizer)
+        plain = Conversation(eng.session(), fmt, context=1024)
+        spec = Conversation(eng.session(), fmt, context=1024)
+        for text in (CODE, "def pow(a, b):\n"):
+            a = plain.say(text, 12)
+            b = spec.say(text, 12, sampling={"spec": "ngram"})
+            assert a.ids == b.ids
+        assert plain.ids == spec.ids
