@@ -115,9 +115,11 @@ def oracle(truth: list[int], wrong_every: int) -> object:
     return draft
 
 
-@pytest.mark.parametrize("incremental", [True, False])
+CASES = [(True, w) for w in (0, 3, 1)] + [(False, 3)]  # full recompute: the mixed drafts
+
+
+@pytest.mark.parametrize(("incremental", "wrong_every"), CASES)
 @pytest.mark.parametrize("sampled", [False, True])
-@pytest.mark.parametrize("wrong_every", [0, 3, 1])
 def test_ids_identical_with_any_drafts(model: Model, incremental: bool, sampled: bool,
                                        wrong_every: int) -> None:
     def pick() -> object:
