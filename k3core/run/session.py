@@ -13,8 +13,10 @@ every step (O(T^2)); it gives the same tokens.
 One step, in order: ``before_step`` (a hook, for fault tests), the forward pass, the pick
 (greedy or the seeded sampler), then the stop checks: a ``stop_ids`` id, the end-of-sequence
 id (unless ``ignore_eos``; its text is not shown), a stop string (the text is cut before it),
-``max_tokens``. A Ctrl-C inside the loop leaves what was made in :attr:`Session.last`
-(``interrupted=True``) and propagates; the session stays usable (a forward pass cut short
+``max_tokens``. With ``spec`` (``ngram``/``auto``) a step is a verify pass that may emit
+several tokens (the same ids, each checked against the stops in turn; the state keeps only
+what was emitted: :mod:`k3core.model.speculative`). A Ctrl-C inside the loop leaves what
+was made in :attr:`Session.last` (``interrupted=True``) and propagates; the session stays usable (a forward pass cut short
 drops the carried state, and the next call prefills the session's ids again).
 """
 

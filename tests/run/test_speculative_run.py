@@ -186,3 +186,31 @@ def test_chat_turns_identical_with_spec() -> None:
             b = spec.say(text, 12, sampling={"spec": "ngram"})
             assert a.ids == b.ids
         assert plain.ids == spec.ids
+
+
+def test_cut_short_mid_pass_keeps_the_session_exact() -> None:
+    with k3.load(DEMO, backend=FAST) as eng:
+        ref = eng.session()
+        ref.generate(CODE, max_tokens=N, ignore_eos=True)
+        s = eng.session()
+        pieces = 0
+        for _ in s.stream(CODE, max_tokens=N, ignore_eos=True, spec="ngram", spec_width=8):
+            pieces += 1
+            if pieces == 9:  # the consumer stops reading, maybe inside an accepted run
+                break
+        assert s.ids == ref.ids[: len(s.ids)] and s.state is not None
+        assert s.state.pos == len(s.ids) - 1 and s.state.trail is None
+        rest = s.generate([], max_tokens=N, ignore_eos=True, spec="ngram")
+        plain = eng.session()
+        plain.generate(s.ids[: len(s.ids) - len(rest.ids)], max_tokens=N, ignore_eos=True)
+        assert s.ids == plain.ids and state_bytes(s) == state_bytes(plain)
+
+        def interrupt(g: int) -> None:
+            if g >= 4:
+                raise KeyboardInterrupt
+
+        s = eng.session()
+        s.before_step = interrupt  # type: ignore[method-assign]
+        with pytest.raises(KeyboardInterrupt):
+            s.generate(CODE, max_tokens=N, ignore_eos=True, spec="ngram")
+        assert s.last is not None and s.last.interrupted and s.ids == ref.ids[: len(s.ids)]
