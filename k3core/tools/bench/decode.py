@@ -96,14 +96,17 @@ class RunFigures:
     ids: list[int] = field(default_factory=list)
     first_pass: int = 1  # tokens the first forward pass emitted (the prefill pass)
     spec: dict[str, Any] | None = None
+    expert_distinct: list[int] = field(default_factory=list)  # distinct experts per layer visit
 
 
-def _counters(eng: Engine, counter: CallCounter) -> tuple[int, int, int, int, float]:
+def _counters(eng: Engine, counter: CallCounter) -> tuple[int, int, int, int, float, int]:
     st = eng.experts.stats
     tstats = getattr(eng.model.trunk, "stats", None)
     tb = int(getattr(tstats, "bytes_read", 0) or 0)
     tw = float(getattr(tstats, "exposed_wait_seconds", 0.0) or 0.0)
-    return counter.calls, int(st.bytes_read), int(st.requests), tb, float(st.exposed_wait_seconds) + tw
+    distinct = int(st.requests) - int(st.extra.get("reuse", 0))
+    return (counter.calls, int(st.bytes_read), int(st.requests), tb,
+            float(st.exposed_wait_seconds) + tw, distinct)
 
 
 def _decode_run(opts: EngineOptions, ids: list[int], gen: int, incremental: bool,
@@ -124,6 +127,7 @@ def _decode_run(opts: EngineOptions, ids: list[int], gen: int, incremental: bool
             fig.expert_requests.append(now[2] - prev[2])
             fig.trunk_bytes.append(now[3] - prev[3])
             fig.wait_seconds.append(now[4] - prev[4])
+            fig.expert_distinct.append(now[5] - prev[5])
 
         res: RunResult = generate(eng.model, ids, gen, incremental=incremental, on_step=on_step,
                                   spec=spec)
@@ -180,6 +184,10 @@ class DecodeBench:
     mean_expert_bytes_read_per_token: float = 0.0
     mean_trunk_bytes_read_per_token: float = 0.0
     passes_per_token: float = 1.0
+    mean_seconds_per_token_runs: list[float] = field(default_factory=list)
+    #: weights multiplied per steady token: trunk layers per pass, distinct experts per visit
+    trunk_bytes_touched_per_token: float = 0.0
+    expert_bytes_touched_per_token: float = 0.0
     speculative: dict[str, Any] | None = None
     spec_ids_match: bool | None = None
 
@@ -236,7 +244,7 @@ def run_decode_bench(
     steady = [RunFigures(r.seconds[r.first_pass:], r.calls[r.first_pass:],
                          r.expert_bytes[r.first_pass:], r.expert_requests[r.first_pass:],
                          r.trunk_bytes[r.first_pass:], r.wait_seconds[r.first_pass:], r.ids,
-                         r.first_pass, r.spec) for r in runs]
+                         r.first_pass, r.spec, r.expert_distinct[r.first_pass:]) for r in runs]
     means = [_mean(s.seconds) for s in steady]
     mid = sorted(range(len(steady)), key=lambda i: means[i])[len(steady) // 2]
     per_run = [_median(s.seconds) for s in steady]
@@ -295,6 +303,10 @@ def run_decode_bench(
         mean_expert_bytes_read_per_token=_mean([float(b) for b in steady[mid].expert_bytes]),
         mean_trunk_bytes_read_per_token=_mean([float(b) for b in steady[mid].trunk_bytes]),
         passes_per_token=_passes_per_token(steady[mid]), speculative=runs[mid].spec,
+        mean_seconds_per_token_runs=means,
+        trunk_bytes_touched_per_token=sizes.trunk_bytes * _passes_per_token(steady[mid]),
+        expert_bytes_touched_per_token=_mean([float(x) for x in steady[mid].expert_distinct])
+        * sizes.expert_bytes,
         spec_ids_match=spec_match,
     )
 
@@ -364,10 +376,13 @@ def format_report(b: DecodeBench) -> str:
             + ", ".join(f"{k} {v}" for k, v in sorted(sp["decisions"].items()))
             + ("; ids identical to --spec off" if b.spec_ids_match else
                "; ids DIFFERENT from --spec off" if b.spec_ids_match is False else ""))
-    lines.append(f"mean        : {b.mean_seconds_per_token:.4f} s/token, "
+    lines.append(f"mean        : {b.mean_seconds_per_token:.4f} s/token (runs: "
+                 + ", ".join(f"{s:.4f}" for s in b.mean_seconds_per_token_runs) + "), "
                  f"{b.mean_trunk_bytes_read_per_token / gb:.4f} GB trunk + "
-                 f"{b.mean_expert_bytes_read_per_token / gb:.4f} GB experts read per token "
-                 f"(steady tokens of the median run)")
+                 f"{b.mean_expert_bytes_read_per_token / gb:.4f} GB experts read, "
+                 f"{b.trunk_bytes_touched_per_token / gb:.4f} GB trunk + "
+                 f"{b.expert_bytes_touched_per_token / gb:.4f} GB experts multiplied per token "
+                 "(steady tokens of the median run)")
     lines += [f"NOTE: {n}" for n in b.notes]
     return "\n".join(lines)
 
