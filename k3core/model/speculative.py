@@ -90,37 +90,52 @@ class AutoPolicy:
 
     A pass with ``k`` drafts is expected to emit ``E(k) = 1 + a + ... + a**k`` tokens (``a``
     the per-draft acceptance, estimated with decay, so old evidence fades) and to cost
-    ``t1 + c * k`` seconds (``t1`` a one-row step, ``c`` a draft row: both measured on this
-    run's own passes). It drafts the ``k`` that maximises ``E(k) / (t1 + c k)``; ``k = 0``
-    turns drafting off. While off, each step still compares the drafter's first id with the
-    token decoding picked, so acceptance is re-estimated for free and drafting comes back
-    on when the n-gram matches start to predict.
+    ``t1 + c * k`` seconds (``t1`` a one-row step, ``c`` a draft row: lower medians of this
+    run's last passes, so a slow pass on a busy machine does not swing it). It drafts the ``k``
+    that maximises ``E(k) / (t1 + c k)``; ``k = 0`` turns drafting off. While off, each step
+    still compares the drafter's first id with the token decoding picked, so acceptance is
+    re-estimated for free and drafting comes back on when the n-gram matches start to
+    predict; after ``reprobe`` steps off it probes one full-width pass to re-time ``c``.
     """
 
     decay: float = 0.8
     hits: float = 1.0
     misses: float = 1.0
-    t1: float | None = None
-    row: float | None = None
+    reprobe: int = 16
+    window: int = 9
+    t1_samples: list[float] = field(default_factory=list)
+    row_samples: list[float] = field(default_factory=list)
+    off_streak: int = 0
 
     @property
     def acceptance(self) -> float:
         return self.hits / (self.hits + self.misses)
+
+    @property
+    def t1(self) -> float | None:
+        return _median(self.t1_samples)
+
+    @property
+    def row(self) -> float | None:
+        return _median(self.row_samples)
 
     def expected(self, k: int) -> float:
         a = self.acceptance
         return float(sum(a**i for i in range(k + 1)))
 
     def choose(self, available: int) -> tuple[int, str]:
-        if self.t1 is None:
+        t1, row = self.t1, self.row
+        if t1 is None:
             return 0, "measure"
-        if self.row is None:
+        if row is None or self.off_streak >= self.reprobe:
+            self.off_streak = 0
             return available, "probe"
-        best, score = 0, 1.0 / self.t1
+        best, score = 0, 1.0 / t1
         for k in range(1, available + 1):
-            s = self.expected(k) / (self.t1 + self.row * k)
+            s = self.expected(k) / (t1 + row * k)
             if s > score * 1.0000001:
                 best, score = k, s
+        self.off_streak = 0 if best else self.off_streak + 1
         return best, "pays" if best else "off"
 
     def observe(self, drafted: int, accepted: int) -> None:
@@ -130,10 +145,20 @@ class AutoPolicy:
     def timed(self, drafted: int, seconds: float) -> None:
         """A pass with one sure row and ``drafted`` drafts took ``seconds``."""
         if drafted == 0:
-            self.t1 = seconds if self.t1 is None else 0.7 * self.t1 + 0.3 * seconds
+            _push(self.t1_samples, seconds, self.window)
         elif self.t1 is not None:
-            c = max(0.0, (seconds - self.t1) / drafted)
-            self.row = c if self.row is None else 0.7 * self.row + 0.3 * c
+            _push(self.row_samples, max(0.0, (seconds - self.t1) / drafted), self.window)
+
+
+def _push(xs: list[float], x: float, most: int) -> None:
+    xs.append(x)
+    del xs[:-most]
+
+
+def _median(xs: list[float]) -> float | None:
+    if not xs:
+        return None
+    return sorted(xs)[(len(xs) - 1) // 2]  # the lower median: a busy machine only slows
 
 
 @dataclass

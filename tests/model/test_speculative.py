@@ -182,6 +182,14 @@ def test_auto_policy_turns_off_and_back_on() -> None:
         p.observe(1, 1)  # the drafter's first id keeps being right while off
     k, why = p.choose(4)
     assert why == "pays" and k == 4
+    for _ in range(10):
+        p.timed(4, 9.0)  # draft rows turn expensive: off, then a probe re-times them
+    assert p.choose(4) == (0, "off")
+    for _ in range(p.reprobe - 1):
+        assert p.choose(4) == (0, "off")
+    assert p.choose(4) == (4, "probe")
+    p.timed(0, 50.0)  # one slow plain step on a busy machine does not swing the median
+    assert p.t1 == 1.0
 
 
 @pytest.mark.parametrize("bad", [{"mode": "on"}, {"width": 0}, {"width": 99}, {"ngram": 0},
