@@ -151,18 +151,26 @@ def decode(
     check: bool = typer.Option(True, "--check/--no-check", help="Check the ids against --backend numpy."),
     bandwidth_mb: float = typer.Option(1024.0, "--bandwidth-mb", help="Buffer of the read-bandwidth loop (MB)."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
+    spec: str = typer.Option("off", "--spec", help="Speculative decoding: off, ngram or auto (docs/speculative.md)."),
+    spec_width: int = typer.Option(4, "--spec-width", help="Drafts verified per pass at most (1..16)."),
+    spec_ngram: int = typer.Option(3, "--spec-ngram", help="Longest context suffix looked up (1..8)."),
+    prompt_file: Path | None = typer.Option(None, "--prompt-file", help="Decode prompt as text (the model's tokenizer), instead of --ids."),
 ) -> None:
     """s/token, prefill tokens/s, bytes, I/O wait, calls per token, next to the bandwidth floor."""
     from k3core.api.errors import K3Error
+    from k3core.model.speculative import SpecOptions
     from k3core.tools.bench.decode import _ids, format_report, run_decode_bench
 
     res = run_decode_bench(model, backend=backend, threads=threads, storage=storage, cache_gb=cache_gb,
                            trunk_dir=trunk, trunk_gb=trunk_gb, ids=_ids(ids), gen=gen, prefill=prefill,
                            repeat=repeat, incremental=not full_recompute, check=check,
-                           bandwidth_bytes=int(bandwidth_mb * 1e6))
+                           bandwidth_bytes=int(bandwidth_mb * 1e6),
+                           spec=SpecOptions(spec, spec_width, spec_ngram), prompt_file=prompt_file)
     print(res.to_json() if as_json else format_report(res))
     if res.ids_match is False:
         raise K3Error("bench decode: the generated ids differ from --backend numpy")
+    if res.spec_ids_match is False:
+        raise K3Error("bench decode: the generated ids differ from --spec off")
 
 
 def register(app: typer.Typer) -> None:

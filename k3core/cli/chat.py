@@ -65,6 +65,7 @@ def chat(
     top_p: float = typer.Option(None, "--top-p", help="Sample from the top-p mass.", rich_help_panel=_G),
     top_k: int = typer.Option(None, "--top-k", help="Sample from the k most likely ids.", rich_help_panel=_G),
     seed: int = typer.Option(None, "--seed", help="Sampling seed (turn k uses seed + k).", rich_help_panel=_G),
+    spec: str = typer.Option("off", "--spec", help="Speculative decoding: off, ngram or auto (the same replies; docs/speculative.md).", rich_help_panel=_G),
     tok: Path = typer.Option(None, "--tok", help="Tokenizer directory (default: MODEL_DIR).", rich_help_panel=_X),
     preset: str = typer.Option(None, "--preset", help="Memory preset (k3 presets).", rich_help_panel=_X),
     trunk: Path = typer.Option(None, "--trunk", help="Stream the trunk from this packed directory.", rich_help_panel=_X),
@@ -76,10 +77,12 @@ def chat(
     """Talk with MODEL_DIR: state carried between turns, /save and /load."""
     if not 1 <= max_tokens <= 4096:
         raise UsageError(f"--max-tokens must be in 1..4096, got {max_tokens}")
+    from k3core.model.speculative import DEFAULT_NGRAM, DEFAULT_WIDTH, check_spec
     from k3core.serve.chat_format import chat_format_for, check_format_options
     from k3core.serve.conversation import Conversation
     from k3core.serve.loading import check_context, open_engine_for
 
+    check_spec(spec, DEFAULT_WIDTH, DEFAULT_NGRAM)
     check_context(context)
     check_format_options(chat_format, think, thinking_effort)
     engine = open_engine_for(model_dir, context, tok=tok, preset=preset, trunk=trunk, backend=backend,
@@ -91,7 +94,8 @@ def chat(
         conv = Conversation(engine.session(), fmt, system, context)
         if load is not None:
             conv.load(load)
-        sampling = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed}
+        sampling = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed,
+                    "spec": None if spec == "off" else spec}
         thinking = getattr(fmt, "thinking", None)
         how = "" if thinking is None else f", thinking {fmt.effort}" if thinking else ", no thinking"  # type: ignore[attr-defined]
         print(f"k3 chat: {model_dir.name} ({fmt.name} format{how}, context {context}); /help for commands",

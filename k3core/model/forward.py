@@ -70,8 +70,10 @@ class Model:
         self._guess: tuple[int, list[int]] | None = None
 
     # ---- top level ------------------------------------------------------------------------
-    def forward(self, ids: np.ndarray, state: SequenceState, all_logits: bool = False) -> np.ndarray:
-        """Consume ``ids`` after ``state.pos`` positions; logits of the last (or every) position."""
+    def forward(self, ids: np.ndarray, state: SequenceState, all_logits: bool = False,
+                tail: int = 1) -> np.ndarray:
+        """Consume ``ids`` after ``state.pos`` positions; logits of the last ``tail`` (or
+        every) position(s). Each row's logits are the bytes a one-row pass would give."""
         ids = np.asarray(ids, dtype=np.int64)
         T = ids.shape[0]
         state.check_room(T)
@@ -90,7 +92,7 @@ class Model:
             if self.on_layer is not None:
                 self.on_layer(L, h)
         h = self.k.attn_res(np.stack(blocks + [h]), self.tables.fold_out, self.cfg.rms_eps)
-        last = h if all_logits else h[-1:]
+        last = h if all_logits else h[-max(1, min(tail, T)):]
         x = self.k.rmsnorm(last, self.tables.norm, self.cfg.rms_eps)
         logits = self.tables.logits(self.k, x)
         state.pos += T
@@ -152,6 +154,8 @@ class Model:
         c, k = self.cfg, self.k
         T, H, D = x.shape[0], c.kda_heads, c.kda_head_dim
         s = st.kda_state(p.layer)
+        trail = st.trail  # a speculative pass: record what a rollback needs (model/rollback.py)
+        hist0 = {n: h.copy() for n, h in s.conv.items()} if trail is not None else None
         # every projection of x in one call (q, k, v, beta, the gate's down-projection, g)
         names = ("q_proj", "k_proj", "v_proj", "b_proj", "f_a_proj", "g_proj")
         rq, rk, rv, rb, fa, rg = k.matmul_many([p[f"self_attn.{n}.weight"] for n in names], x)
@@ -163,7 +167,11 @@ class Model:
         beta = k.sigmoid(rb)
         z = k.matmul(p["self_attn.f_b_proj.weight"], fa)
         alpha = k.kda_gate(z, p["self_attn.dt_bias"], p["self_attn.A_log"], c.gate_lb)
-        o = k.kda_recurrent(q, kk, v, alpha.reshape(T, H, D), beta, s.S)
+        if trail is None:
+            o = k.kda_recurrent(q, kk, v, alpha.reshape(T, H, D), beta, s.S)
+        else:
+            assert hist0 is not None
+            o = trail.kda(k, p.layer, s, hist0, (rq, rk, rv), q, kk, v, alpha.reshape(T, H, D), beta)
         o = k.rmsnorm(o, p["self_attn.o_norm.weight"], c.rms_eps).reshape(T, H * D)
         o = o * k.sigmoid(rg)
         return k.matmul(p["self_attn.o_proj.weight"], o)

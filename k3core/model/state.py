@@ -14,10 +14,12 @@ step, so it still needs one slot per layer; a shared-slot state refuses a second
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
 from k3core.api.errors import K3Error
+from k3core.api.kernels import KernelBackend
 from k3core.model.config import ModelConfig
 
 
@@ -51,6 +53,14 @@ class KVCache:
         return self.rows[:, self.kv_lora :]
 
 
+class VerifyTrail(Protocol):
+    """What a speculative verify pass records per KDA layer (``k3core.model.rollback``)."""
+
+    def kda(self, kern: KernelBackend, layer: int, s: KDAState, hist0: dict[str, np.ndarray],
+            raw: tuple[np.ndarray, np.ndarray, np.ndarray], q: np.ndarray, k: np.ndarray,
+            v: np.ndarray, alpha: np.ndarray, beta: np.ndarray) -> np.ndarray: ...
+
+
 @dataclass
 class SequenceState:
     """The carried state of one sequence; ``pos`` positions have been consumed."""
@@ -62,6 +72,8 @@ class SequenceState:
     kv: dict[int, KVCache] = field(default_factory=dict)
     shared_kda_slot: bool = False
     _shared_layer: int | None = field(default=None, repr=False)
+    #: set during a speculative verify pass: what a rollback of its drafts needs
+    trail: VerifyTrail | None = field(default=None, repr=False)
 
     def kda_state(self, layer: int) -> KDAState:
         if self.shared_kda_slot:

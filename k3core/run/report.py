@@ -165,6 +165,15 @@ class RunReport:
         elif gen.stop_reason == "stop":
             self.line(f"stop text reached after {len(gen.ids)} of {max_tokens} tokens")
         self.line(f"generated ids: {','.join(map(str, gen.ids))}")
+        if gen.spec is not None:
+            self.line(gen.spec.line())
+        if gen.ids:
+            b = bytes_per_token(engine, gen)
+            self.line(f"per token     : {b['trunk_read'] / 1e9:.4f} GB trunk + "
+                      f"{b['expert_read'] / 1e9:.4f} GB experts read; "
+                      f"{b['trunk_touched'] / 1e9:.4f} GB trunk + {b['expert_touched'] / 1e9:.4f} "
+                      f"GB experts multiplied ({b['passes']} forward passes for {len(gen.ids)} "
+                      "tokens)")
         if gen.text is not None:
             self.line("--- generated text ---", level=1)
             self.line(gen.text, level=1)
@@ -216,11 +225,33 @@ def run_record(engine: Bound, gen: Generation) -> dict[str, Any]:
         "sampling": None if s is None else {"temperature": s.temperature, "top_p": s.top_p,
                                              "top_k": s.top_k, "seed": s.seed},
         "stopped_at": gen.stopped_at,
+        "speculative": gen.spec.to_json() if gen.spec is not None else None,
+        "bytes_per_token": bytes_per_token(engine, gen) if gen.ids else None,
         **cache_json(stats),
         **lookahead_json(stats, model.lookahead, model.lookahead_unready),
         **report_json(model.trunk, model.tables),
         **step_log,
     }
+
+
+def bytes_per_token(engine: Bound, gen: Generation) -> dict[str, Any]:
+    """Bytes per generated token over the run: read from storage (trunk, experts) and
+    multiplied (trunk layers acquired per forward pass, distinct routed experts per layer
+    visit). Fewer passes per token (``--spec``) shrink both."""
+    from k3core.model.sizes import sizes_from_config
+
+    model, stats = engine.model, engine.experts.stats
+    n = max(len(gen.ids), 1)
+    passes = gen.spec.passes if gen.spec is not None else len(gen.steps)
+    tstats = getattr(model.trunk, "stats", None)
+    trunk_read = int(getattr(tstats, "bytes_read", 0) or 0)
+    sizes = sizes_from_config(engine.cfg)
+    layer_share = model.n_layers / max(engine.cfg.n_layers, 1)
+    distinct = stats.requests - int(stats.extra.get("reuse", 0))
+    return {"passes": passes, "tokens": len(gen.ids),
+            "trunk_read": trunk_read / n, "expert_read": stats.bytes_read / n,
+            "trunk_touched": passes * sizes.trunk_bytes * layer_share / n,
+            "expert_touched": distinct * sizes.expert_bytes / n}
 
 
 def cache_summary(stats: ExpertStats, slots: int, slot_bytes: int, policy: str, describe: str) -> list[tuple[str, str]]:

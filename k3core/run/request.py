@@ -70,7 +70,9 @@ class GenerationParams(_Strict):
     1.0 unless given; a time-based seed unless given, printed in the report). Generation
     stops after ``max_tokens``, after emitting a ``stop_ids`` id or the tokenizer's
     end-of-sequence id (unless ``ignore_eos``), or when the text contains a ``stop`` string
-    (the text is cut before it).
+    (the text is cut before it). ``spec`` (off | ngram | auto) drafts up to ``spec_width``
+    tokens per pass from the context's n-grams (longest ``spec_ngram``) and verifies them in
+    one pass: the same ids as ``off`` (docs/speculative.md).
     """
 
     max_tokens: int = 8
@@ -81,9 +83,14 @@ class GenerationParams(_Strict):
     stop: list[str] = Field(default_factory=list)
     stop_ids: list[int] = Field(default_factory=list)
     ignore_eos: bool = False
+    spec: str = "off"
+    spec_width: int = 4
+    spec_ngram: int = 3
 
     @model_validator(mode="after")
     def _check(self) -> GenerationParams:
+        from k3core.model.speculative import check_spec
+
         if not 0 <= self.max_tokens <= MAX_GEN:
             raise UsageError(f"--gen must be in 0..{MAX_GEN}, got {self.max_tokens} "
                              "(refusing rather than clamping)")
@@ -106,6 +113,7 @@ class GenerationParams(_Strict):
             raise UsageError(f"--top-k must be >= 1, got {self.top_k}")
         if self.seed is not None and self.seed < 0:
             raise UsageError(f"--seed must be a non-negative integer, got {self.seed}")
+        check_spec(self.spec, self.spec_width, self.spec_ngram)
         return self
 
     @property
@@ -203,7 +211,9 @@ class RunRequest(_Strict):
                       "top_p": take("top_p"), "top_k": take("top_k"), "seed": take("seed"),
                       "stop": list(take("stop", []) or []),
                       "stop_ids": list(take("stop_id", []) or []),
-                      "ignore_eos": bool(take("ignore_eos", False))}
+                      "ignore_eos": bool(take("ignore_eos", False)),
+                      "spec": take("spec", "off"), "spec_width": take("spec_width", 4),
+                      "spec_ngram": take("spec_ngram", 3)}
         outputs = {k: take(k) for k in OutputRequest.model_fields}
         quiet, verbose = bool(take("quiet", False)), int(take("verbose", 0) or 0)
         verbosity = -1 if quiet else min(verbose, 2)

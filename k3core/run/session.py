@@ -13,15 +13,17 @@ every step (O(T^2)); it gives the same tokens.
 One step, in order: ``before_step`` (a hook, for fault tests), the forward pass, the pick
 (greedy or the seeded sampler), then the stop checks: a ``stop_ids`` id, the end-of-sequence
 id (unless ``ignore_eos``; its text is not shown), a stop string (the text is cut before it),
-``max_tokens``. A Ctrl-C inside the loop leaves what was made in :attr:`Session.last`
-(``interrupted=True``) and propagates; the session stays usable (a forward pass cut short
+``max_tokens``. With ``spec`` (``ngram``/``auto``) a step is a verify pass that may emit
+several tokens (the same ids, each checked against the stops in turn; the state keeps only
+what was emitted: :mod:`k3core.model.speculative`). A Ctrl-C inside the loop leaves what
+was made in :attr:`Session.last` (``interrupted=True``) and propagates; the session stays usable (a forward pass cut short
 drops the carried state, and the next call prefills the session's ids again).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Generator, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -31,6 +33,7 @@ import numpy as np
 from k3core.api.errors import UsageError
 from k3core.model.generate import Step, StepTimes
 from k3core.model.sampling import Sampler, argmax
+from k3core.model.speculative import SpecOptions, SpecStats, Speculator
 from k3core.model.state import SequenceState
 from k3core.run.memory_plan import check_kv
 from k3core.run.prompt import MAX_PROMPT, check_vocab
@@ -56,6 +59,7 @@ class Generation(StepTimes):
     interrupted: bool = False
     sampler: Sampler | None = None
     report: dict[str, Any] = field(default_factory=dict)
+    spec: SpecStats | None = None  # what --spec ngram|auto did
 
     @property
     def full_ids(self) -> list[int]:
@@ -155,6 +159,8 @@ class Session:
         self.last = gen
         self.ids = self.ids + prompt
         pick = gen.sampler or argmax
+        spec = (Speculator(eng.model, SpecOptions(p.spec, p.spec_width, p.spec_ngram))
+                if p.spec != "off" else None)
         text = TextStream(eng.tokenizer, p.stop)
         stops, eos = set(p.stop_ids), set() if p.ignore_eos else eng.eos_ids
         try:
@@ -164,29 +170,10 @@ class Session:
                 gen.prefill_seconds = time.perf_counter() - t0
                 gen.stop_reason = "prefill"
                 return
-            for g in range(p.max_tokens):
-                self.before_step(g)
-                t0 = time.perf_counter()
-                logits = self._forward()
-                if g == 0:
-                    gen.first_logits = logits
-                tok = pick(logits)
-                self.ids.append(tok)
-                gen.ids.append(tok)
-                step = Step(g, tok, time.perf_counter() - t0)
-                gen.steps.append(step)
-                piece = "" if tok in eos and tok not in stops else text.push(tok)
-                gen.text = text.text if text.enabled else None
-                yield step, piece
-                if tok in stops:
-                    gen.stopped_at, gen.stop_reason = tok, "stop_id"
-                    break
-                if tok in eos:
-                    gen.stopped_at, gen.stop_reason = tok, "eos"
-                    break
-                if text.hit is not None:
-                    gen.stop_reason = "stop"
-                    break
+            if spec is not None:
+                yield from self._speculate(gen, p, spec, pick, text, stops, eos)
+            else:
+                yield from self._plain(gen, p, pick, text, stops, eos)
             tail = text.finish()
             if tail:
                 yield None, tail
@@ -195,6 +182,99 @@ class Session:
             raise
         finally:
             gen.text = text.text if text.enabled else None
+
+    def _plain(self, gen: Generation, p: GenerationParams, pick: Callable[[np.ndarray], int],
+               text: TextStream, stops: set[int], eos: set[int]
+               ) -> Generator[tuple[Step | None, str], None, None]:
+        """One token per forward pass."""
+        for g in range(p.max_tokens):
+            self.before_step(g)
+            t0 = time.perf_counter()
+            logits = self._forward()
+            if g == 0:
+                gen.first_logits = logits
+            tok = pick(logits)
+            self.ids.append(tok)
+            gen.ids.append(tok)
+            step = Step(g, tok, time.perf_counter() - t0)
+            gen.steps.append(step)
+            piece = "" if tok in eos and tok not in stops else text.push(tok)
+            gen.text = text.text if text.enabled else None
+            yield step, piece
+            if tok in stops:
+                gen.stopped_at, gen.stop_reason = tok, "stop_id"
+                break
+            if tok in eos:
+                gen.stopped_at, gen.stop_reason = tok, "eos"
+                break
+            if text.hit is not None:
+                gen.stop_reason = "stop"
+                break
+
+    def _speculate(self, gen: Generation, p: GenerationParams, spec: Speculator,
+                   pick: Callable[[np.ndarray], int], text: TextStream, stops: set[int],
+                   eos: set[int]) -> Generator[tuple[Step | None, str], None, None]:
+        """Draft, verify in one pass, emit what agrees (docs/speculative.md); the same ids,
+        steps and stops as :meth:`_plain`, one pass per agreeing run of tokens."""
+        g = 0
+        gen.spec = spec.stats
+        while g < p.max_tokens:
+            self.before_step(g)
+            t0 = time.perf_counter()
+            sure = len(self.ids) - self.state.pos if self.state is not None else len(self.ids)
+            drafts = spec.propose(self.ids, p.max_tokens - g, sure)
+            rows = self._verify(spec, drafts)
+            if g == 0:
+                gen.first_logits = rows[0]
+            toks: list[int] = []
+            for i, row in enumerate(rows):
+                tok = pick(row)
+                toks.append(tok)
+                if (tok in stops or tok in eos or g + len(toks) >= p.max_tokens
+                        or i >= len(drafts) or tok != drafts[i]):
+                    break
+            seconds = time.perf_counter() - t0
+            kept, done = 0, False
+            try:
+                for tok in toks:
+                    self.ids.append(tok)
+                    gen.ids.append(tok)
+                    kept += 1
+                    step = Step(g, tok, seconds / len(toks))
+                    g += 1
+                    gen.steps.append(step)
+                    piece = "" if tok in eos and tok not in stops else text.push(tok)
+                    gen.text = text.text if text.enabled else None
+                    yield step, piece
+                    if tok in stops:
+                        gen.stopped_at, gen.stop_reason, done = tok, "stop_id", True
+                    elif tok in eos:
+                        gen.stopped_at, gen.stop_reason, done = tok, "eos", True
+                    elif text.hit is not None:
+                        gen.stop_reason, done = "stop", True
+                    if done:
+                        break
+            finally:
+                self._settle(spec, kept)
+                spec.record(g - kept, drafts, toks[:kept], seconds)
+            if done:
+                break
+
+    def _verify(self, spec: Speculator, drafts: list[int]) -> np.ndarray:
+        try:
+            return spec.verify(self.ids, self.state if self.incremental else None, drafts)
+        except BaseException:
+            self.state = None  # as _forward: the next call prefills the session's ids again
+            raise
+
+    def _settle(self, spec: Speculator, kept: int) -> None:
+        """Keep the state of the emitted tokens (the last one stays pending)."""
+        if self.state is None:
+            return
+        if kept == 0:  # cut short before a token was emitted: prefill again next time
+            self.state = None
+            return
+        spec.settle(self.state, len(self.ids) - 1)
 
     def _reserve(self, need: int) -> None:
         """Room for ``need`` positions in the carried state (the KV cache is checked first)."""

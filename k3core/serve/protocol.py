@@ -79,6 +79,7 @@ class _Sampling(_Strict):
     logit_bias: dict[str, float] | None = None
     stop_token_ids: list[int] | None = Field(None, max_length=8)
     ignore_eos: bool = False
+    spec: Literal["off", "ngram", "auto"] | None = None  # k3's speculative decoding
 
     @field_validator("stop")
     @classmethod

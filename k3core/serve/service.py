@@ -194,7 +194,7 @@ class Service:
                            param="stop_token_ids", code="invalid_value")
         fields = {"max_tokens": max_tokens, "temperature": req.temperature, "top_p": req.top_p,
                   "top_k": req.top_k, "seed": req.seed, "stop_ids": sorted(set(stop_ids)),
-                  "ignore_eos": req.ignore_eos,
+                  "ignore_eos": req.ignore_eos, "spec": req.spec,
                   "stop": req.stops if fmt is None else []}  # a chat applies them to its response
         try:
             params = build(GenerationParams, {k: v for k, v in fields.items() if v is not None})

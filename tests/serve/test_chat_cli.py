@@ -129,6 +129,7 @@ def test_a_conversation_from_another_format_is_refused(tiny_model, tmp_path):
     (["--context", "0"], 2, "--context"),
     (["--thinking-effort", "medium"], 2, "low, high, max"),
     (["--chat-format", "chatml"], 2, "chat format"),
+    (["--spec", "always"], 2, "--spec"),
 ])
 def test_bad_chat_flags_are_refused(tiny_model, args, code, words):
     r = k3_inprocess("chat", tiny_model, *args, input="")

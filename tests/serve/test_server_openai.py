@@ -69,6 +69,20 @@ def test_token_id_prompt_and_sampling_match_the_python_api(client, engine):
     assert k3_ext(again)["completion_ids"] == ref.ids
 
 
+def test_speculative_decoding_gives_the_same_completion(client, engine):
+    ids = [5, 17, 300, 42, 9, 5, 17, 300]
+    plain = client.completions.create(model=MODEL, prompt=ids, max_tokens=8)
+    for mode in ("ngram", "auto"):
+        resp = client.completions.create(model=MODEL, prompt=ids, max_tokens=8,
+                                         extra_body={"spec": mode})
+        assert k3_ext(resp)["completion_ids"] == k3_ext(plain)["completion_ids"]
+    import openai
+
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL, prompt=ids, max_tokens=2,
+                                  extra_body={"spec": "always"})
+
+
 def test_stop_string_and_max_tokens_are_honoured(client, engine):
     ref = engine.generate(PROMPT, max_tokens=8)
     assert ref.text is not None

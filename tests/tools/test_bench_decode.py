@@ -52,9 +52,39 @@ def test_human_report(model) -> None:
     (["--ids", "1,x"], "comma-separated integers"),
     (["--ids", "99999999"], "prompt ids must be in"),
     (["--bandwidth-mb", "0"], "--bandwidth-mb > 0"),
+    (["--spec", "maybe"], "--spec must be one of"),
+    (["--spec", "ngram", "--spec-width", "0"], "--spec-width must be in"),
+    (["--prompt-file", "/nonexistent/prompt.txt"], "--prompt-file"),
 ])
 def test_bad_arguments_are_refused(model, args, msg) -> None:
     res = runner.invoke(app, ["bench", "decode", str(model), "--backend", "numpy", "--prefill", "0",
                               "--repeat", "1", "--no-check", "--bandwidth-mb", "32", *args])
     assert res.exit_code == 2, res.output
     assert "k3: error:" in res.output and msg in res.output
+
+
+DEMO = Path(__file__).resolve().parents[2] / "demo-model"
+
+
+def test_spec_on_a_code_prompt(tmp_path) -> None:
+    prompt = tmp_path / "code.txt"
+    prompt.write_text("def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n"
+                      "\n\ndef mul(a, b):\n")
+    docs = {}
+    for mode in ("off", "ngram"):
+        res = runner.invoke(app, ["bench", "decode", str(DEMO), "--prompt-file", str(prompt),
+                                  "--gen", "24", "--prefill", "0", "--repeat", "1", "--no-check",
+                                  "--bandwidth-mb", "32", "--spec", mode, "--json"])
+        assert res.exit_code == 0, res.output
+        docs[mode] = json.loads(res.output.strip().splitlines()[-1])
+    off, on = docs["off"], docs["ngram"]
+    assert on["generated_ids"] == off["generated_ids"]
+    assert off["speculative"] is None and off["passes_per_token"] == 1.0
+    assert on["spec"] == "ngram" and on["speculative"]["drafts_accepted"] > 0
+    assert on["speculative"]["passes"] < 24 and on["passes_per_token"] <= 1.0
+    assert on["mean_seconds_per_token"] > 0
+    res = runner.invoke(app, ["bench", "decode", str(DEMO), "--prompt-file", str(prompt),
+                              "--gen", "6", "--prefill", "0", "--repeat", "1", "--bandwidth-mb",
+                              "32", "--spec", "ngram", "--backend", "numpy"])
+    assert res.exit_code == 0, res.output
+    assert "ids identical to --spec off" in res.output and "passes per token" in res.output

@@ -21,6 +21,12 @@ With ``check`` (the default) the same ids are decoded with ``--backend numpy`` a
 generated ids must be identical (the kernel contract is bit-exact), for the decode run
 and for the prefill run.
 
+``spec`` (``--spec ngram|auto``, docs/speculative.md) decodes with drafts verified in one
+pass; the figures then also come as means over the steady tokens (every token after the
+first pass), since a pass's bytes and time land on its first token, and the ids must equal
+a ``--spec off`` run's (``spec_ids_match``). ``prompt_file`` (``--prompt-file``) takes the
+decode prompt as text through the model's tokenizer instead of ``--ids``.
+
 ``python -m k3core.tools.bench.decode MODEL [--trunk DIR] [--backend avx2] [--json]`` (the CLI
 wires the same code as ``k3 bench decode``).
 """
@@ -42,6 +48,7 @@ from k3core.api.kernels import KernelBackend
 from k3core.experts.setup import CacheOptions
 from k3core.model.generate import RunResult, Step, generate
 from k3core.model.sizes import sizes_from_config
+from k3core.model.speculative import SpecOptions
 from k3core.run.engine import Engine, EngineOptions, open_engine
 
 DEFAULT_IDS = (3, 7, 11, 5, 9)
@@ -87,17 +94,23 @@ class RunFigures:
     trunk_bytes: list[int] = field(default_factory=list)
     wait_seconds: list[float] = field(default_factory=list)
     ids: list[int] = field(default_factory=list)
+    first_pass: int = 1  # tokens the first forward pass emitted (the prefill pass)
+    spec: dict[str, Any] | None = None
+    expert_distinct: list[int] = field(default_factory=list)  # distinct experts per layer visit
 
 
-def _counters(eng: Engine, counter: CallCounter) -> tuple[int, int, int, int, float]:
+def _counters(eng: Engine, counter: CallCounter) -> tuple[int, int, int, int, float, int]:
     st = eng.experts.stats
     tstats = getattr(eng.model.trunk, "stats", None)
     tb = int(getattr(tstats, "bytes_read", 0) or 0)
     tw = float(getattr(tstats, "exposed_wait_seconds", 0.0) or 0.0)
-    return counter.calls, int(st.bytes_read), int(st.requests), tb, float(st.exposed_wait_seconds) + tw
+    distinct = int(st.requests) - int(st.extra.get("reuse", 0))
+    return (counter.calls, int(st.bytes_read), int(st.requests), tb,
+            float(st.exposed_wait_seconds) + tw, distinct)
 
 
-def _decode_run(opts: EngineOptions, ids: list[int], gen: int, incremental: bool) -> RunFigures:
+def _decode_run(opts: EngineOptions, ids: list[int], gen: int, incremental: bool,
+                spec: SpecOptions | None = None) -> RunFigures:
     eng = open_engine(opts)
     fig = RunFigures()
     try:
@@ -114,9 +127,14 @@ def _decode_run(opts: EngineOptions, ids: list[int], gen: int, incremental: bool
             fig.expert_requests.append(now[2] - prev[2])
             fig.trunk_bytes.append(now[3] - prev[3])
             fig.wait_seconds.append(now[4] - prev[4])
+            fig.expert_distinct.append(now[5] - prev[5])
 
-        res: RunResult = generate(eng.model, ids, gen, incremental=incremental, on_step=on_step)
+        res: RunResult = generate(eng.model, ids, gen, incremental=incremental, on_step=on_step,
+                                  spec=spec)
         fig.ids = list(res.generated_ids)
+        if res.spec is not None:
+            fig.spec = res.spec.to_json()
+            fig.first_pass = int(res.spec.log[0]["emitted"]) if res.spec.log else 1
     finally:
         eng.close()
     return fig
@@ -160,6 +178,18 @@ class DecodeBench:
     checked_against: str | None
     ids_match: bool | None
     notes: list[str] = field(default_factory=list)
+    spec: str = "off"
+    #: means over the steady tokens (after the first pass) of the median run
+    mean_seconds_per_token: float = 0.0
+    mean_expert_bytes_read_per_token: float = 0.0
+    mean_trunk_bytes_read_per_token: float = 0.0
+    passes_per_token: float = 1.0
+    mean_seconds_per_token_runs: list[float] = field(default_factory=list)
+    #: weights multiplied per steady token: trunk layers per pass, distinct experts per visit
+    trunk_bytes_touched_per_token: float = 0.0
+    expert_bytes_touched_per_token: float = 0.0
+    speculative: dict[str, Any] | None = None
+    spec_ids_match: bool | None = None
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -183,6 +213,8 @@ def run_decode_bench(
     check: bool = True,
     seed: int = 0,
     bandwidth_bytes: int = 1 << 30,
+    spec: SpecOptions | None = None,
+    prompt_file: Path | None = None,
 ) -> DecodeBench:
     """Measure decode and prefill ``repeat`` times each (fresh engines); see the module doc."""
     if gen < 2 or repeat < 1 or prefill < 0 or bandwidth_bytes < 1:
@@ -197,12 +229,24 @@ def run_decode_bench(
 
     probe = open_engine(options(backend))
     cfg, kname, nthreads = probe.cfg, probe.names["kernel"], probe.kernels.threads
-    probe.close()
+    try:
+        if prompt_file is not None:
+            from k3core.run.prompt import load_tokenizer
+
+            tok = load_tokenizer(None, cfg.vocab, required=True, model_dir=model_dir)
+            ids = _prompt_ids(tok, prompt_file)
+    finally:
+        probe.close()
+    spec = spec if spec is not None and spec.on else None
     if any(not 0 <= i < cfg.vocab for i in ids):
         raise UsageError(f"bench decode: prompt ids must be in 0..{cfg.vocab - 1}")
-    runs = [_decode_run(options(backend), ids, gen, incremental) for _ in range(repeat)]
-    steady = [RunFigures(r.seconds[1:], r.calls[1:], r.expert_bytes[1:], r.expert_requests[1:],
-                         r.trunk_bytes[1:], r.wait_seconds[1:], r.ids) for r in runs]
+    runs = [_decode_run(options(backend), ids, gen, incremental, spec) for _ in range(repeat)]
+    steady = [RunFigures(r.seconds[r.first_pass:], r.calls[r.first_pass:],
+                         r.expert_bytes[r.first_pass:], r.expert_requests[r.first_pass:],
+                         r.trunk_bytes[r.first_pass:], r.wait_seconds[r.first_pass:], r.ids,
+                         r.first_pass, r.spec, r.expert_distinct[r.first_pass:]) for r in runs]
+    means = [_mean(s.seconds) for s in steady]
+    mid = sorted(range(len(steady)), key=lambda i: means[i])[len(steady) // 2]
     per_run = [_median(s.seconds) for s in steady]
     pooled = RunFigures()
     for s in steady:
@@ -231,6 +275,11 @@ def run_decode_bench(
             match = match and all(r.ids == pwant for r in pruns)
         if not match:
             notes.append("generated ids differ from --backend numpy: the kernel contract is broken")
+    spec_match: bool | None = None
+    if spec is not None and check:
+        spec_match = runs[0].ids == _decode_run(options(backend), ids, gen, incremental).ids
+        if not spec_match:
+            notes.append("generated ids differ from --spec off: speculation is not exact")
     psec = [r.seconds[0] for r in pruns]
     return DecodeBench(
         model=str(model_dir), backend=kname, threads=nthreads, incremental=incremental,
@@ -249,7 +298,44 @@ def run_decode_bench(
         prefill_expert_bytes_if_per_token=prefill * cfg.topk * sizes.n_moe_layers * sizes.expert_bytes,
         generated_ids=runs[0].ids, prefill_generated_ids=pruns[0].ids if pruns else [],
         checked_against="numpy" if check else None, ids_match=match, notes=notes,
+        spec=spec.mode if spec is not None else "off",
+        mean_seconds_per_token=means[mid],
+        mean_expert_bytes_read_per_token=_mean([float(b) for b in steady[mid].expert_bytes]),
+        mean_trunk_bytes_read_per_token=_mean([float(b) for b in steady[mid].trunk_bytes]),
+        passes_per_token=_passes_per_token(steady[mid]), speculative=runs[mid].spec,
+        mean_seconds_per_token_runs=means,
+        trunk_bytes_touched_per_token=sizes.trunk_bytes * _passes_per_token(steady[mid]),
+        expert_bytes_touched_per_token=_mean([float(x) for x in steady[mid].expert_distinct])
+        * sizes.expert_bytes,
+        spec_ids_match=spec_match,
     )
+
+
+def _mean(xs: list[float]) -> float:
+    return float(sum(xs) / len(xs)) if xs else 0.0
+
+
+def _passes_per_token(fig: RunFigures) -> float:
+    """Forward passes per steady token (1 without --spec)."""
+    if fig.spec is None:
+        return 1.0
+    log = fig.spec["log"][1:]
+    tokens = sum(int(e["emitted"]) for e in log)
+    return len(log) / tokens if tokens else 1.0
+
+
+def _prompt_ids(tokenizer: Any, path: Path) -> list[int]:
+    if tokenizer is None:
+        raise UsageError("bench decode: --prompt-file needs the model's tokenizer files")
+    try:
+        text = path.read_bytes().decode("utf-8", "surrogateescape")
+    except OSError as exc:
+        raise UsageError(f"bench decode: cannot read --prompt-file {path}: "
+                         f"{exc.strerror or exc}") from None
+    ids = [int(i) for i in tokenizer.encode(text)]
+    if not ids:
+        raise UsageError(f"bench decode: --prompt-file {path} holds no tokens")
+    return ids
 
 
 def format_report(b: DecodeBench) -> str:
@@ -280,6 +366,23 @@ def format_report(b: DecodeBench) -> str:
     if b.checked_against:
         lines.append(f"ids         : {'identical to' if b.ids_match else 'DIFFERENT from'} "
                      f"--backend {b.checked_against} (decode: {','.join(map(str, b.generated_ids))})")
+    if b.speculative is not None:
+        sp = b.speculative
+        lines.append(
+            f"spec        : --spec {b.spec} (width {sp['width']}, ngram {sp['ngram']}): "
+            f"{b.passes_per_token:.3f} passes per token; drafts accepted "
+            f"{sp['drafts_accepted']}/{sp['drafts_proposed']}, mean accepted width "
+            f"{sp['mean_accepted_width']:.2f}; decisions "
+            + ", ".join(f"{k} {v}" for k, v in sorted(sp["decisions"].items()))
+            + ("; ids identical to --spec off" if b.spec_ids_match else
+               "; ids DIFFERENT from --spec off" if b.spec_ids_match is False else ""))
+    lines.append(f"mean        : {b.mean_seconds_per_token:.4f} s/token (runs: "
+                 + ", ".join(f"{s:.4f}" for s in b.mean_seconds_per_token_runs) + "), "
+                 f"{b.mean_trunk_bytes_read_per_token / gb:.4f} GB trunk + "
+                 f"{b.mean_expert_bytes_read_per_token / gb:.4f} GB experts read, "
+                 f"{b.trunk_bytes_touched_per_token / gb:.4f} GB trunk + "
+                 f"{b.expert_bytes_touched_per_token / gb:.4f} GB experts multiplied per token "
+                 "(steady tokens of the median run)")
     lines += [f"NOTE: {n}" for n in b.notes]
     return "\n".join(lines)
 
@@ -308,17 +411,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--full-recompute", action="store_true")
     ap.add_argument("--no-check", action="store_true")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--spec", default="off")
+    ap.add_argument("--spec-width", type=int, default=4)
+    ap.add_argument("--spec-ngram", type=int, default=3)
+    ap.add_argument("--prompt-file", type=Path, default=None)
     a = ap.parse_args(argv)
     try:
         res = run_decode_bench(a.model, backend=a.backend, threads=a.threads, storage=a.storage,
                                cache_gb=a.cache_gb, trunk_dir=a.trunk, trunk_gb=a.trunk_gb,
                                ids=_ids(a.ids), gen=a.gen, prefill=a.prefill, repeat=a.repeat,
-                               incremental=not a.full_recompute, check=not a.no_check)
+                               incremental=not a.full_recompute, check=not a.no_check,
+                               spec=SpecOptions(a.spec, a.spec_width, a.spec_ngram),
+                               prompt_file=a.prompt_file)
     except K3Error as exc:
         print(f"k3: error: {exc}", file=sys.stderr)
         return 2 if isinstance(exc, UsageError) else 1
     print(res.to_json() if a.json else format_report(res))
-    return 0 if res.ids_match is not False else 1
+    return 0 if res.ids_match is not False and res.spec_ids_match is not False else 1
 
 
 if __name__ == "__main__":
