@@ -57,8 +57,7 @@ def state_bytes(st: SequenceState) -> list[bytes]:
         out += [st.kda[L].S.tobytes()] + [st.kda[L].conv[n].tobytes() for n in "qkv"]
     for L in sorted(st.kv):
         kv = st.kv[L]
-        out += [kv.k_nope[: st.pos].tobytes(), kv.k_rope[: st.pos].tobytes(),
-                kv.v[: st.pos].tobytes()]
+        out.append(kv.rows[: st.pos].tobytes())
     return out
 
 

@@ -85,7 +85,7 @@ def state_bytes(session: k3.Session) -> list[bytes]:
     for L in sorted(st.kda):
         out += [st.kda[L].S.tobytes()] + [st.kda[L].conv[n].tobytes() for n in "qkv"]
     for L in sorted(st.kv):
-        out += [getattr(st.kv[L], f)[: st.pos].tobytes() for f in ("k_nope", "k_rope", "v")]
+        out.append(st.kv[L].rows[: st.pos].tobytes())
     return out
 
 
