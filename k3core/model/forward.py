@@ -172,11 +172,16 @@ class Model:
         else:
             outs = np.empty((T, c.topk, c.latent), dtype=np.float32)
 
-            def use(e: int, ew: ExpertWeights) -> None:
-                rows, slots = np.nonzero(idx == e)
-                outs[rows, slots] = self.situ_mlp(ew.w1, ew.w3, ew.w2, np.ascontiguousarray(z[rows]))
+            def use_many(group: list[tuple[int, ExpertWeights]]) -> None:
+                # every expert that is ready in one kernel call, each over its own rows
+                where = [np.nonzero(idx == e) for e, _ in group]
+                ys = k.situ_mlp_many([(ew.w1, ew.w3, ew.w2) for _, ew in group],
+                                     [np.ascontiguousarray(z[rows]) for rows, _ in where],
+                                     c.situ_b1, c.situ_b2)
+                for (rows, slots), y in zip(where, ys, strict=True):
+                    outs[rows, slots] = y
 
-            self.experts.run_layer(p.layer, requests, use)
+            self.experts.run_layer_many(p.layer, requests, use_many)
         acc = np.zeros((T, c.latent), dtype=np.float32)
         for j in range(c.topk):
             acc = acc + w[:, j : j + 1] * outs[:, j]
