@@ -50,6 +50,11 @@ class Model:
         self.shared_kda_slot = False
         #: routed experts computed elsewhere (k3core.cluster); None computes them here
         self.executor: ExpertExecutor | None = None
+        #: feed more ids than this in chunks of at most this many (None: one pass); the
+        #: logits are the unchunked ones bit for bit, the activations are one chunk's
+        self.prefill_chunk: int | None = None
+        #: the number of passes the last forward took (1 unless it was chunked)
+        self.chunks_last = 0
 
     # ---- top level ------------------------------------------------------------------------
     def forward(self, ids: np.ndarray, state: SequenceState, all_logits: bool = False) -> np.ndarray:
@@ -57,8 +62,25 @@ class Model:
         ids = np.asarray(ids, dtype=np.int64)
         T = ids.shape[0]
         state.check_room(T)
-        self.layers_completed = 0
         self.experts.begin_step()
+        n = self.prefill_chunk
+        if n is None or n < 1 or T <= n:
+            self.chunks_last = 1
+            return self._pass(ids, state, all_logits)
+        # a long prompt in chunks: each chunk carries the state (KDA, conv history, KV cache)
+        # to the next exactly as one pass would, and every op is per token or causal, so the
+        # logits are the one-pass logits; each routed expert is read once per chunk
+        starts = range(0, T, n)
+        self.chunks_last = len(starts)
+        outs = [self._pass(ids[a : a + n], state, all_logits, logits=all_logits or a + n >= T)
+                for a in starts]
+        return np.concatenate(outs) if all_logits else outs[-1]
+
+    def _pass(self, ids: np.ndarray, state: SequenceState, all_logits: bool,
+              logits: bool = True) -> np.ndarray:
+        """One pass over every layer for ``ids``; the logits when ``logits`` (else empty)."""
+        T = ids.shape[0]
+        self.layers_completed = 0
         h = self.tables.embed(ids)
         blocks: list[np.ndarray] = []
         for L in range(self.n_layers):
@@ -70,14 +92,17 @@ class Model:
             self.layers_completed = L + 1
             if self.on_layer is not None:
                 self.on_layer(L, h)
+        if not logits:
+            state.pos += T
+            return np.empty((0, self.cfg.vocab), dtype=np.float32)
         h = self.k.attn_res(np.stack(blocks + [h]), self.tables.fold_out, self.cfg.rms_eps)
         last = h if all_logits else h[-1:]
         x = self.k.rmsnorm(last, self.tables.norm, self.cfg.rms_eps)
-        logits = self.tables.logits(self.k, x)
+        out = self.tables.logits(self.k, x)
         state.pos += T
-        if not np.all(np.isfinite(logits)):
+        if not np.all(np.isfinite(out)):
             raise K3Error("the forward pass produced non-finite logits; refusing to pick a token")
-        return logits
+        return out
 
     # ---- one decoder layer with block attention residuals (docs/model.md §5.2) ------------------
     def layer(self, p: LayerParams, h: np.ndarray, blocks: list[np.ndarray], st: SequenceState) -> np.ndarray:
