@@ -52,6 +52,8 @@ class EngineOptions:
     ultra_low_memory: bool = False
     verify_trunk: bool = False
     cache: CacheOptions = field(default_factory=CacheOptions)
+    #: ids per forward pass of a prompt (Model.prefill_chunk; None: one pass)
+    prefill_chunk: int | None = None
 
 
 @dataclass
@@ -164,6 +166,7 @@ def bind(
     experts: ExpertSource = cache or InMemoryExperts(lambda L, e: expert_from_reader(cfg, index, L, e))
     model = Model(cfg, kernels, trunk, tables, experts, n_layers=n_layers)
     model.shared_kda_slot = opts.ultra_low_memory
+    model.prefill_chunk = opts.prefill_chunk
     names = {"kernel": kname, "storage": sname, "cache": pname,
              "trunk": "streamed" if opts.trunk_dir is not None else "resident"}
     return cls(cfg, model, index, kernels, storage, experts, names, notes, timings, trunk_lines)

@@ -53,6 +53,10 @@ class Generation(StepTimes):
     stopped_at: int = -1
     stop_reason: str = "length"  # length | stop_id | eos | stop | prefill
     prefill_seconds: float = 0.0
+    #: the first forward pass (the prompt): ids fed, passes (chunks), routed-expert bytes read
+    prefill_ids: int = 0
+    prefill_chunks: int = 0
+    prefill_expert_bytes: int = 0
     interrupted: bool = False
     sampler: Sampler | None = None
     report: dict[str, Any] = field(default_factory=dict)
@@ -160,14 +164,14 @@ class Session:
         try:
             if p.max_tokens == 0:
                 t0 = time.perf_counter()
-                gen.first_logits = self._forward()
+                gen.first_logits = self._prefill(gen)
                 gen.prefill_seconds = time.perf_counter() - t0
                 gen.stop_reason = "prefill"
                 return
             for g in range(p.max_tokens):
                 self.before_step(g)
                 t0 = time.perf_counter()
-                logits = self._forward()
+                logits = self._prefill(gen) if g == 0 else self._forward()
                 if g == 0:
                     gen.first_logits = logits
                 tok = pick(logits)
@@ -208,6 +212,16 @@ class Session:
         elif self.state.capacity < need:
             check_kv(cfg, need + 1, n_layers=n_layers)
             grow_state(self.state, need)
+
+    def _prefill(self, gen: Generation) -> np.ndarray:
+        """The call's first forward pass, with its figures recorded in ``gen``."""
+        stats = self.engine.experts.stats
+        before = stats.bytes_read
+        gen.prefill_ids = len(self.ids) - (self.state.pos if self.incremental and self.state else 0)
+        logits = self._forward()
+        gen.prefill_chunks = self.engine.model.chunks_last
+        gen.prefill_expert_bytes = stats.bytes_read - before
+        return logits
 
     def _forward(self) -> np.ndarray:
         model = self.engine.model

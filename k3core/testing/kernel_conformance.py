@@ -342,7 +342,7 @@ class KernelConformance:
         _check_unchanged(before, [x, w1, w3, w2], "situ_mlp")
         assert_same_bits(got, want, f"situ_mlp {kind}")
 
-    def _situ_many_case(self, kind: str, Ts: Sequence[int]) -> tuple[list[Any], list[Any]]:
+    def _situ_many_case(self, kind: str, Ts: Sequence[int]) -> tuple[list[tuple[Any, Any, Any]], list[Any]]:
         rng = _rng("situ-many", kind, *Ts)
         cols, inter, out = (96, 64, 40) if kind == "mxfp4" else (45, 33, 7)
 
@@ -362,7 +362,8 @@ class KernelConformance:
         before = _snapshot(*xs, *(w for mlp in mlps for w in mlp))
         with np.errstate(all="ignore"):
             got = kb.situ_mlp_many(mlps, xs, 4.0, 25.0)
-            want = [reference().situ_mlp(*mlp, x, 4.0, 25.0) for mlp, x in zip(mlps, xs, strict=True)]
+            want = [reference().situ_mlp(w1, w3, w2, x, 4.0, 25.0)
+                    for (w1, w3, w2), x in zip(mlps, xs, strict=True)]
         _check_unchanged(before, [*xs, *(w for mlp in mlps for w in mlp)], "situ_mlp_many")
         assert len(got) == len(want)
         for i, (g, ww) in enumerate(zip(got, want, strict=True)):
