@@ -81,9 +81,9 @@ class ExpertSource(ABC):
     ) -> None:
         """:meth:`run_layer` with every expert that is ready at once: ``use_many`` gets a
         list of ``(expert, weights)`` (each distinct expert once over the visit, its weights
-        valid during the call), in one or more batches (what is resident first, late reads as
-        they land). Results never depend on the grouping. A source that overrides only
-        :meth:`run_layer` is served through it, one expert per call.
+        valid during the call), in one or more batches (the expert cache: each batch of the
+        visit once all of its reads completed). Results never depend on the grouping. A source
+        that overrides only :meth:`run_layer` is served through it, one expert per call.
         """
         if type(self).run_layer is not ExpertSource.run_layer:
             self.run_layer(layer, requests, lambda e, w: use_many([(e, w)]))
