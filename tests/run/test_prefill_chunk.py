@@ -1,7 +1,7 @@
 """Chunked prefill through ``k3 run`` and the memory plan: a prompt fed in chunks of
 ``--prefill-chunk N`` ids gives the one-pass logits and ids byte for byte, the run report and
 ``--out`` say how many passes it took and what the routed experts read, and the plan's chunk
-comes from its activations budget (docs/memory-plan.md)."""
+comes from its activations budget (docs/engine-behaviours.md, memory plan)."""
 
 from __future__ import annotations
 
