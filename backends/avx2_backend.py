@@ -304,6 +304,50 @@ class Avx2Backend(KernelBackend):
         self._check(rc, "situ_mlp")
         return out
 
+    def situ_mlp_many(
+        self, mlps: Sequence[tuple[U16 | F32 | Mxfp4, U16 | F32 | Mxfp4, U16 | F32 | Mxfp4]],
+        xs: Sequence[F32], b1: float, b2: float,
+    ) -> list[F32]:
+        """Every MLP in one C call when all have one kind and one shape (the routed experts
+        of a layer); otherwise one ``situ_mlp`` call each."""
+        if len(mlps) != len(xs):
+            raise ValueError(f"situ_mlp_many: {len(mlps)} MLPs but {len(xs)} inputs")
+        if not mlps:
+            return []
+        inter, cols = mlps[0][0].shape
+        out_rows = mlps[0][2].shape[0]
+        kinds = {self._kind(w) for mlp in mlps for w in mlp}
+        same = all(w1.shape == w3.shape == (inter, cols) and w2.shape == (out_rows, inter)
+                   for w1, w3, w2 in mlps)
+        if len(kinds) != 1 or None in kinds or not same or min(inter, cols, out_rows) == 0:
+            return super().situ_mlp_many(mlps, xs, b1, b2)
+        kind = kinds.pop()
+        xs = [self._matmul_x(x, cols) for x in xs]
+        outs = [np.empty((x.shape[0], out_rows), dtype=np.float32) for x in xs]
+        if not any(x.shape[0] for x in xs):
+            return outs
+        ffi, keep = self._ffi, []
+        ptrs = [[self._wptrs(w, keep) for w in mlp] for mlp in mlps]
+
+        def arr(ctype: str, vals: list[Any]) -> Any:
+            return ffi.new(ctype, vals)
+
+        def scales(j: int) -> Any:
+            return arr("uint8_t *[]", [p[j][1] for p in ptrs]) if kind == 2 else ffi.NULL
+
+        xp = [self._p("float[]", x) for x in xs]  # NULL for an expert with no rows: never read
+        yp = [self._out("float[]", o) for o in outs]
+        self._sync_threads()
+        rc = self._lib.k3_situ_mlp_many(
+            kind, len(mlps), arr("void *[]", [p[0][0] for p in ptrs]), scales(0),
+            arr("void *[]", [p[1][0] for p in ptrs]), scales(1),
+            arr("void *[]", [p[2][0] for p in ptrs]), scales(2), inter, cols, out_rows,
+            arr("float *[]", xp), arr("int64_t[]", [x.shape[0] for x in xs]), float(b1), float(b2),
+            arr("float *[]", yp),
+        )
+        self._check(rc, "situ_mlp_many")
+        return outs
+
     # --- normalisation and activations ---------------------------------------------------
     def _rows(self, op: str, x: Any) -> tuple[NDArray[np.float32], int, int]:
         x = _f32(op, "x", x)

@@ -73,8 +73,8 @@ def load(
     The keywords are ``k3 run``'s flags with the same meaning and precedence (a keyword beats
     ``$K3_*`` beats the preset beats the default): ``preset``, ``trunk`` (a packed trunk to
     stream), ``backend``, ``storage``, ``cache_policy``, ``threads``, and in ``options``
-    ``trunk_gb``, ``trunk_ring``, ``cache_gb``, ``ultra_low_memory``, ``tok``, ``config``,
-    ``layers``, ``incremental`` (default True), ``cache_trace``, ``verify_trunk``,
+    ``trunk_gb``, ``trunk_ring``, ``cache_gb``, ``ultra_low_memory``, ``prefill_chunk``, ``tok``,
+    ``config``, ``layers``, ``incremental`` (default True), ``cache_trace``, ``verify_trunk``,
     ``lookahead`` (``"off"``, the default, ``"on"``, ``"attn"``, ``"out"``), ``expert_readers``. The memory
     plan is checked before anything large is allocated. Raises a :class:`K3Error`.
     """

@@ -37,6 +37,12 @@ int k3_matmul_many(int kind, int n, void **w, uint8_t **scales, const int64_t *r
 int k3_situ_mlp(int kind, const void *w1, const uint8_t *s1, const void *w3, const uint8_t *s3,
                 const void *w2, const uint8_t *s2, int64_t inter, int64_t cols, int64_t out_rows,
                 const float *x, int64_t T, double b1, double b2, float *y);
+/* n SiTU MLPs of one kind and shape (the routed experts of a layer), each over its own
+ * x[i][T[i], cols] into y[i][T[i], out_rows]: exactly n k3_situ_mlp calls' bits, in one call
+ * (three parallel regions in all). Scales arrays are NULL unless MXFP4. */
+int k3_situ_mlp_many(int kind, int n, void **w1, uint8_t **s1, void **w3, uint8_t **s3,
+                     void **w2, uint8_t **s2, int64_t inter, int64_t cols, int64_t out_rows,
+                     const float **x, const int64_t *T, double b1, double b2, float **y);
 
 /* ---- normalisation and activations (x viewed as [rows, m] or flat [n]) ------------- */
 void k3_rmsnorm(const float *x, int64_t rows, int64_t m, const float *w, double eps, float *y);

@@ -5,6 +5,7 @@
 #include "k3avx2_vexp512.c"
 #include "k3avx2_matmul512.c"
 #include "k3avx2_matmul.c"
+#include "k3avx2_experts.c"
 #include "k3avx2_elementwise.c"
 #include "k3avx2_attention.c"
 #include "k3avx2_router.c"

@@ -239,21 +239,22 @@ static inline float row_dot(enum k3_wkind kind, const void *w, const uint8_t *sc
     return row_mxfp4((const uint8_t *)w + o * (cols / 2), scales + o * (cols / 32), cols / 32, x);
 }
 
-/* Row o of one matrix for the nt tokens of a widened block (xd: nt x cp; y: the block's
- * first token, y[t * rows + o]). */
-static inline void do_row(enum k3_wkind kind, int blocked, const void *w, const uint8_t *sc,
-                          int64_t o, int64_t rows, int64_t cols, int64_t cp, const double *xd,
-                          int64_t nt, float *y) {
+/* Rows o .. o + nr - 1 (nr 1 or 2) of one matrix for the nt tokens of a widened block (xd:
+ * nt x cp; y: the block's first token, y[t * rows + o]). */
+static inline void do_rows(enum k3_wkind kind, int blocked, const void *w, const uint8_t *sc,
+                           int64_t o, int64_t nr, int64_t rows, int64_t cols, int64_t cp,
+                           const double *xd, int64_t nt, float *y) {
     if (blocked) {
         if (kind == K3_W_BF16)
-            k3__row512_bf16(w, sc, o, rows, cols, cp, xd, nt, y);
+            k3__row512_bf16(w, sc, o, nr, rows, cols, cp, xd, nt, y);
         else if (kind == K3_W_F32)
-            k3__row512_f32(w, sc, o, rows, cols, cp, xd, nt, y);
+            k3__row512_f32(w, sc, o, nr, rows, cols, cp, xd, nt, y);
         else
-            k3__row512_mxfp4(w, sc, o, rows, cols, cp, xd, nt, y);
+            k3__row512_mxfp4(w, sc, o, nr, rows, cols, cp, xd, nt, y);
         return;
     }
-    for (int64_t t = 0; t < nt; ++t) y[t * rows + o] = row_dot(kind, w, sc, o, cols, xd + t * cp);
+    for (int64_t r = o; r < o + nr; ++r)
+        for (int64_t t = 0; t < nt; ++t) y[t * rows + r] = row_dot(kind, w, sc, r, cols, xd + t * cp);
 }
 
 /* One matrix of a group that shares its input: y[t * rows + o]. */
@@ -279,10 +280,17 @@ static void rows_job_fn(void *ctx, int64_t b, int64_t e) {
     int i = 0;
     int64_t o = b;
     while (o >= j->m[i].rows) o -= j->m[i++].rows;
-    for (int64_t g = b; g < e; ++g, ++o) {
+    for (int64_t g = b; g < e;) {
         while (o >= j->m[i].rows) o -= j->m[i++].rows;
-        do_row(j->kind, j->blocked, j->m[i].w, j->m[i].sc, o, j->m[i].rows, j->cols, j->cp, j->xd,
-               j->nt, j->m[i].y + j->t0 * j->m[i].rows);
+        /* two rows of the same matrix at once where the range has them */
+        int64_t nr = K3_NR;
+        if (nr > e - g) nr = e - g;
+        if (nr > j->m[i].rows - o) nr = j->m[i].rows - o;
+        if (!j->blocked) nr = 1;
+        do_rows(j->kind, j->blocked, j->m[i].w, j->m[i].sc, o, nr, j->m[i].rows, j->cols, j->cp,
+                j->xd, j->nt, j->m[i].y + j->t0 * j->m[i].rows);
+        g += nr;
+        o += nr;
     }
 }
 

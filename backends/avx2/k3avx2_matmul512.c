@@ -115,56 +115,87 @@ K3_INLINE512 void prefetch_chunk(enum k3_wkind kind, const void *w, const uint8_
     }
 }
 
-/* NT (1..4) tokens of row o: y[j * rows] = f32(lsum_i W[o, i] * xd[j * cp + i]). */
-K3_INLINE512 void row_tokens(enum k3_wkind kind, const int NT, const void *w, const uint8_t *sc,
-                             int64_t o, int64_t cols, int64_t cp, const double *xd, int64_t rows,
-                             float *y) {
-    __m512d acc[4][4];
-    for (int j = 0; j < NT; ++j)
-        for (int k = 0; k < 4; ++k) acc[j][k] = _mm512_setzero_pd();
+/* NR (1..2) rows o.. and NT (1..K3_NT) tokens: y[j * rows + r] = f32(lsum_i W[o + r, i] *
+ * xd[j * cp + i]). Each chunk of each row is decoded once and applied to NT tokens; each
+ * loaded chunk of a token's activations is applied to NR rows. */
+#ifndef K3_NT
+#define K3_NT 3
+#endif
+#ifndef K3_NR
+#define K3_NR 2
+#endif
+K3_INLINE512 void rows_tokens(enum k3_wkind kind, const int NR, const int NT, const void *w,
+                              const uint8_t *sc, int64_t o, int64_t cols, int64_t cp,
+                              const double *xd, int64_t rows, float *y) {
+    __m512d acc[K3_NR][K3_NT][4];
+    for (int r = 0; r < NR; ++r)
+        for (int j = 0; j < NT; ++j)
+            for (int k = 0; k < 4; ++k) acc[r][j][k] = _mm512_setzero_pd();
     const int64_t chunks = cp / 32;
     for (int64_t c = 0; c < chunks; ++c) {
-        __m512d q[4];
-        prefetch_chunk(kind, w, sc, o, cols, c);
-        dec_chunk(kind, q, w, sc, o, cols, c);
-        for (int j = 0; j < NT; ++j)
-            for (int k = 0; k < 4; ++k)
-                acc[j][k] = _mm512_fmadd_pd(q[k], _mm512_loadu_pd(xd + j * cp + 32 * c + 8 * k),
-                                            acc[j][k]);
+        __m512d q[K3_NR][4];
+        for (int r = 0; r < NR; ++r) {
+            prefetch_chunk(kind, w, sc, o + r, cols, c);
+            dec_chunk(kind, q[r], w, sc, o + r, cols, c);
+        }
+        for (int k = 0; k < 4; ++k)
+            for (int j = 0; j < NT; ++j) {
+                const __m512d xv = _mm512_loadu_pd(xd + j * cp + 32 * c + 8 * k);
+                for (int r = 0; r < NR; ++r)
+                    acc[r][j][k] = _mm512_fmadd_pd(q[r][k], xv, acc[r][j][k]);
+            }
     }
-    for (int j = 0; j < NT; ++j)
-        y[j * rows] = (float)fold512(acc[j][0], acc[j][1], acc[j][2], acc[j][3]);
+    for (int r = 0; r < NR; ++r)
+        for (int j = 0; j < NT; ++j)
+            y[j * rows + r] = (float)fold512(acc[r][j][0], acc[r][j][1], acc[r][j][2], acc[r][j][3]);
 }
 
-/* Row o for tokens 0..nt-1 of a widened block (xd: nt x cp float64, natural order), four
- * tokens per pass over the row. */
+/* Rows o .. o + nr - 1 (nr 1..K3_NR) for tokens 0..nt-1 of a widened block (xd: nt x cp
+ * float64, natural order), K3_NT tokens per pass over the rows. */
 K3_INLINE512 void k3__row512(enum k3_wkind kind, const void *w, const uint8_t *sc, int64_t o,
-                                 int64_t rows, int64_t cols, int64_t cp, const double *xd,
-                                 int64_t nt, float *y) {
-    int64_t t = 0;
-    for (; t + 4 <= nt; t += 4)
-        row_tokens(kind, 4, w, sc, o, cols, cp, xd + t * cp, rows, y + t * rows + o);
-    switch (nt - t) {
-    case 3: row_tokens(kind, 3, w, sc, o, cols, cp, xd + t * cp, rows, y + t * rows + o); break;
-    case 2: row_tokens(kind, 2, w, sc, o, cols, cp, xd + t * cp, rows, y + t * rows + o); break;
-    case 1: row_tokens(kind, 1, w, sc, o, cols, cp, xd + t * cp, rows, y + t * rows + o); break;
-    default: break;
+                             int64_t nr, int64_t rows, int64_t cols, int64_t cp,
+                             const double *xd, int64_t nt, float *y) {
+    for (int64_t t = 0; t < nt;) {
+        const int64_t left = nt - t;
+        const int64_t n = left < K3_NT ? left : K3_NT;
+        const double *xt = xd + t * cp;
+        float *yt = y + t * rows + o;
+#define K3_RT(R, N) rows_tokens(kind, R, (N) <= K3_NT ? (N) : 1, w, sc, o, cols, cp, xt, rows, yt)
+#define K3_RN(R)                                                                               \
+    switch (n) {                                                                               \
+    case 1: K3_RT(R, 1); break;                                                                \
+    case 2: K3_RT(R, 2); break;                                                                \
+    case 3: K3_RT(R, 3); break;                                                                \
+    case 4: K3_RT(R, 4); break;                                                                \
+    case 5: K3_RT(R, 5); break;                                                                \
+    case 6: K3_RT(R, 6); break;                                                                \
+    default: K3_RT(R, 7); break;                                                               \
+    }
+        switch (nr) {
+        case 1: K3_RN(1) break;
+        case 2: K3_RN(2 <= K3_NR ? 2 : 1) break;
+        case 3: K3_RN(3 <= K3_NR ? 3 : 1) break;
+        default: K3_RN(4 <= K3_NR ? 4 : 1) break;
+        }
+#undef K3_RN
+#undef K3_RT
+        t += n;
     }
 }
 
 /* The three weight kinds as separate functions, so each inner loop is specialised. */
-K3_AVX512 static void k3__row512_bf16(const void *w, const uint8_t *sc, int64_t o, int64_t rows,
-                                      int64_t cols, int64_t cp, const double *xd, int64_t nt,
-                                      float *y) {
-    k3__row512(K3_W_BF16, w, sc, o, rows, cols, cp, xd, nt, y);
+K3_AVX512 static void k3__row512_bf16(const void *w, const uint8_t *sc, int64_t o, int64_t nr,
+                                  int64_t rows, int64_t cols, int64_t cp, const double *xd,
+                                  int64_t nt, float *y) {
+    k3__row512(K3_W_BF16, w, sc, o, nr, rows, cols, cp, xd, nt, y);
 }
-K3_AVX512 static void k3__row512_f32(const void *w, const uint8_t *sc, int64_t o, int64_t rows,
-                                     int64_t cols, int64_t cp, const double *xd, int64_t nt,
-                                     float *y) {
-    k3__row512(K3_W_F32, w, sc, o, rows, cols, cp, xd, nt, y);
+K3_AVX512 static void k3__row512_f32(const void *w, const uint8_t *sc, int64_t o, int64_t nr,
+                                  int64_t rows, int64_t cols, int64_t cp, const double *xd,
+                                  int64_t nt, float *y) {
+    k3__row512(K3_W_F32, w, sc, o, nr, rows, cols, cp, xd, nt, y);
 }
-K3_AVX512 static void k3__row512_mxfp4(const void *w, const uint8_t *sc, int64_t o, int64_t rows,
-                                       int64_t cols, int64_t cp, const double *xd, int64_t nt,
-                                       float *y) {
-    k3__row512(K3_W_MXFP4, w, sc, o, rows, cols, cp, xd, nt, y);
+K3_AVX512 static void k3__row512_mxfp4(const void *w, const uint8_t *sc, int64_t o, int64_t nr,
+                                  int64_t rows, int64_t cols, int64_t cp, const double *xd,
+                                  int64_t nt, float *y) {
+    k3__row512(K3_W_MXFP4, w, sc, o, nr, rows, cols, cp, xd, nt, y);
 }

@@ -79,6 +79,22 @@ class ExpertSource(ABC):
         """A guess of ``layer``'s experts (not a request): a source may start reading them
         at low priority (optional; nothing may depend on it)."""
 
+    def run_layer_many(
+        self, layer: int, requests: Sequence[int],
+        use_many: Callable[[list[tuple[int, ExpertWeights]]], None],
+    ) -> None:
+        """:meth:`run_layer` with every expert that is ready at once: ``use_many`` gets a
+        list of ``(expert, weights)`` (each distinct expert once over the visit, its weights
+        valid during the call), in one or more batches (the expert cache: each batch of the
+        visit once all of its reads completed). Results never depend on the grouping. A source
+        that overrides only :meth:`run_layer` is served through it, one expert per call.
+        """
+        if type(self).run_layer is not ExpertSource.run_layer:
+            self.run_layer(layer, requests, lambda e, w: use_many([(e, w)]))
+            return
+        distinct = list(dict.fromkeys(int(e) for e in requests))
+        use_many(list(zip(distinct, self.get_many(layer, distinct), strict=True)))
+
     def begin_step(self) -> None:  # noqa: B027
         """Called at the start of every generation step."""
 

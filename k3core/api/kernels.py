@@ -268,6 +268,20 @@ class KernelBackend(ABC):
         expert, the shared experts, the dense MLP) in one call, with exactly those bits."""
         return self.matmul(w2, self.situ_glu(self.matmul(w1, x), self.matmul(w3, x), b1, b2))
 
+    def situ_mlp_many(
+        self, mlps: Sequence[tuple[U16 | F32 | Mxfp4, U16 | F32 | Mxfp4, U16 | F32 | Mxfp4]],
+        xs: Sequence[F32], b1: float, b2: float,
+    ) -> list[F32]:
+        """``[situ_mlp(w1, w3, w2, x, b1, b2) for (w1, w3, w2), x in zip(mlps, xs)]``: the
+        routed experts of one MoE layer, each over its own token rows, with exactly those bits.
+
+        A backend may run them all in one call (one parallel region per stage over every
+        expert's rows); each output is still the same lane sum, so the bits cannot change.
+        """
+        if len(mlps) != len(xs):
+            raise ValueError(f"situ_mlp_many: {len(mlps)} MLPs but {len(xs)} inputs")
+        return [self.situ_mlp(w1, w3, w2, x, b1, b2) for (w1, w3, w2), x in zip(mlps, xs, strict=True)]
+
     # --- dispatch helper ----------------------------------------------------------------------
     def matmul(self, w: U16 | F32 | Mxfp4, x: F32) -> F32:
         """Dispatch on the weight's storage type (bf16 bits, float32 or MXFP4)."""

@@ -146,6 +146,7 @@ def decode(
     ids: str = typer.Option("3,7,11,5,9", "--ids", help="Prompt ids of the decode runs."),
     gen: int = typer.Option(32, "--gen", help="Tokens per decode run (the first is not timed)."),
     prefill: int = typer.Option(128, "--prefill", help="Random prompt ids of the prefill runs (0: none)."),
+    prefill_chunk: int | None = typer.Option(None, "--prefill-chunk", help="Feed the prefill prompt in chunks of N ids (checked against one numpy pass)."),
     repeat: int = typer.Option(3, "--repeat", help="Runs of each kind, each from a fresh engine (medians)."),
     full_recompute: bool = typer.Option(False, "--full-recompute", help="Time full recompute, not incremental."),
     check: bool = typer.Option(True, "--check/--no-check", help="Check the ids against --backend numpy."),
@@ -164,7 +165,7 @@ def decode(
     res = run_decode_bench(model, backend=backend, threads=threads, storage=storage, cache_gb=cache_gb,
                            trunk_dir=trunk, trunk_gb=trunk_gb, ids=_ids(ids), gen=gen, prefill=prefill,
                            repeat=repeat, incremental=not full_recompute, check=check,
-                           bandwidth_bytes=int(bandwidth_mb * 1e6),
+                           bandwidth_bytes=int(bandwidth_mb * 1e6), prefill_chunk=prefill_chunk,
                            spec=SpecOptions(spec, spec_width, spec_ngram), prompt_file=prompt_file)
     print(res.to_json() if as_json else format_report(res))
     if res.ids_match is False:

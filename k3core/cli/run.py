@@ -34,6 +34,7 @@ def run(
     trunk_ring: int = typer.Option(None, "--trunk-ring", help="Ring slots wanted (1..8, default 2; the budget wins).", rich_help_panel=_M),
     cache_gb: float = typer.Option(None, "--cache-gb", help="Routed-expert cache budget in GB.", rich_help_panel=_M),
     ultra_low_memory: bool = typer.Option(None, "--ultra-low-memory", help="Stream embedding and lm_head too (needs --trunk).", rich_help_panel=_M, show_default=False),
+    prefill_chunk: int = typer.Option(None, "--prefill-chunk", help="Feed a longer prompt in chunks of N ids (default: the memory plan's activations budget; same logits).", rich_help_panel=_M),
     gen: int = typer.Option(8, "--gen", "-n", help="Tokens to generate (0..4096; 0 = prefill only).", rich_help_panel=_G),
     incremental: bool = typer.Option(None, "--incremental/--full-recompute", help="Carry KV cache and KDA state (the default), or re-run the whole prefix every step.", rich_help_panel=_G, show_default=False),
     stop_id: list[int] = typer.Option([], "--stop-id", help="Stop after emitting this id (repeatable, up to 8).", rich_help_panel=_G),

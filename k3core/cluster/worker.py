@@ -114,16 +114,20 @@ class ExpertWorker:
         where = {e: i for i, e in enumerate(experts)}
         outs: list[np.ndarray | None] = [None] * len(experts)
 
-        def use(e: int, ew: ExpertWeights) -> None:
-            i = where[e]
-            zz = np.ascontiguousarray(z[rows[i]])
-            outs[i] = k.situ_mlp(ew.w1, ew.w3, ew.w2, zz, c.situ_b1, c.situ_b2)
+        def use_many(group: list[tuple[int, ExpertWeights]]) -> None:
+            # the served experts in one kernel call (situ_mlp_many: each expert's situ_mlp bits)
+            idx = [where[e] for e, _ in group]
+            ys = k.situ_mlp_many([(ew.w1, ew.w3, ew.w2) for _, ew in group],
+                                 [np.ascontiguousarray(z[rows[i]]) for i in idx],
+                                 c.situ_b1, c.situ_b2)
+            for i, y in zip(idx, ys, strict=True):
+                outs[i] = y
 
         requests = [e for e, r in zip(experts, rows, strict=True) for _ in range(len(r))]
         if step != self._step:
             self.source.begin_step()
             self._step = step
-        self.source.run_layer(layer, requests, use)
+        self.source.run_layer_many(layer, requests, use_many)
         missing = [e for e, o in zip(experts, outs, strict=True) if o is None]
         if missing:
             raise K3Error(f"expert worker {self.rank}: experts {missing} of layer {layer} were not served")

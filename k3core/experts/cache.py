@@ -156,6 +156,18 @@ class ExpertCache(ExpertSource):
     def run_layer(
         self, layer: int, requests: Sequence[int], use: Callable[[int, ExpertWeights], None]
     ) -> None:
+        def each(group: list[tuple[int, ExpertWeights]]) -> None:
+            for e, w in group:
+                use(e, w)
+
+        self.run_layer_many(layer, requests, each)
+
+    def run_layer_many(
+        self, layer: int, requests: Sequence[int],
+        use_many: Callable[[list[tuple[int, ExpertWeights]]], None],
+    ) -> None:
+        """Per batch: once every read of the batch completed (no expert of a batch with a
+        failed read reaches the MoE), all of its experts in one ``use_many`` call."""
         v = self._visit
         if v is None or v.layer != layer:
             self.prefetch(layer, requests)
@@ -164,9 +176,9 @@ class ExpertCache(ExpertSource):
         try:
             while True:
                 self._wait(v)
-                for key, m in v.batch.items():
-                    use(m.expert, self.locator.views(m.ref, m.buf))
-                    v.done.add(key)
+                if v.batch:
+                    use_many([(m.expert, self.locator.views(m.ref, m.buf)) for m in v.batch.values()])
+                    v.done.update(v.batch)
                 v.batch.clear()
                 if v.pos >= len(v.keys):
                     break

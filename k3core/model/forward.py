@@ -68,6 +68,11 @@ class Model:
         #: guesses not made because layer L+1's trunk was not resident or read yet
         self.lookahead_unready = 0
         self._guess: tuple[int, list[int]] | None = None
+        #: feed more ids than this in chunks of at most this many (None: one pass); the
+        #: logits are the unchunked ones bit for bit, the activations are one chunk's
+        self.prefill_chunk: int | None = None
+        #: the number of passes the last forward took (1 unless it was chunked)
+        self.chunks_last = 0
 
     # ---- top level ------------------------------------------------------------------------
     def forward(self, ids: np.ndarray, state: SequenceState, all_logits: bool = False,
@@ -77,9 +82,28 @@ class Model:
         ids = np.asarray(ids, dtype=np.int64)
         T = ids.shape[0]
         state.check_room(T)
+        self.experts.begin_step()
+        want = T if all_logits else max(1, min(tail, T))  # trailing rows whose logits are asked
+        n = self.prefill_chunk
+        if n is None or n < 1 or T <= n:
+            self.chunks_last = 1
+            return self._pass(ids, state, want)
+        # a long prompt in chunks: each chunk carries the state (KDA, conv history, KV cache)
+        # to the next exactly as one pass would, and every op is per token or causal, so the
+        # logits are the one-pass logits; each routed expert is read once per chunk
+        starts = range(0, T, n)
+        self.chunks_last = len(starts)
+        outs = []
+        for a in starts:
+            m = min(n, T - a)
+            outs.append(self._pass(ids[a : a + m], state, max(0, min(m, a + m - (T - want)))))
+        return np.concatenate([o for o in outs if o.shape[0]])
+
+    def _pass(self, ids: np.ndarray, state: SequenceState, rows: int) -> np.ndarray:
+        """One pass over every layer for ``ids``; the logits of its last ``rows`` rows."""
+        T = ids.shape[0]
         self.layers_completed = 0
         self._guess = None  # a guess a failed pass left is never submitted
-        self.experts.begin_step()
         h = self.tables.embed(ids)
         blocks: list[np.ndarray] = []
         for L in range(self.n_layers):
@@ -91,14 +115,17 @@ class Model:
             self.layers_completed = L + 1
             if self.on_layer is not None:
                 self.on_layer(L, h)
+        if rows <= 0:
+            state.pos += T
+            return np.empty((0, self.cfg.vocab), dtype=np.float32)
         h = self.k.attn_res(np.stack(blocks + [h]), self.tables.fold_out, self.cfg.rms_eps)
-        last = h if all_logits else h[-max(1, min(tail, T)):]
+        last = h[T - rows :]
         x = self.k.rmsnorm(last, self.tables.norm, self.cfg.rms_eps)
-        logits = self.tables.logits(self.k, x)
+        out = self.tables.logits(self.k, x)
         state.pos += T
-        if not np.all(np.isfinite(logits)):
+        if not np.all(np.isfinite(out)):
             raise K3Error("the forward pass produced non-finite logits; refusing to pick a token")
-        return logits
+        return out
 
     # ---- one decoder layer with block attention residuals (docs/model.md §5.2) ------------------
     def layer(self, p: LayerParams, h: np.ndarray, blocks: list[np.ndarray], st: SequenceState) -> np.ndarray:
@@ -232,11 +259,16 @@ class Model:
         else:
             outs = np.empty((T, c.topk, c.latent), dtype=np.float32)
 
-            def use(e: int, ew: ExpertWeights) -> None:
-                rows, slots = np.nonzero(idx == e)
-                outs[rows, slots] = self.situ_mlp(ew.w1, ew.w3, ew.w2, np.ascontiguousarray(z[rows]))
+            def use_many(group: list[tuple[int, ExpertWeights]]) -> None:
+                # every expert that is ready in one kernel call, each over its own rows
+                where = [np.nonzero(idx == e) for e, _ in group]
+                ys = k.situ_mlp_many([(ew.w1, ew.w3, ew.w2) for _, ew in group],
+                                     [np.ascontiguousarray(z[rows]) for rows, _ in where],
+                                     c.situ_b1, c.situ_b2)
+                for (rows, slots), y in zip(where, ys, strict=True):
+                    outs[rows, slots] = y
 
-            self.experts.run_layer(p.layer, requests, use)
+            self.experts.run_layer_many(p.layer, requests, use_many)
         acc = np.zeros((T, c.latent), dtype=np.float32)
         for j in range(c.topk):
             acc = acc + w[:, j : j + 1] * outs[:, j]

@@ -53,6 +53,8 @@ class EngineOptions:
     verify_trunk: bool = False
     cache: CacheOptions = field(default_factory=CacheOptions)
     lookahead: str = "off"  # router lookahead: off, on, attn, out (docs/expert-cache.md)
+    #: ids per forward pass of a prompt (Model.prefill_chunk; None: one pass)
+    prefill_chunk: int | None = None
 
 
 @dataclass
@@ -166,6 +168,7 @@ def bind(
     model = Model(cfg, kernels, trunk, tables, experts, n_layers=n_layers)
     model.shared_kda_slot = opts.ultra_low_memory
     model.lookahead = lookahead_mode(opts.lookahead)
+    model.prefill_chunk = opts.prefill_chunk
     names = {"kernel": kname, "storage": sname, "cache": pname,
              "trunk": "streamed" if opts.trunk_dir is not None else "resident"}
     return cls(cfg, model, index, kernels, storage, experts, names, notes, timings, trunk_lines)

@@ -13,8 +13,9 @@ expert cache           the ``--cache-gb`` budget rounded down to whole slots (ne
                        more than every expert of the model)
 recurrent state        KDA state + conv history for every KDA layer run; one slot in
                        ultra-low-memory full recompute
-buffers                activations and per-layer scratch for T = prompt + gen + 1
-                       positions, estimated from the model's widths
+buffers                activations and per-layer scratch for one forward pass: T =
+                       prompt + gen + 1 positions, or one prefill chunk when T is longer
+                       (the activations budget below), estimated from the model's widths
 KV cache               every mode: T x the latent KV bytes per position (kv_lora + qk_rope
                        float32 per MLA layer run); full recompute holds one too, for the
                        sequence it recomputes
@@ -25,6 +26,11 @@ python + libraries     this process's resident set when the plan is made (measur
 of the memory available; :func:`check_kv` refuses (``UsageError``, exit 2) a request whose
 KV cache alone exceeds 90 % of it, before anything else is computed. Sizes in messages are
 decimal (1 GB = 10^9 bytes). The plan is a forecast; the run report quotes the measured peak.
+
+Prefill chunk: a prompt is fed in chunks of at most :func:`prefill_chunk` ids (the most whose
+buffers fit the activations budget, ``min(ACTIVATIONS_CAP, ACTIVATIONS_SHARE x available)``)
+or ``--prefill-chunk N``; the logits are the one-pass logits bit for bit, and each routed
+expert is read once per chunk.
 """
 
 from __future__ import annotations
@@ -46,6 +52,10 @@ STREAM_CHUNK = 64 << 20
 PLAN_LIMIT = 0.95
 #: refuse when the KV cache alone exceeds this share of available memory
 KV_LIMIT = 0.90
+#: the activations (buffers row) of one prefill chunk: at most this many bytes ...
+ACTIVATIONS_CAP = 2 * 10**9
+#: ... and at most this share of the memory available
+ACTIVATIONS_SHARE = 0.10
 
 
 def available_bytes() -> int:
@@ -91,6 +101,8 @@ class MemoryPlan:
     positions: int = 0
     cache_slots: int | None = None
     notes: list[str] = field(default_factory=list)
+    #: ids per forward pass of a prompt (longer prompts go in chunks of this many)
+    prefill_chunk: int = 0
 
     @property
     def total(self) -> int:
@@ -188,6 +200,15 @@ def buffer_bytes(cfg: ModelConfig, positions: int, n_layers: int | None = None) 
     return 4 * (T * c.hidden + T * maxb * c.hidden + scratch + c.vocab)
 
 
+def prefill_chunk(cfg: ModelConfig, available: int, n_layers: int | None = None) -> int:
+    """The most ids one forward pass may take: their buffers (:func:`buffer_bytes`) fit the
+    activations budget ``min(ACTIVATIONS_CAP, ACTIVATIONS_SHARE x available)``; at least 1."""
+    budget = min(ACTIVATIONS_CAP, int(ACTIVATIONS_SHARE * max(available, 0)))
+    base = buffer_bytes(cfg, 0, n_layers)
+    per_id = buffer_bytes(cfg, 1, n_layers) - base  # buffer_bytes is linear in the positions
+    return max(1, (budget - base) // max(per_id, 1))
+
+
 @dataclass(frozen=True)
 class MemoryRequest:
     """The shape of a run the plan sums: budgets, positions, decoding mode."""
@@ -202,6 +223,8 @@ class MemoryRequest:
     trunk_bytes_resident: int | None = None
     ultra: bool = False
     stream_chunk: int = STREAM_CHUNK
+    #: ``--prefill-chunk``: ids per forward pass (None: the activations budget decides)
+    prefill_chunk: int | None = None
 
 
 def plan_memory(
@@ -254,20 +277,27 @@ def plan_memory(
     n_kda = sum(1 for i in range(L) if not cfg.is_mla(i))
     per_layer = recurrent_bytes_per_layer(cfg)
     recurrent = per_layer * (min(n_kda, 1) if ultra and not incremental else n_kda)
+    if req.prefill_chunk is not None and req.prefill_chunk < 1:
+        raise UsageError(f"--prefill-chunk must be >= 1, got {req.prefill_chunk}")
+    avail = available_bytes() if available is None else available
+    chunk = req.prefill_chunk or prefill_chunk(cfg, avail, L)
     T = prompt_len + gen + 1
     kv = kv_bytes(cfg, T, L)  # full recompute holds one for the sequence it recomputes
+    if T > chunk:
+        notes.append(f"the prompt goes in chunks of {chunk} ids (buffers for one chunk)")
     return MemoryPlan(
         trunk=trunk,
         tables=tables,
         expert_cache=cache,
         recurrent=recurrent,
-        buffers=buffer_bytes(cfg, T, L),
+        buffers=buffer_bytes(cfg, min(T, chunk), L),
         kv_cache=kv,
         baseline=process_rss() if baseline is None else baseline,
-        available=available_bytes() if available is None else available,
+        available=avail,
         streamed=streamed,
         ultra=ultra,
         positions=T,
         cache_slots=slots,
         notes=notes,
+        prefill_chunk=chunk,
     )

@@ -74,7 +74,7 @@ class EnginePlan:
         self.memory = plan_memory(self.cfg, MemoryRequest(
             streamed=self.streamed, cache_bytes=gb_bytes(s.cache_gb), prompt_len=prompt_len,
             gen=gen, incremental=self.incremental, n_layers=self.n_layers, trunk_budget=budget,
-            ultra=bool(s.ultra_low_memory)))
+            ultra=bool(s.ultra_low_memory), prefill_chunk=self.request.prefill_chunk))
         return self.memory
 
     def check(self) -> None:
@@ -91,7 +91,8 @@ class EnginePlan:
             self.model_dir, r.config, r.layers, s.backend, self.storage, s.cache_policy or "auto",
             s.threads, trunk_dir=r.trunk, trunk_gb=self.trunk_gb, ring=r.trunk_ring,
             ultra_low_memory=bool(s.ultra_low_memory), verify_trunk=r.verify_trunk, cache=cache,
-            lookahead=s.lookahead)
+            lookahead=s.lookahead,
+            prefill_chunk=self.memory.prefill_chunk if self.memory is not None else r.prefill_chunk)
 
     def lines(self, verbose: bool = False) -> list[str]:
         """The report's plan block: model, preset, settings and their sources, memory."""

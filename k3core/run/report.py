@@ -20,6 +20,7 @@ from rich.table import Table
 from k3core.api.experts import ExpertStats
 from k3core.api.units import human
 from k3core.experts.cache import ExpertCache
+from k3core.model.sizes import sizes_from_config
 from k3core.run.memory_plan import peak_rss_bytes
 from k3core.trunk.source import report_json, report_lines, ultra_lines
 
@@ -174,6 +175,11 @@ class RunReport:
                       f"{b['trunk_touched'] / 1e9:.4f} GB trunk + {b['expert_touched'] / 1e9:.4f} "
                       f"GB experts multiplied ({b['passes']} forward passes for {len(gen.ids)} "
                       "tokens)")
+        if gen.prefill_ids:
+            pf = prefill_json(engine, gen)
+            self.line(f"prefill: {gen.prefill_ids} ids in {gen.prefill_chunks} pass(es) of at most "
+                      f"{pf['prefill_chunk']} ids; routed experts read {gb(gen.prefill_expert_bytes)} "
+                      f"(one id at a time would multiply {gb(pf['prefill_expert_bytes_if_per_token'])})")
         if gen.text is not None:
             self.line("--- generated text ---", level=1)
             self.line(gen.text, level=1)
@@ -229,6 +235,7 @@ def run_record(engine: Bound, gen: Generation) -> dict[str, Any]:
         "bytes_per_token": bytes_per_token(engine, gen) if gen.ids else None,
         **cache_json(stats),
         **lookahead_json(stats, model.lookahead, model.lookahead_unready),
+        **prefill_json(engine, gen),
         **report_json(model.trunk, model.tables),
         **step_log,
     }
@@ -252,6 +259,20 @@ def bytes_per_token(engine: Bound, gen: Generation) -> dict[str, Any]:
             "trunk_read": trunk_read / n, "expert_read": stats.bytes_read / n,
             "trunk_touched": passes * sizes.trunk_bytes * layer_share / n,
             "expert_touched": distinct * sizes.expert_bytes / n}
+
+
+def prefill_json(engine: Bound, gen: Generation) -> dict[str, Any]:
+    """The first forward pass: ids, chunk size and passes, routed-expert bytes read against
+    what ``prefill_ids`` single-id passes would multiply (top-k experts per id and layer)."""
+    model, cfg = engine.model, engine.cfg
+    sz = sizes_from_config(cfg).first(model.n_layers)
+    return {
+        "prefill_ids": gen.prefill_ids,
+        "prefill_chunk": model.prefill_chunk or gen.prefill_ids,
+        "prefill_chunks": gen.prefill_chunks,
+        "prefill_expert_bytes_read": gen.prefill_expert_bytes,
+        "prefill_expert_bytes_if_per_token": gen.prefill_ids * cfg.topk * sz.n_moe_layers * sz.expert_bytes,
+    }
 
 
 def cache_summary(stats: ExpertStats, slots: int, slot_bytes: int, policy: str, describe: str) -> list[tuple[str, str]]:

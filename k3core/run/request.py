@@ -145,6 +145,7 @@ class EngineRequest(_Strict):
     lookahead: str | None = None
     expert_readers: int | None = None
     verify_trunk: bool = False
+    prefill_chunk: int | None = None
 
     @model_validator(mode="after")
     def _check(self) -> EngineRequest:
@@ -152,6 +153,8 @@ class EngineRequest(_Strict):
 
         if self.threads is not None and self.threads < 1:
             raise UsageError(f"--threads must be >= 1, got {self.threads}")
+        if self.prefill_chunk is not None and self.prefill_chunk < 1:
+            raise UsageError(f"--prefill-chunk must be >= 1, got {self.prefill_chunk}")
         if self.cache_gb is not None and not self.cache_gb >= 0:
             raise UsageError(f"--cache-gb must be a non-negative number, got {self.cache_gb}")
         check_trunk_options(self.trunk, self.trunk_gb, self.trunk_ring,

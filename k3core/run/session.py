@@ -56,6 +56,10 @@ class Generation(StepTimes):
     stopped_at: int = -1
     stop_reason: str = "length"  # length | stop_id | eos | stop | prefill
     prefill_seconds: float = 0.0
+    #: the first forward pass (the prompt): ids fed, passes (chunks), routed-expert bytes read
+    prefill_ids: int = 0
+    prefill_chunks: int = 0
+    prefill_expert_bytes: int = 0
     interrupted: bool = False
     sampler: Sampler | None = None
     report: dict[str, Any] = field(default_factory=dict)
@@ -166,7 +170,7 @@ class Session:
         try:
             if p.max_tokens == 0:
                 t0 = time.perf_counter()
-                gen.first_logits = self._forward()
+                gen.first_logits = self._prefill(gen)
                 gen.prefill_seconds = time.perf_counter() - t0
                 gen.stop_reason = "prefill"
                 return
@@ -190,7 +194,7 @@ class Session:
         for g in range(p.max_tokens):
             self.before_step(g)
             t0 = time.perf_counter()
-            logits = self._forward()
+            logits = self._prefill(gen) if g == 0 else self._forward()
             if g == 0:
                 gen.first_logits = logits
             tok = pick(logits)
@@ -223,9 +227,14 @@ class Session:
             t0 = time.perf_counter()
             sure = len(self.ids) - self.state.pos if self.state is not None else len(self.ids)
             drafts = spec.propose(self.ids, p.max_tokens - g, sure)
+            stats = self.engine.experts.stats
+            before = stats.bytes_read
             rows = self._verify(spec, drafts)
-            if g == 0:
+            if g == 0:  # the first pass is the prefill (with drafts after it)
                 gen.first_logits = rows[0]
+                gen.prefill_ids = sure
+                gen.prefill_chunks = self.engine.model.chunks_last
+                gen.prefill_expert_bytes = stats.bytes_read - before
             toks: list[int] = []
             for i, row in enumerate(rows):
                 tok = pick(row)
@@ -288,6 +297,16 @@ class Session:
         elif self.state.capacity < need:
             check_kv(cfg, need + 1, n_layers=n_layers)
             grow_state(self.state, need)
+
+    def _prefill(self, gen: Generation) -> np.ndarray:
+        """The call's first forward pass, with its figures recorded in ``gen``."""
+        stats = self.engine.experts.stats
+        before = stats.bytes_read
+        gen.prefill_ids = len(self.ids) - (self.state.pos if self.incremental and self.state else 0)
+        logits = self._forward()
+        gen.prefill_chunks = self.engine.model.chunks_last
+        gen.prefill_expert_bytes = stats.bytes_read - before
+        return logits
 
     def _forward(self) -> np.ndarray:
         model = self.engine.model

@@ -25,8 +25,9 @@ at 1, 2 and 3 threads with every parallel path forced (``KernelBackend.set_force
 since the small models would otherwise stay below every backend's threading threshold.
 Nothing is read from disk: the suite runs the same from a wheel-installed k3.
 
-The fused products (``matmul_many``, ``situ_mlp``) are compared with the reference's
-single ops (a backend that does not fuse them inherits exactly those).
+The fused products (``matmul_many``, ``situ_mlp``, ``situ_mlp_many``) are compared with the
+reference's single ops (a backend that does not fuse them inherits exactly those), and the
+released-layout model once more with its prompt fed in chunks (``Model.prefill_chunk``).
 
 Subclasses may override :attr:`KernelConformance.THREADS` and ``FORCED_THREADS``.
 """
@@ -341,6 +342,66 @@ class KernelConformance:
         _check_unchanged(before, [x, w1, w3, w2], "situ_mlp")
         assert_same_bits(got, want, f"situ_mlp {kind}")
 
+    def _situ_many_case(self, kind: str, Ts: Sequence[int]) -> tuple[list[tuple[Any, Any, Any]], list[Any]]:
+        rng = _rng("situ-many", kind, *Ts)
+        cols, inter, out = (96, 64, 40) if kind == "mxfp4" else (45, 33, 7)
+
+        def w(rows: int, c: int) -> Any:
+            if kind == "mxfp4":
+                return self._mx(rng, rows, c)
+            if kind == "bf16":
+                return bf16_bits(rng, (rows, c), finite=True)
+            return activations(rng, (rows, c), scale=0.3)
+
+        mlps = [(w(inter, cols), w(inter, cols), w(out, inter)) for _ in Ts]
+        xs = [activations(rng, (t, cols), scale=3.0) for t in Ts]
+        return mlps, xs
+
+    def _check_situ_many(self, kb: KernelBackend, kind: str, Ts: Sequence[int]) -> None:
+        mlps, xs = self._situ_many_case(kind, Ts)
+        before = _snapshot(*xs, *(w for mlp in mlps for w in mlp))
+        with np.errstate(all="ignore"):
+            got = kb.situ_mlp_many(mlps, xs, 4.0, 25.0)
+            want = [reference().situ_mlp(w1, w3, w2, x, 4.0, 25.0)
+                    for (w1, w3, w2), x in zip(mlps, xs, strict=True)]
+        _check_unchanged(before, [*xs, *(w for mlp in mlps for w in mlp)], "situ_mlp_many")
+        assert len(got) == len(want)
+        for i, (g, ww) in enumerate(zip(got, want, strict=True)):
+            assert g.shape == ww.shape, f"situ_mlp_many {kind} result {i}: shape {g.shape}"
+            assert_same_bits(g, ww, f"situ_mlp_many {kind} result {i} ({Ts[i]} tokens)")
+
+    #: tokens per MLP of the grouped calls: none, one, a few, more than a register block
+    SITU_MANY_TOKENS: Sequence[Sequence[int]] = ((1,), (3, 0, 1, 7), (2, 5, 13, 4, 1, 6))
+
+    @pytest.mark.parametrize("kind", ["bf16", "f32", "mxfp4"])
+    @pytest.mark.parametrize("case", range(3), ids=lambda i: f"case{i}")
+    def test_situ_mlp_many(self, kb: KernelBackend, kind: str, case: int) -> None:
+        """``situ_mlp_many`` (the routed experts of a layer, each over its own rows) equals one
+        reference ``situ_mlp`` per MLP bit for bit; an MLP with no rows gives ``[0, out]``."""
+        self._check_situ_many(kb, kind, self.SITU_MANY_TOKENS[case])
+
+    @pytest.mark.parametrize("threads", [1, 2, 3], ids=lambda n: f"threads{n}")
+    @pytest.mark.parametrize("kind", ["bf16", "mxfp4"])
+    def test_situ_mlp_many_parallel_forced(self, backend: KernelBackend, threads: int,
+                                           kind: str) -> None:
+        """The grouped experts with every parallel path taken, at 1, 2 and 3 threads."""
+        if threads not in self.FORCED_THREADS:
+            pytest.skip(f"thread count {threads} not in {type(self).__name__}.FORCED_THREADS")
+        backend.set_threads(threads)
+        if backend.threads < threads:
+            pytest.skip(f"{backend.name} runs at most {backend.threads} threads in this process")
+        backend.set_force_parallel(True)
+        try:
+            for Ts in self.SITU_MANY_TOKENS:
+                self._check_situ_many(backend, kind, Ts)
+        finally:
+            backend.set_force_parallel(False)
+
+    def test_situ_mlp_many_refuses_mismatched_inputs(self, backend: KernelBackend) -> None:
+        mlps, xs = self._situ_many_case("f32", (2, 3))
+        with pytest.raises(ValueError, match="situ_mlp_many"):
+            backend.situ_mlp_many(mlps, xs[:1], 4.0, 25.0)
+
     # --- normalisation and activations ------------------------------------------------------
     @pytest.mark.parametrize("m", WIDTHS + [7168])
     @pytest.mark.parametrize("T", [1, 3])
@@ -592,6 +653,37 @@ class KernelConformance:
             assert_same_bits(g, w, f"{model} logits ({mode}, {threads} threads forced) step {step}")
 
 
+    @pytest.mark.parametrize("threads", [1, 2, 3], ids=lambda n: f"threads{n}")
+    @pytest.mark.parametrize("chunk,incremental", [(1, True), (3, True), (2, False)],
+                             ids=["incremental-1", "incremental-3", "full-2"])
+    def test_model_chunked_prefill(
+        self, backend: KernelBackend, threads: int, chunk: int, incremental: bool
+    ) -> None:
+        """The released-layout model with its prompt fed in chunks of ``chunk`` ids
+        (``Model.prefill_chunk``), every parallel path forced: the logits of every step are
+        the unchunked reference's bytes, and every position's logits too."""
+        if threads not in self.FORCED_THREADS:
+            pytest.skip(f"thread count {threads} not in {type(self).__name__}.FORCED_THREADS")
+        backend.set_threads(threads)
+        if backend.threads < threads:
+            pytest.skip(f"{backend.name} runs at most {backend.threads} threads in this process")
+        want = _reference_logits("released", incremental)
+        backend.set_force_parallel(True)
+        try:
+            net, prompt = _build_model("released", backend)
+            net.prefill_chunk = chunk
+            got = _decode_logits(net, prompt, incremental)
+            assert net.chunks_last >= 1
+            every = _all_logits(net, prompt)
+            assert net.chunks_last == -(-len(prompt) // chunk)
+        finally:
+            backend.set_force_parallel(False)
+        mode = "incremental" if incremental else "full recompute"
+        for step, (g, w) in enumerate(zip(got, want, strict=True)):
+            assert_same_bits(g, w, f"logits ({mode}, chunks of {chunk}, {threads} threads) step {step}")
+        assert_same_bits(every, _reference_all_logits(), f"every position's logits, chunks of {chunk}")
+
+
 # ---------------------------------------------------------------------------------------
 # whole-model helpers
 
@@ -631,3 +723,15 @@ def _decode_logits(model: Any, prompt: list[int], incremental: bool) -> list[np.
 def _reference_logits(which: str, incremental: bool) -> tuple[np.ndarray, ...]:
     model, prompt = _build_model(which, reference())
     return tuple(_decode_logits(model, prompt, incremental))
+
+
+def _all_logits(model: Any, prompt: list[int]) -> np.ndarray:
+    from k3core.model.state import SequenceState
+
+    return model.forward(np.array(prompt), SequenceState(model.cfg, len(prompt)), all_logits=True)
+
+
+@functools.lru_cache(maxsize=1)
+def _reference_all_logits() -> np.ndarray:
+    model, prompt = _build_model("released", reference())
+    return _all_logits(model, prompt)

@@ -72,6 +72,7 @@ def err(res):
          "--load-state needs incremental"),
         (["run", "{m}", "--ids", "3", "--top-p", "1.5"], 2, "--top-p must be"),
         (["run", "{m}", "--ids", "3", "--threads", "0"], 2, "--threads must be >= 1"),
+        (["run", "{m}", "--ids", "3", "--prefill-chunk", "0"], 2, "--prefill-chunk must be >= 1"),
         (["run", "{m}", "--ids", "3", "--cache-gb", "0.0000001"], 2, "top-k + 1"),
         (["run", "/nonexistent-model", "--ids", "3"], 2, "model directory /nonexistent-model does not exist"),
         (["run", "{m}", "--prompt-file", "/nonexistent-file", "--tok", "{m}"], 2, "cannot read"),

@@ -36,6 +36,21 @@ def test_reports_every_figure_with_ids_checked(model) -> None:
     assert doc["prefill_ids"] == 4 and doc["prefill_tokens_per_s"] > 0
     assert doc["prefill_expert_requests"] > 0
     assert len(doc["generated_ids"]) == 3 and len(doc["prefill_generated_ids"]) == 1
+    assert doc["prefill_chunks"] == 1 and doc["prefill_chunk"] is None
+    assert doc["prefill_calls"] > doc["calls_per_token"]
+
+
+def test_chunked_prefill_is_checked_against_one_pass(model) -> None:
+    """Seven prompt ids in chunks of three: three passes, the ids checked against the
+    one-pass numpy run; every routed expert read at most once per chunk."""
+    res = runner.invoke(app, ["bench", "decode", str(model), "--backend", "numpy", "--gen", "2",
+                              "--prefill", "7", "--prefill-chunk", "3", "--repeat", "1", "--json",
+                              "--bandwidth-mb", "32"])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.output.strip().splitlines()[-1])
+    assert doc["ids_match"] is True
+    assert doc["prefill_chunk"] == 3 and doc["prefill_chunks"] == 3
+    assert 0 < doc["prefill_expert_bytes_read"] <= doc["prefill_expert_bytes_if_per_token"]
 
 
 def test_human_report(model) -> None:
@@ -55,6 +70,7 @@ def test_human_report(model) -> None:
     (["--spec", "maybe"], "--spec must be one of"),
     (["--spec", "ngram", "--spec-width", "0"], "--spec-width must be in"),
     (["--prompt-file", "/nonexistent/prompt.txt"], "--prompt-file"),
+    (["--prefill-chunk", "0"], "--prefill-chunk must be >= 1"),
 ])
 def test_bad_arguments_are_refused(model, args, msg) -> None:
     res = runner.invoke(app, ["bench", "decode", str(model), "--backend", "numpy", "--prefill", "0",

@@ -8,7 +8,9 @@ given) and measures, each ``repeat`` times from a fresh engine (medians reported
   prompt), incremental by default;
 * **prefill**: ``prefill`` random prompt ids (seeded) and one generated token; seconds and
   prompt tokens per second, and the routed-expert bytes that prefill read and requested
-  against ``prefill x`` one token's;
+  against ``prefill x`` one token's; with ``prefill_chunk`` the prompt goes in chunks of that
+  many ids (each routed expert read once per chunk) and the check is against the one-pass
+  numpy run;
 * **bytes read per token** (experts and trunk from storage) and **bytes touched per token**
   (the weights one decode step multiplies: trunk layers, lm_head, one embedding row, and
   every routed expert it requests);
@@ -97,6 +99,7 @@ class RunFigures:
     first_pass: int = 1  # tokens the first forward pass emitted (the prefill pass)
     spec: dict[str, Any] | None = None
     expert_distinct: list[int] = field(default_factory=list)  # distinct experts per layer visit
+    chunks: int = 0  # forward passes of a one-step (prefill) run
 
 
 def _counters(eng: Engine, counter: CallCounter) -> tuple[int, int, int, int, float, int]:
@@ -135,6 +138,7 @@ def _decode_run(opts: EngineOptions, ids: list[int], gen: int, incremental: bool
         if res.spec is not None:
             fig.spec = res.spec.to_json()
             fig.first_pass = int(res.spec.log[0]["emitted"]) if res.spec.log else 1
+        fig.chunks = eng.model.chunks_last if gen == 1 else 0
     finally:
         eng.close()
     return fig
@@ -173,6 +177,9 @@ class DecodeBench:
     prefill_expert_requests: int
     prefill_expert_bytes_read: int
     prefill_expert_bytes_if_per_token: int
+    prefill_chunk: int | None
+    prefill_chunks: int
+    prefill_calls: int
     generated_ids: list[int]
     prefill_generated_ids: list[int]
     checked_against: str | None
@@ -215,17 +222,20 @@ def run_decode_bench(
     bandwidth_bytes: int = 1 << 30,
     spec: SpecOptions | None = None,
     prompt_file: Path | None = None,
+    prefill_chunk: int | None = None,
 ) -> DecodeBench:
     """Measure decode and prefill ``repeat`` times each (fresh engines); see the module doc."""
     if gen < 2 or repeat < 1 or prefill < 0 or bandwidth_bytes < 1:
         raise UsageError("bench decode: --gen must be >= 2, --repeat >= 1, --prefill >= 0 and "
                          "--bandwidth-mb > 0")
+    if prefill_chunk is not None and prefill_chunk < 1:
+        raise UsageError(f"bench decode: --prefill-chunk must be >= 1, got {prefill_chunk}")
     ids = list(ids or DEFAULT_IDS)
 
-    def options(name: str) -> EngineOptions:
+    def options(name: str, chunk: int | None = None) -> EngineOptions:
         return EngineOptions(model_dir, backend=name, storage=storage, cache_policy=cache_policy,
                              threads=threads, trunk_dir=trunk_dir, trunk_gb=trunk_gb,
-                             cache=CacheOptions(cache_gb=cache_gb))
+                             cache=CacheOptions(cache_gb=cache_gb), prefill_chunk=chunk)
 
     probe = open_engine(options(backend))
     cfg, kname, nthreads = probe.cfg, probe.names["kernel"], probe.kernels.threads
@@ -257,7 +267,8 @@ def run_decode_bench(
         pooled.wait_seconds += s.wait_seconds
     rng = np.random.default_rng(seed)
     pids = [int(i) for i in rng.integers(0, cfg.vocab, prefill)] if prefill else []
-    pruns = [_decode_run(options(backend), pids, 1, True) for _ in range(repeat)] if prefill else []
+    pruns = ([_decode_run(options(backend, prefill_chunk), pids, 1, True) for _ in range(repeat)]
+             if prefill else [])
     sizes = sizes_from_config(cfg)
     requests_per_token = _median([float(x) for x in pooled.expert_requests])
     touched = (sizes.trunk_bytes + cfg.vocab * cfg.hidden * 2 + sizes.embed_row_bytes
@@ -296,6 +307,8 @@ def run_decode_bench(
         prefill_expert_requests=pruns[0].expert_requests[0] if pruns else 0,
         prefill_expert_bytes_read=pruns[0].expert_bytes[0] if pruns else 0,
         prefill_expert_bytes_if_per_token=prefill * cfg.topk * sizes.n_moe_layers * sizes.expert_bytes,
+        prefill_chunk=prefill_chunk, prefill_chunks=pruns[0].chunks if pruns else 0,
+        prefill_calls=pruns[0].calls[0] if pruns else 0,
         generated_ids=runs[0].ids, prefill_generated_ids=pruns[0].ids if pruns else [],
         checked_against="numpy" if check else None, ids_match=match, notes=notes,
         spec=spec.mode if spec is not None else "off",
@@ -362,7 +375,9 @@ def format_report(b: DecodeBench) -> str:
             f"{b.repeat}: " + ", ".join(f"{s:.3f}" for s in b.prefill_seconds_runs)
             + f") = {b.prefill_tokens_per_s:.1f} tokens/s; routed experts requested "
             f"{b.prefill_expert_requests}, read {b.prefill_expert_bytes_read / gb:.3f} GB "
-            f"(one token at a time would multiply {b.prefill_expert_bytes_if_per_token / gb:.3f} GB)")
+            f"(one token at a time would multiply {b.prefill_expert_bytes_if_per_token / gb:.3f} GB); "
+            f"{b.prefill_chunks} pass(es)" + (f" of at most {b.prefill_chunk} ids" if b.prefill_chunk else "")
+            + f", {b.prefill_calls} Python->kernel calls")
     if b.checked_against:
         lines.append(f"ids         : {'identical to' if b.ids_match else 'DIFFERENT from'} "
                      f"--backend {b.checked_against} (decode: {','.join(map(str, b.generated_ids))})")
@@ -407,6 +422,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ids", default=",".join(map(str, DEFAULT_IDS)))
     ap.add_argument("--gen", type=int, default=32)
     ap.add_argument("--prefill", type=int, default=128)
+    ap.add_argument("--prefill-chunk", type=int, default=None)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--full-recompute", action="store_true")
     ap.add_argument("--no-check", action="store_true")
@@ -422,7 +438,8 @@ def main(argv: list[str] | None = None) -> int:
                                ids=_ids(a.ids), gen=a.gen, prefill=a.prefill, repeat=a.repeat,
                                incremental=not a.full_recompute, check=not a.no_check,
                                spec=SpecOptions(a.spec, a.spec_width, a.spec_ngram),
-                               prompt_file=a.prompt_file)
+                               prompt_file=a.prompt_file,
+                               prefill_chunk=a.prefill_chunk)
     except K3Error as exc:
         print(f"k3: error: {exc}", file=sys.stderr)
         return 2 if isinstance(exc, UsageError) else 1
