@@ -66,16 +66,16 @@ def open_streamed_trunk(
     if progress is not None:
         pinned_cb = lambda done, total: progress(done - 1)  # noqa: E731
     trunk = StreamedTrunk(cfg, man, storage, budget, n_layers, ring or DEFAULT_RING,
-                          progress=pinned_cb, verify_every=verify)
+                          progress=pinned_cb, verify_every=verify, split=True)
     lines = [f"trunk on disk : {human(man.total_bytes)} total (STREAMED from {trunk_dir}, "
              "not held in RAM)"]
     if trunk_gb is None:
         lines.append("note: no --trunk-gb, so every layer is pinned (read once from trunk.bin)")
-    lines += plan_lines(trunk.plan, walked, n_layers)
+    lines += plan_lines(trunk.plan, walked, n_layers, trunk.unit_labels)
     mode = "reader thread reads ahead" if trunk.has_reader else (
         "read on demand" if trunk.plan.ring else "nothing streams")
     lines.append(f"read mode     : storage '{storage_name or storage.name}', one 4096-aligned "
-                 f"read per layer, {mode}; " + ("whole file checksummed at open, every read "
+                 f"read per part, {mode}; " + ("whole file checksummed at open, every read "
                                                 "checked" if verify else
                                                 "each layer checked before first use"))
     lines.append(f"trunk streaming enabled from {trunk_dir} in {time.perf_counter() - t0:.2f} s")

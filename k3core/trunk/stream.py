@@ -38,7 +38,6 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -48,9 +47,12 @@ from k3core.api.storage import StorageBackend, StorageFile, aligned_empty
 from k3core.api.units import ALIGN, align_up, human
 from k3core.model import names
 from k3core.model.config import ModelConfig
-from k3core.model.layer_params import LayerParams, prepare_layer
+from k3core.model.layer_params import LayerParams
 from k3core.model.sources import TrunkSource
-from k3core.trunk.manifest import TrunkLayer, TrunkManifest, checksum_problem
+from k3core.trunk.assembly import LayerAssembly
+from k3core.trunk.bind import bind_matrices, bind_small
+from k3core.trunk.manifest import TrunkLayer, TrunkManifest
+from k3core.trunk.parts import LayerPart, LayerSplit, split_layer
 from k3core.trunk.plan import DEFAULT_RING, TrunkPlan, plan_trunk
 
 EMPTY, READING, READY = "empty", "reading", "ready"
@@ -102,6 +104,8 @@ class TrunkStats:
     verified: int = 0  # checksum checks passed (pinned at open, ring reads)
     verify_seconds: float = 0.0  # CPU time inside those checks
     verify_every: bool = False
+    n_units: int = 0  # streaming units (a layer's parts, or whole layers)
+    pinned_units: int = 0
 
     @property
     def overlapped_seconds(self) -> float:
@@ -111,8 +115,9 @@ class TrunkStats:
         binds = max(self.binds, 1)
         rate = self.bytes_read / self.read_seconds / 1e6 if self.read_seconds > 0 else 0.0
         lines = [
-            f"trunk [final]: pinned {self.pinned}/{self.n_layers} layers, ring {self.ring} "
-            f"slots x {human(self.slot_bytes)}",
+            f"trunk [final]: pinned {self.pinned}/{self.n_layers} layers"
+            + (f" ({self.pinned_units}/{self.n_units} parts)" if self.n_units > self.n_layers
+               else "") + f", ring {self.ring} slots x {human(self.slot_bytes)}",
             f"  binds {self.binds}, hits {self.hits} ({100 * self.hits / binds:.1f} %), "
             f"reads {self.reads}" + (f", FAILED reads {self.failed_reads}"
                                      if self.failed_reads else ""),
@@ -138,6 +143,8 @@ class TrunkStats:
             "trunk_pin_bytes_read": self.pin_bytes,
             "trunk_pinned_layers": self.pinned,
             "trunk_layers": self.n_layers,
+            "trunk_units": self.n_units,
+            "trunk_pinned_units": self.pinned_units,
             "trunk_ring_slots": self.ring,
             "trunk_slot_bytes": self.slot_bytes,
             "trunk_pinned_bytes": self.pinned_bytes,
@@ -158,12 +165,12 @@ class _Slot:
     def __init__(self, index: int, buf: np.ndarray):
         self.index = index
         self.buf = buf
-        self.layer: int | None = None
+        self.unit: int | None = None
         self.state = EMPTY
 
 
 class StreamedTrunk(TrunkSource):
-    """Pinned layers plus a ring of slots over ``trunk.bin`` (see the module docstring)."""
+    """Pinned parts plus a ring of slots over ``trunk.bin`` (see the module docstring)."""
 
     def __init__(
         self,
@@ -175,31 +182,41 @@ class StreamedTrunk(TrunkSource):
         ring: int = DEFAULT_RING,
         progress: Callable[[int, int], None] | None = None,
         verify_every: bool = False,
+        split: bool = False,
     ):
         self.cfg = cfg
         self.verify_every = verify_every
-        self._verified: set[int] = set()
         self.manifest = manifest
         n = n_layers or cfg.n_layers
-        self.plan: TrunkPlan = plan_trunk([manifest.layers[L].nbytes for L in range(n)],
-                                          budget_bytes, ring)
-        self.stats = TrunkStats(n, len(self.plan.pinned), self.plan.ring,
+        self.splits: list[LayerSplit] = [split_layer(manifest.layers[L], split) for L in range(n)]
+        self.units: list[LayerPart] = [p for sp in self.splits for p in sp.parts]
+        self._first: list[int] = []  # unit index of each layer's first part
+        for sp in self.splits:
+            self._first.append(sum(len(q.parts) for q in self.splits[: len(self._first)]))
+        self._views = [self._unit_views(u) for u in range(len(self.units))]
+        self.plan: TrunkPlan = plan_trunk([u.nbytes for u in self.units], budget_bytes, ring)
+        self.stats = TrunkStats(n, len(self.pinned_layers), self.plan.ring,
                                 self.plan.slot_bytes, self.plan.pinned_bytes,
-                                verify_every=verify_every)
+                                verify_every=verify_every, n_units=len(self.units),
+                                pinned_units=len(self.plan.pinned))
         self._file: StorageFile | None = _open(storage, manifest)
         self._cond = threading.Condition()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._errors: dict[int, K3Error] = {}
         self._held: dict[int, _Slot] = {}
+        self._live: dict[int, tuple[LayerParams, int]] = {}
         self._stream = self.plan.streamed
-        self._pos = {L: i for i, L in enumerate(self._stream)}
-        self._cur = -1  # the streamed layer last acquired (-1: none yet)
-        self._pinned: dict[int, LayerParams] = {}
+        self._pos = {u: i for i, u in enumerate(self._stream)}
+        self._cur = -1  # the streamed unit last acquired (-1: none yet)
+        self._asm = {L: LayerAssembly(manifest.layers[L], self.splits[L]) for L in range(n)}
+        self._small: dict[int, dict[str, np.ndarray]] = {}
+        self._pinned: dict[int, dict[str, np.ndarray]] = {}
+        self.slots: list[_Slot] = []
         try:
-            self._load_pinned(progress)
             self.slots = [_Slot(i, slot_buffer(self.plan.slot_bytes))
                           for i in range(self.plan.ring)]
+            self._load_open(progress)
         except BaseException:
             self.close()
             raise
@@ -210,31 +227,36 @@ class StreamedTrunk(TrunkSource):
 
     # ---- the TrunkSource interface ------------------------------------------------------
     def acquire(self, layer: int) -> LayerParams:
-        pinned = self._pinned.get(layer)
-        if pinned is not None:
-            self.stats.binds += 1
-            self.stats.hits += 1
-            return pinned
-        if layer not in self._pos:
+        if not 0 <= layer < len(self.splits):
             raise K3Error(f"trunk: layer {layer} is not part of this run's walk "
                           f"(0..{self.stats.n_layers - 1})")
-        t0 = time.perf_counter()
-        slot = self._wait_ready(layer)
-        self.stats.exposed_wait_seconds += time.perf_counter() - t0
-        try:
-            params = self._bind(layer, slot.buf)
-        except BaseException:
-            self.release(layer)
-            raise
-        self.stats.binds += 1
-        return params
+        if layer in self._live:
+            raise K3Error(f"trunk: layer {layer} acquired twice without a release")
+        u = self._first[layer]
+        mats = self._acquire_unit(u)
+        t = dict(self._small[layer])
+        t.update(mats)
+        p = LayerParams(layer, self.cfg.is_mla(layer), self.cfg.is_dense(layer), t)
+        self._live[layer] = (p, u)
+        return p
+
+    def begin_mlp(self, layer: int) -> None:
+        live = self._live.get(layer)
+        if live is None:
+            raise K3Error(f"trunk: begin_mlp({layer}) before acquire({layer})")
+        p, u = live
+        if u + 1 >= self._first[layer] + len(self.splits[layer].parts):
+            return  # one part: the MLP tensors are already bound
+        for s in self.units[u].matrices:  # the attention views die with their slot
+            p.t.pop(s, None)
+        self._release_unit(u)
+        self._live[layer] = (p, u + 1)
+        p.t.update(self._acquire_unit(u + 1))
 
     def release(self, layer: int) -> None:
-        if layer in self._pinned:
-            return
-        with self._cond:
-            self._held.pop(layer, None)
-            self._cond.notify_all()
+        live = self._live.pop(layer, None)
+        if live is not None:
+            self._release_unit(live[1])
 
     def close(self) -> None:
         self._stop.set()
@@ -252,87 +274,145 @@ class StreamedTrunk(TrunkSource):
     # ---- state queries (tests and reports) -----------------------------------------------
     @property
     def pinned_layers(self) -> tuple[int, ...]:
-        return self.plan.pinned
+        """Layers every part of which is pinned."""
+        pinned = set(self.plan.pinned)
+        return tuple(L for L, sp in enumerate(self.splits)
+                     if all(self._first[L] + k in pinned for k in range(len(sp.parts))))
+
+    @property
+    def unit_labels(self) -> list[str]:
+        return [u.label for u in self.units]
 
     @property
     def has_reader(self) -> bool:
         return self._thread is not None
 
     def slot_states(self) -> list[tuple[int | None, str]]:
+        """``(layer, state)`` of every ring slot (the layer whose part it holds)."""
         with self._cond:
-            return [(s.layer, s.state) for s in self.slots]
+            return [(None if s.unit is None else self.units[s.unit].layer, s.state)
+                    for s in self.slots]
 
     def held_layers(self) -> list[int]:
         with self._cond:
-            return sorted(self._held)
+            return sorted({self.units[u].layer for u in self._held})
 
     # ---- internals ----------------------------------------------------------------------
-    def _load_pinned(self, progress: Callable[[int, int], None] | None) -> None:
-        f = self._file
-        assert f is not None
-        total = len(self.plan.pinned)
-        checks: list[Future[str | None]] = []
-        with ThreadPoolExecutor(1, thread_name_prefix="k3-trunk-crc") as pool:
-            try:
-                for i, L in enumerate(self.plan.pinned):
-                    lay = self.manifest.layers[L]
-                    buf = slot_buffer(lay.nbytes)
-                    t0 = time.perf_counter()
-                    self._read(f, lay, buf)
-                    self.stats.pin_seconds += time.perf_counter() - t0
-                    self.stats.pin_bytes += lay.nbytes
-                    checks.append(pool.submit(self._check, lay, buf))  # zlib drops the GIL
-                    self._pinned[L] = self._bind(L, buf)
-                    if progress:
-                        progress(i + 1, total)
-            except BaseException:
-                for c in checks:
-                    c.cancel()
-                raise
-            for c in checks:
-                problem = c.result()
-                if problem is not None:
-                    raise CheckpointError(problem)
-
-    def _check(self, lay: TrunkLayer, buf: np.ndarray) -> str | None:
-        """The checksum problem of ``lay``'s bytes in ``buf`` (``None``: they match)."""
-        t0 = time.perf_counter()
-        problem = checksum_problem(self.manifest, lay, buf)
-        with self._cond:
-            self.stats.verify_seconds += time.perf_counter() - t0
-            if problem is None:
-                self.stats.verified += 1
-                self._verified.add(lay.layer)
-        return problem
-
-    def _bind(self, layer: int, buf: np.ndarray) -> LayerParams:
-        lay = self.manifest.layers[layer]
-        raw: dict[str, np.ndarray] = {}
+    def _unit_views(self, u: int) -> list[tuple[str, int, int, np.dtype, tuple[int, ...]]]:
+        part = self.units[u]
+        lay = self.manifest.layers[part.layer]
+        want = set(part.matrices)
+        out = []
         for t in lay.tensors.values():
             split = names.split_layer_name(t.name)
             assert split is not None  # checked by the manifest reader
-            view = buf[t.off : t.off + t.nbytes].view(t.np_dtype).reshape(t.shape)
-            view.flags.writeable = False
-            raw[split[1]] = view
-        return prepare_layer(self.cfg, layer, raw)
+            if split[1] in want:
+                out.append((split[1], t.off - part.start, t.nbytes, t.np_dtype, t.shape))
+        return out
 
-    def _read(self, f: StorageFile, lay: TrunkLayer, buf: np.ndarray) -> None:
+    def _acquire_unit(self, u: int) -> dict[str, np.ndarray]:
+        pinned = self._pinned.get(u)
+        if pinned is not None:
+            self.stats.binds += 1
+            self.stats.hits += 1
+            return pinned
+        t0 = time.perf_counter()
+        slot = self._wait_ready(u)
+        self.stats.exposed_wait_seconds += time.perf_counter() - t0
         try:
-            f.read_into(lay.file_off, buf[: lay.nbytes])
+            mats = self._bind(u, slot.buf)
+        except BaseException:
+            self._release_unit(u)
+            raise
+        self.stats.binds += 1
+        return mats
+
+    def _release_unit(self, u: int) -> None:
+        if u in self._pinned:
+            return
+        with self._cond:
+            self._held.pop(u, None)
+            self._cond.notify_all()
+
+    def _load_open(self, progress: Callable[[int, int], None] | None) -> None:
+        """Resident ranges and pinned parts, read once; layers with a pinned part verified."""
+        f = self._file
+        assert f is not None
+        t0 = time.perf_counter()
+        most = max((b - a for sp in self.splits for a, b in sp.resident), default=0)
+        scratch = slot_buffer(most) if most else None
+        for L, sp in enumerate(self.splits):
+            lay = self.manifest.layers[L]
+            for a, b in sp.resident:
+                assert scratch is not None
+                self._read(f, lay, scratch, a, b - a)
+                self.stats.pin_bytes += b - a
+                self._asm[L].feed(-1, scratch[: b - a], a)
+        del scratch
+        bufs: dict[int, np.ndarray] = {}
+        total = len(self.plan.pinned)
+        for i, u in enumerate(self.plan.pinned):
+            part = self.units[u]
+            buf = slot_buffer(part.nbytes)
+            self._read(f, self.manifest.layers[part.layer], buf, part.start, part.nbytes)
+            self.stats.pin_bytes += part.nbytes
+            self._asm[part.layer].feed(u - self._first[part.layer], buf[: part.nbytes], part.start)
+            bufs[u] = buf
+            if progress:
+                progress(i + 1, total)
+        touched = sorted({self.units[u].layer for u in self.plan.pinned})
+        for L in touched:  # finish the layers pinned in part through a ring slot
+            for k, part in enumerate(self.splits[L].parts):
+                if not self._asm[L].fed(k):
+                    buf = self.slots[0].buf
+                    self._read(f, self.manifest.layers[L], buf, part.start, part.nbytes)
+                    self.stats.pin_bytes += part.nbytes
+                    self._asm[L].feed(k, buf[: part.nbytes], part.start)
+            self._finish(L)
+        for u, buf in bufs.items():
+            self._pinned[u] = self._bind(u, buf)
+        self.stats.pin_seconds += time.perf_counter() - t0
+
+    def _finish(self, layer: int) -> None:
+        """Every piece of ``layer`` is in: check its CRC, bind its small tensors."""
+        asm = self._asm[layer]
+        t0 = time.perf_counter()
+        problem = asm.problem(self.manifest)
+        if problem is not None:
+            raise CheckpointError(problem)
+        small = bind_small(self.cfg, layer, asm.small_raw())
+        asm.drop_raw()
+        with self._cond:
+            self.stats.verify_seconds += time.perf_counter() - t0
+            self.stats.verified += 1
+            self._small[layer] = small
+
+    def _bind(self, u: int, buf: np.ndarray) -> dict[str, np.ndarray]:
+        raw: dict[str, np.ndarray] = {}
+        for suffix, off, nbytes, dtype, shape in self._views[u]:
+            view = buf[off : off + nbytes].view(dtype).reshape(shape)
+            view.flags.writeable = False
+            raw[suffix] = view
+        return bind_matrices(self.cfg, self.units[u].layer, raw)
+
+    def _read(self, f: StorageFile, lay: TrunkLayer, buf: np.ndarray, start: int,
+              nbytes: int) -> None:
+        try:
+            f.read_into(lay.file_off + start, buf[:nbytes])
         except K3Error as exc:
             raise StorageError(f"trunk layer {lay.layer}: {exc.message}") from None
         except (OSError, ValueError, BufferError) as exc:
             raise StorageError(f"trunk layer {lay.layer}: read failed: {exc}") from None
 
     def _wanted(self) -> list[int]:
-        """The held layer and the next ``ring - 1`` streamed layers, nearest first."""
+        """The held unit and the next ``ring - 1`` streamed units, nearest first."""
         m = len(self._stream)
         p = self._pos[self._cur] if self._cur >= 0 else 0
         return [self._stream[(p + k) % m] for k in range(min(self.plan.ring, m))]
 
-    def _slot_of(self, layer: int) -> _Slot | None:
+    def _slot_of(self, u: int) -> _Slot | None:
         for s in self.slots:
-            if s.layer == layer and s.state != EMPTY:
+            if s.unit == u and s.state != EMPTY:
                 return s
         return None
 
@@ -342,41 +422,65 @@ class StreamedTrunk(TrunkSource):
             if s.state == EMPTY:
                 return s
         for s in self.slots:
-            if s.state == READY and id(s) not in held and s.layer not in wanted:
+            if s.state == READY and id(s) not in held and s.unit not in wanted:
                 return s
         return None
 
     def _next_job(self) -> tuple[_Slot, int] | None:
         wanted = self._wanted()
-        for L in wanted:
-            if self._slot_of(L) is not None or L in self._errors:
+        for u in wanted:
+            if self._slot_of(u) is not None or u in self._errors:
                 continue
             slot = self._victim(wanted)
             if slot is None:
                 return None
-            slot.layer, slot.state = L, READING
-            return slot, L
+            slot.unit, slot.state = u, READING
+            return slot, u
         return None
 
-    def _fill(self, slot: _Slot, layer: int) -> None:
-        """Read ``layer`` into ``slot`` (marked READING by the caller), then publish or fail."""
-        lay = self.manifest.layers[layer]
+    def _fill(self, slot: _Slot, u: int) -> None:
+        """Read unit ``u`` into ``slot`` (marked READING by the caller), then publish or fail.
+
+        The first read of a layer also reads its other parts through the slot (before this
+        one), so the layer's checksum is checked before any of its bytes is served.
+        """
+        part = self.units[u]
+        L = part.layer
+        k = u - self._first[L]
+        lay = self.manifest.layers[L]
         f = self._file
         t0 = time.perf_counter()
+        nbytes = 0
         try:
             if f is None:
-                raise StorageError(f"trunk layer {layer}: the trunk is closed")
-            self._read(f, lay, slot.buf)
-            if self.verify_every or layer not in self._verified:
-                problem = self._check(lay, slot.buf)
+                raise StorageError(f"trunk layer {L}: the trunk is closed")
+            fresh = L not in self._small
+            if fresh:
+                for j, other in enumerate(self.splits[L].parts):
+                    if j != k and not self._asm[L].fed(j):
+                        self._read(f, lay, slot.buf, other.start, other.nbytes)
+                        nbytes += other.nbytes
+                        self._asm[L].feed(j, slot.buf[: other.nbytes], other.start)
+            self._read(f, lay, slot.buf, part.start, part.nbytes)
+            nbytes += part.nbytes
+            if fresh:
+                self._asm[L].feed(k, slot.buf[: part.nbytes], part.start)
+                self._finish(L)
+            elif self.verify_every:
+                c0 = time.perf_counter()
+                problem = self._asm[L].part_problem(self.manifest, k, slot.buf)
+                with self._cond:
+                    self.stats.verify_seconds += time.perf_counter() - c0
                 if problem is not None:
                     raise CheckpointError(problem)
+                with self._cond:
+                    self.stats.verified += 1
         except BaseException as exc:  # anything: the slot must never stay READING
             err = exc if isinstance(exc, K3Error) else StorageError(
-                f"trunk layer {layer}: read failed: {exc!r}")
+                f"trunk layer {L}: read failed: {exc!r}")
             with self._cond:
-                slot.layer, slot.state = None, EMPTY
-                self._errors[layer] = err
+                slot.unit, slot.state = None, EMPTY
+                self._errors[u] = err
                 self.stats.failed_reads += 1
                 self._cond.notify_all()
             if not isinstance(exc, Exception):
@@ -386,35 +490,36 @@ class StreamedTrunk(TrunkSource):
         with self._cond:
             slot.state = READY
             self.stats.reads += 1
-            self.stats.bytes_read += lay.nbytes
+            self.stats.bytes_read += nbytes
             self.stats.read_seconds += dt
             self._cond.notify_all()
 
-    def _wait_ready(self, layer: int) -> _Slot:
+    def _wait_ready(self, u: int) -> _Slot:
         with self._cond:
-            if layer in self._held:
-                raise K3Error(f"trunk: layer {layer} acquired twice without a release")
-            self._cur = layer
+            if u in self._held:
+                raise K3Error(f"trunk: layer {self.units[u].layer} acquired twice without a "
+                              "release")
+            self._cur = u
             self._cond.notify_all()
             while True:
                 if self._stop.is_set():
                     raise K3Error("trunk: closed while a layer was being acquired")
-                err = self._errors.pop(layer, None)
+                err = self._errors.pop(u, None)
                 if err is not None:
                     raise err
-                slot = self._slot_of(layer)
+                slot = self._slot_of(u)
                 if slot is not None and slot.state == READY:
-                    self._held[layer] = slot
+                    self._held[u] = slot
                     return slot
                 if self._thread is None and slot is None:
-                    victim = self._victim([layer])
+                    victim = self._victim([u])
                     if victim is None:
-                        raise K3Error(f"trunk: no free ring slot for layer {layer}; release "
-                                      "the layer in use first")
-                    victim.layer, victim.state = layer, READING
+                        raise K3Error(f"trunk: no free ring slot for layer "
+                                      f"{self.units[u].layer}; release the layer in use first")
+                    victim.unit, victim.state = u, READING
                     self._cond.release()
                     try:
-                        self._fill(victim, layer)
+                        self._fill(victim, u)
                     finally:
                         self._cond.acquire()
                     continue
