@@ -160,7 +160,11 @@ def plan_lines(plan: TrunkPlan, total_packed: int, n_layers: int,
         lines.append(f"stream units  : {len(labels)} parts (attention, then MLP/MoE, of each "
                      f"layer); the slot is the largest unpinned part, the reader fills the "
                      "next part while the current one computes")
-    names_of = (lambda ids: ",".join(labels[i] for i in ids)) if parted else _ranges  # noqa: E731
+    tags = list(labels or ())
+
+    def names_of(ids: Sequence[int]) -> str:
+        return ",".join(tags[i] for i in ids) if parted else _ranges(ids)
+
     if plan.pinned and streamed:
         lines.append(f"{'pinned ' + unit + 's':<14}: {names_of(plan.pinned)} (LARGEST FIRST); largest "
                      f"unpinned {unit} {human(plan.slot_bytes)} vs largest {unit} "

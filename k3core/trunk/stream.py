@@ -191,8 +191,10 @@ class StreamedTrunk(TrunkSource):
         self.splits: list[LayerSplit] = [split_layer(manifest.layers[L], split) for L in range(n)]
         self.units: list[LayerPart] = [p for sp in self.splits for p in sp.parts]
         self._first: list[int] = []  # unit index of each layer's first part
+        acc = 0
         for sp in self.splits:
-            self._first.append(sum(len(q.parts) for q in self.splits[: len(self._first)]))
+            self._first.append(acc)
+            acc += len(sp.parts)
         self._views = [self._unit_views(u) for u in range(len(self.units))]
         self.plan: TrunkPlan = plan_trunk([u.nbytes for u in self.units], budget_bytes, ring)
         self.stats = TrunkStats(n, len(self.pinned_layers), self.plan.ring,
