@@ -11,8 +11,11 @@ Mechanics (the policy plugin only decides *what stays resident*):
   read that completed in full is published; the batch's keys are protected from eviction
   until the MoE has used them;
 * ``prefetch`` schedules the first batch as soon as the routing is known, so the reads
-  overlap the shared experts and the latent down-projection; ``run_layer`` waits only for
-  what is still missing (the *exposed* wait);
+  overlap the shared experts and the latent down-projection; ``run_layer`` multiplies the
+  resident experts first and every other one as soon as its read completes, so the reads
+  still in flight overlap the experts already in; it waits only for what is still missing
+  (the *exposed* wait). Each expert writes only its own outputs and the MoE sums them in
+  routing order afterwards, so the order of use cannot change a bit;
 * ``use`` is called once per distinct expert of a visit: a request of an expert an earlier
   batch of the same visit already served is counted as reuse and not read or used again;
 * a failed or short read is never served: the slot goes back to EMPTY, the drop is counted
@@ -28,7 +31,8 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -129,10 +133,7 @@ class ExpertCache(ExpertSource):
         assert v is not None
         try:
             while True:
-                self._wait(v)
-                for key, m in v.batch.items():
-                    use(m.expert, self.locator.views(m.ref, m.buf))
-                    v.done.add(key)
+                self._serve(v, use)
                 v.batch.clear()
                 if v.pos >= len(v.keys):
                     break
@@ -252,6 +253,56 @@ class ExpertCache(ExpertSource):
             self.stats.read_seconds += dt
         return dt
 
+    def _serve(self, v: _Visit, use: Callable[[int, ExpertWeights], None]) -> None:
+        """Use every expert of the batch, each as soon as its bytes are in: resident ones
+        first, then the reads in the order they complete (``use`` of one expert writes only
+        its own outputs, so the order cannot change the MoE sum). A failed read is never
+        used; the batch still waits for every read before the drop is raised."""
+        pending: dict[Future[float], int] = {}
+        for key, m in v.batch.items():
+            if m.future is None:
+                use(m.expert, self.locator.views(m.ref, m.buf))
+                v.done.add(key)
+            else:
+                pending[m.future] = key
+        failed: list[tuple[_Member, Exception]] = []
+        while pending:
+            t0 = time.perf_counter()
+            try:
+                done, _ = futures_wait(pending, return_when=FIRST_COMPLETED)
+            finally:
+                self.stats.exposed_wait_seconds += time.perf_counter() - t0
+            for fut in sorted(done, key=lambda f: pending[f]):  # a fixed order within a wake
+                key = pending.pop(fut)
+                m = v.batch[key]
+                try:
+                    fut.result()
+                except Exception as exc:  # a failed read is never served
+                    failed.append((m, exc))
+                    self._drop(key, m)
+                    m.future = None
+                    continue
+                m.future = None
+                if m.slot is not None:  # a transient buffer is never looked up again
+                    self.published[key] = self.step
+                if not failed:
+                    use(m.expert, self.locator.views(m.ref, m.buf))
+                    v.done.add(key)
+        if failed:
+            self._raise_drops(v, failed)
+
+    def _raise_drops(self, v: _Visit, failed: list[tuple[_Member, Exception]]) -> None:
+        self.stats.drops += len(failed)
+        m, err = failed[0]
+        v.batch.clear()
+        what = f"routed expert {v.layer}/{m.expert}"
+        why = err.message if isinstance(err, K3Error) else repr(err)
+        why = why.removeprefix(f"{what}: ")
+        raise ExpertDropError(
+            f"{what} could not be read ({why}); refusing a partial MoE sum: "
+            f"{len(failed)} expert(s) dropped, the run is invalid"
+        )
+
     def _wait(self, v: _Visit) -> None:
         """Wait for the batch's reads; publish complete ones; fail on any failed one."""
         t0 = time.perf_counter()
@@ -273,16 +324,7 @@ class ExpertCache(ExpertSource):
             m.future = None
         self.stats.exposed_wait_seconds += time.perf_counter() - t0
         if failed:
-            self.stats.drops += len(failed)
-            m, err = failed[0]
-            v.batch.clear()
-            what = f"routed expert {v.layer}/{m.expert}"
-            why = err.message if isinstance(err, K3Error) else repr(err)
-            why = why.removeprefix(f"{what}: ")
-            raise ExpertDropError(
-                f"{what} could not be read ({why}); refusing a partial MoE sum: "
-                f"{len(failed)} expert(s) dropped, the run is invalid"
-            )
+            self._raise_drops(v, failed)
 
     def _abandon(self, v: _Visit) -> None:
         """Give up a batch: no slot keeps a read that has not completed (nor is counted)."""
