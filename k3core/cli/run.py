@@ -56,6 +56,7 @@ def run(
     dump_logits: Path = typer.Option(None, "--dump-logits", help="Write step 0's logits as raw float32.", rich_help_panel=_O),
     dump_cache_trace: Path = typer.Option(None, "--dump-cache-trace", help="Write expert_trace.bin and expert_hist.json into this directory.", rich_help_panel=_O),
     verify_trunk: bool = typer.Option(False, "--verify-trunk", help="Re-checksum every packed layer at open.", rich_help_panel=_O),
+    readers: int = typer.Option(None, "--readers", help="Expert reader threads (default: sized by the storage device's queue).", rich_help_panel=_X),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Only the generated text (nothing on stderr but errors).", rich_help_panel=_O),
     verbose: int = typer.Option(0, "--verbose", "-v", count=True, help="More detail on stderr: every setting and its source, the request.", rich_help_panel=_O),
     expert_workers: int = typer.Option(None, "--expert-workers", help="Routed experts on N Ray workers (a local cluster unless --ray-address; needs k3[ray]).", rich_help_panel=_C),

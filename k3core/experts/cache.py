@@ -100,7 +100,9 @@ class ExpertCache(ExpertSource):
         self.stats.extra.update({"reuse": 0, "transient": 0, "read_wall_seconds": 0.0})
         self.recorder = recorder
         self._lock = threading.Lock()
-        self._pool = ThreadPoolExecutor(max_workers=max(1, readers), thread_name_prefix="k3-expert")
+        self.readers = max(1, readers)
+        self.readers_why = "asked"  # build_expert_cache says how the count was chosen
+        self._pool = ThreadPoolExecutor(max_workers=self.readers, thread_name_prefix="k3-expert")
         self._visit: _Visit | None = None
 
     # ---- ExpertSource ------------------------------------------------------------------------

@@ -86,7 +86,7 @@ class EnginePlan:
     def options(self, trace_dir: Path | None = None) -> EngineOptions:
         s, r = self.merged.settings, self.request
         cache = CacheOptions(
-            cache_gb=s.cache_gb, trace_dir=trace_dir,
+            cache_gb=s.cache_gb, trace_dir=trace_dir, readers=r.readers,
             policy_options={"trace": str(r.cache_trace)} if r.cache_trace is not None else {})
         return EngineOptions(
             self.model_dir, r.config, r.layers, s.backend, self.storage, s.cache_policy or "auto",

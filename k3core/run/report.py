@@ -141,7 +141,8 @@ class RunReport:
         cache = engine.experts if isinstance(engine.experts, ExpertCache) else None
         if cache is not None:
             self.line(f"expert cache  : {cache.capacity} slots x {human(cache.stride)} = "
-                      f"{human(cache.capacity * cache.stride)}, policy {engine.names['cache']}")
+                      f"{human(cache.capacity * cache.stride)}, policy {engine.names['cache']}, "
+                      f"{cache.readers} readers ({cache.readers_why})")
         self.line(f"peak RSS after loading weights: {gb(peak_rss_bytes())} (the plan is a "
                   "forecast; this is measured)")
 

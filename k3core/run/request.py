@@ -135,13 +135,17 @@ class EngineRequest(_Strict):
     threads: int | None = None
     incremental: bool | None = None
     verify_trunk: bool = False
+    readers: int | None = None  # expert reader threads; None: sized by the device
 
     @model_validator(mode="after")
     def _check(self) -> EngineRequest:
+        from k3core.experts.readers import READERS_LIMIT
         from k3core.trunk.source import check_trunk_options
 
         if self.threads is not None and self.threads < 1:
             raise UsageError(f"--threads must be >= 1, got {self.threads}")
+        if self.readers is not None and not 1 <= self.readers <= READERS_LIMIT:
+            raise UsageError(f"--readers must be in 1..{READERS_LIMIT}, got {self.readers}")
         if self.cache_gb is not None and not self.cache_gb >= 0:
             raise UsageError(f"--cache-gb must be a non-negative number, got {self.cache_gb}")
         check_trunk_options(self.trunk, self.trunk_gb, self.trunk_ring,
