@@ -116,6 +116,7 @@ def decode(
     check: bool = typer.Option(True, "--check/--no-check", help="Check the ids against --backend numpy."),
     bandwidth_mb: float = typer.Option(1024.0, "--bandwidth-mb", help="Buffer of the read-bandwidth loop (MB)."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
+    readers: int | None = typer.Option(None, "--readers", help="Expert reader threads (default: sized by the storage device)."),
 ) -> None:
     """s/token, prefill tokens/s, bytes, I/O wait, calls per token, next to the bandwidth floor."""
     from k3core.api.errors import K3Error
@@ -124,7 +125,7 @@ def decode(
     res = run_decode_bench(model, backend=backend, threads=threads, storage=storage, cache_gb=cache_gb,
                            trunk_dir=trunk, trunk_gb=trunk_gb, ids=_ids(ids), gen=gen, prefill=prefill,
                            repeat=repeat, incremental=not full_recompute, check=check,
-                           bandwidth_bytes=int(bandwidth_mb * 1e6))
+                           bandwidth_bytes=int(bandwidth_mb * 1e6), readers=readers)
     print(res.to_json() if as_json else format_report(res))
     if res.ids_match is False:
         raise K3Error("bench decode: the generated ids differ from --backend numpy")

@@ -43,6 +43,7 @@ from k3core.experts.setup import CacheOptions
 from k3core.model.generate import RunResult, Step, generate
 from k3core.model.sizes import sizes_from_config
 from k3core.run.engine import Engine, EngineOptions, open_engine
+from k3core.run.memory_plan import peak_rss_bytes
 
 DEFAULT_IDS = (3, 7, 11, 5, 9)
 #: Interface members that are not kernel calls (counted ops are every other public method).
@@ -87,14 +88,18 @@ class RunFigures:
     trunk_bytes: list[int] = field(default_factory=list)
     wait_seconds: list[float] = field(default_factory=list)
     ids: list[int] = field(default_factory=list)
+    trunk_wait: list[float] = field(default_factory=list)
+    trunk_read: list[float] = field(default_factory=list)
 
 
-def _counters(eng: Engine, counter: CallCounter) -> tuple[int, int, int, int, float]:
+def _counters(eng: Engine, counter: CallCounter) -> tuple[int, int, int, int, float, float, float]:
     st = eng.experts.stats
     tstats = getattr(eng.model.trunk, "stats", None)
     tb = int(getattr(tstats, "bytes_read", 0) or 0)
     tw = float(getattr(tstats, "exposed_wait_seconds", 0.0) or 0.0)
-    return counter.calls, int(st.bytes_read), int(st.requests), tb, float(st.exposed_wait_seconds) + tw
+    tr = float(getattr(tstats, "read_seconds", 0.0) or 0.0)
+    return (counter.calls, int(st.bytes_read), int(st.requests), tb,
+            float(st.exposed_wait_seconds) + tw, tw, tr)
 
 
 def _decode_run(opts: EngineOptions, ids: list[int], gen: int, incremental: bool) -> RunFigures:
@@ -114,6 +119,8 @@ def _decode_run(opts: EngineOptions, ids: list[int], gen: int, incremental: bool
             fig.expert_requests.append(now[2] - prev[2])
             fig.trunk_bytes.append(now[3] - prev[3])
             fig.wait_seconds.append(now[4] - prev[4])
+            fig.trunk_wait.append(now[5] - prev[5])
+            fig.trunk_read.append(now[6] - prev[6])
 
         res: RunResult = generate(eng.model, ids, gen, incremental=incremental, on_step=on_step)
         fig.ids = list(res.generated_ids)
@@ -160,6 +167,14 @@ class DecodeBench:
     checked_against: str | None
     ids_match: bool | None
     notes: list[str] = field(default_factory=list)
+    #: the trunk's share of the exposed wait, and its reader's device seconds per token
+    trunk_exposed_wait_per_token: float = 0.0
+    trunk_read_seconds_per_token: float = 0.0
+    #: share of the trunk's read time that overlapped compute (1 - exposed / read)
+    trunk_overlap: float = 0.0
+    #: the process's peak resident set after the timed decode runs (before any check run)
+    peak_rss_bytes: int = 0
+    expert_readers: int = 0
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -183,8 +198,13 @@ def run_decode_bench(
     check: bool = True,
     seed: int = 0,
     bandwidth_bytes: int = 1 << 30,
+    readers: int | None = None,
 ) -> DecodeBench:
     """Measure decode and prefill ``repeat`` times each (fresh engines); see the module doc."""
+    from k3core.experts.readers import READERS_LIMIT
+
+    if readers is not None and not 1 <= readers <= READERS_LIMIT:
+        raise UsageError(f"--readers must be in 1..{READERS_LIMIT}, got {readers}")
     if gen < 2 or repeat < 1 or prefill < 0 or bandwidth_bytes < 1:
         raise UsageError("bench decode: --gen must be >= 2, --repeat >= 1, --prefill >= 0 and "
                          "--bandwidth-mb > 0")
@@ -193,16 +213,19 @@ def run_decode_bench(
     def options(name: str) -> EngineOptions:
         return EngineOptions(model_dir, backend=name, storage=storage, cache_policy=cache_policy,
                              threads=threads, trunk_dir=trunk_dir, trunk_gb=trunk_gb,
-                             cache=CacheOptions(cache_gb=cache_gb))
+                             cache=CacheOptions(cache_gb=cache_gb, readers=readers))
 
     probe = open_engine(options(backend))
     cfg, kname, nthreads = probe.cfg, probe.names["kernel"], probe.kernels.threads
+    readers_used = int(getattr(probe.experts, "readers", 0) or 0)
     probe.close()
     if any(not 0 <= i < cfg.vocab for i in ids):
         raise UsageError(f"bench decode: prompt ids must be in 0..{cfg.vocab - 1}")
     runs = [_decode_run(options(backend), ids, gen, incremental) for _ in range(repeat)]
+    peak = peak_rss_bytes()
     steady = [RunFigures(r.seconds[1:], r.calls[1:], r.expert_bytes[1:], r.expert_requests[1:],
-                         r.trunk_bytes[1:], r.wait_seconds[1:], r.ids) for r in runs]
+                         r.trunk_bytes[1:], r.wait_seconds[1:], r.ids, r.trunk_wait[1:],
+                         r.trunk_read[1:]) for r in runs]
     per_run = [_median(s.seconds) for s in steady]
     pooled = RunFigures()
     for s in steady:
@@ -211,6 +234,8 @@ def run_decode_bench(
         pooled.expert_requests += s.expert_requests
         pooled.trunk_bytes += s.trunk_bytes
         pooled.wait_seconds += s.wait_seconds
+        pooled.trunk_wait += s.trunk_wait
+        pooled.trunk_read += s.trunk_read
     rng = np.random.default_rng(seed)
     pids = [int(i) for i in rng.integers(0, cfg.vocab, prefill)] if prefill else []
     pruns = [_decode_run(options(backend), pids, 1, True) for _ in range(repeat)] if prefill else []
@@ -249,6 +274,11 @@ def run_decode_bench(
         prefill_expert_bytes_if_per_token=prefill * cfg.topk * sizes.n_moe_layers * sizes.expert_bytes,
         generated_ids=runs[0].ids, prefill_generated_ids=pruns[0].ids if pruns else [],
         checked_against="numpy" if check else None, ids_match=match, notes=notes,
+        trunk_exposed_wait_per_token=_median(pooled.trunk_wait),
+        trunk_read_seconds_per_token=_median(pooled.trunk_read),
+        trunk_overlap=(max(0.0, 1.0 - sum(pooled.trunk_wait) / sum(pooled.trunk_read))
+                       if sum(pooled.trunk_read) > 0 else 0.0),
+        peak_rss_bytes=peak, expert_readers=readers_used,
     )
 
 
@@ -270,6 +300,13 @@ def format_report(b: DecodeBench) -> str:
         f"{b.exposed_wait_per_token:.4f} s/token",
         f"calls       : {b.calls_per_token:.0f} Python->kernel calls per token",
     ]
+    if b.trunk:
+        lines.append(
+            f"trunk I/O   : {b.trunk_read_seconds_per_token:.4f} s/token of reads, "
+            f"{b.trunk_exposed_wait_per_token:.4f} s/token exposed, {100 * b.trunk_overlap:.0f} % "
+            f"overlapped compute; expert reads by {b.expert_readers} readers")
+    if b.peak_rss_bytes:
+        lines.append(f"memory      : peak RSS {b.peak_rss_bytes / 1e6:.0f} MB (after the timed runs)")
     if b.prefill_ids:
         lines.append(
             f"prefill     : {b.prefill_ids} ids + 1 token in {b.prefill_seconds:.3f} s (median of "
