@@ -27,6 +27,7 @@ from k3core.model.forward import Model
 from k3core.model.sources import ModelTables, ResidentTrunk, TrunkSource, expert_from_reader
 from k3core.plugins.registry import get_registry
 from k3core.run.model_dir import config_path
+from k3core.trunk.row_embed import RowEmbedTables
 from k3core.trunk.source import check_trunk_options, open_streamed_trunk
 from k3core.trunk.tables import StreamedTables
 
@@ -144,8 +145,12 @@ def bind(
                 storage_name=sname, verify=opts.verify_trunk, progress=on_layer_bound)
         else:
             trunk = ResidentTrunk(cfg, index, n_layers, progress=on_layer_bound)
-        tables = (StreamedTables(cfg, index, trunk=trunk) if opts.ultra_low_memory
-                  else ModelTables(cfg, index))
+        if opts.ultra_low_memory:
+            tables: ModelTables = StreamedTables(cfg, index, trunk=trunk)
+        elif opts.trunk_dir is not None:  # streamed: embedding rows on demand, head resident
+            tables = RowEmbedTables(cfg, index)
+        else:
+            tables = ModelTables(cfg, index)
     except BaseException:
         if trunk is not None:
             trunk.close()

@@ -239,6 +239,8 @@ def plan_memory(
     E = cfg.hidden
     if ultra:
         tables = min(req.stream_chunk, sz.tables_bytes) + 2 * ALIGN + 3 * E * 4
+    elif streamed:  # embedding rows are read per token (k3core.trunk.row_embed)
+        tables = sz.tables_bytes - cfg.vocab * sz.embed_row_bytes
     else:
         tables = sz.tables_bytes
     expert = sz.expert_bytes if expert_bytes is None else expert_bytes

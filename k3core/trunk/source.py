@@ -21,6 +21,7 @@ from k3core.model.config import ModelConfig
 from k3core.model.sources import ModelTables
 from k3core.trunk.manifest import open_trunk
 from k3core.trunk.plan import DEFAULT_RING, MAX_RING, plan_lines
+from k3core.trunk.row_embed import RowEmbedTables
 from k3core.trunk.stream import StreamedTrunk
 from k3core.trunk.tables import StreamedTables
 
@@ -121,6 +122,9 @@ def report_json(trunk: object, tables: object) -> dict[str, object]:
     if isinstance(tables, StreamedTables):
         out.update(tables.stats.to_json())
         out["tables_resident_bytes"] = tables.resident_bytes
+    elif isinstance(tables, RowEmbedTables):
+        out["tables_resident_bytes"] = tables.resident_bytes
+        out["embedding_bytes_read"] = tables.embedding_bytes_read
     elif isinstance(tables, ModelTables):
         out["tables_resident_bytes"] = (tables.embed_w.nbytes + tables.head_w.nbytes
                                         + 3 * 4 * tables.cfg.hidden)
