@@ -28,6 +28,7 @@ wires the same code as ``k3 bench decode``).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import sys
@@ -129,6 +130,28 @@ def _decode_run(opts: EngineOptions, ids: list[int], gen: int, incremental: bool
     return fig
 
 
+def _reset_peak_rss() -> bool:
+    """Reset this process's peak RSS (Linux ``clear_refs`` 5); ``False`` where it cannot."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return _hwm_bytes() > 0
+    except OSError:
+        return False
+
+
+def _hwm_bytes() -> int:
+    """``VmHWM`` (peak RSS since the last reset) in bytes, 0 when unknown."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
 def _median(xs: list[float]) -> float:
     return float(statistics.median(xs)) if xs else 0.0
 
@@ -172,7 +195,7 @@ class DecodeBench:
     trunk_read_seconds_per_token: float = 0.0
     #: share of the trunk's read time that overlapped compute (1 - exposed / read)
     trunk_overlap: float = 0.0
-    #: the process's peak resident set after the timed decode runs (before any check run)
+    #: the peak resident set of the timed decode runs (each reset first where Linux allows)
     peak_rss_bytes: int = 0
     expert_readers: int = 0
 
@@ -219,10 +242,16 @@ def run_decode_bench(
     cfg, kname, nthreads = probe.cfg, probe.names["kernel"], probe.kernels.threads
     readers_used = int(getattr(probe.experts, "readers", 0) or 0)
     probe.close()
+    del probe  # its buffers must not count in the timed runs' peak RSS
+    gc.collect()
     if any(not 0 <= i < cfg.vocab for i in ids):
         raise UsageError(f"bench decode: prompt ids must be in 0..{cfg.vocab - 1}")
-    runs = [_decode_run(options(backend), ids, gen, incremental) for _ in range(repeat)]
-    peak = peak_rss_bytes()
+    runs, peak = [], 0
+    for _ in range(repeat):  # the peak of each timed run alone (the probe's is forgotten)
+        gc.collect()  # the last run's engine, freed before the peak is reset
+        reset = _reset_peak_rss()
+        runs.append(_decode_run(options(backend), ids, gen, incremental))
+        peak = max(peak, _hwm_bytes() if reset else peak_rss_bytes())
     steady = [RunFigures(r.seconds[1:], r.calls[1:], r.expert_bytes[1:], r.expert_requests[1:],
                          r.trunk_bytes[1:], r.wait_seconds[1:], r.ids, r.trunk_wait[1:],
                          r.trunk_read[1:]) for r in runs]
