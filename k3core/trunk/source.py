@@ -118,7 +118,10 @@ def report_json(trunk: object, tables: object) -> dict[str, object]:
         out["trunk_plan"] = {"budget_bytes": plan.budget_bytes, "planned_bytes": plan.planned_bytes,
                              "pinned": list(plan.pinned), "ring": plan.ring,
                              "slot_bytes": plan.slot_bytes,
-                             "requested_ring": plan.requested_ring}
+                             "requested_ring": plan.requested_ring,
+                             "units": trunk.unit_labels,  # "3.attn", "3.mlp" (or "3": whole)
+                             "unit_bytes": list(plan.sizes),
+                             "pinned_units": [trunk.unit_labels[i] for i in plan.pinned]}
     if isinstance(tables, StreamedTables):
         out.update(tables.stats.to_json())
         out["tables_resident_bytes"] = tables.resident_bytes

@@ -139,7 +139,9 @@ def test_run_reports_the_trunk(model, trunk, work, sizes) -> None:
     assert doc["trunk_ring_bytes_read"] >= 26 * min(sizes)
     assert doc["trunk_binds"] == 52 and doc["ultra_low_memory"]
     assert doc["trunk_hits"] == 2 * doc["trunk_pinned_units"]  # two steps
-    assert doc["trunk_units"] == 26
+    assert doc["trunk_units"] == 26 and len(doc["trunk_plan"]["units"]) == 26
+    assert doc["trunk_plan"]["units"][:2] == ["0.attn", "0.mlp"]
+    assert len(doc["trunk_plan"]["pinned_units"]) == doc["trunk_pinned_units"]
     assert doc["embedding_bytes_read"] > 0 and doc["lm_head_bytes_read"] > 0
     assert len(doc["step_seconds"]) == 2
 
