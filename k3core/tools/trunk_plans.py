@@ -38,6 +38,7 @@ class PresetTrunkPlan:
         return {"preset": self.preset, "budget_bytes": self.budget_bytes,
                 "fits": p is not None, "ring": p.ring if p else 0,
                 "slot_bytes": p.slot_bytes if p else 0,
+                "slot_sizes": list(p.slot_sizes) if p else [],
                 "pinned_parts": [self.labels[i] for i in p.pinned] if p else [],
                 "pinned_bytes": p.pinned_bytes if p else 0,
                 "streamed_bytes_per_token": (sum(p.sizes) - p.pinned_bytes) if p else 0,
@@ -51,7 +52,7 @@ def preset_trunk_plans(cfg: ModelConfig, presets: list[Preset]) -> list[PresetTr
     out = []
     for p in presets:
         try:
-            plan: TrunkPlan | None = plan_trunk(sizes, p.trunk_bytes)
+            plan: TrunkPlan | None = plan_trunk(sizes, p.trunk_bytes, small_slot=True)
         except UsageError:
             plan = None
         out.append(PresetTrunkPlan(p.name, p.trunk_bytes, plan, labels))
@@ -75,7 +76,8 @@ def trunk_plan_lines(cfg: ModelConfig, plans: list[PresetTrunkPlan]) -> list[str
             out.append(f"  {tp.preset:<12}{human(tp.budget_bytes):>10}  below the floor "
                        f"(--trunk-gb {gb_ceil(max(sizes))} or more)")
             continue
-        ring = f"{p.ring} x {human(p.slot_bytes)}" if p.ring else "-"
+        ring = (f"{human(p.slot_bytes)} + {human(p.small_slot_bytes)}" if p.small_slot_bytes
+                else f"{p.ring} x {human(p.slot_bytes)}" if p.ring else "-")
         pinned = f"{len(p.pinned)} ({human(p.pinned_bytes)})"
         mode = ("nothing streams" if not p.streamed else
                 "read ahead (overlap)" if p.ring >= 2 else "on demand (no overlap)")

@@ -27,6 +27,7 @@ class LayerAssembly:
         self.split = split
         self.crcs: list[int | None] = [None] * len(split.segments)
         self._raw = {s: np.empty(n, np.uint8) for s, (_, n) in split.small.items()}
+        self._running: dict[int, int] = {}  # segment -> CRC so far (a part read in pieces)
 
     @property
     def complete(self) -> bool:
@@ -37,16 +38,29 @@ class LayerAssembly:
                    if s.owner == owner)
 
     def feed(self, owner: int, buf: np.ndarray, buf_start: int) -> None:
-        """Take the segments ``owner`` owns from ``buf`` (which holds run bytes from ``buf_start``)."""
+        """Take what ``owner`` owns of the run bytes ``buf`` holds from ``buf_start``.
+
+        A part may arrive in several pieces (read through a slot smaller than it), in
+        order: a segment's CRC runs on across pieces and is final at the segment's end.
+        """
         buf_end = buf_start + buf.nbytes
         for i, seg in enumerate(self.split.segments):
-            if seg.owner != owner or seg.start < buf_start or seg.end > buf_end:
+            if seg.owner != owner:
                 continue
-            self.crcs[i] = zlib.crc32(buf[seg.start - buf_start : seg.end - buf_start].data)
+            lo, hi = max(seg.start, buf_start), min(seg.end, buf_end)
+            if lo >= hi:
+                continue
+            run = self._running.get(i, 0) if lo > seg.start else 0
+            run = zlib.crc32(buf[lo - buf_start : hi - buf_start].data, run)
+            if hi == seg.end:
+                self.crcs[i] = run
+                self._running.pop(i, None)
+            else:
+                self._running[i] = run
             for s, (off, n) in self.split.small.items():
-                lo, hi = max(off, seg.start), min(off + n, seg.end)
-                if lo < hi:
-                    self._raw[s][lo - off : hi - off] = buf[lo - buf_start : hi - buf_start]
+                a, b = max(off, lo), min(off + n, hi)
+                if a < b and s in self._raw:
+                    self._raw[s][a - off : b - off] = buf[a - buf_start : b - buf_start]
 
     def crc(self) -> int:
         total = 0

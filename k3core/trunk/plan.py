@@ -44,6 +44,15 @@ class TrunkPlan:
     ring: int  # streaming slots (0 when everything is pinned)
     slot_bytes: int
     requested_ring: int
+    #: a second, smaller slot (0: every slot is ``slot_bytes``); see :func:`plan_trunk`
+    small_slot_bytes: int = 0
+
+    @property
+    def slot_sizes(self) -> tuple[int, ...]:
+        """Every ring slot's size, largest first."""
+        if self.small_slot_bytes:
+            return (self.slot_bytes, self.small_slot_bytes)
+        return (self.slot_bytes,) * self.ring
 
     @property
     def pinned_bytes(self) -> int:
@@ -52,7 +61,7 @@ class TrunkPlan:
     @property
     def planned_bytes(self) -> int:
         """What the trunk holds: pinned layers plus the ring."""
-        return self.pinned_bytes + self.ring * self.slot_bytes
+        return self.pinned_bytes + sum(self.slot_sizes)
 
     @property
     def floor_bytes(self) -> int:
@@ -83,8 +92,35 @@ def gb_ceil(nbytes: int) -> str:
     return f"{math.ceil(nbytes / 1e6) / 1e3:g}"
 
 
-def plan_trunk(sizes: Sequence[int], budget_bytes: int, ring: int = DEFAULT_RING) -> TrunkPlan:
-    """Split ``budget_bytes`` over runs of ``sizes`` (see the module docstring)."""
+def plan_trunk(sizes: Sequence[int], budget_bytes: int, ring: int = DEFAULT_RING,
+               small_slot: bool = False) -> TrunkPlan:
+    """Split ``budget_bytes`` over runs of ``sizes`` (see the module docstring).
+
+    With ``small_slot`` (the sub-layer engine), a plan left with one slot although two or
+    more were asked tries a ring of two *unequal* slots instead: one of the largest unit and
+    one of the largest smaller unit that still fits beside it, pinning largest first in what
+    is left. Units
+    alternate in size (a layer's attention part, then its MLP part), so the reader fills
+    the small slot while a large unit computes and the large one while a small unit does:
+    reads overlap compute at budgets where two equal slots do not fit. It is taken only
+    when it fits and more than one unit streams.
+    """
+    plan = _plan_equal(sizes, budget_bytes, ring)
+    if not small_slot or plan.ring != 1 or ring < 2 or len(plan.streamed) < 2:
+        return plan
+    big = max(plan.sizes)
+    smaller = [n for n in plan.sizes if n < big and big + n <= budget_bytes]
+    if not smaller:
+        return plan
+    small = max(smaller)
+    order = sorted(range(len(plan.sizes)), key=lambda i: (-plan.sizes[i], i))
+    pinned = _greedy(order, plan.sizes, budget_bytes - big - small)
+    if len(plan.sizes) - len(pinned) < 2:
+        return plan
+    return TrunkPlan(budget_bytes, plan.sizes, pinned, 2, big, ring, small_slot_bytes=small)
+
+
+def _plan_equal(sizes: Sequence[int], budget_bytes: int, ring: int) -> TrunkPlan:
     if not sizes:
         raise UsageError("the trunk has no layers to stream")
     if not 1 <= ring <= MAX_RING:
@@ -150,8 +186,10 @@ def plan_lines(plan: TrunkPlan, total_packed: int, n_layers: int,
     else:
         count = f"{len(plan.pinned)}/{n_layers} layers PINNED ({human(plan.pinned_bytes)})"
         unit = "layer"
+    ring_text = (f"ring 2 slots ({human(plan.slot_bytes)} + {human(plan.small_slot_bytes)})"
+                 if plan.small_slot_bytes else f"ring {plan.ring} x {human(plan.slot_bytes)}")
     lines = [
-        f"trunk plan    : {count}, ring {plan.ring} x {human(plan.slot_bytes)} "
+        f"trunk plan    : {count}, {ring_text} "
         f"= {human(plan.planned_bytes)} of a {human(plan.budget_bytes)} budget "
         f"({human(total_packed)} packed)",
     ]

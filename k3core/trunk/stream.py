@@ -196,7 +196,8 @@ class StreamedTrunk(TrunkSource):
             self._first.append(acc)
             acc += len(sp.parts)
         self._views = [self._unit_views(u) for u in range(len(self.units))]
-        self.plan: TrunkPlan = plan_trunk([u.nbytes for u in self.units], budget_bytes, ring)
+        self.plan: TrunkPlan = plan_trunk([u.nbytes for u in self.units], budget_bytes, ring,
+                                          small_slot=split)
         self.stats = TrunkStats(n, len(self.pinned_layers), self.plan.ring,
                                 self.plan.slot_bytes, self.plan.pinned_bytes,
                                 verify_every=verify_every, n_units=len(self.units),
@@ -216,8 +217,7 @@ class StreamedTrunk(TrunkSource):
         self._pinned: dict[int, dict[str, np.ndarray]] = {}
         self.slots: list[_Slot] = []
         try:
-            self.slots = [_Slot(i, slot_buffer(self.plan.slot_bytes))
-                          for i in range(self.plan.ring)]
+            self.slots = [_Slot(i, slot_buffer(n)) for i, n in enumerate(self.plan.slot_sizes)]
             self._load_open(progress)
         except BaseException:
             self.close()
@@ -418,22 +418,33 @@ class StreamedTrunk(TrunkSource):
                 return s
         return None
 
-    def _victim(self, wanted: list[int]) -> _Slot | None:
+    def _victim(self, wanted: list[int], need: int = 0, spare: int | None = None) -> _Slot | None:
+        """A slot of at least ``need`` bytes to read into, the smallest that fits: an empty
+        one, else a ready one neither held nor wanted (nor, when ``spare`` is given, one
+        holding a wanted unit farther than ``spare``: see ``_next_job``)."""
         held = {id(s) for s in self._held.values()}
-        for s in self.slots:
+        fits = sorted((s for s in self.slots if s.buf.nbytes >= need), key=lambda s: s.buf.nbytes)
+        for s in fits:
             if s.state == EMPTY:
                 return s
-        for s in self.slots:
+        for s in fits:
             if s.state == READY and id(s) not in held and s.unit not in wanted:
                 return s
+        if spare is not None:
+            farther = wanted[wanted.index(spare) + 1 :]
+            for s in fits:
+                if s.state == READY and id(s) not in held and s.unit in farther:
+                    return s
         return None
 
     def _next_job(self) -> tuple[_Slot, int] | None:
         wanted = self._wanted()
-        for u in wanted:
+        for k, u in enumerate(wanted):
             if self._slot_of(u) is not None or u in self._errors:
                 continue
-            slot = self._victim(wanted)
+            # the nearest unit still missing may take a farther wanted unit's slot (unequal
+            # slots: the only one it fits may hold it); a farther one never evicts
+            slot = self._victim(wanted, self.units[u].nbytes, spare=u if k == 0 else None)
             if slot is None:
                 return None
             slot.unit, slot.state = u, READING
@@ -457,12 +468,15 @@ class StreamedTrunk(TrunkSource):
             if f is None:
                 raise StorageError(f"trunk layer {L}: the trunk is closed")
             fresh = L not in self._small
-            if fresh:
+            if fresh:  # the other parts through this slot, in pieces if it is the smaller
+                step = slot.buf.nbytes - slot.buf.nbytes % ALIGN
                 for j, other in enumerate(self.splits[L].parts):
                     if j != k and not self._asm[L].fed(j):
-                        self._read(f, lay, slot.buf, other.start, other.nbytes)
-                        nbytes += other.nbytes
-                        self._asm[L].feed(j, slot.buf[: other.nbytes], other.start)
+                        for a in range(other.start, other.end, step):
+                            n = min(step, other.end - a)
+                            self._read(f, lay, slot.buf, a, n)
+                            nbytes += n
+                            self._asm[L].feed(j, slot.buf[:n], a)
             self._read(f, lay, slot.buf, part.start, part.nbytes)
             nbytes += part.nbytes
             if fresh:
@@ -514,7 +528,7 @@ class StreamedTrunk(TrunkSource):
                     self._held[u] = slot
                     return slot
                 if self._thread is None and slot is None:
-                    victim = self._victim([u])
+                    victim = self._victim([u], self.units[u].nbytes)
                     if victim is None:
                         raise K3Error(f"trunk: no free ring slot for layer "
                                       f"{self.units[u].layer}; release the layer in use first")

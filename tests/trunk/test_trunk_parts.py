@@ -78,6 +78,23 @@ def test_real_shape_laptop_gets_two_slots_of_the_largest_part() -> None:
             assert all(tp.plan.sizes[i] <= tp.plan.slot_bytes for i in tp.plan.streamed)
 
 
+def test_real_shape_overlaps_with_two_unequal_slots_below_two_equal_ones() -> None:
+    cfg = ModelConfig.from_json_dict(size_config("real"))
+    sizes = [n for _, n in shape_part_sizes(cfg)]
+    big = max(sizes)
+    plans = {p.preset: p for p in preset_trunk_plans(cfg, list_presets(on_error=lambda e: None))}
+    ultra = plans["ultra"].plan  # 2.5 GB: two slots of the largest part do not fit
+    assert ultra is not None and ultra.ring == 2 and ultra.slot_sizes[0] == big
+    assert 0 < ultra.small_slot_bytes < big and plans["ultra"].overlaps
+    assert plan_trunk(sizes, plans["ultra"].budget_bytes).ring == 1  # equal slots: one
+    smallest_pair = big + min(sizes)
+    for budget in range(smallest_pair, 2 * big, 50_000_000):
+        p = plan_trunk(sizes, budget, small_slot=True)
+        assert p.ring == 2 and p.planned_bytes <= budget, budget
+        assert all(p.sizes[i] <= p.slot_bytes for i in p.streamed)
+    assert plan_trunk(sizes, big, small_slot=True).ring == 1  # the floor itself: one slot
+
+
 def test_shape_parts_bound_the_packed_parts(opened) -> None:
     cfg, _, man = opened
     planned = dict(shape_part_sizes(cfg))
@@ -199,6 +216,24 @@ def test_parts_serve_the_checkpoint_bytes_at_any_budget(opened, ring, share) -> 
             _walk(tr, cfg, idx)
         assert tr.stats.binds == 2 * 2 * cfg.n_layers
         assert tr.stats.verified == cfg.n_layers and tr.held_layers() == []
+    finally:
+        tr.close()
+
+
+def test_unequal_slots_serve_the_checkpoint_bytes(opened) -> None:
+    cfg, idx, man = opened
+    probe = StreamedTrunk(cfg, man, PlainStorage(), man.total_bytes, split=True)
+    sizes = [u.nbytes for u in probe.units]
+    probe.close()
+    big = max(sizes)
+    small = max(n for n in sizes if n < big)
+    tr = StreamedTrunk(cfg, man, PlainStorage(), big + small, split=True)
+    try:
+        assert tr.plan.slot_sizes == (big, small) and tr.has_reader
+        assert all(s.buf.nbytes >= n for s, n in zip(tr.slots, (big, small), strict=True))
+        for _ in range(3):
+            _walk(tr, cfg, idx)
+        assert tr.held_layers() == [] and tr.stats.failed_reads == 0
     finally:
         tr.close()
 

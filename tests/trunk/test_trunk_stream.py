@@ -94,8 +94,10 @@ def _budgets(sizes: list[int], parts: list[int] | None = None) -> dict[str, floa
     out = {"floor-ring1": floor / 1e9, "floor-ring2": 2 * floor / 1e9,
            "half": (total // 2) / 1e9, "all-pinned": total / 1e9}
     if parts:  # the part floor: one or two slots of the largest part, nothing pinned
-        out.update({"part-floor-ring1": max(parts) / 1e9,
-                    "part-floor-ring2": 2 * max(parts) / 1e9})
+        big = max(parts)
+        out.update({"part-floor-ring1": big / 1e9, "part-floor-ring2": 2 * big / 1e9,
+                    # two unequal slots: the largest part and the next size down
+                    "part-unequal": (big + max(n for n in parts if n < big)) / 1e9})
     return out
 
 
