@@ -132,7 +132,7 @@ def test_run_reports_the_trunk(model, trunk, work, sizes) -> None:
     for text in ("trunk on disk", "trunk plan    : 0/13 layers PINNED", "ring 2 x",
                  "stream units  : 26 parts", "trunk [final]: pinned 0/13 layers (",
                  "binds 52, hits ",
-                 "overlapped compute", "model tables (STREAMED)",
+                 "overlapped compute", "model tables (STREAMED)", "exposed waits : trunk ",
                  "recurrent state: one slot, cleared and reused across 13 layers"):
         assert text in res.output, text
     import json
