@@ -118,6 +118,7 @@ def report_json(trunk: object, tables: object) -> dict[str, object]:
         out["trunk_plan"] = {"budget_bytes": plan.budget_bytes, "planned_bytes": plan.planned_bytes,
                              "pinned": list(plan.pinned), "ring": plan.ring,
                              "slot_bytes": plan.slot_bytes,
+                             "slot_sizes": list(plan.slot_sizes),
                              "requested_ring": plan.requested_ring,
                              "units": trunk.unit_labels,  # "3.attn", "3.mlp" (or "3": whole)
                              "unit_bytes": list(plan.sizes),

@@ -106,6 +106,7 @@ class TrunkStats:
     verify_every: bool = False
     n_units: int = 0  # streaming units (a layer's parts, or whole layers)
     pinned_units: int = 0
+    small_slot_bytes: int = 0  # the second, smaller slot of an unequal ring (0: none)
 
     @property
     def overlapped_seconds(self) -> float:
@@ -117,7 +118,10 @@ class TrunkStats:
         lines = [
             f"trunk [final]: pinned {self.pinned}/{self.n_layers} layers"
             + (f" ({self.pinned_units}/{self.n_units} parts)" if self.n_units > self.n_layers
-               else "") + f", ring {self.ring} slots x {human(self.slot_bytes)}",
+               else "")
+            + (f", ring 2 slots ({human(self.slot_bytes)} + {human(self.small_slot_bytes)})"
+               if self.small_slot_bytes else
+               f", ring {self.ring} slots x {human(self.slot_bytes)}"),
             f"  binds {self.binds}, hits {self.hits} ({100 * self.hits / binds:.1f} %), "
             f"reads {self.reads}" + (f", FAILED reads {self.failed_reads}"
                                      if self.failed_reads else ""),
@@ -147,6 +151,7 @@ class TrunkStats:
             "trunk_pinned_units": self.pinned_units,
             "trunk_ring_slots": self.ring,
             "trunk_slot_bytes": self.slot_bytes,
+            "trunk_small_slot_bytes": self.small_slot_bytes,
             "trunk_pinned_bytes": self.pinned_bytes,
             "trunk_binds": self.binds,
             "trunk_hits": self.hits,
@@ -201,7 +206,8 @@ class StreamedTrunk(TrunkSource):
         self.stats = TrunkStats(n, len(self.pinned_layers), self.plan.ring,
                                 self.plan.slot_bytes, self.plan.pinned_bytes,
                                 verify_every=verify_every, n_units=len(self.units),
-                                pinned_units=len(self.plan.pinned))
+                                pinned_units=len(self.plan.pinned),
+                                small_slot_bytes=self.plan.small_slot_bytes)
         self._file: StorageFile | None = _open(storage, manifest)
         self._cond = threading.Condition()
         self._stop = threading.Event()
