@@ -33,10 +33,12 @@ def _fake_sys(tmp: Path, target: Path, disk: str, rotational: int | None, nr: in
 
 
 @pytest.mark.parametrize("disk, rotational, nr, partition, want", [
-    ("nvme0n1", 0, 1023, False, 16),  # deep queue: the most readers
-    ("nvme0n1", 0, 1023, True, 16),  # a partition reads its disk's queue
+    ("nvme0n1", 0, 1023, False, 15),  # deep queue: many readers
+    ("nvme0n1", 0, 1023, True, 15),  # a partition reads its disk's queue
+    ("nvme1n1", 0, 4096, False, 16),  # at most 16
     ("sda", 1, 64, False, 2),  # a spinning disk: few readers, more only add seeks
-    ("vda", 1, 256, False, 8),  # virtio says rotational whatever backs it: the queue decides
+    ("vda", 1, 256, False, 4),  # virtio says rotational whatever backs it: the queue decides
+    ("vdb", 1, 768, False, 12),
     ("sdb", 0, 32, False, 4),  # a shallow queue still gets the minimum
     ("sdc", 0, None, False, DEFAULT_READERS),  # no queue depth: the default
 ])
