@@ -156,6 +156,7 @@ def decode(
     spec_width: int = typer.Option(4, "--spec-width", help="Drafts verified per pass at most (1..16)."),
     spec_ngram: int = typer.Option(3, "--spec-ngram", help="Longest context suffix looked up (1..8)."),
     prompt_file: Path | None = typer.Option(None, "--prompt-file", help="Decode prompt as text (the model's tokenizer), instead of --ids."),
+    readers: int | None = typer.Option(None, "--readers", help="Expert reader threads (default: sized by the storage device)."),
 ) -> None:
     """s/token, prefill tokens/s, bytes, I/O wait, calls per token, next to the bandwidth floor."""
     from k3core.api.errors import K3Error
@@ -166,7 +167,8 @@ def decode(
                            trunk_dir=trunk, trunk_gb=trunk_gb, ids=_ids(ids), gen=gen, prefill=prefill,
                            repeat=repeat, incremental=not full_recompute, check=check,
                            bandwidth_bytes=int(bandwidth_mb * 1e6), prefill_chunk=prefill_chunk,
-                           spec=SpecOptions(spec, spec_width, spec_ngram), prompt_file=prompt_file)
+                           spec=SpecOptions(spec, spec_width, spec_ngram), prompt_file=prompt_file,
+                           readers=readers)
     print(res.to_json() if as_json else format_report(res))
     if res.ids_match is False:
         raise K3Error("bench decode: the generated ids differ from --backend numpy")

@@ -55,7 +55,7 @@ def run(
     cache_trace: Path = typer.Option(None, "--cache-trace", help="expert_trace.bin from an earlier run, for --cache-policy replay.", rich_help_panel=_X),
     threads: int = typer.Option(None, "--threads", "-t", help="Kernel threads (or $K3_THREADS / $OMP_NUM_THREADS).", rich_help_panel=_X),
     lookahead: str = typer.Option(None, "--lookahead", help="Router lookahead prefetch: off (the default), on, attn, out (docs/expert-cache.md).", rich_help_panel=_X),
-    expert_readers: int = typer.Option(None, "--expert-readers", help="Expert-cache reader threads (1..64, default 4).", rich_help_panel=_X),
+    expert_readers: int = typer.Option(None, "--expert-readers", "--readers", help="Expert-cache reader threads (1..64; default: sized by the storage device's queue).", rich_help_panel=_X),
     config: Path = typer.Option(None, "--config", help="Model config (default MODEL_DIR/config.json).", rich_help_panel=_O),
     layers: int = typer.Option(None, "--layers", help="Run only the first N layers (not the full model).", rich_help_panel=_O),
     out: Path = typer.Option(None, "--out", help="Write the result, the request and the plan as JSON.", rich_help_panel=_O),

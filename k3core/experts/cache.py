@@ -11,8 +11,11 @@ Mechanics (the policy plugin only decides *what stays resident*):
   read that completed in full is published; the batch's keys are protected from eviction
   until the MoE has used them;
 * ``prefetch`` schedules the first batch as soon as the routing is known, so the reads
-  overlap the shared experts and the latent down-projection; ``run_layer`` waits only for
-  what is still missing (the *exposed* wait);
+  overlap the shared experts and the latent down-projection; ``run_layer`` multiplies the
+  resident experts first and every other one as soon as its read completes, so the reads
+  still in flight overlap the experts already in; it waits only for what is still missing
+  (the *exposed* wait). Each expert writes only its own outputs and the MoE sums them in
+  routing order afterwards, so the order of use cannot change a bit;
 * ``use`` is called once per distinct expert of a visit: a request of an expert an earlier
   batch of the same visit already served is counted as reuse and not read or used again;
 * a failed or short read is never served: the slot goes back to EMPTY, the drop is counted
@@ -39,7 +42,8 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -126,7 +130,9 @@ class ExpertCache(ExpertSource):
         self.stats.extra.update(dict.fromkeys(LOOKAHEAD_COUNTERS, 0))
         self.recorder = recorder
         self._lock = threading.Lock()
-        self._pool = ThreadPoolExecutor(max_workers=max(1, readers), thread_name_prefix="k3-expert")
+        self.readers = max(1, readers)
+        self.readers_why = "asked"  # build_expert_cache says how the count was chosen
+        self._pool = ThreadPoolExecutor(max_workers=self.readers, thread_name_prefix="k3-expert")
         self._visit: _Visit | None = None
         self._guesses: dict[int, _Guess] = {}  # key -> guessed read not yet published
         self._guessed: dict[int, set[int]] = {}  # layer -> experts of its last guess
@@ -166,8 +172,8 @@ class ExpertCache(ExpertSource):
         self, layer: int, requests: Sequence[int],
         use_many: Callable[[list[tuple[int, ExpertWeights]]], None],
     ) -> None:
-        """Per batch: once every read of the batch completed (no expert of a batch with a
-        failed read reaches the MoE), all of its experts in one ``use_many`` call."""
+        """Per batch: the resident experts in one ``use_many`` call, then the experts whose
+        reads complete together in one call each (``_serve``); a failed read is never used."""
         v = self._visit
         if v is None or v.layer != layer:
             self.prefetch(layer, requests)
@@ -175,10 +181,7 @@ class ExpertCache(ExpertSource):
         assert v is not None
         try:
             while True:
-                self._wait(v)
-                if v.batch:
-                    use_many([(m.expert, self.locator.views(m.ref, m.buf)) for m in v.batch.values()])
-                    v.done.update(v.batch)
+                self._serve(v, use_many)
                 v.batch.clear()
                 if v.pos >= len(v.keys):
                     break
@@ -316,6 +319,64 @@ class ExpertCache(ExpertSource):
             self.stats.read_seconds += dt
         return dt
 
+    def _serve(self, v: _Visit,
+               use_many: Callable[[list[tuple[int, ExpertWeights]]], None]) -> None:
+        """Use every expert of the batch as soon as its bytes are in: the resident ones in
+        one ``use_many`` call first, then the reads that complete together in one call each,
+        in the order they complete (``use_many`` writes only those experts' own outputs, so
+        neither the grouping nor the order can change the MoE sum). A failed read is never
+        used; the batch still waits for every read before the drop is raised."""
+        pending: dict[Future[float], int] = {}
+        ready: list[tuple[int, ExpertWeights]] = []
+        for key, m in v.batch.items():
+            if m.future is None:
+                ready.append((m.expert, self.locator.views(m.ref, m.buf)))
+                v.done.add(key)
+            else:
+                pending[m.future] = key
+        if ready:
+            use_many(ready)
+        failed: list[tuple[_Member, Exception]] = []
+        while pending:
+            t0 = time.perf_counter()
+            try:
+                done, _ = futures_wait(pending, return_when=FIRST_COMPLETED)
+            finally:
+                self.stats.exposed_wait_seconds += time.perf_counter() - t0
+            landed: list[tuple[int, ExpertWeights]] = []
+            for fut in sorted(done, key=lambda f: pending[f]):  # a fixed order within a wake
+                key = pending.pop(fut)
+                m = v.batch[key]
+                try:
+                    fut.result()
+                except Exception as exc:  # a failed read is never served
+                    failed.append((m, exc))
+                    self._drop(key, m)
+                    m.future = None
+                    continue
+                m.future = None
+                if m.slot is not None:  # a transient buffer is never looked up again
+                    self.published[key] = self.step
+                if not failed:
+                    landed.append((m.expert, self.locator.views(m.ref, m.buf)))
+                    v.done.add(key)
+            if landed:
+                use_many(landed)
+        if failed:
+            self._raise_drops(v, failed)
+
+    def _raise_drops(self, v: _Visit, failed: list[tuple[_Member, Exception]]) -> None:
+        self.stats.drops += len(failed)
+        m, err = failed[0]
+        v.batch.clear()
+        what = f"routed expert {v.layer}/{m.expert}"
+        why = err.message if isinstance(err, K3Error) else repr(err)
+        why = why.removeprefix(f"{what}: ")
+        raise ExpertDropError(
+            f"{what} could not be read ({why}); refusing a partial MoE sum: "
+            f"{len(failed)} expert(s) dropped, the run is invalid"
+        )
+
     def _wait(self, v: _Visit) -> None:
         """Wait for the batch's reads; publish complete ones; fail on any failed one."""
         t0 = time.perf_counter()
@@ -337,16 +398,7 @@ class ExpertCache(ExpertSource):
             m.future = None
         self.stats.exposed_wait_seconds += time.perf_counter() - t0
         if failed:
-            self.stats.drops += len(failed)
-            m, err = failed[0]
-            v.batch.clear()
-            what = f"routed expert {v.layer}/{m.expert}"
-            why = err.message if isinstance(err, K3Error) else repr(err)
-            why = why.removeprefix(f"{what}: ")
-            raise ExpertDropError(
-                f"{what} could not be read ({why}); refusing a partial MoE sum: "
-                f"{len(failed)} expert(s) dropped, the run is invalid"
-            )
+            self._raise_drops(v, failed)
 
     def _abandon(self, v: _Visit) -> None:
         """Give up a batch: no slot keeps a read that has not completed (nor is counted)."""

@@ -18,6 +18,7 @@ from k3core.api.units import gb_bytes
 from k3core.checkpoint.index import CheckpointIndex
 from k3core.experts.cache import ExpertCache
 from k3core.experts.locator import ExpertLocator
+from k3core.experts.readers import device_readers
 from k3core.experts.trace import HIST_NAME, TraceError, TraceRecorder, read_hist, read_trace
 from k3core.model import sizes
 from k3core.model.config import ModelConfig
@@ -30,7 +31,7 @@ class CacheOptions:
     policy: str = "auto"
     policy_options: dict[str, Any] = field(default_factory=dict)
     trace_dir: Path | None = None  # --dump-cache-trace
-    readers: int = 4
+    readers: int | None = None  # None: sized by the shards' device (k3core.experts.readers)
 
 
 def expert_slots(cfg: ModelConfig, n_layers: int, slot_bytes: int, cache_gb: float | None) -> int:
@@ -104,5 +105,10 @@ def build_expert_cache(
         **opts.policy_options,
     )
     recorder = TraceRecorder(cfg.n_layers, cfg.n_experts) if opts.trace_dir is not None else None
-    cache = ExpertCache(index, locator, policy, slots, slot_bytes, readers=opts.readers, recorder=recorder)
+    if opts.readers is not None:
+        readers, why = opts.readers, "--readers"
+    else:
+        readers, why = device_readers(index.shards[0] if index.shards else index.model_dir)
+    cache = ExpertCache(index, locator, policy, slots, slot_bytes, readers=readers, recorder=recorder)
+    cache.readers_why = why
     return cache, name, note

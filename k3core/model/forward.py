@@ -137,6 +137,7 @@ class Model:
             pref = None
         xn = self.k.rmsnorm(x_a, p["input_layernorm.weight"], eps)
         a = self.mla(p, xn, st) if p.mla else self.kda(p, xn, st)
+        self.trunk.begin_mlp(p.layer)  # a split layer's MLP part replaces its attention part
         pref = a if pref is None else pref + a
         x_m = self.k.attn_res(np.stack(blocks + [pref]), p["fold_mlp"], eps)
         if self.lookahead == "attn":

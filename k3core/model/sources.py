@@ -36,6 +36,10 @@ class TrunkSource(ABC):
     @abstractmethod
     def acquire(self, layer: int) -> LayerParams: ...
 
+    def begin_mlp(self, layer: int) -> None:  # noqa: B027 - resident layers are whole
+        """Attention of ``layer`` is done: bind its MLP tensors (a streamed source may drop
+        the attention tensors' views now and serve the MLP part from another slot)."""
+
     def release(self, layer: int) -> None:  # noqa: B027 - resident sources keep everything
         """The caller is done with ``layer`` (its slot may be reused)."""
 

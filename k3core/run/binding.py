@@ -147,8 +147,10 @@ def bind(
                 storage_name=sname, verify=opts.verify_trunk, progress=on_layer_bound)
         else:
             trunk = ResidentTrunk(cfg, index, n_layers, progress=on_layer_bound)
-        tables = (StreamedTables(cfg, index, trunk=trunk) if opts.ultra_low_memory
-                  else ModelTables(cfg, index))
+        if opts.ultra_low_memory:
+            tables: ModelTables = StreamedTables(cfg, index, trunk=trunk)
+        else:  # embedding rows on demand, the head resident
+            tables = ModelTables(cfg, index)
     except BaseException:
         if trunk is not None:
             trunk.close()

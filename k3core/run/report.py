@@ -142,7 +142,8 @@ class RunReport:
         cache = engine.experts if isinstance(engine.experts, ExpertCache) else None
         if cache is not None:
             self.line(f"expert cache  : {cache.capacity} slots x {human(cache.stride)} = "
-                      f"{human(cache.capacity * cache.stride)}, policy {engine.names['cache']}")
+                      f"{human(cache.capacity * cache.stride)}, policy {engine.names['cache']}, "
+                      f"{cache.readers} readers ({cache.readers_why})")
         self.line(f"peak RSS after loading weights: {gb(peak_rss_bytes())} (the plan is a "
                   "forecast; this is measured)")
 
@@ -198,6 +199,11 @@ class RunReport:
         if gen.wall_seconds > 0:
             self.line(f"I/O share of wall clock: {100 * io / gen.wall_seconds:.1f}% (device time "
                       "summed over reader threads; above 100% means reads overlapped compute)")
+            tw = report_json(model.trunk, model.tables).get("trunk_exposed_wait_seconds")
+            if isinstance(tw, (int, float)):
+                self.line(f"exposed waits : trunk {tw:.2f} s ({100 * tw / gen.wall_seconds:.1f}% "
+                          f"of wall), experts {stats.exposed_wait_seconds:.2f} s "
+                          f"({100 * stats.exposed_wait_seconds / gen.wall_seconds:.1f}%)")
         self.line(f"PEAK RSS for the whole run: {gb(peak_rss_bytes())}   <- quote this, not the plan")
         self.line(f"layers completed: {model.layers_completed}/{model.n_layers}; routed expert "
                   f"drops: {stats.drops}")

@@ -149,10 +149,14 @@ class EngineRequest(_Strict):
 
     @model_validator(mode="after")
     def _check(self) -> EngineRequest:
+        from k3core.experts.readers import READERS_LIMIT
         from k3core.trunk.source import check_trunk_options
 
         if self.threads is not None and self.threads < 1:
             raise UsageError(f"--threads must be >= 1, got {self.threads}")
+        if self.expert_readers is not None and not 1 <= self.expert_readers <= READERS_LIMIT:
+            raise UsageError(f"--expert-readers/--readers must be in 1..{READERS_LIMIT}, "
+                             f"got {self.expert_readers}")
         if self.prefill_chunk is not None and self.prefill_chunk < 1:
             raise UsageError(f"--prefill-chunk must be >= 1, got {self.prefill_chunk}")
         if self.cache_gb is not None and not self.cache_gb >= 0:

@@ -61,7 +61,8 @@ class Settings(BaseModel):
     threads: int | None = Field(default=None, ge=1, le=4096)
     incremental: bool = True  # incremental decoding; --full-recompute opts out
     lookahead: str = Field(default="off", pattern=LOOKAHEAD_PATTERN)  # router lookahead
-    expert_readers: int = Field(default=4, ge=1, le=64)  # expert-cache reader threads
+    #: expert-cache reader threads; None: sized by the storage device (k3core.experts.readers)
+    expert_readers: int | None = Field(default=None, ge=1, le=64)
 
 
 DEFAULTS: dict[str, Any] = Settings().model_dump()

@@ -1,9 +1,11 @@
-"""How a trunk budget is split between pinned layers and a ring of streaming slots.
+"""How a trunk budget is split between pinned units and a ring of streaming slots.
 
-Every token walks the layers in the same order, a cyclic scan on which an LRU of fewer
-slots than layers hits exactly 0 %. So k3 pins a fixed set of layers (a deterministic hit
-rate of pinned/layers) and streams the rest through a ring of equal slots, each as large
-as the largest unpinned run. The split is a fixed point (docs/engine-behaviours.md §4, the newer,
+A *unit* is what one ring slot holds: a sub-layer part (a layer's attention or MLP/MoE
+part, :mod:`k3core.trunk.parts`) when the engine streams, or a whole layer. Every token
+walks the units in the same order, a cyclic scan on which an LRU of fewer slots than units
+hits exactly 0 %. So k3 pins a fixed set of units (a deterministic hit rate of
+pinned/units) and streams the rest through a ring of equal slots, each as large as the
+largest unpinned unit (below, "run" and "layer" read "unit"). The split is a fixed point (docs/engine-behaviours.md §4, the newer,
 largest-first revision):
 
 1. the floor is one slot of the largest run; a budget below it is refused (``UsageError``,
@@ -42,6 +44,15 @@ class TrunkPlan:
     ring: int  # streaming slots (0 when everything is pinned)
     slot_bytes: int
     requested_ring: int
+    #: a second, smaller slot (0: every slot is ``slot_bytes``); see :func:`plan_trunk`
+    small_slot_bytes: int = 0
+
+    @property
+    def slot_sizes(self) -> tuple[int, ...]:
+        """Every ring slot's size, largest first."""
+        if self.small_slot_bytes:
+            return (self.slot_bytes, self.small_slot_bytes)
+        return (self.slot_bytes,) * self.ring
 
     @property
     def pinned_bytes(self) -> int:
@@ -50,7 +61,7 @@ class TrunkPlan:
     @property
     def planned_bytes(self) -> int:
         """What the trunk holds: pinned layers plus the ring."""
-        return self.pinned_bytes + self.ring * self.slot_bytes
+        return self.pinned_bytes + sum(self.slot_sizes)
 
     @property
     def floor_bytes(self) -> int:
@@ -81,8 +92,35 @@ def gb_ceil(nbytes: int) -> str:
     return f"{math.ceil(nbytes / 1e6) / 1e3:g}"
 
 
-def plan_trunk(sizes: Sequence[int], budget_bytes: int, ring: int = DEFAULT_RING) -> TrunkPlan:
-    """Split ``budget_bytes`` over runs of ``sizes`` (see the module docstring)."""
+def plan_trunk(sizes: Sequence[int], budget_bytes: int, ring: int = DEFAULT_RING,
+               small_slot: bool = False) -> TrunkPlan:
+    """Split ``budget_bytes`` over runs of ``sizes`` (see the module docstring).
+
+    With ``small_slot`` (the sub-layer engine), a plan left with one slot although two or
+    more were asked tries a ring of two *unequal* slots instead: one of the largest unit and
+    one of the largest smaller unit that still fits beside it, pinning largest first in what
+    is left. Units
+    alternate in size (a layer's attention part, then its MLP part), so the reader fills
+    the small slot while a large unit computes and the large one while a small unit does:
+    reads overlap compute at budgets where two equal slots do not fit. It is taken only
+    when it fits and more than one unit streams.
+    """
+    plan = _plan_equal(sizes, budget_bytes, ring)
+    if not small_slot or plan.ring != 1 or ring < 2 or len(plan.streamed) < 2:
+        return plan
+    big = max(plan.sizes)
+    smaller = [n for n in plan.sizes if n < big and big + n <= budget_bytes]
+    if not smaller:
+        return plan
+    small = max(smaller)
+    order = sorted(range(len(plan.sizes)), key=lambda i: (-plan.sizes[i], i))
+    pinned = _greedy(order, plan.sizes, budget_bytes - big - small)
+    if len(plan.sizes) - len(pinned) < 2:
+        return plan
+    return TrunkPlan(budget_bytes, plan.sizes, pinned, 2, big, ring, small_slot_bytes=small)
+
+
+def _plan_equal(sizes: Sequence[int], budget_bytes: int, ring: int) -> TrunkPlan:
     if not sizes:
         raise UsageError("the trunk has no layers to stream")
     if not 1 <= ring <= MAX_RING:
@@ -92,7 +130,7 @@ def plan_trunk(sizes: Sequence[int], budget_bytes: int, ring: int = DEFAULT_RING
     if budget_bytes < floor:
         raise UsageError(
             f"--trunk-gb {budget_bytes / 1e9:g} is below the floor: one ring slot for the "
-            f"largest layer needs {human(floor)} (--trunk-gb {gb_ceil(floor)})",
+            f"largest streaming unit needs {human(floor)} (--trunk-gb {gb_ceil(floor)})",
             hint=f"pass --trunk-gb {gb_ceil(floor)} or more",
         )
     if budget_bytes >= sum(sizes):
@@ -126,31 +164,61 @@ def _greedy(order: list[int], sizes: tuple[int, ...], room: int) -> tuple[int, .
     return tuple(sorted(picked))
 
 
-def plan_lines(plan: TrunkPlan, total_packed: int, n_layers: int) -> list[str]:
-    """The banner lines describing a plan (docs/engine-behaviours.md §3, item 6)."""
+def plan_lines(plan: TrunkPlan, total_packed: int, n_layers: int,
+               labels: Sequence[str] | None = None) -> list[str]:
+    """The banner lines describing a plan (docs/engine-behaviours.md §3, item 6).
+
+    ``labels`` names the units when they are sub-layer parts (``"3.attn"``, ``"3.mlp"``,
+    or ``"0"`` for a layer kept whole); without it every unit is a layer.
+    """
     streamed = plan.streamed
+    parted = labels is not None and len(labels) > n_layers
+    if parted:
+        assert labels is not None
+        by_layer: dict[str, list[int]] = {}
+        for i, lab in enumerate(labels):
+            by_layer.setdefault(lab.split(".")[0], []).append(i)
+        pinned_set = set(plan.pinned)
+        whole = [int(k) for k, us in by_layer.items() if all(u in pinned_set for u in us)]
+        count = (f"{len(whole)}/{n_layers} layers PINNED ({len(plan.pinned)}/{len(labels)} "
+                 f"parts, {human(plan.pinned_bytes)})")
+        unit = "part"
+    else:
+        count = f"{len(plan.pinned)}/{n_layers} layers PINNED ({human(plan.pinned_bytes)})"
+        unit = "layer"
+    ring_text = (f"ring 2 slots ({human(plan.slot_bytes)} + {human(plan.small_slot_bytes)})"
+                 if plan.small_slot_bytes else f"ring {plan.ring} x {human(plan.slot_bytes)}")
     lines = [
-        f"trunk plan    : {len(plan.pinned)}/{n_layers} layers PINNED "
-        f"({human(plan.pinned_bytes)}), ring {plan.ring} x {human(plan.slot_bytes)} "
+        f"trunk plan    : {count}, {ring_text} "
         f"= {human(plan.planned_bytes)} of a {human(plan.budget_bytes)} budget "
         f"({human(total_packed)} packed)",
     ]
+    if parted:
+        assert labels is not None
+        lines.append(f"stream units  : {len(labels)} parts (attention, then MLP/MoE, of each "
+                     f"layer); the slot is the largest unpinned part, the reader fills the "
+                     "next part while the current one computes")
+    tags = list(labels or ())
+
+    def names_of(ids: Sequence[int]) -> str:
+        return ",".join(tags[i] for i in ids) if parted else _ranges(ids)
+
     if plan.pinned and streamed:
-        lines.append(f"pinned layers : {_ranges(plan.pinned)} (LARGEST FIRST); largest "
-                     f"unpinned run {human(plan.slot_bytes)} vs largest layer "
+        lines.append(f"{'pinned ' + unit + 's':<14}: {names_of(plan.pinned)} (LARGEST FIRST); largest "
+                     f"unpinned {unit} {human(plan.slot_bytes)} vs largest {unit} "
                      f"{human(plan.floor_bytes)}")
     elif not plan.pinned:
-        lines.append("pinned layers : nothing (every layer streams every token)")
+        lines.append(f"{'pinned ' + unit + 's':<14}: nothing (every {unit} streams every token)")
     else:
-        lines.append("pinned layers : all (nothing streams)")
+        lines.append(f"{'pinned ' + unit + 's':<14}: all (nothing streams)")
     if plan.ring_held_short:
         lines.append(f"WARNING: ring held at {plan.ring} of {plan.requested_ring} slots; raise "
                      f"--trunk-gb to {gb_ceil(plan.bytes_for_requested_ring)} for "
                      f"{plan.requested_ring}")
     if streamed and plan.ring < 2:
-        lines.append("note: one ring slot, so layers are read on demand (no read-ahead "
+        lines.append(f"note: one ring slot, so {unit}s are read on demand (no read-ahead "
                      "over the slot in use)")
-    lines.append(f"deterministic hit rate {100 * plan.hit_rate:.1f} % (pinned layers; a cyclic "
+    lines.append(f"deterministic hit rate {100 * plan.hit_rate:.1f} % (pinned {unit}s; a cyclic "
                  "walk defeats LRU, so nothing else is cached)")
     return lines
 

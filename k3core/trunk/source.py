@@ -66,17 +66,17 @@ def open_streamed_trunk(
     if progress is not None:
         pinned_cb = lambda done, total: progress(done - 1)  # noqa: E731
     trunk = StreamedTrunk(cfg, man, storage, budget, n_layers, ring or DEFAULT_RING,
-                          progress=pinned_cb, verify_every=verify)
+                          progress=pinned_cb, verify_every=verify, split=True)
     lines = [f"trunk on disk : {human(man.total_bytes)} total (STREAMED from {trunk_dir}, "
              "not held in RAM)"]
     if trunk_gb is None:
         lines.append("note: no --trunk-gb, so every layer is pinned (read once from trunk.bin)")
-    lines += plan_lines(trunk.plan, walked, n_layers)
+    lines += plan_lines(trunk.plan, walked, n_layers, trunk.unit_labels)
     mode = "reader thread reads ahead" if trunk.has_reader else (
         "read on demand" if trunk.plan.ring else "nothing streams")
     how = (f"{man.codec}-coded windows read in 4096-aligned chunks and decoded into the slot "
            "(on the reader thread when there is one)" if man.compressed
-           else "one 4096-aligned read per layer")
+           else "one 4096-aligned read per part")
     lines.append(f"read mode     : storage '{storage_name or storage.name}', {how}, "
                  f"{mode}; " + ("whole file checksummed at open, every read "
                                                 "checked" if verify else
@@ -120,10 +120,16 @@ def report_json(trunk: object, tables: object) -> dict[str, object]:
         out["trunk_plan"] = {"budget_bytes": plan.budget_bytes, "planned_bytes": plan.planned_bytes,
                              "pinned": list(plan.pinned), "ring": plan.ring,
                              "slot_bytes": plan.slot_bytes,
-                             "requested_ring": plan.requested_ring}
+                             "slot_sizes": list(plan.slot_sizes),
+                             "requested_ring": plan.requested_ring,
+                             "units": trunk.unit_labels,  # "3.attn", "3.mlp" (or "3": whole)
+                             "unit_bytes": list(plan.sizes),
+                             "pinned_units": [trunk.unit_labels[i] for i in plan.pinned]}
     if isinstance(tables, StreamedTables):
         out.update(tables.stats.to_json())
     if isinstance(tables, ModelTables):
+        out["tables_resident_bytes"] = tables.resident_bytes
+    elif isinstance(tables, ModelTables):
         out["tables_resident_bytes"] = tables.resident_bytes
     return out
 

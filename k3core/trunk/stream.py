@@ -43,7 +43,6 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -53,12 +52,15 @@ from k3core.api.storage import StorageBackend, StorageFile, aligned_empty
 from k3core.api.units import ALIGN, align_up, human
 from k3core.model import names
 from k3core.model.config import ModelConfig
-from k3core.model.layer_params import LayerParams, prepare_layer
+from k3core.model.layer_params import LayerParams
 from k3core.model.sources import TrunkSource
+from k3core.trunk.assembly import LayerAssembly
+from k3core.trunk.bind import bind_matrices, bind_small
 from k3core.trunk.codec import codec_for_manifest
-from k3core.trunk.manifest import TrunkLayer, TrunkManifest, checksum_problem
+from k3core.trunk.manifest import TrunkLayer, TrunkManifest
+from k3core.trunk.parts import LayerPart, LayerSplit, split_layer
 from k3core.trunk.plan import DEFAULT_RING, TrunkPlan, plan_trunk
-from k3core.trunk.windows import Prefetcher, decoded_windows, staging_bytes
+from k3core.trunk.windows import Prefetcher, Window, decoded_windows, staging_bytes
 
 EMPTY, READING, READY = "empty", "reading", "ready"
 HUGE_PAGE = 2 * 1024 * 1024
@@ -112,6 +114,9 @@ class TrunkStats:
     codec: str = "none"
     decoded_bytes: int = 0  # raw bytes decoded from a compressed trunk (ring and pinned)
     decode_seconds: float = 0.0  # time inside those reads and decodes, on their threads
+    n_units: int = 0  # streaming units (a layer's parts, or whole layers)
+    pinned_units: int = 0
+    small_slot_bytes: int = 0  # the second, smaller slot of an unequal ring (0: none)
 
     @property
     def overlapped_seconds(self) -> float:
@@ -121,8 +126,12 @@ class TrunkStats:
         binds = max(self.binds, 1)
         rate = self.bytes_read / self.read_seconds / 1e6 if self.read_seconds > 0 else 0.0
         lines = [
-            f"trunk [final]: pinned {self.pinned}/{self.n_layers} layers, ring {self.ring} "
-            f"slots x {human(self.slot_bytes)}",
+            f"trunk [final]: pinned {self.pinned}/{self.n_layers} layers"
+            + (f" ({self.pinned_units}/{self.n_units} parts)" if self.n_units > self.n_layers
+               else "")
+            + (f", ring 2 slots ({human(self.slot_bytes)} + {human(self.small_slot_bytes)})"
+               if self.small_slot_bytes else
+               f", ring {self.ring} slots x {human(self.slot_bytes)}"),
             f"  binds {self.binds}, hits {self.hits} ({100 * self.hits / binds:.1f} %), "
             f"reads {self.reads}" + (f", FAILED reads {self.failed_reads}"
                                      if self.failed_reads else ""),
@@ -154,8 +163,11 @@ class TrunkStats:
             "trunk_pin_bytes_read": self.pin_bytes,
             "trunk_pinned_layers": self.pinned,
             "trunk_layers": self.n_layers,
+            "trunk_units": self.n_units,
+            "trunk_pinned_units": self.pinned_units,
             "trunk_ring_slots": self.ring,
             "trunk_slot_bytes": self.slot_bytes,
+            "trunk_small_slot_bytes": self.small_slot_bytes,
             "trunk_pinned_bytes": self.pinned_bytes,
             "trunk_binds": self.binds,
             "trunk_hits": self.hits,
@@ -177,12 +189,12 @@ class _Slot:
     def __init__(self, index: int, buf: np.ndarray):
         self.index = index
         self.buf = buf
-        self.layer: int | None = None
+        self.unit: int | None = None
         self.state = EMPTY
 
 
 class StreamedTrunk(TrunkSource):
-    """Pinned layers plus a ring of slots over ``trunk.bin`` (see the module docstring)."""
+    """Pinned parts plus a ring of slots over ``trunk.bin`` (see the module docstring)."""
 
     def __init__(
         self,
@@ -194,17 +206,28 @@ class StreamedTrunk(TrunkSource):
         ring: int = DEFAULT_RING,
         progress: Callable[[int, int], None] | None = None,
         verify_every: bool = False,
+        split: bool = False,
     ):
         self.cfg = cfg
         self.verify_every = verify_every
-        self._verified: set[int] = set()
         self.manifest = manifest
         n = n_layers or cfg.n_layers
-        self.plan: TrunkPlan = plan_trunk([manifest.layers[L].nbytes for L in range(n)],
-                                          budget_bytes, ring)
-        self.stats = TrunkStats(n, len(self.plan.pinned), self.plan.ring,
+        self.splits: list[LayerSplit] = [split_layer(manifest.layers[L], split) for L in range(n)]
+        self.units: list[LayerPart] = [p for sp in self.splits for p in sp.parts]
+        self._first: list[int] = []  # unit index of each layer's first part
+        acc = 0
+        for sp in self.splits:
+            self._first.append(acc)
+            acc += len(sp.parts)
+        self._views = [self._unit_views(u) for u in range(len(self.units))]
+        self.plan: TrunkPlan = plan_trunk([u.nbytes for u in self.units], budget_bytes, ring,
+                                          small_slot=split)
+        self.stats = TrunkStats(n, len(self.pinned_layers), self.plan.ring,
                                 self.plan.slot_bytes, self.plan.pinned_bytes,
-                                verify_every=verify_every, codec=manifest.codec)
+                                verify_every=verify_every, codec=manifest.codec,
+                                n_units=len(self.units),
+                                pinned_units=len(self.plan.pinned),
+                                small_slot_bytes=self.plan.small_slot_bytes)
         self._codec = codec_for_manifest(manifest.codec) if manifest.compressed else None
         self._staging_bytes = max((staging_bytes(manifest.layers[L].windows) for L in range(n)),
                                   default=0) if manifest.compressed else 0
@@ -217,14 +240,17 @@ class StreamedTrunk(TrunkSource):
         self._thread: threading.Thread | None = None
         self._errors: dict[int, K3Error] = {}
         self._held: dict[int, _Slot] = {}
+        self._live: dict[int, tuple[LayerParams, int]] = {}
         self._stream = self.plan.streamed
-        self._pos = {L: i for i, L in enumerate(self._stream)}
-        self._cur = -1  # the streamed layer last acquired (-1: none yet)
-        self._pinned: dict[int, LayerParams] = {}
+        self._pos = {u: i for i, u in enumerate(self._stream)}
+        self._cur = -1  # the streamed unit last acquired (-1: none yet)
+        self._asm = {L: LayerAssembly(manifest.layers[L], self.splits[L]) for L in range(n)}
+        self._small: dict[int, dict[str, np.ndarray]] = {}
+        self._pinned: dict[int, dict[str, np.ndarray]] = {}
+        self.slots: list[_Slot] = []
         try:
-            self._load_pinned(progress)
-            self.slots = [_Slot(i, slot_buffer(self.plan.slot_bytes))
-                          for i in range(self.plan.ring)]
+            self.slots = [_Slot(i, slot_buffer(n)) for i, n in enumerate(self.plan.slot_sizes)]
+            self._load_open(progress)
         except BaseException:
             self.close()
             raise
@@ -235,46 +261,55 @@ class StreamedTrunk(TrunkSource):
 
     # ---- the TrunkSource interface ------------------------------------------------------
     def acquire(self, layer: int) -> LayerParams:
-        pinned = self._pinned.get(layer)
-        if pinned is not None:
-            self.stats.binds += 1
-            self.stats.hits += 1
-            return pinned
-        if layer not in self._pos:
+        if not 0 <= layer < len(self.splits):
             raise K3Error(f"trunk: layer {layer} is not part of this run's walk "
                           f"(0..{self.stats.n_layers - 1})")
-        t0 = time.perf_counter()
-        slot = self._wait_ready(layer)
-        self.stats.exposed_wait_seconds += time.perf_counter() - t0
-        try:
-            params = self._bind(layer, slot.buf)
-        except BaseException:
-            self.release(layer)
-            raise
-        self.stats.binds += 1
-        return params
+        if layer in self._live:
+            raise K3Error(f"trunk: layer {layer} acquired twice without a release")
+        u = self._first[layer]
+        mats = self._acquire_unit(u)
+        t = dict(self._small[layer])
+        t.update(mats)
+        p = LayerParams(layer, self.cfg.is_mla(layer), self.cfg.is_dense(layer), t)
+        self._live[layer] = (p, u)
+        return p
+
+    def begin_mlp(self, layer: int) -> None:
+        live = self._live.get(layer)
+        if live is None:
+            raise K3Error(f"trunk: begin_mlp({layer}) before acquire({layer})")
+        p, u = live
+        if u + 1 >= self._first[layer] + len(self.splits[layer].parts):
+            return  # one part: the MLP tensors are already bound
+        for s in self.units[u].matrices:  # the attention views die with their slot
+            p.t.pop(s, None)
+        self._release_unit(u)
+        self._live[layer] = (p, u + 1)
+        p.t.update(self._acquire_unit(u + 1))
 
     def release(self, layer: int) -> None:
-        if layer in self._pinned:
-            return
-        with self._cond:
-            self._held.pop(layer, None)
-            self._cond.notify_all()
+        live = self._live.pop(layer, None)
+        if live is not None:
+            self._release_unit(live[1])
 
     def peek(self, layer: int) -> LayerParams | None:
-        """A pinned layer, or a streamed one whose slot is already READY (never waits).
-
-        While the caller holds the layer before it, the reader keeps that slot: it is one of
-        the layers the ring wants next."""
-        pinned = self._pinned.get(layer)
-        if pinned is not None:
-            return pinned
-        with self._cond:
-            slot = self._slot_of(layer) if layer in self._pos else None
-            if slot is None or slot.state != READY:
-                return None
-            buf = slot.buf
-        return self._bind(layer, buf)
+        """``layer``'s small tensors and the matrices of its last part (the MLP/MoE part, which
+        holds the router), if that part is pinned or its slot is already READY (never waits).
+        Only the router lookahead uses it: a guess never changes the bits."""
+        if not 0 <= layer < len(self.splits) or layer not in self._small:
+            return None
+        u = self._first[layer] + len(self.splits[layer].parts) - 1
+        mats = self._pinned.get(u)
+        if mats is None:
+            with self._cond:
+                slot = self._slot_of(u) if u in self._pos else None
+                if slot is None or slot.state != READY:
+                    return None
+                buf = slot.buf
+            mats = self._bind(u, buf)
+        t = dict(self._small[layer])
+        t.update(mats)
+        return LayerParams(layer, self.cfg.is_mla(layer), self.cfg.is_dense(layer), t)
 
     def close(self) -> None:
         self._stop.set()
@@ -294,76 +329,136 @@ class StreamedTrunk(TrunkSource):
     # ---- state queries (tests and reports) -----------------------------------------------
     @property
     def pinned_layers(self) -> tuple[int, ...]:
-        return self.plan.pinned
+        """Layers every part of which is pinned."""
+        pinned = set(self.plan.pinned)
+        return tuple(L for L, sp in enumerate(self.splits)
+                     if all(self._first[L] + k in pinned for k in range(len(sp.parts))))
+
+    @property
+    def unit_labels(self) -> list[str]:
+        return [u.label for u in self.units]
 
     @property
     def has_reader(self) -> bool:
         return self._thread is not None
 
     def slot_states(self) -> list[tuple[int | None, str]]:
+        """``(layer, state)`` of every ring slot (the layer whose part it holds)."""
         with self._cond:
-            return [(s.layer, s.state) for s in self.slots]
+            return [(None if s.unit is None else self.units[s.unit].layer, s.state)
+                    for s in self.slots]
 
     def held_layers(self) -> list[int]:
         with self._cond:
-            return sorted(self._held)
+            return sorted({self.units[u].layer for u in self._held})
 
     # ---- internals ----------------------------------------------------------------------
-    def _load_pinned(self, progress: Callable[[int, int], None] | None) -> None:
-        f = self._file
-        assert f is not None
-        total = len(self.plan.pinned)
-        checks: list[Future[str | None]] = []
-        with ThreadPoolExecutor(1, thread_name_prefix="k3-trunk-crc") as pool:
-            try:
-                for i, L in enumerate(self.plan.pinned):
-                    lay = self.manifest.layers[L]
-                    buf = slot_buffer(lay.nbytes)
-                    t0 = time.perf_counter()
-                    self._read(f, lay, buf)
-                    self.stats.pin_seconds += time.perf_counter() - t0
-                    self.stats.pin_bytes += lay.disk_nbytes
-                    checks.append(pool.submit(self._check, lay, buf))  # zlib drops the GIL
-                    self._pinned[L] = self._bind(L, buf)
-                    if progress:
-                        progress(i + 1, total)
-            except BaseException:
-                for c in checks:
-                    c.cancel()
-                raise
-            for c in checks:
-                problem = c.result()
-                if problem is not None:
-                    raise CheckpointError(problem)
-
-    def _check(self, lay: TrunkLayer, buf: np.ndarray) -> str | None:
-        """The checksum problem of ``lay``'s bytes in ``buf`` (``None``: they match)."""
-        t0 = time.perf_counter()
-        problem = checksum_problem(self.manifest, lay, buf)
-        with self._cond:
-            self.stats.verify_seconds += time.perf_counter() - t0
-            if problem is None:
-                self.stats.verified += 1
-                self._verified.add(lay.layer)
-        return problem
-
-    def _bind(self, layer: int, buf: np.ndarray) -> LayerParams:
-        lay = self.manifest.layers[layer]
-        raw: dict[str, np.ndarray] = {}
+    def _unit_views(self, u: int) -> list[tuple[str, int, int, np.dtype, tuple[int, ...]]]:
+        part = self.units[u]
+        lay = self.manifest.layers[part.layer]
+        want = set(part.matrices)
+        out = []
         for t in lay.tensors.values():
             split = names.split_layer_name(t.name)
             assert split is not None  # checked by the manifest reader
-            view = buf[t.off : t.off + t.nbytes].view(t.np_dtype).reshape(t.shape)
-            view.flags.writeable = False
-            raw[split[1]] = view
-        return prepare_layer(self.cfg, layer, raw)
+            if split[1] in want:
+                out.append((split[1], t.off - part.start, t.nbytes, t.np_dtype, t.shape))
+        return out
 
-    def _read(self, f: StorageFile, lay: TrunkLayer, buf: np.ndarray) -> None:
+    def _acquire_unit(self, u: int) -> dict[str, np.ndarray]:
+        pinned = self._pinned.get(u)
+        if pinned is not None:
+            self.stats.binds += 1
+            self.stats.hits += 1
+            return pinned
+        t0 = time.perf_counter()
+        slot = self._wait_ready(u)
+        self.stats.exposed_wait_seconds += time.perf_counter() - t0
+        try:
+            mats = self._bind(u, slot.buf)
+        except BaseException:
+            self._release_unit(u)
+            raise
+        self.stats.binds += 1
+        return mats
+
+    def _release_unit(self, u: int) -> None:
+        if u in self._pinned:
+            return
+        with self._cond:
+            self._held.pop(u, None)
+            self._cond.notify_all()
+
+    def _load_open(self, progress: Callable[[int, int], None] | None) -> None:
+        """Resident ranges and pinned parts, read once; layers with a pinned part verified."""
+        f = self._file
+        assert f is not None
+        t0 = time.perf_counter()
+        most = max((b - a for sp in self.splits for a, b in sp.resident), default=0)
+        scratch = slot_buffer(most) if most else None
+        for L, sp in enumerate(self.splits):
+            lay = self.manifest.layers[L]
+            for a, b in sp.resident:
+                assert scratch is not None
+                self._read(f, lay, scratch, a, b - a)
+                self.stats.pin_bytes += self._disk_bytes(lay, a, b - a)
+                self._asm[L].feed(-1, scratch[: b - a], a)
+        del scratch
+        bufs: dict[int, np.ndarray] = {}
+        total = len(self.plan.pinned)
+        for i, u in enumerate(self.plan.pinned):
+            part = self.units[u]
+            buf = slot_buffer(part.nbytes)
+            self._read(f, self.manifest.layers[part.layer], buf, part.start, part.nbytes)
+            self.stats.pin_bytes += self._disk_bytes(self.manifest.layers[part.layer], part.start,
+                                                     part.nbytes)
+            self._asm[part.layer].feed(u - self._first[part.layer], buf[: part.nbytes], part.start)
+            bufs[u] = buf
+            if progress:
+                progress(i + 1, total)
+        touched = sorted({self.units[u].layer for u in self.plan.pinned})
+        for L in touched:  # finish the layers pinned in part through a ring slot
+            for k, part in enumerate(self.splits[L].parts):
+                if not self._asm[L].fed(k):
+                    buf = self.slots[0].buf
+                    self._read(f, self.manifest.layers[L], buf, part.start, part.nbytes)
+                    self.stats.pin_bytes += self._disk_bytes(self.manifest.layers[L], part.start,
+                                                             part.nbytes)
+                    self._asm[L].feed(k, buf[: part.nbytes], part.start)
+            self._finish(L)
+        for u, buf in bufs.items():
+            self._pinned[u] = self._bind(u, buf)
+        self.stats.pin_seconds += time.perf_counter() - t0
+
+    def _finish(self, layer: int) -> None:
+        """Every piece of ``layer`` is in: check its CRC, bind its small tensors."""
+        asm = self._asm[layer]
+        t0 = time.perf_counter()
+        problem = asm.problem(self.manifest)
+        if problem is not None:
+            raise CheckpointError(problem)
+        small = bind_small(self.cfg, layer, asm.small_raw())
+        asm.drop_raw()
+        with self._cond:
+            self.stats.verify_seconds += time.perf_counter() - t0
+            self.stats.verified += 1
+            self._small[layer] = small
+
+    def _bind(self, u: int, buf: np.ndarray) -> dict[str, np.ndarray]:
+        raw: dict[str, np.ndarray] = {}
+        for suffix, off, nbytes, dtype, shape in self._views[u]:
+            view = buf[off : off + nbytes].view(dtype).reshape(shape)
+            view.flags.writeable = False
+            raw[suffix] = view
+        return bind_matrices(self.cfg, self.units[u].layer, raw)
+
+    def _read(self, f: StorageFile, lay: TrunkLayer, buf: np.ndarray, start: int,
+              nbytes: int) -> None:
         try:
             if self._codec is not None:
-                self._read_coded(f, lay, buf)
+                self._read_coded(f, lay, buf, start, nbytes)
             else:
-                f.read_into(lay.file_off, buf[: lay.nbytes])
+                f.read_into(lay.file_off + start, buf[:nbytes])
         except CheckpointError:
             raise  # a window that does not decode: named by decoded_windows
         except K3Error as exc:
@@ -371,75 +466,138 @@ class StreamedTrunk(TrunkSource):
         except (OSError, ValueError, BufferError) as exc:
             raise StorageError(f"trunk layer {lay.layer}: read failed: {exc}") from None
 
-    def _read_coded(self, f: StorageFile, lay: TrunkLayer, buf: np.ndarray) -> None:
-        """Read ``lay``'s encoded windows in aligned chunks and decode them into ``buf``."""
+    def _disk_bytes(self, lay: TrunkLayer, start: int, nbytes: int) -> int:
+        """Bytes a read of raw ``[start, start + nbytes)`` of ``lay`` takes from the file."""
+        if self._codec is None:
+            return nbytes
+        return sum(w.nbytes for w in _windows_in(lay, start, nbytes))
+
+    def _read_coded(self, f: StorageFile, lay: TrunkLayer, buf: np.ndarray, start: int,
+                    nbytes: int) -> None:
+        """Read the encoded windows that cover raw ``[start, start + nbytes)`` of ``lay`` in
+        aligned chunks and decode them into ``buf[:nbytes]`` (a window that straddles the
+        range is decoded aside and its share copied)."""
         assert self._codec is not None
         staging = getattr(self._local, "staging", None)
         if staging is None:
             staging = self._local.staging = aligned_empty(2 * self._staging_bytes, ALIGN)
+        wins = _windows_in(lay, start, nbytes)
+        end = start + nbytes
+        aside: dict[int, np.ndarray] = {}
+
+        def dest(w: Window) -> np.ndarray:
+            if w.raw_off >= start and w.raw_off + w.raw_len <= end:
+                return buf[w.raw_off - start : w.raw_off - start + w.raw_len]
+            tmp = aside[w.raw_off] = np.empty(w.raw_len, dtype=np.uint8)
+            return tmp
+
         t0 = time.perf_counter()
-        for _ in decoded_windows(f, self.manifest.bin_path, lay.layer, lay.file_off, lay.windows,
-                                 self._codec, staging,
-                                 lambda w: buf[w.raw_off : w.raw_off + w.raw_len],
-                                 self._prefetch):
-            pass
+        for w in decoded_windows(f, self.manifest.bin_path, lay.layer, lay.file_off, wins,
+                                 self._codec, staging, dest, self._prefetch):
+            tmp = aside.pop(w.raw_off, None)
+            if tmp is not None:
+                a, b = max(start, w.raw_off), min(end, w.raw_off + w.raw_len)
+                buf[a - start : b - start] = tmp[a - w.raw_off : b - w.raw_off]
+        covered = sum(min(end, w.raw_off + w.raw_len) - max(start, w.raw_off) for w in wins)
+        if covered < nbytes:  # bytes no window holds (the alignment padding) read as zeros
+            _zero_gaps(buf, start, end, wins)
         with self._cond:
-            self.stats.decoded_bytes += lay.span
+            self.stats.decoded_bytes += nbytes
             self.stats.decode_seconds += time.perf_counter() - t0
 
     def _wanted(self) -> list[int]:
-        """The held layer and the next ``ring - 1`` streamed layers, nearest first."""
+        """The held unit and the next ``ring - 1`` streamed units, nearest first."""
         m = len(self._stream)
         p = self._pos[self._cur] if self._cur >= 0 else 0
         return [self._stream[(p + k) % m] for k in range(min(self.plan.ring, m))]
 
-    def _slot_of(self, layer: int) -> _Slot | None:
+    def _slot_of(self, u: int) -> _Slot | None:
         for s in self.slots:
-            if s.layer == layer and s.state != EMPTY:
+            if s.unit == u and s.state != EMPTY:
                 return s
         return None
 
-    def _victim(self, wanted: list[int]) -> _Slot | None:
+    def _victim(self, wanted: list[int], need: int = 0, spare: int | None = None) -> _Slot | None:
+        """A slot of at least ``need`` bytes to read into, the smallest that fits: an empty
+        one, else a ready one neither held nor wanted (nor, when ``spare`` is given, one
+        holding a wanted unit farther than ``spare``: see ``_next_job``)."""
         held = {id(s) for s in self._held.values()}
-        for s in self.slots:
+        fits = sorted((s for s in self.slots if s.buf.nbytes >= need), key=lambda s: s.buf.nbytes)
+        for s in fits:
             if s.state == EMPTY:
                 return s
-        for s in self.slots:
-            if s.state == READY and id(s) not in held and s.layer not in wanted:
+        for s in fits:
+            if s.state == READY and id(s) not in held and s.unit not in wanted:
                 return s
+        if spare is not None:
+            farther = wanted[wanted.index(spare) + 1 :]
+            for s in fits:
+                if s.state == READY and id(s) not in held and s.unit in farther:
+                    return s
         return None
 
     def _next_job(self) -> tuple[_Slot, int] | None:
         wanted = self._wanted()
-        for L in wanted:
-            if self._slot_of(L) is not None or L in self._errors:
+        for k, u in enumerate(wanted):
+            if self._slot_of(u) is not None or u in self._errors:
                 continue
-            slot = self._victim(wanted)
+            # the nearest unit still missing may take a farther wanted unit's slot (unequal
+            # slots: the only one it fits may hold it); a farther one never evicts
+            slot = self._victim(wanted, self.units[u].nbytes, spare=u if k == 0 else None)
             if slot is None:
                 return None
-            slot.layer, slot.state = L, READING
-            return slot, L
+            slot.unit, slot.state = u, READING
+            return slot, u
         return None
 
-    def _fill(self, slot: _Slot, layer: int) -> None:
-        """Read ``layer`` into ``slot`` (marked READING by the caller), then publish or fail."""
-        lay = self.manifest.layers[layer]
+    def _fill(self, slot: _Slot, u: int) -> None:
+        """Read unit ``u`` into ``slot`` (marked READING by the caller), then publish or fail.
+
+        The first read of a layer also reads its other parts through the slot (before this
+        one), so the layer's checksum is checked before any of its bytes is served.
+        """
+        part = self.units[u]
+        L = part.layer
+        k = u - self._first[L]
+        lay = self.manifest.layers[L]
         f = self._file
         t0 = time.perf_counter()
+        nbytes = disk = 0
         try:
             if f is None:
-                raise StorageError(f"trunk layer {layer}: the trunk is closed")
-            self._read(f, lay, slot.buf)
-            if self.verify_every or layer not in self._verified:
-                problem = self._check(lay, slot.buf)
+                raise StorageError(f"trunk layer {L}: the trunk is closed")
+            fresh = L not in self._small
+            if fresh:  # the other parts through this slot, in pieces if it is the smaller
+                step = slot.buf.nbytes - slot.buf.nbytes % ALIGN
+                for j, other in enumerate(self.splits[L].parts):
+                    if j != k and not self._asm[L].fed(j):
+                        for a in range(other.start, other.end, step):
+                            n = min(step, other.end - a)
+                            self._read(f, lay, slot.buf, a, n)
+                            nbytes += n
+                            disk += self._disk_bytes(lay, a, n)
+                            self._asm[L].feed(j, slot.buf[:n], a)
+            self._read(f, lay, slot.buf, part.start, part.nbytes)
+            nbytes += part.nbytes
+            disk += self._disk_bytes(lay, part.start, part.nbytes)
+            if fresh:
+                self._asm[L].feed(k, slot.buf[: part.nbytes], part.start)
+                self._finish(L)
+            elif self.verify_every:
+                c0 = time.perf_counter()
+                problem = self._asm[L].part_problem(self.manifest, k, slot.buf)
+                with self._cond:
+                    self.stats.verify_seconds += time.perf_counter() - c0
                 if problem is not None:
                     raise CheckpointError(problem)
+                with self._cond:
+                    self.stats.verified += 1
         except BaseException as exc:  # anything: the slot must never stay READING
             err = exc if isinstance(exc, K3Error) else StorageError(
-                f"trunk layer {layer}: read failed: {exc!r}")
+                f"trunk layer {L}: read failed: {exc!r}")
             with self._cond:
-                slot.layer, slot.state = None, EMPTY
-                self._errors[layer] = err
+                slot.unit, slot.state = None, EMPTY
+                self._errors[u] = err
                 self.stats.failed_reads += 1
                 self._cond.notify_all()
             if not isinstance(exc, Exception):
@@ -449,35 +607,36 @@ class StreamedTrunk(TrunkSource):
         with self._cond:
             slot.state = READY
             self.stats.reads += 1
-            self.stats.bytes_read += lay.disk_nbytes
+            self.stats.bytes_read += disk
             self.stats.read_seconds += dt
             self._cond.notify_all()
 
-    def _wait_ready(self, layer: int) -> _Slot:
+    def _wait_ready(self, u: int) -> _Slot:
         with self._cond:
-            if layer in self._held:
-                raise K3Error(f"trunk: layer {layer} acquired twice without a release")
-            self._cur = layer
+            if u in self._held:
+                raise K3Error(f"trunk: layer {self.units[u].layer} acquired twice without a "
+                              "release")
+            self._cur = u
             self._cond.notify_all()
             while True:
                 if self._stop.is_set():
                     raise K3Error("trunk: closed while a layer was being acquired")
-                err = self._errors.pop(layer, None)
+                err = self._errors.pop(u, None)
                 if err is not None:
                     raise err
-                slot = self._slot_of(layer)
+                slot = self._slot_of(u)
                 if slot is not None and slot.state == READY:
-                    self._held[layer] = slot
+                    self._held[u] = slot
                     return slot
                 if self._thread is None and slot is None:
-                    victim = self._victim([layer])
+                    victim = self._victim([u], self.units[u].nbytes)
                     if victim is None:
-                        raise K3Error(f"trunk: no free ring slot for layer {layer}; release "
-                                      "the layer in use first")
-                    victim.layer, victim.state = layer, READING
+                        raise K3Error(f"trunk: no free ring slot for layer "
+                                      f"{self.units[u].layer}; release the layer in use first")
+                    victim.unit, victim.state = u, READING
                     self._cond.release()
                     try:
-                        self._fill(victim, layer)
+                        self._fill(victim, u)
                     finally:
                         self._cond.acquire()
                     continue
@@ -507,3 +666,20 @@ def _open(storage: StorageBackend, man: TrunkManifest) -> StorageFile:
         raise CheckpointError(f"{man.bin_path} is {f.size} bytes but the manifest says "
                               f"{man.total_bytes}; truncated or replaced, repack the trunk")
     return f
+
+
+def _windows_in(lay: TrunkLayer, start: int, nbytes: int) -> tuple[Window, ...]:
+    """The windows of ``lay`` whose raw bytes meet ``[start, start + nbytes)``."""
+    end = start + nbytes
+    return tuple(w for w in lay.windows if w.raw_off < end and w.raw_off + w.raw_len > start)
+
+
+def _zero_gaps(buf: np.ndarray, start: int, end: int, wins: tuple[Window, ...]) -> None:
+    """Zero the bytes of ``buf`` (raw ``[start, end)``) that no window covers."""
+    pos = start
+    for w in sorted(wins, key=lambda w: w.raw_off):
+        if w.raw_off > pos:
+            buf[pos - start : w.raw_off - start] = 0
+        pos = max(pos, w.raw_off + w.raw_len)
+    if pos < end:
+        buf[pos - start : end - start] = 0

@@ -40,6 +40,9 @@ class _NoTrunk:
     def acquire(self, layer):  # pragma: no cover - layer fixtures call Model.layer directly
         raise AssertionError
 
+    def begin_mlp(self, layer):
+        pass
+
     def release(self, layer):
         pass
 

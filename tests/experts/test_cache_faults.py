@@ -83,7 +83,11 @@ def test_failed_read_is_dropped_and_never_served(work: Path, storage: str, polic
         assert "injected fault" in str(err.value) and len(faulty.injected) == 1
         c = rig.cache
         assert c.stats.drops == 1 and make_key(0, 7) not in c.slot_of
-        assert rig.served == [], "no expert of a failed batch reaches the MoE"
+        # experts are used as their reads complete, so some of the batch may have been
+        # multiplied before the failure surfaced; the failed one never is, and the visit
+        # raises, so the forward pass never forms the partial sum
+        assert all(e != 7 for _, _, e in rig.served), "a failed read never reaches the MoE"
+        assert {e for _, _, e in rig.served} <= {3, 9, 1}
         freed = c.free[-1]  # the failed read's slot went back EMPTY ...
         assert c.key_of[freed] is None
         assert (slot_bytes(rig, freed, 0, 7) == SCRIBBLE).all()  # ... holding the scribbled bytes
@@ -91,10 +95,11 @@ def test_failed_read_is_dropped_and_never_served(work: Path, storage: str, polic
         assert {make_key(0, e) for e in (3, 9, 1)} <= set(c.slot_of)
         faulty.heal()
         misses, hits = c.stats.misses, c.stats.hits
+        before = len(rig.served)
         drive(rig, [[(0, [7, 3])]])  # checks every served byte against the shard
         assert c.stats.misses == misses + 1, "the failed expert must be read again, not hit"
         assert c.stats.hits == hits + 1  # 3 was published before the failure
-        assert sorted(e for _, _, e in rig.served) == [3, 7]
+        assert sorted(e for _, _, e in rig.served[before:]) == [3, 7]
     finally:
         rig.close()
 
@@ -113,7 +118,9 @@ def test_one_failed_tensor_of_a_scattered_expert(work: Path, model: Path, storag
         with pytest.raises(ExpertDropError, match="routed expert 2/5"):
             drive(rig, [[(1, [0, 1, 2, 3]), (2, [5, 6, 7, 8])]])
         assert make_key(2, 5) not in rig.cache.slot_of
-        assert all(L == 1 for _, L, _ in rig.served)
+        # experts are used as their reads complete: others of layer 2 may have been, the
+        # failed one never is (and the visit raised, so no MoE sum was formed)
+        assert all(L == 1 or e in (6, 7, 8) for _, L, e in rig.served)
         faulty.heal()
         drive(rig, [[(2, [5, 6])]])
     finally:
@@ -205,3 +212,38 @@ def test_run_with_a_shard_truncated_after_open_exits_4(model, work, monkeypatch)
                               "--out", str(out)])
     assert_clean_exit_4(res, [out], layer)
     assert "shrank" in res.output or "short" in res.output or "end of file" in res.output
+
+
+@pytest.mark.parametrize("storage", STORAGES[:1])
+def test_an_expert_is_used_as_soon_as_its_read_completes(work: Path, storage: str) -> None:
+    """While one expert's read is held, an expert whose read completed is already multiplied."""
+    import threading
+
+    from k3core.testing.faulty_backend import FaultyStorage as GatedStorage
+
+    truth = ShardTruth(cache_fixture(work / "truth"))
+    shard, lo, _ = expert_start(truth, 0, 9)
+    faulty = GatedStorage(make_storage(storage), match=shard.name)
+    gate = threading.Event()
+    faulty.gates[lo] = gate
+    rig = fixture_cache(work / f"asap-{storage}", faulty, "lru", 5)
+    used: list[int] = []
+    early = threading.Event()
+
+    def use(e: int, w: object) -> None:
+        used.append(e)
+        if e == 3 and not gate.is_set():
+            early.set()
+
+    try:
+        rig.cache.begin_step()
+        t = threading.Thread(target=rig.cache.run_layer, args=(0, [9, 3], use), daemon=True)
+        t.start()
+        assert early.wait(10), "expert 3 waited for expert 9's read"
+        assert used == [3]
+        gate.set()
+        t.join(10)
+        assert not t.is_alive() and sorted(used) == [3, 9]
+    finally:
+        gate.set()
+        rig.close()

@@ -71,6 +71,7 @@ def test_human_report(model) -> None:
     (["--spec", "ngram", "--spec-width", "0"], "--spec-width must be in"),
     (["--prompt-file", "/nonexistent/prompt.txt"], "--prompt-file"),
     (["--prefill-chunk", "0"], "--prefill-chunk must be >= 1"),
+    (["--readers", "0"], "--readers must be in 1..64"),
 ])
 def test_bad_arguments_are_refused(model, args, msg) -> None:
     res = runner.invoke(app, ["bench", "decode", str(model), "--backend", "numpy", "--prefill", "0",
@@ -104,3 +105,22 @@ def test_spec_on_a_code_prompt(tmp_path) -> None:
                               "32", "--spec", "ngram", "--backend", "numpy"])
     assert res.exit_code == 0, res.output
     assert "ids identical to --spec off" in res.output and "passes per token" in res.output
+def test_streamed_trunk_reports_exposed_wait_overlap_and_peak_rss(model, tmp_path) -> None:
+    trunk = tmp_path / "trunk"
+    assert runner.invoke(app, ["pack-trunk", str(model), str(trunk)]).exit_code == 0
+    res = runner.invoke(app, ["bench", "decode", str(model), "--backend", "numpy", "--gen", "3",
+                              "--prefill", "0", "--repeat", "1", "--no-check", "--json",
+                              "--bandwidth-mb", "32", "--trunk", str(trunk), "--trunk-gb",
+                              "0.0006", "--cache-gb", "0.001", "--readers", "3"])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.output.strip().splitlines()[-1])
+    assert doc["trunk_bytes_read_per_token"] > 0 and doc["trunk_read_seconds_per_token"] > 0
+    assert 0 <= doc["trunk_exposed_wait_per_token"] <= doc["exposed_wait_per_token"]
+    assert 0.0 <= doc["trunk_overlap"] <= 1.0
+    assert doc["peak_rss_bytes"] > 10_000_000 and doc["expert_readers"] == 3
+    human = runner.invoke(app, ["bench", "decode", str(model), "--backend", "numpy", "--gen", "2",
+                                "--prefill", "0", "--repeat", "1", "--no-check",
+                                "--bandwidth-mb", "32", "--trunk", str(trunk), "--trunk-gb",
+                                "0.0006"])
+    assert human.exit_code == 0, human.output
+    assert "overlapped compute" in human.output and "peak RSS" in human.output

@@ -34,6 +34,8 @@ from k3core.testing.faulty_backend import (
 from k3core.testing.manifest_promises import check_accepted
 from k3core.tools.synth.writer import synthesize
 from k3core.trunk.manifest import DATA_NAME, MANIFEST_NAME, open_trunk, parse_manifest
+from k3core.trunk.parts import split_layer
+from k3core.trunk.plan import gb_ceil
 from k3core.trunk.sample import windows
 
 runner = CliRunner()
@@ -173,10 +175,16 @@ def test_missing_trunk_and_missing_manifest(model, trunk, work) -> None:
 
 
 def test_budget_below_the_floor(model, trunk, doc) -> None:
-    floor = max(lay["nbytes"] for lay in doc["layers"])
+    cfg = ModelConfig.from_json_dict(json.loads((model / "config.json").read_text()))
+    with CheckpointIndex.open(model, PlainStorage()) as idx:
+        man = open_trunk(trunk, idx, cfg)
+    floor = max(p.nbytes for lay in man.layers for p in split_layer(lay).parts)  # largest part
+    assert floor < max(lay["nbytes"] for lay in doc["layers"])
     res = _run(model, trunk, "--trunk-gb", f"{(floor - 1) / 1e9:.9f}")
     assert res.exit_code == 2
-    assert "is below the floor" in _err(res) and "--trunk-gb 0.001" in _err(res)
+    assert "is below the floor" in _err(res) and f"--trunk-gb {gb_ceil(floor)}" in _err(res)
+    assert "largest streaming unit" in _err(res)
+    assert _run(model, trunk, "--trunk-gb", f"{floor / 1e9:.9f}").exit_code == 0
 
 
 @pytest.mark.parametrize("args, message", [

@@ -30,6 +30,7 @@ from k3core.plugins.registry import get_registry
 from k3core.testing.faulty_backend import FaultyStorage, available_storage, disk_backed_dir
 from k3core.tools.synth.writer import synthesize
 from k3core.trunk.manifest import open_trunk
+from k3core.trunk.parts import split_layer
 from k3core.trunk.plan import plan_trunk
 from k3core.trunk.stream import StreamedTrunk
 from k3core.trunk.tables import StreamedTables
@@ -79,17 +80,34 @@ def resident(model, work) -> dict[str, tuple[str, bytes]]:
             for mode, flags in (("full", ("--full-recompute",)), ("incremental", ("--incremental",)))}
 
 
-def _budgets(sizes: list[int]) -> dict[str, float]:
+@pytest.fixture(scope="module")
+def part_sizes(model, trunk) -> list[int]:
+    """The sub-layer parts the engine streams (attention, MLP/MoE of each layer)."""
+    cfg = load_config(model / "config.json")
+    with CheckpointIndex.open(model, PlainStorage()) as idx:
+        return [p.nbytes for lay in open_trunk(trunk, idx, cfg).layers
+                for p in split_layer(lay).parts]
+
+
+def _budgets(sizes: list[int], parts: list[int] | None = None) -> dict[str, float]:
     floor, total = max(sizes), sum(sizes)
-    return {"floor-ring1": floor / 1e9, "floor-ring2": 2 * floor / 1e9,
-            "half": (total // 2) / 1e9, "all-pinned": total / 1e9}
+    out = {"floor-ring1": floor / 1e9, "floor-ring2": 2 * floor / 1e9,
+           "half": (total // 2) / 1e9, "all-pinned": total / 1e9}
+    if parts:  # the part floor: one or two slots of the largest part, nothing pinned
+        big = max(parts)
+        out.update({"part-floor-ring1": big / 1e9, "part-floor-ring2": 2 * big / 1e9,
+                    # two unequal slots: the largest part and the next size down
+                    "part-unequal": (big + max(n for n in parts if n < big)) / 1e9})
+    return out
 
 
 @pytest.mark.parametrize("storage", available_storage())
 @pytest.mark.parametrize("mode", ["full", "incremental"])
-def test_same_ids_and_logits_at_every_budget(model, trunk, work, sizes, resident, storage, mode):
+def test_same_ids_and_logits_at_every_budget(model, trunk, work, sizes, part_sizes, resident,
+                                             storage, mode):
     flags = ("--incremental",) if mode == "incremental" else ("--full-recompute",)
-    for name, gb in _budgets(sizes).items():
+    assert max(part_sizes) < max(sizes)  # the layers split
+    for name, gb in _budgets(sizes, part_sizes).items():
         got = _run(model, work, f"{storage}-{mode}-{name}", "--storage", storage, "--trunk",
                    str(trunk), "--trunk-gb", f"{gb:.9f}", *flags)
         assert got[0] == resident[mode][0], (name, got[0])
@@ -112,15 +130,20 @@ def test_run_reports_the_trunk(model, trunk, work, sizes) -> None:
                               "--ultra-low-memory", "--full-recompute", "--out", str(out)])
     assert res.exit_code == 0, res.output
     for text in ("trunk on disk", "trunk plan    : 0/13 layers PINNED", "ring 2 x",
-                 "trunk [final]: pinned 0/13 layers, ring 2 slots", "binds 26, hits 0",
-                 "overlapped compute", "model tables (STREAMED)",
+                 "stream units  : 26 parts", "trunk [final]: pinned 0/13 layers (",
+                 "binds 52, hits ",
+                 "overlapped compute", "model tables (STREAMED)", "exposed waits : trunk ",
                  "recurrent state: one slot, cleared and reused across 13 layers"):
         assert text in res.output, text
     import json
 
     doc = json.loads(out.read_text())
     assert doc["trunk_ring_bytes_read"] >= 26 * min(sizes)
-    assert doc["trunk_binds"] == 26 and doc["trunk_hits"] == 0 and doc["ultra_low_memory"]
+    assert doc["trunk_binds"] == 52 and doc["ultra_low_memory"]
+    assert doc["trunk_hits"] == 2 * doc["trunk_pinned_units"]  # two steps
+    assert doc["trunk_units"] == 26 and len(doc["trunk_plan"]["units"]) == 26
+    assert doc["trunk_plan"]["units"][:2] == ["0.attn", "0.mlp"]
+    assert len(doc["trunk_plan"]["pinned_units"]) == doc["trunk_pinned_units"]
     assert doc["embedding_bytes_read"] > 0 and doc["lm_head_bytes_read"] > 0
     assert len(doc["step_seconds"]) == 2
 

@@ -36,6 +36,7 @@ wires the same code as ``k3 bench decode``).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import sys
@@ -52,6 +53,7 @@ from k3core.model.generate import RunResult, Step, generate
 from k3core.model.sizes import sizes_from_config
 from k3core.model.speculative import SpecOptions
 from k3core.run.engine import Engine, EngineOptions, open_engine
+from k3core.run.memory_plan import peak_rss_bytes
 
 DEFAULT_IDS = (3, 7, 11, 5, 9)
 #: Interface members that are not kernel calls (counted ops are every other public method).
@@ -100,16 +102,19 @@ class RunFigures:
     spec: dict[str, Any] | None = None
     expert_distinct: list[int] = field(default_factory=list)  # distinct experts per layer visit
     chunks: int = 0  # forward passes of a one-step (prefill) run
+    trunk_wait: list[float] = field(default_factory=list)
+    trunk_read: list[float] = field(default_factory=list)
 
 
-def _counters(eng: Engine, counter: CallCounter) -> tuple[int, int, int, int, float, int]:
+def _counters(eng: Engine, counter: CallCounter) -> tuple[int, int, int, int, float, int, float, float]:
     st = eng.experts.stats
     tstats = getattr(eng.model.trunk, "stats", None)
     tb = int(getattr(tstats, "bytes_read", 0) or 0)
     tw = float(getattr(tstats, "exposed_wait_seconds", 0.0) or 0.0)
     distinct = int(st.requests) - int(st.extra.get("reuse", 0))
+    tr = float(getattr(tstats, "read_seconds", 0.0) or 0.0)
     return (counter.calls, int(st.bytes_read), int(st.requests), tb,
-            float(st.exposed_wait_seconds) + tw, distinct)
+            float(st.exposed_wait_seconds) + tw, distinct, tw, tr)
 
 
 def _decode_run(opts: EngineOptions, ids: list[int], gen: int, incremental: bool,
@@ -131,6 +136,8 @@ def _decode_run(opts: EngineOptions, ids: list[int], gen: int, incremental: bool
             fig.trunk_bytes.append(now[3] - prev[3])
             fig.wait_seconds.append(now[4] - prev[4])
             fig.expert_distinct.append(now[5] - prev[5])
+            fig.trunk_wait.append(now[6] - prev[6])
+            fig.trunk_read.append(now[7] - prev[7])
 
         res: RunResult = generate(eng.model, ids, gen, incremental=incremental, on_step=on_step,
                                   spec=spec)
@@ -142,6 +149,28 @@ def _decode_run(opts: EngineOptions, ids: list[int], gen: int, incremental: bool
     finally:
         eng.close()
     return fig
+
+
+def _reset_peak_rss() -> bool:
+    """Reset this process's peak RSS (Linux ``clear_refs`` 5); ``False`` where it cannot."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return _hwm_bytes() > 0
+    except OSError:
+        return False
+
+
+def _hwm_bytes() -> int:
+    """``VmHWM`` (peak RSS since the last reset) in bytes, 0 when unknown."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
 
 
 def _median(xs: list[float]) -> float:
@@ -197,6 +226,14 @@ class DecodeBench:
     expert_bytes_touched_per_token: float = 0.0
     speculative: dict[str, Any] | None = None
     spec_ids_match: bool | None = None
+    #: the trunk's share of the exposed wait, and its reader's device seconds per token
+    trunk_exposed_wait_per_token: float = 0.0
+    trunk_read_seconds_per_token: float = 0.0
+    #: share of the trunk's read time that overlapped compute (1 - exposed / read)
+    trunk_overlap: float = 0.0
+    #: the peak resident set of the timed decode runs (each reset first where Linux allows)
+    peak_rss_bytes: int = 0
+    expert_readers: int = 0
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -223,8 +260,13 @@ def run_decode_bench(
     spec: SpecOptions | None = None,
     prompt_file: Path | None = None,
     prefill_chunk: int | None = None,
+    readers: int | None = None,
 ) -> DecodeBench:
     """Measure decode and prefill ``repeat`` times each (fresh engines); see the module doc."""
+    from k3core.experts.readers import READERS_LIMIT
+
+    if readers is not None and not 1 <= readers <= READERS_LIMIT:
+        raise UsageError(f"--readers must be in 1..{READERS_LIMIT}, got {readers}")
     if gen < 2 or repeat < 1 or prefill < 0 or bandwidth_bytes < 1:
         raise UsageError("bench decode: --gen must be >= 2, --repeat >= 1, --prefill >= 0 and "
                          "--bandwidth-mb > 0")
@@ -235,10 +277,12 @@ def run_decode_bench(
     def options(name: str, chunk: int | None = None) -> EngineOptions:
         return EngineOptions(model_dir, backend=name, storage=storage, cache_policy=cache_policy,
                              threads=threads, trunk_dir=trunk_dir, trunk_gb=trunk_gb,
-                             cache=CacheOptions(cache_gb=cache_gb), prefill_chunk=chunk)
+                             cache=CacheOptions(cache_gb=cache_gb, readers=readers),
+                             prefill_chunk=chunk)
 
     probe = open_engine(options(backend))
     cfg, kname, nthreads = probe.cfg, probe.names["kernel"], probe.kernels.threads
+    readers_used = int(getattr(probe.experts, "readers", 0) or 0)
     try:
         if prompt_file is not None:
             from k3core.run.prompt import load_tokenizer
@@ -247,14 +291,22 @@ def run_decode_bench(
             ids = _prompt_ids(tok, prompt_file)
     finally:
         probe.close()
+    del probe  # its buffers must not count in the timed runs' peak RSS
+    gc.collect()
     spec = spec if spec is not None and spec.on else None
     if any(not 0 <= i < cfg.vocab for i in ids):
         raise UsageError(f"bench decode: prompt ids must be in 0..{cfg.vocab - 1}")
-    runs = [_decode_run(options(backend), ids, gen, incremental, spec) for _ in range(repeat)]
-    steady = [RunFigures(r.seconds[r.first_pass:], r.calls[r.first_pass:],
-                         r.expert_bytes[r.first_pass:], r.expert_requests[r.first_pass:],
-                         r.trunk_bytes[r.first_pass:], r.wait_seconds[r.first_pass:], r.ids,
-                         r.first_pass, r.spec, r.expert_distinct[r.first_pass:]) for r in runs]
+    runs, peak = [], 0
+    for _ in range(repeat):  # the peak of each timed run alone (the probe's is forgotten)
+        gc.collect()  # the last run's engine, freed before the peak is reset
+        reset = _reset_peak_rss()
+        runs.append(_decode_run(options(backend), ids, gen, incremental, spec))
+        peak = max(peak, _hwm_bytes() if reset else peak_rss_bytes())
+    k = [r.first_pass for r in runs]
+    steady = [RunFigures(r.seconds[f:], r.calls[f:], r.expert_bytes[f:], r.expert_requests[f:],
+                         r.trunk_bytes[f:], r.wait_seconds[f:], r.ids, f, r.spec,
+                         r.expert_distinct[f:], 0, r.trunk_wait[f:], r.trunk_read[f:])
+              for r, f in zip(runs, k, strict=True)]
     means = [_mean(s.seconds) for s in steady]
     mid = sorted(range(len(steady)), key=lambda i: means[i])[len(steady) // 2]
     per_run = [_median(s.seconds) for s in steady]
@@ -265,6 +317,8 @@ def run_decode_bench(
         pooled.expert_requests += s.expert_requests
         pooled.trunk_bytes += s.trunk_bytes
         pooled.wait_seconds += s.wait_seconds
+        pooled.trunk_wait += s.trunk_wait
+        pooled.trunk_read += s.trunk_read
     rng = np.random.default_rng(seed)
     pids = [int(i) for i in rng.integers(0, cfg.vocab, prefill)] if prefill else []
     pruns = ([_decode_run(options(backend, prefill_chunk), pids, 1, True) for _ in range(repeat)]
@@ -321,6 +375,11 @@ def run_decode_bench(
         expert_bytes_touched_per_token=_mean([float(x) for x in steady[mid].expert_distinct])
         * sizes.expert_bytes,
         spec_ids_match=spec_match,
+        trunk_exposed_wait_per_token=_median(pooled.trunk_wait),
+        trunk_read_seconds_per_token=_median(pooled.trunk_read),
+        trunk_overlap=(max(0.0, 1.0 - sum(pooled.trunk_wait) / sum(pooled.trunk_read))
+                       if sum(pooled.trunk_read) > 0 else 0.0),
+        peak_rss_bytes=peak, expert_readers=readers_used,
     )
 
 
@@ -369,6 +428,13 @@ def format_report(b: DecodeBench) -> str:
         f"{b.exposed_wait_per_token:.4f} s/token",
         f"calls       : {b.calls_per_token:.0f} Python->kernel calls per token",
     ]
+    if b.trunk:
+        lines.append(
+            f"trunk I/O   : {b.trunk_read_seconds_per_token:.4f} s/token of reads, "
+            f"{b.trunk_exposed_wait_per_token:.4f} s/token exposed, {100 * b.trunk_overlap:.0f} % "
+            f"overlapped compute; expert reads by {b.expert_readers} readers")
+    if b.peak_rss_bytes:
+        lines.append(f"memory      : peak RSS {b.peak_rss_bytes / 1e6:.0f} MB (after the timed runs)")
     if b.prefill_ids:
         lines.append(
             f"prefill     : {b.prefill_ids} ids + 1 token in {b.prefill_seconds:.3f} s (median of "

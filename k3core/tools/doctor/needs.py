@@ -6,8 +6,9 @@ Sizes are the model's own (counted from its shards) when ``k3 doctor MODEL_DIR``
 else Kimi K3's released figures planned from its config (``k3core.model.sizes``): a
 108.8 GB trunk and about 1.56 TB of checkpoint.
 
-Bytes one token reads under a preset are the trunk layers its budget does not pin (the plan
-``k3 run`` would make, :func:`k3core.trunk.plan.plan_trunk`) plus the routed experts the
+Bytes one token reads under a preset are the trunk layers its budget does not pin (a
+whole-layer plan, :func:`k3core.trunk.plan.plan_trunk`; ``k3 run`` plans sub-layer parts,
+which pins a little more at the same budget, so this errs high) plus the routed experts the
 cache misses, estimated as if routing were uniform (a cache holding a fraction f of all
 experts hits f of the time; real routing is skewed, so real runs hit more). At the measured
 bandwidth that gives a floor on seconds per token spent reading.
