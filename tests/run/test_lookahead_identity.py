@@ -94,7 +94,7 @@ def test_expert_readers_is_taken_and_refused_out_of_range(model: Path, work: Pat
     rec = run(model, work, "readers1", "--expert-readers", "1", "--lookahead", "out")
     assert rec["generated_ids"] == run(model, work, "readers-base")["generated_ids"]
     res = runner.invoke(app, ["run", str(model), "--ids", PROMPT, "--expert-readers", "0"])
-    assert res.exit_code == 2 and "expert_readers" in res.output
+    assert res.exit_code == 2 and "--expert-readers/--readers must be in 1..64" in res.output
 
 
 POLICIES = sorted(get_registry().names("cache"))
