@@ -155,6 +155,12 @@ K3_INLINE512 void rows_tokens(enum k3_wkind kind, const int NR, const int NT, co
 K3_INLINE512 void k3__row512(enum k3_wkind kind, const void *w, const uint8_t *sc, int64_t o,
                              int64_t nr, int64_t rows, int64_t cols, int64_t cp,
                              const double *xd, int64_t nt, float *y) {
+    if (nt == 1 && nr > 1) { /* one token: a row at a time streams faster from memory (one
+                              * prefetched stream; 2 rows measured 16-18 % against 20 %) */
+        for (int64_t r = 0; r < nr; ++r)
+            rows_tokens(kind, 1, 1, w, sc, o + r, cols, cp, xd, rows, y + o + r);
+        return;
+    }
     for (int64_t t = 0; t < nt;) {
         const int64_t left = nt - t;
         const int64_t n = left < K3_NT ? left : K3_NT;
