@@ -25,6 +25,8 @@ def tune(
     threads: list[int] = typer.Option([], "--threads", help="A thread count to try (repeatable; default 1, 2, 4, ... up to the CPU count)."),
     expert_readers: list[int] = typer.Option([], "--expert-readers", help="An expert reader count to try (repeatable; default 1, 2, 4, 8)."),
     lookahead: list[str] = typer.Option([], "--lookahead", help="A router lookahead to try (repeatable; default off, on)."),
+    spec: list[str] = typer.Option([], "--spec", help="A speculative decoding mode to try (repeatable; default off, ngram)."),
+    spec_width: list[int] = typer.Option([], "--spec-width", help="A draft width to try once spec is on (repeatable; default 2, 4, 8)."),
     name: str = typer.Option("tuned", "--name", help="The preset to write (a user preset: k3 presets show NAME)."),
     ids: str = typer.Option(None, "--ids", help="Prompt token ids for every timed run (default 3,7,11,5,9)."),
     gen: int = typer.Option(6, "--gen", help="Tokens each run decodes (2..64; the first step also prefills)."),
@@ -45,10 +47,16 @@ def tune(
     bad = [v for v in lookahead if v not in ("on", "off", "attn", "out")]
     if bad:
         raise UsageError(f"--lookahead must be on, off, attn or out, got {bad[0]!r}")
+    bad = [v for v in spec if v not in ("off", "ngram", "auto")]
+    if bad:
+        raise UsageError(f"--spec must be off, ngram or auto, got {bad[0]!r}")
+    if any(not 1 <= w <= 16 for w in spec_width):
+        raise UsageError("--spec-width must be in 1..16")
     prompt = parse_ids(ids) if ids is not None else list(DEFAULT_IDS)
     opts = TuneOptions(model_dir, trunk=trunk, trunk_gb=trunk_gb, cache_gb=cache_gb,
                        storage=storage, backends=backend, threads=threads,
-                       expert_readers=expert_readers, lookahead=lookahead, name=name,
+                       expert_readers=expert_readers, lookahead=lookahead, spec=spec,
+                       spec_width=spec_width, name=name,
                        ids=prompt, gen=gen, force=force)
     result = run_tune(opts, progress=lambda s: print(f"tune: {s}", file=sys.stderr))
     if as_json:

@@ -47,6 +47,9 @@ class Preset(BaseModel):
     incremental: bool | None = None
     lookahead: str | None = Field(default=None, pattern=r"^(on|off|attn|out)$")
     expert_readers: int | None = Field(default=None, ge=1, le=64)
+    #: speculative decoding defaults of a run that does not give ``--spec``/``--spec-width``
+    spec: str | None = Field(default=None, pattern=r"^(off|ngram|auto)$")
+    spec_width: int | None = Field(default=None, ge=1, le=16)
 
     _origin: str = PrivateAttr(default="")
 

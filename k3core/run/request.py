@@ -219,8 +219,11 @@ class RunRequest(_Strict):
                       "stop": list(take("stop", []) or []),
                       "stop_ids": list(take("stop_id", []) or []),
                       "ignore_eos": bool(take("ignore_eos", False)),
-                      "spec": take("spec", "off"), "spec_width": take("spec_width", 4),
+                      "spec": take("spec"), "spec_width": take("spec_width"),
                       "spec_ngram": take("spec_ngram", 3)}
+        # left out when not given, so a preset's spec keys can apply (spec_from_preset)
+        generation = {k: v for k, v in generation.items()
+                      if v is not None or k not in ("spec", "spec_width")}
         outputs = {k: take(k) for k in OutputRequest.model_fields}
         quiet, verbose = bool(take("quiet", False)), int(take("verbose", 0) or 0)
         verbosity = -1 if quiet else min(verbose, 2)
@@ -255,3 +258,16 @@ def _taker(f: dict[str, Any]) -> Any:
         v = f.pop(name, default)
         return default if v is None else v
     return take
+
+
+def spec_from_preset(given: GenerationParams, params: GenerationParams,
+                     preset: Any) -> GenerationParams:
+    """``params`` with the preset's ``spec``/``spec_width`` where the run did not give them
+    (flag > preset > default, as for the engine settings)."""
+    if preset is None:
+        return params
+    update = {k: getattr(preset, k) for k in ("spec", "spec_width")
+              if k not in given.model_fields_set and getattr(preset, k, None) is not None}
+    if not update:
+        return params
+    return build(GenerationParams, {**params.model_dump(), **update})

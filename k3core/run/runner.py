@@ -19,7 +19,7 @@ from k3core.run.engine import Engine
 from k3core.run.outputs import write_json_atomic, write_logits
 from k3core.run.plan import RunPlan, plan_run
 from k3core.run.report import RunReport, run_record
-from k3core.run.request import GenerationParams, RunRequest
+from k3core.run.request import GenerationParams, RunRequest, spec_from_preset
 from k3core.run.session import Generation, Session, make_sampler
 
 
@@ -76,7 +76,10 @@ def _decode(engine: Engine, session: Session, plan: RunPlan, rep: RunReport) -> 
         session.load(r.outputs.load_state)
         rep.line(f"loaded {r.outputs.load_state}: {len(session.ids)} ids, {session.positions} "
                  f"positions in {time.perf_counter() - t0:.2f} s; the prompt continues it")
-    params = _seeded(r.generation)
+    params = spec_from_preset(r.generation, _seeded(r.generation), plan.engine.preset)
+    if params.spec != "off" and "spec" not in r.generation.model_fields_set:
+        rep.line(f"speculative decoding: {params.spec}, width {params.spec_width} "
+                 f"(preset {plan.engine.preset.name})")
     sampler = make_sampler(params)
     if sampler is not None:
         rep.line(f"sampling: temperature {sampler.temperature}, top-p {sampler.top_p}, "

@@ -12,8 +12,10 @@ that ``k3 presets show NAME`` lists and ``k3 run --preset NAME`` uses; an existi
 that name (a user file, or a shipped preset it would shadow) is kept unless ``force``.
 
 Adding a knob is one :class:`Knob` entry: a settings key that ``k3 run`` takes as a flag, a
-preset carries, and its candidate values (the speculative-decoding width joins this way
-once the engine has it).
+preset carries, and its candidate values. Speculative decoding (``spec``, then
+``spec_width`` once it is on) is a generation parameter, not an engine setting: the trial
+passes it to ``generate``, and the preset carries it as the default of runs that do not give
+``--spec``/``--spec-width``.
 """
 
 from __future__ import annotations
@@ -57,6 +59,8 @@ class TuneOptions:
     threads: Sequence[int] = ()  # candidates; empty: 1, 2, 4, ... up to the CPU count
     expert_readers: Sequence[int] = ()  # candidates; empty: 1, 2, 4, 8
     lookahead: Sequence[str] = ()  # candidates; empty: off, on
+    spec: Sequence[str] = ()  # candidates; empty: off, ngram (docs/speculative.md)
+    spec_width: Sequence[int] = ()  # candidates once spec is on; empty: 2, 4, 8
     name: str = "tuned"
     ids: Sequence[int] = DEFAULT_IDS
     gen: int = DEFAULT_GEN
@@ -69,6 +73,8 @@ class Knob:
 
     key: str
     values: Callable[[TuneOptions], list[Any]]
+    #: tried only when the best setting so far satisfies this (e.g. a width once spec is on)
+    when: Callable[[dict[str, Any]], bool] = lambda best: True
 
 
 def thread_counts(n: int | None = None) -> list[int]:
@@ -94,7 +100,14 @@ KNOBS: tuple[Knob, ...] = (
     Knob("threads", lambda o: list(o.threads) or thread_counts()),
     Knob("expert_readers", lambda o: list(o.expert_readers) or [1, 2, 4, 8]),
     Knob("lookahead", lambda o: list(o.lookahead) or ["off", "on"]),
+    Knob("spec", lambda o: list(o.spec) or ["off", "ngram"]),
+    Knob("spec_width", lambda o: list(o.spec_width) or [2, 4, 8],
+         when=lambda best: best.get("spec", "off") != "off"),
 )
+#: knobs that are generation parameters (a preset carries them; the engine does not)
+GENERATION_KEYS = ("spec", "spec_width")
+#: a candidate equal to its default is the same run as leaving it out
+_DEFAULT: dict[str, Any] = {**DEFAULTS, "spec": "off", "spec_width": 4}
 
 
 @dataclass
@@ -164,15 +177,17 @@ def check_name(o: TuneOptions) -> Path:
 
 def run_trial(o: TuneOptions, setting: dict[str, Any]) -> Trial:
     """Open the engine with ``setting``, decode ``o.ids`` for ``o.gen`` tokens, time it."""
+    engine_keys = {k: v for k, v in setting.items() if k not in GENERATION_KEYS}
+    gen_keys = {k: v for k, v in setting.items() if k in GENERATION_KEYS}
     fields: dict[str, Any] = {"model_dir": o.model_dir, "trunk": o.trunk, "trunk_gb": o.trunk_gb,
-                              "cache_gb": o.cache_gb, "storage": o.storage, **setting}
+                              "cache_gb": o.cache_gb, "storage": o.storage, **engine_keys}
     req = build(EngineRequest, {k: v for k, v in fields.items() if v is not None})
     plan = plan_engine(req, given_as="keyword")
     plan.plan_memory(prompt_len=len(o.ids), gen=o.gen)
     plan.check()
     with Engine.from_plan(plan) as eng:
         t0 = time.perf_counter()
-        gen = eng.generate(list(o.ids), max_tokens=o.gen, ignore_eos=True)
+        gen = eng.generate(list(o.ids), max_tokens=o.gen, ignore_eos=True, **gen_keys)
         wall = time.perf_counter() - t0
     steps = [s.seconds for s in gen.steps[1:]]
     spt = statistics.median(steps) if steps else wall / max(1, len(gen.ids))
@@ -194,13 +209,13 @@ def tune(o: TuneOptions, progress: Callable[[str], None] | None = None) -> TuneR
     best_spt: float | None = None
     for knob in KNOBS:
         values = knob.values(o)
-        if not values:
+        if not values or not knob.when(best):
             continue
         scored: list[tuple[float, Any]] = []
         for v in values:
             setting = {**best, knob.key: v}
             # a value equal to the engine's default is the same run as leaving it out
-            sig = tuple(sorted((k, x) for k, x in setting.items() if DEFAULTS.get(k) != x))
+            sig = tuple(sorted((k, x) for k, x in setting.items() if _DEFAULT.get(k) != x))
             t = done.get(sig)
             if t is None:
                 say("trying " + " ".join(f"{k}={x}" for k, x in setting.items()))

@@ -135,3 +135,40 @@ def test_a_preset_carries_lookahead_and_expert_readers() -> None:
     for bad in ("lookahead: maybe\n", "expert_readers: 0\n", "expert_readers: 65\n"):
         with pytest.raises(PresetError):
             parse_preset(base + bad)
+
+
+def test_tune_tries_spec_widths_and_the_preset_carries_them(
+        model: Path, config_dir: Path, tmp_path: Path) -> None:
+    res = tune(model, "--backend", "numpy", "--lookahead", "off", "--spec", "ngram",
+               "--spec-width", "2", "--spec-width", "3", "--name", "specbox", "--json")
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.stdout)
+    tried = [t["setting"] for t in doc["trials"]]
+    assert any(s.get("spec_width") == 2 for s in tried) and any(s.get("spec_width") == 3 for s in tried)
+    assert all(t["ids"] == doc["reference"]["ids"] for t in doc["trials"] if t["kept"])
+    preset = check_preset_file(config_dir / "specbox.yaml", plugins=True)
+    assert preset.spec == "ngram" and preset.spec_width in (2, 3)
+    out = tmp_path / "spec.json"
+    ran = runner.invoke(app, ["run", str(model), "--preset", "specbox", "--ids", IDS, "--gen", "4",
+                              "--out", str(out)])
+    assert ran.exit_code == 0, ran.output
+    assert "speculative decoding: ngram" in ran.output and "(preset specbox)" in ran.output
+    rec = json.loads(out.read_text())
+    plain = runner.invoke(app, ["run", str(model), "--ids", IDS, "--gen", "4", "--backend", "numpy",
+                                "--spec", "off", "--out", str(tmp_path / "plain.json")])
+    assert plain.exit_code == 0, plain.output
+    assert rec["generated_ids"] == json.loads((tmp_path / "plain.json").read_text())["generated_ids"]
+    # a flag still wins over the preset
+    off = runner.invoke(app, ["run", str(model), "--preset", "specbox", "--ids", IDS, "--gen", "2",
+                              "--spec", "off"])
+    assert off.exit_code == 0 and "speculative decoding: ngram" not in off.output
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--spec", "maybe"], "--spec must be off, ngram or auto"),
+    (["--spec-width", "0"], "--spec-width must be in 1..16"),
+])
+def test_tune_refuses_bad_spec_candidates(model: Path, config_dir: Path, flags: list[str],
+                                          message: str) -> None:
+    res = runner.invoke(app, ["tune", str(model), *flags])
+    assert res.exit_code == 2 and message in res.output
