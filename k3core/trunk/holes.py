@@ -2,9 +2,8 @@
 
 ``k3 pack-trunk`` copies only the data extents of a layer's run (``SEEK_DATA`` /
 ``SEEK_HOLE``), so a sparse checkpoint packs into a sparse ``trunk.bin``; the checksum is
-still of every raw byte: :func:`crc32_zeros` extends a CRC-32 over ``n`` zero bytes in
-O(log n) without touching them (the zero-byte operator of zlib's ``crc32_combine``, its
-powers of two built once). On a filesystem or platform without ``SEEK_DATA`` the whole
+still of every raw byte: ``k3core.trunk.crc.crc32_zeros`` extends a CRC-32 over ``n`` zero
+bytes in O(log n) without touching them. On a filesystem or platform without ``SEEK_DATA`` the whole
 range is data and the copy is the dense one.
 """
 
@@ -12,51 +11,7 @@ from __future__ import annotations
 
 import errno
 import os
-from functools import cache
 from pathlib import Path
-
-_POLY = 0xEDB88320
-
-
-def _times(mat: tuple[int, ...], vec: int) -> int:
-    out, i = 0, 0
-    while vec:
-        if vec & 1:
-            out ^= mat[i]
-        vec >>= 1
-        i += 1
-    return out
-
-
-def _square(mat: tuple[int, ...]) -> tuple[int, ...]:
-    return tuple(_times(mat, mat[n]) for n in range(32))
-
-
-@cache
-def _zero_bytes_ops() -> tuple[tuple[int, ...], ...]:
-    """The register operators for 2**k zero bytes, k = 0..63."""
-    op: tuple[int, ...] = (_POLY, *(1 << i for i in range(31)))  # one zero bit
-    for _ in range(3):
-        op = _square(op)  # 8 bits: one byte
-    ops = [op]
-    for _ in range(63):
-        ops.append(_square(ops[-1]))
-    return tuple(ops)
-
-
-def crc32_zeros(crc: int, n: int) -> int:
-    """``zlib.crc32(bytes(n), crc)`` without the bytes."""
-    if n < 0:
-        raise ValueError("n must not be negative")
-    reg = crc ^ 0xFFFFFFFF
-    ops = _zero_bytes_ops()
-    k = 0
-    while n:
-        if n & 1:
-            reg = _times(ops[k], reg)
-        n >>= 1
-        k += 1
-    return reg ^ 0xFFFFFFFF
 
 
 def data_segments(path: Path, start: int, length: int) -> list[tuple[int, int]]:

@@ -41,7 +41,8 @@ from k3core.model import names
 from k3core.model.config import ModelConfig
 from k3core.model.layer_params import trunk_suffixes
 from k3core.trunk.codec import Codec
-from k3core.trunk.holes import crc32_zeros, data_segments
+from k3core.trunk.crc import crc32_zeros
+from k3core.trunk.holes import data_segments
 from k3core.trunk.manifest import (
     DATA_NAME,
     MANIFEST_NAME,

@@ -12,7 +12,8 @@ import pytest
 from typer.testing import CliRunner
 
 from k3core.cli.app import app
-from k3core.trunk.holes import crc32_zeros, data_segments
+from k3core.trunk.crc import crc32_zeros
+from k3core.trunk.holes import data_segments
 from k3core.trunk.manifest import DATA_NAME, MANIFEST_NAME
 
 
