@@ -156,10 +156,19 @@ def prepare_layer(cfg: ModelConfig, layer: int, raw: Mapping[str, np.ndarray]) -
             t[suffix] = _vec(a)
         else:
             t[suffix] = _mat(a)
-    mla = cfg.is_mla(layer)
-    if not mla:
+    finish_small(cfg, layer, t, raw.get("self_attn.A_log"))
+    return LayerParams(layer, cfg.is_mla(layer), cfg.is_dense(layer), t)
+
+
+def finish_small(cfg: ModelConfig, layer: int, t: dict[str, Any], a_log: np.ndarray | None) -> None:
+    """The last step of binding a layer's small tensors, in place: a KDA layer's ``A_log``
+    checked and trimmed to one value per head and its short-conv kernels reshaped, then the
+    AttnRes folds (``fold_attn``, ``fold_mlp``). Shared by ``prepare_layer`` and the
+    part-by-part binding of a streamed layer (``k3core.trunk.bind``)."""
+    if not cfg.is_mla(layer):
         H = cfg.kda_heads
-        a_log = raw["self_attn.A_log"]
+        if a_log is None:
+            raise CheckpointError(f"layer {layer}: missing tensor(s) self_attn.A_log")
         if a_log.dtype.type not in FLOAT_DTYPES:
             raise CheckpointError(f"layer {layer}: self_attn.A_log has dtype {a_log.dtype}")
         a_log = _vec(a_log)
@@ -170,7 +179,7 @@ def prepare_layer(cfg: ModelConfig, layer: int, raw: Mapping[str, np.ndarray]) -
         if np.any(a_log[H:] != 0):
             warnings.warn(
                 f"layer {layer}: self_attn.A_log has non-zero values past head {H}; ignored",
-                stacklevel=2,
+                stacklevel=3,
             )
         t["self_attn.A_log"] = np.ascontiguousarray(a_log[:H])
         for c in ("q", "k", "v"):
@@ -178,4 +187,3 @@ def prepare_layer(cfg: ModelConfig, layer: int, raw: Mapping[str, np.ndarray]) -
             t[key] = t[key].reshape(H * cfg.kda_head_dim, cfg.conv_k)
     t["fold_attn"] = t["self_attention_res_norm.weight"] * t["self_attention_res_proj.weight"]
     t["fold_mlp"] = t["mlp_res_norm.weight"] * t["mlp_res_proj.weight"]
-    return LayerParams(layer, mla, cfg.is_dense(layer), t)

@@ -9,14 +9,13 @@ buffer whenever it is acquired (:func:`bind_matrices`). Both call the conversion
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Mapping
 
 import numpy as np
 
 from k3core.api.errors import CheckpointError
 from k3core.model.config import ModelConfig
-from k3core.model.layer_params import FLOAT_DTYPES, _mat, _vec, expected_shapes
+from k3core.model.layer_params import FLOAT_DTYPES, _mat, _vec, expected_shapes, finish_small
 
 
 def _check(cfg: ModelConfig, layer: int, suffix: str, a: np.ndarray,
@@ -53,19 +52,5 @@ def bind_small(cfg: ModelConfig, layer: int, raw: Mapping[str, np.ndarray]) -> d
         _check(cfg, layer, suffix, a, shapes)
         if suffix != "self_attn.A_log":
             t[suffix] = _vec(a)
-    if not cfg.is_mla(layer):
-        H = cfg.kda_heads
-        a_log = _vec(raw["self_attn.A_log"])
-        if a_log.size < H:
-            raise CheckpointError(f"layer {layer}: self_attn.A_log has {a_log.size} values, "
-                                  f"needs {H} (one per head)")
-        if np.any(a_log[H:] != 0):
-            warnings.warn(f"layer {layer}: self_attn.A_log has non-zero values past head {H}; "
-                          "ignored", stacklevel=2)
-        t["self_attn.A_log"] = np.ascontiguousarray(a_log[:H])
-        for c in ("q", "k", "v"):
-            key = f"self_attn.{c}_conv1d.weight"
-            t[key] = t[key].reshape(H * cfg.kda_head_dim, cfg.conv_k)
-    t["fold_attn"] = t["self_attention_res_norm.weight"] * t["self_attention_res_proj.weight"]
-    t["fold_mlp"] = t["mlp_res_norm.weight"] * t["mlp_res_proj.weight"]
+    finish_small(cfg, layer, t, raw.get("self_attn.A_log"))
     return t
