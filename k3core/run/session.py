@@ -25,6 +25,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass, field, fields, replace
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -227,14 +228,11 @@ class Session:
             t0 = time.perf_counter()
             sure = len(self.ids) - self.state.pos if self.state is not None else len(self.ids)
             drafts = spec.propose(self.ids, p.max_tokens - g, sure)
-            stats = self.engine.experts.stats
-            before = stats.bytes_read
-            rows = self._verify(spec, drafts)
             if g == 0:  # the first pass is the prefill (with drafts after it)
+                rows = self._prefill(gen, partial(self._verify, spec, drafts))
                 gen.first_logits = rows[0]
-                gen.prefill_ids = sure
-                gen.prefill_chunks = self.engine.model.chunks_last
-                gen.prefill_expert_bytes = stats.bytes_read - before
+            else:
+                rows = self._verify(spec, drafts)
             toks: list[int] = []
             for i, row in enumerate(rows):
                 tok = pick(row)
@@ -298,12 +296,14 @@ class Session:
             check_kv(cfg, need + 1, n_layers=n_layers)
             grow_state(self.state, need)
 
-    def _prefill(self, gen: Generation) -> np.ndarray:
-        """The call's first forward pass, with its figures recorded in ``gen``."""
+    def _prefill(self, gen: Generation,
+                 run: Callable[[], np.ndarray] | None = None) -> np.ndarray:
+        """The call's first forward pass (``run``, by default :meth:`_forward`), with its
+        figures recorded in ``gen``: the ids it fed, its chunks, its routed-expert bytes."""
         stats = self.engine.experts.stats
         before = stats.bytes_read
         gen.prefill_ids = len(self.ids) - (self.state.pos if self.incremental and self.state else 0)
-        logits = self._forward()
+        logits = run() if run is not None else self._forward()
         gen.prefill_chunks = self.engine.model.chunks_last
         gen.prefill_expert_bytes = stats.bytes_read - before
         return logits
