@@ -483,21 +483,27 @@ class StreamedTrunk(TrunkSource):
             staging = self._local.staging = aligned_empty(2 * self._staging_bytes, ALIGN)
         wins = _windows_in(lay, start, nbytes)
         end = start + nbytes
-        aside: dict[int, np.ndarray] = {}
+        # a straddling window decodes into this thread's scratch (one window at a time:
+        # decoded_windows yields each window before it decodes the next)
+        aside = getattr(self._local, "aside", None)
+        widest = max((w.raw_len for w in wins), default=0)
+        if aside is None or aside.size < widest:
+            aside = self._local.aside = np.empty(widest, dtype=np.uint8)
+
+        def inside(w: Window) -> bool:
+            return w.raw_off >= start and w.raw_off + w.raw_len <= end
 
         def dest(w: Window) -> np.ndarray:
-            if w.raw_off >= start and w.raw_off + w.raw_len <= end:
+            if inside(w):
                 return buf[w.raw_off - start : w.raw_off - start + w.raw_len]
-            tmp = aside[w.raw_off] = np.empty(w.raw_len, dtype=np.uint8)
-            return tmp
+            return aside[: w.raw_len]
 
         t0 = time.perf_counter()
         for w in decoded_windows(f, self.manifest.bin_path, lay.layer, lay.file_off, wins,
                                  self._codec, staging, dest, self._prefetch):
-            tmp = aside.pop(w.raw_off, None)
-            if tmp is not None:
+            if not inside(w):
                 a, b = max(start, w.raw_off), min(end, w.raw_off + w.raw_len)
-                buf[a - start : b - start] = tmp[a - w.raw_off : b - w.raw_off]
+                buf[a - start : b - start] = aside[a - w.raw_off : b - w.raw_off]
         covered = sum(min(end, w.raw_off + w.raw_len) - max(start, w.raw_off) for w in wins)
         if covered < nbytes:  # bytes no window holds (the alignment padding) read as zeros
             _zero_gaps(buf, start, end, wins)
