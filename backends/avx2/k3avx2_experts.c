@@ -45,7 +45,7 @@ static void tmats_job_fn(void *ctx, int64_t b, int64_t e) {
     int64_t i = lo, o = b - j->m[i].first;
     for (int64_t g = b; g < e;) {
         while (o >= j->m[i].rows) o -= j->m[i++].rows;
-        int64_t nr = K3_NR;
+        int64_t nr = K3_PR; /* a lane-pass tile of rows where the range has them */
         if (nr > e - g) nr = e - g;
         if (nr > j->m[i].rows - o) nr = j->m[i].rows - o;
         if (!j->blocked) nr = 1;
@@ -65,7 +65,7 @@ static void tmats_run(enum k3_wkind kind, int blocked, k3_tmat *m, int64_t n, in
     }
     tmats_job j = {kind, blocked, m, n, cols, cp};
     if (par)
-        k3__pool_run(tmats_job_fn, &j, total, k3__forced() ? 1 : ROW_CHUNK, k3__threads());
+        k3__pool_run(tmats_job_fn, &j, total, k3__forced() ? K3_PR : ROW_CHUNK, k3__threads());
     else
         tmats_job_fn(&j, 0, total);
 }

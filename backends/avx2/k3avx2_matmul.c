@@ -92,7 +92,8 @@ static void widen_x(double *xd, const float *x, int64_t n, int64_t cols, int64_t
 
 static int64_t token_block(int64_t T, int64_t cp) {
     int64_t tb = XBLOCK_BYTES / (cp * (int64_t)sizeof(double));
-    if (tb < 4) tb = 4; /* the multi-token kernels take four tokens per pass over a row */
+    if (tb < K3_PT) tb = K3_PT; /* one lane-pass tile of tokens at least (k3avx2_matmul512.c) */
+    tb -= tb % K3_PT;           /* and whole tiles */
     return tb < T ? tb : T;
 }
 
@@ -283,7 +284,7 @@ static void rows_job_fn(void *ctx, int64_t b, int64_t e) {
     for (int64_t g = b; g < e;) {
         while (o >= j->m[i].rows) o -= j->m[i++].rows;
         /* two rows of the same matrix at once where the range has them */
-        int64_t nr = K3_NR;
+        int64_t nr = K3_PR; /* a lane-pass tile of rows where the range has them */
         if (nr > e - g) nr = e - g;
         if (nr > j->m[i].rows - o) nr = j->m[i].rows - o;
         if (!j->blocked) nr = 1;
@@ -301,7 +302,7 @@ static void group_rows(enum k3_wkind kind, int blocked, const k3_mat *m, int n, 
     for (int i = 0; i < n; ++i) total += m[i].rows;
     rows_job j = {kind, blocked, m, n, cols, cp, t0, nt, xd};
     if (par)
-        k3__pool_run(rows_job_fn, &j, total, k3__forced() ? 1 : ROW_CHUNK, k3__threads());
+        k3__pool_run(rows_job_fn, &j, total, k3__forced() ? K3_PR : ROW_CHUNK, k3__threads());
     else
         rows_job_fn(&j, 0, total);
 }

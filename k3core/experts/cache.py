@@ -51,6 +51,7 @@ import numpy as np
 from k3core.api.cache_policy import CachePolicy, key_expert, key_layer, make_key
 from k3core.api.errors import ExpertDropError, K3Error, PluginError
 from k3core.api.experts import ExpertSource, ExpertStats, ExpertWeights
+from k3core.api.prefault import prefault
 from k3core.api.storage import aligned_empty
 from k3core.api.units import ALIGN
 from k3core.checkpoint.index import CheckpointIndex
@@ -136,6 +137,29 @@ class ExpertCache(ExpertSource):
         self._visit: _Visit | None = None
         self._guesses: dict[int, _Guess] = {}  # key -> guessed read not yet published
         self._guessed: dict[int, set[int]] = {}  # layer -> experts of its last guess
+        # the arena's pages are faulted in on a thread of their own while the engine loads;
+        # the first read (and ``await_arena``) joins it, so nothing writes the arena sooner
+        self.arena_seconds = 0.0
+        self._prefault_stop = threading.Event()
+        self._prefaulter: threading.Thread | None = threading.Thread(
+            target=self._prefault_arena, name="k3-expert-arena", daemon=True)
+        self._prefaulter.start()
+
+    def _prefault_arena(self) -> None:
+        t0 = time.perf_counter()
+        prefault(self.arena, self._prefault_stop)
+        self.arena_seconds = time.perf_counter() - t0
+
+    def await_arena(self) -> float:
+        """Wait until the arena's pages are mapped (docs/expert-cache.md, "The arena is
+        faulted in at load"); returns the seconds waited here."""
+        t = self._prefaulter
+        if t is None:
+            return 0.0
+        t0 = time.perf_counter()
+        t.join()
+        self._prefaulter = None
+        return time.perf_counter() - t0
 
     # ---- ExpertSource ------------------------------------------------------------------------
     def begin_step(self) -> None:
@@ -193,6 +217,8 @@ class ExpertCache(ExpertSource):
             self._visit = None
 
     def close(self) -> None:
+        self._prefault_stop.set()
+        self.await_arena()
         self._pool.shutdown(wait=True, cancel_futures=True)
         self._guesses.clear()
 
@@ -212,6 +238,8 @@ class ExpertCache(ExpertSource):
                 self._drop(make_key(v.layer, m.expert), m)
                 v.batch.pop(make_key(v.layer, m.expert), None)
             raise
+        if misses and self._prefaulter is not None:
+            self.await_arena()  # no read may land in the arena while it is being faulted in
         for m in sorted(misses, key=lambda m: (str(m.ref.path), m.ref.offset)):
             m.future = self._pool.submit(self._read, m.ref, m.buf)
 
@@ -458,6 +486,8 @@ class ExpertCache(ExpertSource):
                 x["lookahead_skipped"] += 1
                 continue
             due.add(key)
+            if self._prefaulter is not None:
+                self.await_arena()
             fut = self._pool.submit(self._read_guess, ref, self._slot_buf(slot, ref))
             self._guesses[key] = _Guess(layer, ref, slot, fut, self.step)
             x["lookahead_reads"] += 1

@@ -31,6 +31,7 @@ from k3core.trunk.source import check_trunk_options, open_streamed_trunk
 from k3core.trunk.tables import StreamedTables
 
 if TYPE_CHECKING:
+    from k3core.experts.cache import ExpertCache
     from k3core.tokenizer.encoding import Tokenizer
 
 B = TypeVar("B", bound="Bound")
@@ -138,9 +139,13 @@ def bind(
     n_layers = opts.layers or cfg.n_layers
     t0 = time.perf_counter()
     trunk: TrunkSource | None = None
+    cache: ExpertCache | None = None
     trunk_lines: list[str] = []
+    opts.cache.policy = opts.cache_policy
     try:
         check_bind_shapes(cfg, index, n_layers)  # from the headers, before any tensor is read
+        # the cache first: its arena is faulted in on its own thread while the trunk binds
+        cache, pname, note = build_expert_cache(cfg, index, n_layers, reg, opts.cache)
         if opts.trunk_dir is not None:
             trunk, trunk_lines = open_streamed_trunk(
                 opts.trunk_dir, cfg, index, storage, n_layers, opts.trunk_gb, opts.ring,
@@ -151,17 +156,13 @@ def bind(
             tables: ModelTables = StreamedTables(cfg, index, trunk=trunk)
         else:  # embedding rows on demand, the head resident
             tables = ModelTables(cfg, index)
+        timings["bind"] = time.perf_counter() - t0
+        timings["arena"] = cache.await_arena() if cache is not None else 0.0
     except BaseException:
+        if cache is not None:
+            cache.close()
         if trunk is not None:
             trunk.close()
-        index.close()
-        raise
-    timings["bind"] = time.perf_counter() - t0
-    opts.cache.policy = opts.cache_policy
-    try:
-        cache, pname, note = build_expert_cache(cfg, index, n_layers, reg, opts.cache)
-    except BaseException:
-        trunk.close()
         index.close()
         raise
     if note:

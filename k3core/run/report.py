@@ -135,7 +135,8 @@ class RunReport:
         for note in engine.notes:
             self.note(note)
         self.line(f"indexed {len(engine.index)} tensors from {len(engine.index.shards)} shards in "
-                  f"{engine.timings['index']:.2f} s; weights bound in {engine.timings['bind']:.2f} s")
+                  f"{engine.timings['index']:.2f} s; weights bound in {engine.timings['bind']:.2f} s"
+                  + arena_note(engine))
         for line in engine.trunk_lines + ultra_lines(engine.model.tables, engine.incremental,
                                                      engine.model.n_layers):
             self.line(line)
@@ -346,3 +347,12 @@ def lookahead_summary(stats: ExpertStats, mode: str, unready: int) -> list[tuple
          "(read for a guess the real router did not make)"),
         ("exposed wait", f"{stats.exposed_wait_seconds:.2f} s (the expert cache's, whole run)"),
     ]
+
+
+def arena_note(engine: Bound) -> str:
+    """How long the expert arena took to fault in beside the binding, and what load waited."""
+    cache = engine.experts if isinstance(engine.experts, ExpertCache) else None
+    if cache is None:
+        return ""
+    return (f"; expert arena mapped in {cache.arena_seconds:.2f} s "
+            f"({engine.timings.get('arena', 0.0):.2f} s after the binding)")

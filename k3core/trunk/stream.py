@@ -48,6 +48,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from k3core.api.errors import CheckpointError, K3Error, StorageError
+from k3core.api.prefault import prefault
 from k3core.api.storage import StorageBackend, StorageFile, aligned_empty
 from k3core.api.units import ALIGN, align_up, human
 from k3core.model import names
@@ -70,13 +71,18 @@ JOIN_SECONDS = 5.0
 
 
 def slot_buffer(nbytes: int) -> np.ndarray:
-    """An aligned buffer of at least ``nbytes``; 2 MiB aligned with MADV_HUGEPAGE if large."""
+    """An aligned buffer of at least ``nbytes``; 2 MiB aligned with MADV_HUGEPAGE if large.
+
+    Its pages are faulted in here, before any read into it is submitted, so a ring slot's
+    first fill does not pay the page faults on the reader thread (k3core/api/prefault.py)."""
     if nbytes >= HUGE_PAGE:
         size = -(-nbytes // HUGE_PAGE) * HUGE_PAGE
         buf = aligned_empty(size, HUGE_PAGE)
         _advise_hugepages(buf)
-        return buf
-    return aligned_empty(max(ALIGN, align_up(nbytes)), ALIGN)
+    else:
+        buf = aligned_empty(max(ALIGN, align_up(nbytes)), ALIGN)
+    prefault(buf[:nbytes])  # the rounding's tail is never read into: it stays unmapped
+    return buf
 
 
 def _advise_hugepages(buf: np.ndarray) -> None:

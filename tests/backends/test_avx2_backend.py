@@ -571,6 +571,36 @@ def test_multi_token_kernels_on_both_instruction_sets(ref, T, cols):
         b._lib.k3_use_avx512(1)
 
 
+@pytest.mark.parametrize("threads,forced", [(1, False), (2, True), (3, True)])
+@pytest.mark.parametrize("rows,T", [(4, 5), (9, 11), (16, 23), (13, 40)])
+def test_lane_pass_tiles_give_the_reference_bits(ref, threads, forced, rows, T):
+    """The AVX-512 lane-pass tiles (4 rows x 5 tokens, one register per row and token, the
+    four lane registers computed one pass after another) for bf16 rows ending inside an
+    eight-column step, MXFP4 with special scales, the SiTU MLP and grouped experts, serial and
+    split between threads (forced chunks are one tile of rows), with token and row counts
+    that leave tails for the 2 x 3 blocks."""
+    from k3_backends.avx2_backend import Avx2Backend
+
+    b = Avx2Backend(threads=threads, force_parallel=forced)
+    rng = np.random.default_rng(rows * 100 + T)
+    for cols in (1, 7, 8, 9, 31, 40, 1003):
+        w, x = bf16(rng, rows, cols), rand(rng, T, cols, scale=2.0)
+        x.reshape(-1)[::37] = np.inf if cols == 9 else 0.0
+        same(b.matmul_bf16(w, x), ref.matmul_bf16(w, x))
+    for cols in (32, 96, 1024):
+        wm, xm = mxfp4(rng, rows, cols), rand(rng, T, cols, scale=2.0)
+        same(b.matmul_mxfp4(wm, xm), ref.matmul_mxfp4(wm, xm))
+    inter, cols = 4 * rows, 64
+    w1, w3, w2 = bf16(rng, inter, cols), bf16(rng, inter, cols), bf16(rng, cols, inter)
+    xs = rand(rng, T, cols)
+    same(b.situ_mlp(w1, w3, w2, xs, 4.0, 25.0), ref.situ_mlp(w1, w3, w2, xs, 4.0, 25.0))
+    mlps = [(mxfp4(rng, 64, 96), mxfp4(rng, 64, 96), mxfp4(rng, 96, 64)) for _ in range(3)]
+    ins = [rand(rng, n, 96) for n in (T, 1, T + 2)]
+    for got, want in zip(b.situ_mlp_many(mlps, ins, 4.0, 25.0),
+                         ref.situ_mlp_many(mlps, ins, 4.0, 25.0), strict=True):
+        same(got, want)
+
+
 def test_situ_vector_and_scalar_paths_agree_on_every_exponent(ref):
     """The AVX-512 SiTU (eight lanes, blended branches) against the scalar code on random
     float32 bit patterns of every exponent, and against the reference on a sample."""

@@ -1,0 +1,44 @@
+"""``prefault`` maps a buffer's pages without changing a byte, and stops when asked."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+
+from k3core.api import prefault as pf
+from k3core.api.storage import aligned_empty
+
+
+def test_prefault_keeps_every_byte_at_any_offset_and_length() -> None:
+    rng = np.random.default_rng(3)
+    base = aligned_empty(5 * pf.PAGE + 123)
+    base[:] = rng.integers(0, 256, base.size, dtype=np.uint8)
+    want = base.copy()
+    for start, stop in ((0, base.size), (1, base.size - 1), (pf.PAGE - 1, pf.PAGE + 2), (7, 9), (0, 0)):
+        assert pf.prefault(base[start:stop]) is True
+        assert np.array_equal(base, want)
+
+
+def test_fresh_memory_stays_zero_and_is_mapped() -> None:
+    buf = np.zeros(3 * pf.CHUNK // 2 + 77, dtype=np.uint8)[77:]  # calloc: fresh, unaligned
+    assert pf.prefault(buf) is True
+    assert not buf.any()
+
+
+def test_the_touch_fallback_keeps_bytes_too(monkeypatch) -> None:
+    monkeypatch.setattr(pf, "_madvise", None)
+    buf = aligned_empty(4 * pf.PAGE + 5)
+    buf[:] = np.arange(buf.size) % 251
+    want = buf.copy()
+    assert pf.prefault(buf[3:]) is True
+    assert np.array_equal(buf, want)
+
+
+def test_a_stop_request_ends_it_between_chunks() -> None:
+    stop = threading.Event()
+    stop.set()
+    buf = np.zeros(2 * pf.CHUNK, dtype=np.uint8)
+    if pf._madvise is not None:
+        assert pf.prefault(buf, stop) is False
+    assert not buf.any()
