@@ -87,3 +87,78 @@ k3__situ512(const float *g, const float *u, int64_t n, double b1, double b2, flo
     }
     for (; i < n; ++i) y[i] = k3_situ_f(g[i], u[i], b1, b2);
 }
+
+/* ---- the other elementwise transcendentals, eight lanes at a time ---------------------
+ * Each is the scalar expression of k3avx2_internal.h with its operands in the same order:
+ * sigmoid f32(sig_d(d(x))), silu f32(d(x) * sig_d(d(x))), exp f32(exp_d(d(x))). */
+enum { K3_U_SIG = 0, K3_U_SILU = 1, K3_U_EXP = 2 };
+
+K3_V512 __m512d v_unary(int op, __m512d xd) {
+    if (op == K3_U_SIG) return v_sig_d(xd);
+    if (op == K3_U_SILU) return _mm512_mul_pd(xd, v_sig_d(xd));
+    return v_exp_d(xd);
+}
+
+static inline float k3__unary_f(int op, float x) {
+    if (op == K3_U_SIG) return (float)k3_sig_d((double)x);
+    if (op == K3_U_SILU) return k3_silu_f(x);
+    return (float)k3_exp_d((double)x);
+}
+
+/* y[i] = op(x[i]) for i < n (a tail of n % 8 through the scalar code). */
+__attribute__((target("avx512f,avx512dq,avx512vl"))) static void
+k3__unary512(int op, const float *x, int64_t n, float *y) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(y + i, _mm512_cvtpd_ps(v_unary(op, _mm512_cvtps_pd(_mm256_loadu_ps(x + i)))));
+    for (; i < n; ++i) y[i] = k3__unary_f(op, x[i]);
+}
+
+/* kda_gate over D elements of one (token, head): y = f32(exp_d(lb * sig_d(a * (d(z) + d(dt))))). */
+__attribute__((target("avx512f,avx512dq,avx512vl"))) static void
+k3__kda_gate512(const float *z, const float *dt, double a, double lb, int64_t D, float *y) {
+    const __m512d va = _mm512_set1_pd(a), vlb = _mm512_set1_pd(lb);
+    int64_t j = 0;
+    for (; j + 8 <= D; j += 8) {
+        const __m512d u = _mm512_mul_pd(
+            va, _mm512_add_pd(_mm512_cvtps_pd(_mm256_loadu_ps(z + j)), _mm512_cvtps_pd(_mm256_loadu_ps(dt + j))));
+        _mm256_storeu_ps(y + j, _mm512_cvtpd_ps(v_exp_d(_mm512_mul_pd(vlb, v_sig_d(u)))));
+    }
+    for (; j < D; ++j) {
+        double u = a * ((double)z[j] + (double)dt[j]);
+        y[j] = (float)k3_exp_d(lb * k3_sig_d(u));
+    }
+}
+
+/* shortconv of eight channels (x, w, hist, y offset to the first of them; channel stride 1 in
+ * x and y, K in w, K - 1 in hist): the scalar loop of k3avx2_attention.c with the channels in
+ * the lanes. float32 products and sums rounded one by one as there (no FMA). */
+#define K3_CONV_KMAX 8
+__attribute__((target("avx512f,avx512dq,avx512vl"))) static void
+k3__shortconv8(const float *x, int64_t T, int64_t C, const float *w, int64_t K, float *hist,
+               float *y) {
+    __m256 wv[K3_CONV_KMAX], hv[K3_CONV_KMAX];
+    float lane[8];
+    for (int64_t j = 0; j < K; ++j) {
+        for (int l = 0; l < 8; ++l) lane[l] = w[l * K + j];
+        wv[j] = _mm256_loadu_ps(lane);
+    }
+    for (int64_t j = 0; j < K - 1; ++j) {
+        for (int l = 0; l < 8; ++l) lane[l] = hist[l * (K - 1) + j];
+        hv[j] = _mm256_loadu_ps(lane);
+    }
+    for (int64_t t = 0; t < T; ++t) {
+        const __m256 xt = _mm256_loadu_ps(x + t * C);
+        __m256 acc = _mm256_mul_ps(wv[K - 1], xt);
+        for (int64_t j = 0; j < K - 1; ++j) acc = _mm256_add_ps(acc, _mm256_mul_ps(wv[j], hv[j]));
+        if (K > 1) {
+            for (int64_t j = 0; j + 1 < K - 1; ++j) hv[j] = hv[j + 1];
+            hv[K - 2] = xt;
+        }
+        _mm256_storeu_ps(y + t * C, _mm512_cvtpd_ps(v_unary(K3_U_SILU, _mm512_cvtps_pd(acc))));
+    }
+    for (int64_t j = 0; j < K - 1; ++j) {
+        _mm256_storeu_ps(lane, hv[j]);
+        for (int l = 0; l < 8; ++l) hist[l * (K - 1) + j] = lane[l];
+    }
+}

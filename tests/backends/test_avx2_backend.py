@@ -601,6 +601,45 @@ def test_lane_pass_tiles_give_the_reference_bits(ref, threads, forced, rows, T):
         same(got, want)
 
 
+def _specials(rng, n):
+    """float32 values of every kind: normal, tiny, huge, +-0, subnormal, +-inf, NaNs."""
+    x = (rng.standard_normal(n) * rng.choice([1e-3, 1.0, 30.0, 800.0], n)).astype(F32)
+    if n == 0:
+        return x
+    pick = np.array([0.0, -0.0, 1e-45, -1e-40, np.inf, -np.inf, np.nan, 88.0, -104.0, 3e38], F32)
+    x[rng.integers(0, n, max(1, n // 7))] = rng.choice(pick, max(1, n // 7))
+    x.view(np.uint32)[rng.integers(0, n, max(1, n // 50))] = 0x7FC01234  # a NaN payload
+    return x
+
+
+@pytest.mark.parametrize("threads,forced", [(1, False), (3, True)])
+def test_vector_elementwise_and_conv_paths_give_the_reference_bits(ref, threads, forced):
+    """sigmoid, silu and exp eight lanes at a time, shortconv with eight channels in the lanes
+    and kda_gate eight elements at a time (AVX-512), against the reference on every kind of
+    value, with tails that take the scalar code, and the conv history left the same (a NaN
+    compared as a class: its payload is not part of the contract)."""
+    from k3_backends.avx2_backend import Avx2Backend
+
+    b = Avx2Backend(threads=threads, force_parallel=forced)
+    rng = np.random.default_rng(17)
+    for n in (1, 7, 8, 9, 255, 256, 1003, 70000):
+        x = _specials(rng, n)
+        for op in ("sigmoid", "silu", "exp"):
+            same(getattr(b, op)(x), getattr(ref, op)(x), nan_payload=False)
+    for C, T, K in ((8, 1, 4), (13, 5, 4), (1541, 3, 4), (16, 2, 1), (24, 4, 2), (9, 3, 8), (8, 2, 9)):
+        x = _specials(rng, T * C).reshape(T, C)
+        w = _specials(rng, C * K).reshape(C, K)
+        h0 = _specials(rng, C * (K - 1)).reshape(C, K - 1)
+        ha, hr = h0.copy(), h0.copy()
+        same(b.shortconv(x, w, ha), ref.shortconv(x, w, hr), nan_payload=False)
+        same(ha, hr)
+    for H, D, T in ((3, 128, 2), (2, 13, 3), (4, 8, 1)):
+        z = _specials(rng, T * H * D).reshape(T, H * D)
+        dt = _specials(rng, H * D)
+        a_log = (rng.standard_normal(H) * 2).astype(F32)
+        same(b.kda_gate(z, dt, a_log, -5.0), ref.kda_gate(z, dt, a_log, -5.0), nan_payload=False)
+
+
 def test_situ_vector_and_scalar_paths_agree_on_every_exponent(ref):
     """The AVX-512 SiTU (eight lanes, blended branches) against the scalar code on random
     float32 bit patterns of every exponent, and against the reference on a sample."""
