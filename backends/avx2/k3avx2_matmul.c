@@ -20,7 +20,7 @@
 #define ROUND32(n) (((n) + 31) & ~(int64_t)31)
 /* float64 activations per token block: well inside L2 (1 MiB on Zen 4) beside the weight
  * rows streaming through, so the multi-token kernels read them from L2, not L3 */
-#define XBLOCK_BYTES (256 << 10)
+#define XBLOCK_BYTES (640 << 10)
 /* Software prefetch into L2 this many bytes ahead of the weight stream. Measured on a
  * Zen 4 core: the hardware prefetchers alone leave a 1-thread bf16 matvec at ~60% of its
  * in-cache speed; an L2 prefetch 4 KiB ahead brings it to ~90% (docs/avx2-backend.md). */
