@@ -89,6 +89,51 @@ double k3_read_bandwidth(const uint8_t *buf, size_t nbytes, int repeat, uint64_t
     return best;
 }
 
+/* The float64 FMA ceiling of the matrix products: every thread runs twelve independent
+ * chains of `iters` FMAs on 512-bit registers (AVX-512) or 256-bit ones (AVX2), enough
+ * chains to cover the FMA latency on both pipes. Returns the best seconds per pass; the
+ * caller divides `threads x iters x 12 x lanes` by it (lanes: 8, or 4 without AVX-512,
+ * the return value of k3_has_avx512 says which). `sink` keeps the chains alive. */
+__attribute__((target("avx512f,fma"))) static double fma_chains512(int64_t iters) {
+    __m512d a[12];
+    const __m512d m = _mm512_set1_pd(1.0000001), c = _mm512_set1_pd(1e-9);
+    for (int i = 0; i < 12; ++i) a[i] = _mm512_set1_pd((double)i);
+    for (int64_t k = 0; k < iters; ++k)
+        for (int i = 0; i < 12; ++i) a[i] = _mm512_fmadd_pd(a[i], m, c);
+    double s = 0.0;
+    for (int i = 0; i < 12; ++i) s += _mm512_reduce_add_pd(a[i]);
+    return s;
+}
+
+__attribute__((target("avx2,fma"))) static double fma_chains256(int64_t iters) {
+    __m256d a[12];
+    const __m256d m = _mm256_set1_pd(1.0000001), c = _mm256_set1_pd(1e-9);
+    for (int i = 0; i < 12; ++i) a[i] = _mm256_set1_pd((double)i);
+    for (int64_t k = 0; k < iters; ++k)
+        for (int i = 0; i < 12; ++i) a[i] = _mm256_fmadd_pd(a[i], m, c);
+    double s = 0.0, t[4];
+    for (int i = 0; i < 12; ++i) {
+        _mm256_storeu_pd(t, a[i]);
+        s += t[0] + t[1] + t[2] + t[3];
+    }
+    return s;
+}
+
+double k3_fma_peak(int64_t iters, int repeat, double *sink) {
+    double best = 1e300, total = 0.0;
+    const int wide = k3_has_avx512();
+    for (int rep = 0; rep < (repeat < 1 ? 1 : repeat); ++rep) {
+        double t0 = now_s(), s = 0.0;
+#pragma omp parallel num_threads(k3__threads()) reduction(+ : s)
+        s += wide ? fma_chains512(iters) : fma_chains256(iters);
+        double dt = now_s() - t0;
+        if (dt < best) best = dt;
+        total += s;
+    }
+    if (sink) *sink = total;
+    return best;
+}
+
 /* Diagnostic for the GIL: each of `parties` Python threads calls this; each call checks in
  * and waits until all have checked in (or the timeout passes). All calls return 1 only if
  * they were inside C at the same time, which is impossible unless the GIL is released. */

@@ -81,3 +81,20 @@ def test_in_place_state_does_not_break_the_digest_comparison():
     result = run_kernel_bench(["avx2", "numpy"], threads=1, repeat=3, cases=[small],
                               memory_bytes=16 << 20)
     assert [t.matches for t in result.timings] == [True, True]
+
+
+def test_a_multi_token_product_is_set_against_the_fma_peak():
+    """A prefill case counts its multiply-adds; the run then measures the float64 FMA peak
+    (the products' compute ceiling) and states each such product's share of it."""
+    from k3core.tools.bench.kernels import _prefill_bf16, measure_fma_peak
+
+    case = _prefill_bf16(32, 320, 6)
+    assert case.macs == 32 * 320 * 6
+    result = run_kernel_bench(["numpy", "avx2"], threads=1, repeat=1, cases=[case],
+                              memory_bytes=16 << 20)
+    assert all(t.matches and t.macs == case.macs for t in result.timings)
+    assert result.fma_peak_gmacs > 0 and "FMA chains" in result.fma_method
+    text = format_table(result)
+    assert "float64 FMA peak" in text and "of it" in text
+    assert json.loads(result.to_json())["fma_peak_gmacs"] == result.fma_peak_gmacs
+    assert measure_fma_peak(1, iters=1000, passes=1)[0] > 0

@@ -66,6 +66,7 @@ class OpTiming:
     of_memory: float  # gbps / measured memory read bandwidth
     digest: str  # first 12 hex digits of sha256 over the output bytes
     matches: bool = True  # same digest as the first backend that ran this op
+    macs: int = 0  # multiply-adds of a multi-token product (0: a bandwidth-bound op)
 
 
 @dataclass
@@ -81,6 +82,8 @@ class BenchResult:
     timings: list[OpTiming] = field(default_factory=list)
     skipped: dict[str, str] = field(default_factory=dict)  # backend -> why it did not run
     memory_samples_gbps: list[float] = field(default_factory=list)  # before, after
+    fma_peak_gmacs: float = 0.0  # float64 FMA lanes per second, all threads (0: not measured)
+    fma_method: str = ""
 
     def rows(self) -> list[tuple[str, ...]]:
         """One tuple per timing, in :data:`COLUMNS` order, formatted for printing."""
@@ -102,11 +105,18 @@ class BenchResult:
         return out
 
     def summary(self) -> str:
-        return (
+        lines = [
             f"memory read bandwidth: {self.memory_read_gbps:.2f} GB/s ({self.memory_method}, "
             f"{human(self.memory_bytes)} buffer, {self.threads} thread(s)); "
             f"LLC {human(self.llc_bytes)}; median of {self.repeat}"
-        )
+        ]
+        if self.fma_peak_gmacs:
+            lines.append(f"float64 FMA peak: {self.fma_peak_gmacs:.1f} G multiply-adds/s "
+                         f"({self.fma_method}, {self.threads} thread(s))")
+            lines += [f"  {t.backend} {t.op} {t.shape}: {t.macs / t.seconds / 1e9:.1f} GMAC/s = "
+                      f"{100 * t.macs / t.seconds / 1e9 / self.fma_peak_gmacs:.0f}% of it"
+                      for t in self.timings if t.macs]
+        return "\n".join(lines)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -157,6 +167,25 @@ def measure_read_bandwidth(threads: int, nbytes: int, passes: int = 5) -> tuple[
     return nbytes / seconds / 1e9, "C 256-bit read loop (k3_backends._k3avx2)"
 
 
+def measure_fma_peak(threads: int, iters: int = 20_000_000, passes: int = 3) -> tuple[float, str]:
+    """Float64 multiply-adds per second on ``threads`` threads (the products' compute ceiling
+    under the kernel contract), and how; ``(0.0, why)`` without the avx2 module."""
+    try:
+        probe = importlib.import_module("k3_backends.avx2_probe")
+        if not probe.probe().ok:
+            raise ImportError("avx2 module unavailable")
+        mod = probe.load_module()
+    except ImportError:
+        return 0.0, "avx2 module unavailable"
+    mod.lib.k3_set_threads(threads)
+    wide = bool(mod.lib.k3_has_avx512())
+    sink = mod.ffi.new("double *")
+    seconds = mod.lib.k3_fma_peak(iters, passes, sink)
+    lanes = 8 if wide else 4
+    how = f"12 independent {'512' if wide else '256'}-bit FMA chains per thread (k3_backends._k3avx2)"
+    return threads * iters * 12 * lanes / seconds / 1e9, how
+
+
 # --- the ops -----------------------------------------------------------------------------------
 @dataclass
 class Case:
@@ -168,6 +197,7 @@ class Case:
     make: Callable[[np.random.Generator], tuple[Any, ...]]
     call: Callable[[KernelBackend, tuple[Any, ...]], Any]
     nbytes: int
+    macs: int = 0  # multiply-adds, for a compute-bound (multi-token) product
 
 
 def _bf16(rng: np.random.Generator, rows: int, cols: int) -> np.ndarray:
@@ -186,6 +216,17 @@ def _matvec_bf16(rows: int, cols: int, what: str) -> Case:
         lambda rng: (_bf16(rng, rows, cols), _x(rng, cols)),
         lambda b, a: b.matmul_bf16(a[0], a[1]),
         rows * cols * 2,
+    )
+
+
+def _prefill_bf16(rows: int, cols: int, tokens: int) -> Case:
+    return Case(
+        "matmul_bf16 (prefill)",
+        f"[{rows} x {cols}] x {tokens}",
+        lambda rng: (_bf16(rng, rows, cols), _x(rng, cols, tokens)),
+        lambda b, a: b.matmul_bf16(a[0], a[1]),
+        rows * cols * 2,
+        rows * cols * tokens,
     )
 
 
@@ -233,6 +274,7 @@ def default_cases() -> list[Case]:
         _matvec_bf16(3584, 7168, "latent down"),
         _matvec_mxfp4(3072, 3584, "expert w1/w3"),
         _matvec_mxfp4(3584, 3072, "expert w2"),
+        _prefill_bf16(1536, 7168, 20),
         Case(
             "rmsnorm",
             f"[1 x {E}]",
@@ -331,7 +373,7 @@ def run_kernel_bench(
             first.setdefault(key, digest)
             result.timings.append(
                 OpTiming(name, case.op, case.shape, sec, min(times), case.nbytes,
-                         case.nbytes / sec / 1e9, 0.0, digest, digest == first[key])
+                         case.nbytes / sec / 1e9, 0.0, digest, digest == first[key], case.macs)
             )
         del inputs
     if result.timings:  # again after the ops: a busy machine's bandwidth drifts
@@ -340,6 +382,8 @@ def run_kernel_bench(
         result.memory_read_gbps = max(result.memory_samples_gbps)
     for t in result.timings:
         t.of_memory = t.gbps / result.memory_read_gbps
+    if any(t.macs for t in result.timings):
+        result.fma_peak_gmacs, result.fma_method = measure_fma_peak(threads)
     return result
 
 
