@@ -139,6 +139,15 @@ def llc_bytes() -> int:
     return best or 32 << 20
 
 
+def _avx2_module() -> Any:
+    """The avx2 backend's compiled module (its probes), or ``None`` where it cannot run."""
+    try:
+        probe = importlib.import_module("k3_backends.avx2_probe")
+        return probe.load_module() if probe.probe().ok else None
+    except ImportError:
+        return None
+
+
 def measure_read_bandwidth(threads: int, nbytes: int, passes: int = 5) -> tuple[float, str]:
     """Best-of-``passes`` read bandwidth in GB/s over ``nbytes``, and how it was measured."""
     nbytes -= nbytes % 128
@@ -147,12 +156,8 @@ def measure_read_bandwidth(threads: int, nbytes: int, passes: int = 5) -> tuple[
     view = buf[off : off + nbytes]
     view.fill(1)  # touch every page before timing
     view[::4096] = np.arange(view[::4096].size, dtype=np.uint8)
-    try:
-        probe = importlib.import_module("k3_backends.avx2_probe")
-        if not probe.probe().ok:
-            raise ImportError("avx2 module unavailable")
-        mod = probe.load_module()
-    except ImportError:
+    mod = _avx2_module()
+    if mod is None:
         words = view.view(np.uint64)
         best = float("inf")
         for _ in range(passes):
@@ -170,12 +175,8 @@ def measure_read_bandwidth(threads: int, nbytes: int, passes: int = 5) -> tuple[
 def measure_fma_peak(threads: int, iters: int = 20_000_000, passes: int = 3) -> tuple[float, str]:
     """Float64 multiply-adds per second on ``threads`` threads (the products' compute ceiling
     under the kernel contract), and how; ``(0.0, why)`` without the avx2 module."""
-    try:
-        probe = importlib.import_module("k3_backends.avx2_probe")
-        if not probe.probe().ok:
-            raise ImportError("avx2 module unavailable")
-        mod = probe.load_module()
-    except ImportError:
+    mod = _avx2_module()
+    if mod is None:
         return 0.0, "avx2 module unavailable"
     mod.lib.k3_set_threads(threads)
     wide = bool(mod.lib.k3_has_avx512())
