@@ -283,7 +283,6 @@ static void rows_job_fn(void *ctx, int64_t b, int64_t e) {
     while (o >= j->m[i].rows) o -= j->m[i++].rows;
     for (int64_t g = b; g < e;) {
         while (o >= j->m[i].rows) o -= j->m[i++].rows;
-        /* two rows of the same matrix at once where the range has them */
         int64_t nr = K3_PR; /* a lane-pass tile of rows where the range has them */
         if (nr > e - g) nr = e - g;
         if (nr > j->m[i].rows - o) nr = j->m[i].rows - o;

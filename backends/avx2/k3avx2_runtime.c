@@ -94,30 +94,26 @@ double k3_read_bandwidth(const uint8_t *buf, size_t nbytes, int repeat, uint64_t
  * chains to cover the FMA latency on both pipes. Returns the best seconds per pass; the
  * caller divides `threads x iters x 12 x lanes` by it (lanes: 8, or 4 without AVX-512,
  * the return value of k3_has_avx512 says which). `sink` keeps the chains alive. */
-__attribute__((target("avx512f,fma"))) static double fma_chains512(int64_t iters) {
-    __m512d a[12];
-    const __m512d m = _mm512_set1_pd(1.0000001), c = _mm512_set1_pd(1e-9);
-    for (int i = 0; i < 12; ++i) a[i] = _mm512_set1_pd((double)i);
-    for (int64_t k = 0; k < iters; ++k)
-        for (int i = 0; i < 12; ++i) a[i] = _mm512_fmadd_pd(a[i], m, c);
-    double s = 0.0;
-    for (int i = 0; i < 12; ++i) s += _mm512_reduce_add_pd(a[i]);
-    return s;
-}
-
-__attribute__((target("avx2,fma"))) static double fma_chains256(int64_t iters) {
-    __m256d a[12];
-    const __m256d m = _mm256_set1_pd(1.0000001), c = _mm256_set1_pd(1e-9);
-    for (int i = 0; i < 12; ++i) a[i] = _mm256_set1_pd((double)i);
-    for (int64_t k = 0; k < iters; ++k)
-        for (int i = 0; i < 12; ++i) a[i] = _mm256_fmadd_pd(a[i], m, c);
-    double s = 0.0, t[4];
-    for (int i = 0; i < 12; ++i) {
-        _mm256_storeu_pd(t, a[i]);
-        s += t[0] + t[1] + t[2] + t[3];
+/* Twelve chains of `iters` FMAs at one register width; returns their sum (the sink). */
+#define K3_FMA_CHAINS(NAME, TARGET, VEC, SET1, FMA, STORE, LANES)                              \
+    __attribute__((target(TARGET))) static double NAME(int64_t iters) {                       \
+        VEC a[12];                                                                             \
+        const VEC m = SET1(1.0000001), c = SET1(1e-9);                                         \
+        for (int i = 0; i < 12; ++i) a[i] = SET1((double)i);                                   \
+        for (int64_t k = 0; k < iters; ++k)                                                    \
+            for (int i = 0; i < 12; ++i) a[i] = FMA(a[i], m, c);                               \
+        double s = 0.0, t[LANES];                                                              \
+        for (int i = 0; i < 12; ++i) {                                                         \
+            STORE(t, a[i]);                                                                    \
+            for (int l = 0; l < LANES; ++l) s += t[l];                                         \
+        }                                                                                      \
+        return s;                                                                              \
     }
-    return s;
-}
+K3_FMA_CHAINS(fma_chains512, "avx512f,fma", __m512d, _mm512_set1_pd, _mm512_fmadd_pd,
+              _mm512_storeu_pd, 8)
+K3_FMA_CHAINS(fma_chains256, "avx2,fma", __m256d, _mm256_set1_pd, _mm256_fmadd_pd,
+              _mm256_storeu_pd, 4)
+#undef K3_FMA_CHAINS
 
 double k3_fma_peak(int64_t iters, int repeat, double *sink) {
     double best = 1e300, total = 0.0;

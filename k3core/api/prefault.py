@@ -1,4 +1,5 @@
-"""Fault a fresh buffer's pages in before its first use, without changing its bytes.
+"""Fault a fresh buffer's pages in before its first use, without changing its bytes; and
+the other page advice a large buffer gets (``advise_hugepages``).
 
 Fresh anonymous memory is mapped on first touch: the kernel zeroes every page, and in a
 virtual machine the host may first have to back it. For a buffer that storage reads fill (the
@@ -24,6 +25,8 @@ import threading
 import numpy as np
 
 PAGE = 4096
+#: madvise advice: back the range with transparent huge pages where possible
+MADV_HUGEPAGE = 14
 #: madvise advice: populate (prefault) page tables writable, Linux 5.14+
 MADV_POPULATE_WRITE = 23
 #: bytes per madvise call, so a stop request is seen within one chunk
@@ -37,6 +40,12 @@ if sys.platform.startswith("linux"):
         _madvise.restype = ctypes.c_int
     except (OSError, AttributeError):  # no libc symbol: the touch fallback
         _madvise = None
+
+
+def advise_hugepages(buf: np.ndarray) -> None:
+    """Ask for transparent huge pages over ``buf`` (advisory: ignored where unsupported)."""
+    if _madvise is not None:
+        _madvise(ctypes.c_void_p(buf.ctypes.data), buf.nbytes, MADV_HUGEPAGE)
 
 
 def _touch(buf: np.ndarray) -> None:

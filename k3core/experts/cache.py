@@ -238,7 +238,7 @@ class ExpertCache(ExpertSource):
                 self._drop(make_key(v.layer, m.expert), m)
                 v.batch.pop(make_key(v.layer, m.expert), None)
             raise
-        if misses and self._prefaulter is not None:
+        if misses:
             self.await_arena()  # no read may land in the arena while it is being faulted in
         for m in sorted(misses, key=lambda m: (str(m.ref.path), m.ref.offset)):
             m.future = self._pool.submit(self._read, m.ref, m.buf)
@@ -486,8 +486,7 @@ class ExpertCache(ExpertSource):
                 x["lookahead_skipped"] += 1
                 continue
             due.add(key)
-            if self._prefaulter is not None:
-                self.await_arena()
+            self.await_arena()
             fut = self._pool.submit(self._read_guess, ref, self._slot_buf(slot, ref))
             self._guesses[key] = _Guess(layer, ref, slot, fut, self.step)
             x["lookahead_reads"] += 1

@@ -134,13 +134,16 @@ class RunReport:
         self.line(engine.settings_line)
         for note in engine.notes:
             self.note(note)
+        cache = engine.experts if isinstance(engine.experts, ExpertCache) else None
+        arena = "" if cache is None else (
+            f"; expert arena mapped in {cache.arena_seconds:.2f} s "
+            f"({engine.timings.get('arena', 0.0):.2f} s after the binding)")
         self.line(f"indexed {len(engine.index)} tensors from {len(engine.index.shards)} shards in "
                   f"{engine.timings['index']:.2f} s; weights bound in {engine.timings['bind']:.2f} s"
-                  + arena_note(engine))
+                  + arena)
         for line in engine.trunk_lines + ultra_lines(engine.model.tables, engine.incremental,
                                                      engine.model.n_layers):
             self.line(line)
-        cache = engine.experts if isinstance(engine.experts, ExpertCache) else None
         if cache is not None:
             self.line(f"expert cache  : {cache.capacity} slots x {human(cache.stride)} = "
                       f"{human(cache.capacity * cache.stride)}, policy {engine.names['cache']}, "
@@ -348,11 +351,3 @@ def lookahead_summary(stats: ExpertStats, mode: str, unready: int) -> list[tuple
         ("exposed wait", f"{stats.exposed_wait_seconds:.2f} s (the expert cache's, whole run)"),
     ]
 
-
-def arena_note(engine: Bound) -> str:
-    """How long the expert arena took to fault in beside the binding, and what load waited."""
-    cache = engine.experts if isinstance(engine.experts, ExpertCache) else None
-    if cache is None:
-        return ""
-    return (f"; expert arena mapped in {cache.arena_seconds:.2f} s "
-            f"({engine.timings.get('arena', 0.0):.2f} s after the binding)")

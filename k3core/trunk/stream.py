@@ -38,8 +38,6 @@ thread with a stop event and a bounded join, so an exception or Ctrl-C never han
 
 from __future__ import annotations
 
-import ctypes
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -48,7 +46,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from k3core.api.errors import CheckpointError, K3Error, StorageError
-from k3core.api.prefault import prefault
+from k3core.api.prefault import advise_hugepages, prefault
 from k3core.api.storage import StorageBackend, StorageFile, aligned_empty
 from k3core.api.units import ALIGN, align_up, human
 from k3core.model import names
@@ -65,7 +63,6 @@ from k3core.trunk.windows import Prefetcher, Window, decoded_windows, staging_by
 
 EMPTY, READING, READY = "empty", "reading", "ready"
 HUGE_PAGE = 2 * 1024 * 1024
-MADV_HUGEPAGE = 14
 #: how long ``close`` waits for the reader thread (it is a daemon thread either way)
 JOIN_SECONDS = 5.0
 
@@ -78,22 +75,11 @@ def slot_buffer(nbytes: int) -> np.ndarray:
     if nbytes >= HUGE_PAGE:
         size = -(-nbytes // HUGE_PAGE) * HUGE_PAGE
         buf = aligned_empty(size, HUGE_PAGE)
-        _advise_hugepages(buf)
+        advise_hugepages(buf)
     else:
         buf = aligned_empty(max(ALIGN, align_up(nbytes)), ALIGN)
     prefault(buf[:nbytes])  # the rounding's tail is never read into: it stays unmapped
     return buf
-
-
-def _advise_hugepages(buf: np.ndarray) -> None:
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.madvise(ctypes.c_void_p(buf.ctypes.data), ctypes.c_size_t(buf.nbytes),
-                     ctypes.c_int(MADV_HUGEPAGE))
-    except (OSError, AttributeError):  # advisory only
-        pass
 
 
 @dataclass
