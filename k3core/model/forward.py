@@ -108,8 +108,11 @@ class Model:
         blocks: list[np.ndarray] = []
         for L in range(self.n_layers):
             p = self.trunk.acquire(L)
+            # the last layer's MLP only for the rows whose logits are asked (unless a hook
+            # watches every row of every layer): no later layer reads its other rows
+            keep = rows if L == self.n_layers - 1 and self.on_layer is None else None
             try:
-                h = self.layer(p, h, blocks, state)
+                h = self.layer(p, h, blocks, state, keep)
             finally:
                 self.trunk.release(L)
             self.layers_completed = L + 1
@@ -119,7 +122,7 @@ class Model:
             state.pos += T
             return np.empty((0, self.cfg.vocab), dtype=np.float32)
         h = self.k.attn_res(np.stack(blocks + [h]), self.tables.fold_out, self.cfg.rms_eps)
-        last = h[T - rows :]
+        last = h[h.shape[0] - rows :]
         x = self.k.rmsnorm(last, self.tables.norm, self.cfg.rms_eps)
         out = self.tables.logits(self.k, x)
         state.pos += T
@@ -128,7 +131,12 @@ class Model:
         return out
 
     # ---- one decoder layer with block attention residuals (docs/model.md §5.2) ------------------
-    def layer(self, p: LayerParams, h: np.ndarray, blocks: list[np.ndarray], st: SequenceState) -> np.ndarray:
+    def layer(self, p: LayerParams, h: np.ndarray, blocks: list[np.ndarray], st: SequenceState,
+              keep: int | None = None) -> np.ndarray:
+        """One layer over every row of ``h``; with ``keep``, its attention still over every row
+        (the KV cache and the KDA state take them all) and the rest only over the last ``keep``
+        rows, ``blocks`` cut to the same rows: every op after the attention is per row, so
+        those rows' bits are the full layer's. The output then has ``keep`` rows."""
         eps = self.cfg.rms_eps
         pref: np.ndarray | None = h
         x_a = self.k.attn_res(np.stack(blocks + [h]), p["fold_attn"], eps) if blocks else h
@@ -138,6 +146,12 @@ class Model:
         xn = self.k.rmsnorm(x_a, p["input_layernorm.weight"], eps)
         a = self.mla(p, xn, st) if p.mla else self.kda(p, xn, st)
         self.trunk.begin_mlp(p.layer)  # a split layer's MLP part replaces its attention part
+        if keep is not None and keep < a.shape[0]:
+            a = a[a.shape[0] - keep :]
+            pref = None if pref is None else pref[pref.shape[0] - keep :]
+            blocks[:] = [b[b.shape[0] - keep :] for b in blocks]
+            if keep == 0:  # no row asked (a chunk before the last): nothing reads the output
+                return a
         pref = a if pref is None else pref + a
         x_m = self.k.attn_res(np.stack(blocks + [pref]), p["fold_mlp"], eps)
         if self.lookahead == "attn":
