@@ -97,6 +97,14 @@ K3_INLINE512 __m512d kda_lane_start(const double *lane, int first) {
     return first ? _mm512_setzero_pd() : _mm512_loadu_pd(lane);
 }
 
+/* lane[0..16) += c * d(r) (sixteen new state values), from +0.0 for a first row. */
+K3_INLINE512 void kda_lane_add16(double *lane, __m512 r, __m512d c, int first) {
+    const __m512d lo = _mm512_cvtps_pd(_mm512_castps512_ps256(r));
+    const __m512d hi = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(r), 1)));
+    _mm512_storeu_pd(lane, _mm512_fmadd_pd(c, lo, kda_lane_start(lane, first)));
+    _mm512_storeu_pd(lane + 8, _mm512_fmadd_pd(c, hi, kda_lane_start(lane + 8, first)));
+}
+
 K3_INLINE512 void kda_decay_row512(float *row, float ai, double ki, double *lane, int64_t m,
                                    int first) {
     const __m512 a = _mm512_set1_ps(ai);
@@ -105,10 +113,7 @@ K3_INLINE512 void kda_decay_row512(float *row, float ai, double ki, double *lane
     for (; j + 16 <= m; j += 16) {
         const __m512 r = _mm512_mul_ps(_mm512_loadu_ps(row + j), a);
         _mm512_storeu_ps(row + j, r);
-        const __m512d lo = _mm512_cvtps_pd(_mm512_castps512_ps256(r));
-        const __m512d hi = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(r), 1)));
-        _mm512_storeu_pd(lane + j, _mm512_fmadd_pd(k, lo, kda_lane_start(lane + j, first)));
-        _mm512_storeu_pd(lane + j + 8, _mm512_fmadd_pd(k, hi, kda_lane_start(lane + j + 8, first)));
+        kda_lane_add16(lane + j, r, k, first);
     }
     for (; j < m; ++j) {
         row[j] = row[j] * ai;
@@ -124,10 +129,7 @@ K3_INLINE512 void kda_update_row512(float *row, float ki, const float *w, double
     for (; j + 16 <= m; j += 16) {
         const __m512 r = _mm512_add_ps(_mm512_loadu_ps(row + j), _mm512_mul_ps(k, _mm512_loadu_ps(w + j)));
         _mm512_storeu_ps(row + j, r);
-        const __m512d lo = _mm512_cvtps_pd(_mm512_castps512_ps256(r));
-        const __m512d hi = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(r), 1)));
-        _mm512_storeu_pd(lane + j, _mm512_fmadd_pd(q, lo, kda_lane_start(lane + j, first)));
-        _mm512_storeu_pd(lane + j + 8, _mm512_fmadd_pd(q, hi, kda_lane_start(lane + j + 8, first)));
+        kda_lane_add16(lane + j, r, q, first);
     }
     for (; j < m; ++j) {
         row[j] = row[j] + ki * w[j];
