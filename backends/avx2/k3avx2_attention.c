@@ -100,7 +100,8 @@ K3_INLINE512 __m512d kda_lane_start(const double *lane, int first) {
 /* lane[0..16) += c * d(r) (sixteen new state values), from +0.0 for a first row. */
 K3_INLINE512 void kda_lane_add16(double *lane, __m512 r, __m512d c, int first) {
     const __m512d lo = _mm512_cvtps_pd(_mm512_castps512_ps256(r));
-    const __m512d hi = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(r), 1)));
+    const __m512d hi =
+        _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(r), 1)));
     _mm512_storeu_pd(lane, _mm512_fmadd_pd(c, lo, kda_lane_start(lane, first)));
     _mm512_storeu_pd(lane + 8, _mm512_fmadd_pd(c, hi, kda_lane_start(lane + 8, first)));
 }
@@ -127,7 +128,8 @@ K3_INLINE512 void kda_update_row512(float *row, float ki, const float *w, double
     const __m512d q = _mm512_set1_pd(qi);
     int64_t j = 0;
     for (; j + 16 <= m; j += 16) {
-        const __m512 r = _mm512_add_ps(_mm512_loadu_ps(row + j), _mm512_mul_ps(k, _mm512_loadu_ps(w + j)));
+        const __m512 r =
+            _mm512_add_ps(_mm512_loadu_ps(row + j), _mm512_mul_ps(k, _mm512_loadu_ps(w + j)));
         _mm512_storeu_ps(row + j, r);
         kda_lane_add16(lane + j, r, q, first);
     }
