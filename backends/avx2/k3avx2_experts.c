@@ -133,12 +133,16 @@ int k3_situ_mlp_many(int kind, int n, void **w1, uint8_t **s1, void **w3, uint8_
             r += pc[p].nt;
         }
         tmats_run(kd, blocked, m, nm, cols, cp, par);
-        situ_stage(h1, h3, a, rows, inter, b1, b2, perm ? NULL : ad, ip, par);
+        situ_job sj = {h1, h3, a, b1, b2};
+        if (par)
+            k3__pool_run(situ_job_fn, &sj, rows * inter, k3__forced() ? 1 : 64, k3__threads());
+        else
+            situ_job_fn(&sj, 0, rows * inter);
         r = 0;
         nm = 0;
         for (int64_t p = p0; p < p1; ++p) {
             const int64_t e = pc[p].e;
-            if (perm) widen_x(ad + r * ip, a + r * inter, pc[p].nt, inter, ip, perm);
+            widen_x(ad + r * ip, a + r * inter, pc[p].nt, inter, ip, perm);
             const uint8_t *sc2 = s2 ? s2[e] : NULL;
             m[nm++] = (k3_tmat){w2[e], sc2, out_rows, y[e] + pc[p].t0 * out_rows, ad + r * ip,
                                 pc[p].nt, 0};

@@ -372,39 +372,15 @@ int k3_matmul_many(int kind, int n, void **w, uint8_t **scales, const int64_t *r
     return matmul_group((enum k3_wkind)kind, m, n, cols, x, T);
 }
 
-/* The SiTU stage: a = situ(h1, h3) over rows x inter elements and, with `ad`, the W2
- * product's widened input written in the same pass (ad[r * ip + c] = d(a[r * inter + c]);
- * its padding columns are cleared by situ_stage), so no serial widening of `a` follows. */
 typedef struct {
     const float *h1, *h3;
     float *a;
     double b1, b2;
-    double *ad;
-    int64_t inter, ip;
 } situ_job;
 
 static void situ_job_fn(void *ctx, int64_t b, int64_t e) {
     const situ_job *j = (const situ_job *)ctx;
     k3__situ(j->h1 + b, j->h3 + b, e - b, j->b1, j->b2, j->a + b);
-    if (!j->ad) return;
-    for (int64_t i = b; i < e; ++i) j->ad[(i / j->inter) * j->ip + i % j->inter] = (double)j->a[i];
-}
-
-/* Elements per claim of the SiTU stage (a claim is a compare-and-swap on a line both cores
- * write; 64 elements were less work than the claim) */
-#define SITU_CHUNK 1024
-
-/* SiTU over rows x inter elements, on the pool when `par`; `ad` (or NULL) as in situ_job. */
-static void situ_stage(const float *h1, const float *h3, float *a, int64_t rows, int64_t inter,
-                       double b1, double b2, double *ad, int64_t ip, int par) {
-    if (ad && ip > inter)
-        for (int64_t r = 0; r < rows; ++r)
-            memset(ad + r * ip + inter, 0, (size_t)(ip - inter) * sizeof(double));
-    situ_job sj = {h1, h3, a, b1, b2, ad, inter, ip};
-    if (par)
-        k3__pool_run(situ_job_fn, &sj, rows * inter, k3__forced() ? 1 : SITU_CHUNK, k3__threads());
-    else
-        situ_job_fn(&sj, 0, rows * inter);
 }
 
 /* ---- the SiTU MLP in one call -----------------------------------------------------------
@@ -437,9 +413,12 @@ int k3_situ_mlp(int kind, const void *w1, const uint8_t *s1, const void *w3, con
         const int64_t nt = t0 + tb < T ? tb : T - t0;
         widen_x(xd, x + t0 * cols, nt, cols, cp, kd == K3_W_MXFP4 && !blocked);
         group_rows(kd, blocked, up, 2, cols, cp, xd, 0, nt, par);
-        const int perm = kd == K3_W_MXFP4 && !blocked; /* the AVX2 MXFP4 order: widen apart */
-        situ_stage(h1, h3, a, nt, inter, b1, b2, perm ? NULL : ad, ip, par);
-        if (perm) widen_x(ad, a, nt, inter, ip, 1);
+        situ_job sj = {h1, h3, a, b1, b2};
+        if (par)
+            k3__pool_run(situ_job_fn, &sj, nt * inter, k3__forced() ? 1 : 64, k3__threads());
+        else
+            situ_job_fn(&sj, 0, nt * inter);
+        widen_x(ad, a, nt, inter, ip, kd == K3_W_MXFP4 && !blocked);
         group_rows(kd, blocked, &down, 1, inter, ip, ad, t0, nt, par);
     }
     k3__free(xd);

@@ -91,10 +91,10 @@ double k3_read_bandwidth(const uint8_t *buf, size_t nbytes, int repeat, uint64_t
 
 /* The float64 FMA ceiling of the matrix products: every thread runs twelve independent
  * chains of `iters` FMAs on 512-bit registers (AVX-512) or 256-bit ones (AVX2), enough
- * chains to cover the FMA latency on both pipes. Returns the best seconds per pass; the
- * caller divides `threads x iters x 12 x lanes` by it (lanes: 8, or 4 without AVX-512,
- * the return value of k3_has_avx512 says which). `sink` keeps the chains alive. */
-/* Twelve chains of `iters` FMAs at one register width; returns their sum (the sink). */
+ * chains to cover the FMA latency on both pipes. k3_fma_peak returns the best seconds per
+ * pass; the caller divides `threads x iters x 12 x lanes` by it (lanes: 8, or 4 without
+ * AVX-512, the return value of k3_has_avx512 says which). `sink` keeps the chains alive.
+ * K3_FMA_CHAINS defines the twelve chains at one register width, returning their sum. */
 #define K3_FMA_CHAINS(NAME, TARGET, VEC, SET1, FMA, STORE, LANES)                              \
     __attribute__((target(TARGET))) static double NAME(int64_t iters) {                       \
         VEC a[12];                                                                             \
