@@ -57,6 +57,9 @@ enum k3_wkind { K3_W_BF16, K3_W_F32, K3_W_MXFP4 };
 
 void *k3__alloc(size_t bytes); /* 64-byte aligned, NULL on failure */
 void k3__free(void *p);
+/* `bytes` of the calling thread's own scratch (64-byte aligned, kept between calls and freed
+ * when the thread exits; NULL on failure): a kernel's working copy, never a result. */
+void *k3__scratch(size_t bytes);
 
 /* ---- NaNs ------------------------------------------------------------------------------
  * All arithmetic is plain C on IEEE values. When exactly one operand is NaN the hardware

@@ -2,6 +2,7 @@
  * bandwidth probe used by the kernel benchmark, and the GIL rendezvous diagnostic. */
 #include "k3avx2_internal.h"
 
+#include <pthread.h>
 #include <stdatomic.h>
 #include <time.h>
 
@@ -49,6 +50,31 @@ void *k3__alloc(size_t bytes) {
 }
 
 void k3__free(void *p) { free(p); }
+
+/* The per-thread scratch: grown on demand, released by the key's destructor at thread exit
+ * (pool helpers keep theirs for the life of the process). */
+static pthread_key_t g_scratch_key;
+static pthread_once_t g_scratch_once = PTHREAD_ONCE_INIT;
+static int g_scratch_key_ok = 0;
+static _Thread_local void *g_scratch = NULL;
+static _Thread_local size_t g_scratch_n = 0;
+
+static void scratch_key(void) { g_scratch_key_ok = pthread_key_create(&g_scratch_key, free) == 0; }
+
+void *k3__scratch(size_t n) {
+    if (n <= g_scratch_n) return g_scratch;
+    pthread_once(&g_scratch_once, scratch_key);
+    if (!g_scratch_key_ok) return NULL;
+    void *p = k3__alloc(n);
+    if (!p || pthread_setspecific(g_scratch_key, p) != 0) {
+        k3__free(p);
+        return NULL;
+    }
+    k3__free(g_scratch);
+    g_scratch = p;
+    g_scratch_n = n;
+    return p;
+}
 
 static double now_s(void) {
     struct timespec ts;
