@@ -345,6 +345,7 @@ K3_INLINE512 int mx_rows_f32(const void *w, const uint8_t *sc, int64_t o, int64_
         pass_tile(K3_W_F32, K3_PT, wb, NULL, 0, cols, cp, xd + t * cp, rows, y + t * rows + o, 0);
     const double *xt = xd + t * cp;
     float *yt = y + t * rows + o;
+    _Static_assert(K3_PT == 5, "the tokens left over are 1..4");
     switch (nt - t) {
     case 1: pass_tile(K3_W_F32, 1, wb, NULL, 0, cols, cp, xt, rows, yt, 0); break;
     case 2: pass_tile(K3_W_F32, 2, wb, NULL, 0, cols, cp, xt, rows, yt, 0); break;
