@@ -292,6 +292,10 @@ K3_INLINE512 void pass_tile(enum k3_wkind kind, const int NT, const void *w, con
  * experts of a 128-token prefill (8 to 23 tokens each) 16.7 GMAC/s against 14.4, one
  * [672 x 768] matrix and 40 tokens 19.3 against 16.3. */
 
+/* Below this many tokens the copy costs more than it saves: one thread, [672 x 768], 2 tokens
+ * 10.0 GMAC/s against 13.5 without, 6 tokens 15.4 against 16.0, 10 tokens 17.1 against 16.2. */
+#define MX_COPY_MIN_TOKENS 8
+
 /* The K3_PR rows o.. of an MXFP4 matrix as float32 rows of `cols` (wb), or 0 where a scale
  * byte is past MX_F32_MAX_SCALE. */
 K3_INLINE512 int mx_to_f32(uint32_t *wb, const uint8_t *w, const uint8_t *sc, int64_t o,
@@ -333,7 +337,7 @@ K3_INLINE512 int mx_to_f32(uint32_t *wb, const uint8_t *w, const uint8_t *sc, in
     return 1;
 }
 
-/* Rows o .. o + K3_PR - 1 of an MXFP4 matrix for nt >= 2 tokens through one float32 copy; 0
+/* Rows o .. o + K3_PR - 1 of an MXFP4 matrix for nt tokens through one float32 copy; 0
  * when the scales or the thread's scratch do not allow it (the caller takes the MXFP4 pass
  * tiles). */
 K3_INLINE512 int mx_rows_f32(const void *w, const uint8_t *sc, int64_t o, int64_t rows,
@@ -368,7 +372,7 @@ K3_INLINE512 void k3__row512(enum k3_wkind kind, const void *w, const uint8_t *s
             rows_tokens(kind, 1, 1, w, sc, o + r, cols, cp, xd, rows, y + o + r);
         return;
     }
-    if (kind == K3_W_MXFP4 && nr == K3_PR && nt >= 2 &&
+    if (kind == K3_W_MXFP4 && nr == K3_PR && nt >= MX_COPY_MIN_TOKENS &&
         mx_rows_f32(w, sc, o, rows, cols, cp, xd, nt, y))
         return;
     int64_t t = 0;
