@@ -281,12 +281,12 @@ K3_INLINE512 void pass_tile(enum k3_wkind kind, const int NT, const void *w, con
  * reach 14-16 GMAC/s where bf16 tiles reach 20-23. An MXFP4 weight is E2M1 x 2^(b - 127),
  * at most three significant bits: for every scale byte b <= MX_F32_MAX_SCALE it is a float32
  * exactly, whose low half is zero (the smallest, 2^-128, is a subnormal; the largest,
- * 6 x 2^125, a normal). So where a tile of four rows serves two tokens or more and its
- * scales are in that range, its groups are decoded once into a float32 copy of the four
- * rows (the thread's scratch; two byte shuffles per group from per-scale tables of the high
- * halves, then widening), and every token tile - the five-token tiles and the 1..4 tokens
- * left over - runs the float32 pass tile over the copy (a load and a widening per eight
- * weights). Each weight is then the float64 dec_mxfp4 gives, the lane sums and the fold are
+ * 6 x 2^125, a normal). So where a tile of four rows serves MX_COPY_MIN_TOKENS tokens or
+ * more and its scales are in that range, its groups are decoded once into a float32 copy
+ * of the four rows (the thread's scratch; two byte shuffles per group from per-scale tables
+ * of the high halves, then widening), and every token tile - the five-token tiles and the
+ * 1..4 tokens left over - runs the float32 pass tile over the copy (a load and a widening
+ * per eight weights). Each weight is then the float64 dec_mxfp4 gives, the lane sums and the fold are
  * pass_tile's, so the bits are unchanged. Other scales (the largest, and the NaN byte 255)
  * keep the MXFP4 pass tiles. Measured, one thread, alternating in one process: the 64
  * experts of a 128-token prefill (8 to 23 tokens each) 16.7 GMAC/s against 14.4, one
