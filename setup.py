@@ -1,10 +1,14 @@
 """Build hook: setuptools reads pyproject.toml; compiled extensions are declared here.
 
-The avx2 kernel backend is a cffi module built from ``backends/avx2_build.py``. Its build is
-optional: when there is no C compiler, or the compile fails, the install still succeeds and
-prints a warning; ``--backend avx2`` then reports the missing module and how to fix it
-(install gcc, then ``pip install -e .`` again). The reason is written next to where the
-module would have been (``k3_backends/_k3avx2.build-error.txt``) so the backend can say why.
+Two cffi modules, both optional: when there is no C compiler, or a compile fails, the install
+still succeeds and prints a warning.
+
+* the avx2 kernel backend, built from ``backends/avx2_build.py``; ``--backend avx2`` then
+  reports the missing module and how to fix it (install gcc, then ``pip install -e .``
+  again). The reason is written next to where the module would have been
+  (``k3_backends/_k3avx2.build-error.txt``) so the backend can say why;
+* the ``bp-nib`` trunk codec's decoder, built from ``k3core/trunk/nibble_build.py``; without
+  it a ``bp-nib`` trunk decodes through NumPy, to the same bytes, more slowly.
 """
 
 from __future__ import annotations
@@ -17,6 +21,14 @@ from setuptools import find_packages, setup
 from setuptools.command.build_ext import build_ext
 
 ERROR_NOTE = "_k3avx2.build-error.txt"
+#: what each optional module's absence costs, for the warning
+WITHOUT = {
+    "k3_backends._k3avx2": ("the optional avx2 kernel backend",
+                            "k3 is installed and works without it (--backend numpy or numba)."),
+    "k3core.trunk._k3nib": ("the bp-nib codec's compiled decoder",
+                            "k3 is installed and works without it (bp-nib trunks decode through "
+                            "NumPy, more slowly)."),
+}
 
 
 def _reason(exc: Exception) -> str:
@@ -35,7 +47,10 @@ class OptionalBuildExt(build_ext):
     """``build_ext`` that skips an extension it cannot compile instead of failing."""
 
     def _notes(self, ext) -> list[Path]:
-        """Where the failure note goes: the build tree and, for editable installs, the source."""
+        """Where the failure note goes: the build tree and, for editable installs, the source
+        (only the avx2 backend reads one)."""
+        if ext.name != "k3_backends._k3avx2":
+            return []
         paths = [Path(self.get_ext_fullpath(ext.name)).with_name(ERROR_NOTE)]
         package = ext.name.rpartition(".")[0]
         try:
@@ -67,11 +82,12 @@ class OptionalBuildExt(build_ext):
             except OSError:
                 pass
         bar = "=" * 78
+        what, without = WITHOUT.get(ext.name, ("an optional module", "k3 works without it."))
         print(
-            f"\n{bar}\nWARNING: the optional avx2 kernel backend ({ext.name}) was not built:\n"
+            f"\n{bar}\nWARNING: {what} ({ext.name}) was not built:\n"
             f"  {reason}\n"
-            "k3 is installed and works without it (--backend numpy or numba).\n"
-            "To build it: install a C compiler with OpenMP (gcc), then reinstall: pip install -e .\n"
+            f"{without}\n"
+            "To build it: install a C compiler (gcc; the avx2 backend also needs OpenMP), then reinstall: pip install -e .\n"
             f"{bar}\n",
             file=sys.stderr,
         )
@@ -104,5 +120,5 @@ setup(
     packages=_packages(),
     package_dir=PACKAGE_DIRS,
     cmdclass={"build_ext": OptionalBuildExt},
-    cffi_modules=["backends/avx2_build.py:ffibuilder"],
+    cffi_modules=["backends/avx2_build.py:ffibuilder", "k3core/trunk/nibble_build.py:ffibuilder"],
 )

@@ -27,6 +27,7 @@ import numpy as np
 PAGE = 4096
 #: madvise advice: back the range with transparent huge pages where possible
 MADV_HUGEPAGE = 14
+MADV_NOHUGEPAGE = 15
 #: madvise advice: populate (prefault) page tables writable, Linux 5.14+
 MADV_POPULATE_WRITE = 23
 #: bytes per madvise call, so a stop request is seen within one chunk
@@ -42,10 +43,12 @@ if sys.platform.startswith("linux"):
         _madvise = None
 
 
-def advise_hugepages(buf: np.ndarray) -> None:
-    """Ask for transparent huge pages over ``buf`` (advisory: ignored where unsupported)."""
-    if _madvise is not None:
-        _madvise(ctypes.c_void_p(buf.ctypes.data), buf.nbytes, MADV_HUGEPAGE)
+def advise_hugepages(buf: np.ndarray, on: bool = True) -> None:
+    """Ask for transparent huge pages over ``buf``, or with ``on=False`` for none (advisory:
+    ignored where unsupported)."""
+    if _madvise is not None and buf.nbytes:
+        _madvise(ctypes.c_void_p(buf.ctypes.data), buf.nbytes,
+                 MADV_HUGEPAGE if on else MADV_NOHUGEPAGE)
 
 
 def _touch(buf: np.ndarray) -> None:

@@ -18,6 +18,11 @@ A codec is named ``NAME`` or ``NAME:LEVEL`` (``k3 pack-trunk --codec``):
   (one zstd block of up to 128 KiB shares one Huffman table: a single stream of both planes
   gains nothing on a small window); decode joins them back with one 16-bit shift-or.
   Windows of other dtypes go through the compressor as they are. ``bp-zstd`` defaults to level 0.
+* ``bp-nib``: for a window of a two-byte tensor, each element's low byte verbatim and its
+  high byte as a 4-bit code into the window's table of its fifteen commonest high bytes, the
+  rest listed as escapes (:mod:`k3core.trunk.nibble`): a ratio near 4/3 against ``bp-zstd``'s
+  1.49, decoded about ten times faster (a compiled shuffle loop, NumPy where it was not
+  built). Windows of other dtypes are stored raw.
 
 A window whose encoding is not smaller than its raw bytes is stored raw (the pack decides
 per window; the manifest's window table says which, see :mod:`k3core.trunk.windows`).
@@ -36,15 +41,16 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from k3core.api.errors import UsageError
+from k3core.trunk import nibble
 
 if TYPE_CHECKING:
     import zstandard
 
 #: the codec names a manifest may carry and ``--codec`` accepts
-NAMES = ("none", "zstd", "lz4", "bp-zstd", "bp-lz4")
-DEFAULT_LEVEL = {"zstd": 3, "bp-zstd": 0, "lz4": 0, "bp-lz4": 0, "none": 0}
+NAMES = ("none", "zstd", "lz4", "bp-zstd", "bp-lz4", "bp-nib")
+DEFAULT_LEVEL = {"zstd": 3, "bp-zstd": 0, "lz4": 0, "bp-lz4": 0, "bp-nib": 0, "none": 0}
 LEVELS = {"zstd": range(-7, 23), "bp-zstd": range(-7, 23), "lz4": range(0, 17),
-          "bp-lz4": range(0, 17), "none": range(0, 1)}
+          "bp-lz4": range(0, 17), "bp-nib": range(0, 1), "none": range(0, 1)}
 
 
 class CodecError(Exception):
@@ -70,6 +76,8 @@ class Codec:
 
     def encode(self, raw: np.ndarray, itemsize: int) -> bytes:
         """The encoded bytes of ``raw`` (uint8) from a tensor of ``itemsize``-byte elements."""
+        if self.name == "bp-nib":
+            return nibble.encode(raw) if self._split(raw.size, itemsize) else raw.tobytes()
         if self._split(raw.size, itemsize):
             planes = split_planes(raw)
             hi = self._encode(planes[: raw.size // 2])
@@ -86,6 +94,11 @@ class Codec:
         data = data if isinstance(data, memoryview) else data.data
         if not self._split(n, itemsize):
             out[:] = np.frombuffer(self._decode(data, n), dtype=np.uint8)
+            return
+        if self.name == "bp-nib":
+            code = nibble.decode_into(data, out)
+            if code:
+                raise CodecError(f"{self.name}: {nibble.REASONS[code]}")
             return
         if len(data) < _HI_LEN.size:
             raise CodecError(f"{self.name}: {len(data)} bytes cannot hold two planes")

@@ -59,7 +59,13 @@ from k3core.trunk.codec import codec_for_manifest
 from k3core.trunk.manifest import TrunkLayer, TrunkManifest
 from k3core.trunk.parts import LayerPart, LayerSplit, split_layer
 from k3core.trunk.plan import DEFAULT_RING, TrunkPlan, plan_trunk
-from k3core.trunk.windows import Prefetcher, Window, decoded_windows, staging_bytes
+from k3core.trunk.windows import (
+    Prefetcher,
+    Window,
+    decoded_windows,
+    in_place_offset,
+    staging_bytes,
+)
 
 EMPTY, READING, READY = "empty", "reading", "ready"
 HUGE_PAGE = 2 * 1024 * 1024
@@ -70,12 +76,16 @@ JOIN_SECONDS = 5.0
 def slot_buffer(nbytes: int) -> np.ndarray:
     """An aligned buffer of at least ``nbytes``; 2 MiB aligned with MADV_HUGEPAGE if large.
 
+    Only the huge pages that ``nbytes`` fills are advised so; the partial last one is left
+    to small pages, so the buffer holds ``nbytes`` rounded to 4 kB, not to 2 MiB.
     Its pages are faulted in here, before any read into it is submitted, so a ring slot's
     first fill does not pay the page faults on the reader thread (k3core/api/prefault.py)."""
     if nbytes >= HUGE_PAGE:
         size = -(-nbytes // HUGE_PAGE) * HUGE_PAGE
         buf = aligned_empty(size, HUGE_PAGE)
-        advise_hugepages(buf)
+        whole = nbytes // HUGE_PAGE * HUGE_PAGE
+        advise_hugepages(buf[:whole])
+        advise_hugepages(buf[whole:], on=False)
     else:
         buf = aligned_empty(max(ALIGN, align_up(nbytes)), ALIGN)
     prefault(buf[:nbytes])  # the rounding's tail is never read into: it stays unmapped
@@ -224,6 +234,11 @@ class StreamedTrunk(TrunkSource):
         self._staging_bytes = max((staging_bytes(manifest.layers[L].windows) for L in range(n)),
                                   default=0) if manifest.compressed else 0
         self._local = threading.local()  # a staging buffer per reading thread
+        #: a compressed trunk's ring slots are this much larger, so that a unit's encoded
+        #: windows read into the slot's tail and decode in place (``in_place_offset``): the
+        #: ring then needs no staging buffer beside it
+        self._slack = (max((w.nbytes for L in range(n) for w in manifest.layers[L].windows),
+                           default=0) + 3 * ALIGN) if manifest.compressed else 0
         #: reads the next chunk of encoded windows while the current one decodes
         self._prefetch = Prefetcher() if manifest.compressed else None
         self._file: StorageFile | None = _open(storage, manifest)
@@ -241,8 +256,11 @@ class StreamedTrunk(TrunkSource):
         self._pinned: dict[int, dict[str, np.ndarray]] = {}
         self.slots: list[_Slot] = []
         try:
-            self.slots = [_Slot(i, slot_buffer(n)) for i, n in enumerate(self.plan.slot_sizes)]
+            self.slots = [_Slot(i, slot_buffer(n + self._slack))
+                          for i, n in enumerate(self.plan.slot_sizes)]
             self._load_open(progress)
+            # the opening reads' staging is not needed again: the slots decode in place
+            self._local.__dict__.clear()
         except BaseException:
             self.close()
             raise
@@ -392,7 +410,7 @@ class StreamedTrunk(TrunkSource):
             lay = self.manifest.layers[L]
             for a, b in sp.resident:
                 assert scratch is not None
-                self._read(f, lay, scratch, a, b - a)
+                self._read_open(f, lay, scratch, a, b - a)
                 self.stats.pin_bytes += self._disk_bytes(lay, a, b - a)
                 self._asm[L].feed(-1, scratch[: b - a], a)
         del scratch
@@ -401,7 +419,7 @@ class StreamedTrunk(TrunkSource):
         for i, u in enumerate(self.plan.pinned):
             part = self.units[u]
             buf = slot_buffer(part.nbytes)
-            self._read(f, self.manifest.layers[part.layer], buf, part.start, part.nbytes)
+            self._read_open(f, self.manifest.layers[part.layer], buf, part.start, part.nbytes)
             self.stats.pin_bytes += self._disk_bytes(self.manifest.layers[part.layer], part.start,
                                                      part.nbytes)
             self._asm[part.layer].feed(u - self._first[part.layer], buf[: part.nbytes], part.start)
@@ -421,6 +439,23 @@ class StreamedTrunk(TrunkSource):
         for u, buf in bufs.items():
             self._pinned[u] = self._bind(u, buf)
         self.stats.pin_seconds += time.perf_counter() - t0
+
+    def _read_open(self, f: StorageFile, lay: TrunkLayer, buf: np.ndarray, start: int,
+                   nbytes: int) -> None:
+        """An opening read into a buffer of its exact size (a pinned part, the resident
+        ranges). A compressed trunk's goes through the first ring slot in pieces of its room,
+        each decoded in place and copied out, so opening needs no staging buffer either; with
+        no ring (everything pinned) it is staged."""
+        if self._codec is None or not self.slots:
+            self._read(f, lay, buf, start, nbytes)
+            return
+        slot = self.slots[0].buf
+        room = slot.nbytes - self._slack
+        step = room - room % ALIGN
+        for a in range(start, start + nbytes, step):
+            n = min(step, start + nbytes - a)
+            self._read(f, lay, slot, a, n)
+            buf[a - start : a - start + n] = slot[:n]
 
     def _finish(self, layer: int) -> None:
         """Every piece of ``layer`` is in: check its CRC, bind its small tensors."""
@@ -470,10 +505,14 @@ class StreamedTrunk(TrunkSource):
         aligned chunks and decode them into ``buf[:nbytes]`` (a window that straddles the
         range is decoded aside and its share copied)."""
         assert self._codec is not None
-        staging = getattr(self._local, "staging", None)
-        if staging is None:
-            staging = self._local.staging = aligned_empty(2 * self._staging_bytes, ALIGN)
         wins = _windows_in(lay, start, nbytes)
+        at = in_place_offset(wins, start, buf.size)
+        staging: np.ndarray
+        if at is not None:  # a ring slot (it has the room): the encoded bytes read into its tail
+            staging = buf[at:]
+        else:
+            held = getattr(self._local, "staging", None)
+            staging = held if held is not None else self._new_staging()
         end = start + nbytes
         # a straddling window decodes into this thread's scratch (one window at a time:
         # decoded_windows yields each window before it decodes the next)
@@ -492,7 +531,8 @@ class StreamedTrunk(TrunkSource):
 
         t0 = time.perf_counter()
         for w in decoded_windows(f, self.manifest.bin_path, lay.layer, lay.file_off, wins,
-                                 self._codec, staging, dest, self._prefetch):
+                                 self._codec, staging, dest, self._prefetch,
+                                 linear=at is not None):
             if not inside(w):
                 a, b = max(start, w.raw_off), min(end, w.raw_off + w.raw_len)
                 buf[a - start : b - start] = aside[a - w.raw_off : b - w.raw_off]
@@ -502,6 +542,12 @@ class StreamedTrunk(TrunkSource):
         with self._cond:
             self.stats.decoded_bytes += nbytes
             self.stats.decode_seconds += time.perf_counter() - t0
+
+    def _new_staging(self) -> np.ndarray:
+        """This thread's staging for reads that cannot decode in place (two chunks)."""
+        staging: np.ndarray = aligned_empty(2 * self._staging_bytes, ALIGN)
+        self._local.staging = staging
+        return staging
 
     def _wanted(self) -> list[int]:
         """The held unit and the next ``ring - 1`` streamed units, nearest first."""
@@ -566,7 +612,8 @@ class StreamedTrunk(TrunkSource):
                 raise StorageError(f"trunk layer {L}: the trunk is closed")
             fresh = L not in self._small
             if fresh:  # the other parts through this slot, in pieces if it is the smaller
-                step = slot.buf.nbytes - slot.buf.nbytes % ALIGN
+                room = slot.buf.nbytes - self._slack  # the slack stays free for in place
+                step = room - room % ALIGN
                 for j, other in enumerate(self.splits[L].parts):
                     if j != k and not self._asm[L].fed(j):
                         for a in range(other.start, other.end, step):

@@ -138,6 +138,34 @@ def staging_bytes(windows: tuple[Window, ...], limit: int = READ_CHUNK) -> int:
                default=ALIGN)
 
 
+def linear_bytes(windows: tuple[Window, ...]) -> int:
+    """The staging a ``linear`` read of ``windows`` needs: all their aligned bytes."""
+    if not windows:
+        return 0
+    return align_up(windows[-1].off + windows[-1].nbytes) - windows[0].off // ALIGN * ALIGN
+
+
+def in_place_offset(windows: tuple[Window, ...], start: int, size: int) -> int | None:
+    """Where in a destination of ``size`` bytes, which receives raw ``[start, ...)`` of the
+    layer, the encoded ``windows`` can be read so that each decodes in place: the
+    4096-aligned offset at the end of the buffer, provided every window's decoded bytes end
+    at or before its encoded bytes begin (then no decode overwrites input not yet decoded,
+    and no read of a later chunk lands on decoded bytes). ``None`` when that does not hold;
+    the caller then stages the reads elsewhere.
+
+    Since no window's encoding is longer than its raw bytes, ``size`` of the raw bytes plus
+    the largest window's stored bytes plus three pages always suffices."""
+    need = linear_bytes(windows)
+    if not windows or need > size:
+        return None
+    at = (size - need) // ALIGN * ALIGN
+    base = windows[0].off // ALIGN * ALIGN
+    for w in windows:
+        if w.raw_off + w.raw_len - start > at + w.off - base:
+            return None
+    return at
+
+
 class Prefetcher(Executor):
     """A one-thread executor on a daemon thread: a read stuck in the kernel can never keep
     the process from exiting (``ThreadPoolExecutor`` joins its threads at exit)."""
@@ -186,6 +214,7 @@ def decoded_windows(
     staging: np.ndarray,
     dest: Callable[[Window], np.ndarray],
     prefetch: Executor | None = None,
+    linear: bool = False,
 ) -> Iterator[Window]:
     """Read and decode every window of a layer into ``dest(window)``, yielding each after it
     is decoded. Storage errors propagate; a window that does not decode is a
@@ -193,13 +222,29 @@ def decoded_windows(
 
     With a ``prefetch`` executor (one thread) the next chunk is read into the other half of
     ``staging`` (which must then hold two chunks) while this one decodes, so a layer costs
-    about the larger of its read and its decode rather than their sum."""
+    about the larger of its read and its decode rather than their sum.
+
+    With ``linear`` the staging holds all of the windows' aligned bytes at once
+    (:func:`linear_bytes`), each chunk read where it lies and never reread, so the staging
+    may be the tail of the destination itself when every window decodes below its own
+    input (:func:`in_place_offset`)."""
     parts = chunks(windows)
-    half = staging.size // 2 if prefetch is not None else staging.size
-    bufs = (staging[:half], staging[half : 2 * half]) if prefetch is not None else (staging,)
+    base = windows[0].off // ALIGN * ALIGN if windows else 0
+    if linear:
+        bufs: tuple[np.ndarray, ...] = (staging,)
+    elif prefetch is not None:
+        half = staging.size // 2
+        bufs = (staging[:half], staging[half : 2 * half])
+    else:
+        bufs = (staging,)
 
     def read(k: int) -> None:
         start, length = _aligned_range(windows, *parts[k])
+        if linear:  # from where the previous chunk's read ended: no page is read twice
+            lo = max(start, _aligned_range(windows, *parts[k - 1])[0]
+                     + _aligned_range(windows, *parts[k - 1])[1]) if k else start
+            f.read_into(file_off + lo, staging[lo - base : start + length - base])
+            return
         f.read_into(file_off + start, bufs[k % len(bufs)][:length])
 
     pending: Future[None] | None = None
@@ -213,8 +258,8 @@ def decoded_windows(
                 read(k)
             if prefetch is not None and k + 1 < len(parts):
                 pending = prefetch.submit(read, k + 1)
-            start = _aligned_range(windows, a, b)[0]
-            buf = bufs[k % len(bufs)]
+            start = base if linear else _aligned_range(windows, a, b)[0]
+            buf = bufs[0] if linear else bufs[k % len(bufs)]
             for i in range(a, b):
                 w = windows[i]
                 src = buf[w.off - start : w.off - start + w.nbytes]
