@@ -33,7 +33,7 @@ runner = CliRunner()
 DEMO = Path(__file__).resolve().parents[2] / "demo-model"
 PROMPT = "3,7,11,5"
 GEN = "3"
-CODECS = ["bp-zstd", "zstd:3", "lz4", "bp-lz4"]
+CODECS = ["bp-zstd", "zstd:3", "lz4", "bp-lz4", "bp-nib"]
 
 
 @pytest.fixture(scope="module")
