@@ -184,6 +184,21 @@ def test_random_damage_never_escapes_and_the_decoders_agree() -> None:
             assert len({r[1] for r in results}) == 1
 
 
+def test_without_the_compiled_module_the_codec_decodes_through_numpy(monkeypatch) -> None:
+    raw = _cases()["normal"]
+    enc = parse_codec("bp-nib").encode(raw, 2)
+    monkeypatch.setattr(nibble, "_LIB", [None])  # as where setup.py found no C compiler
+    assert not nibble.native_available()
+    out = np.empty(raw.size, np.uint8)
+    parse_codec("bp-nib").decode_into(memoryview(enc), out, 2)
+    assert out.tobytes() == raw.tobytes()
+    with pytest.raises(CodecError, match="escape index is out of range"):
+        bad = bytearray(enc)
+        at = len(enc) - 5 * struct.unpack("<I", enc[16:20])[0]
+        bad[at : at + 4] = struct.pack("<I", raw.size)
+        parse_codec("bp-nib").decode_into(memoryview(bytes(bad)), out, 2)
+
+
 def test_windows_of_other_dtypes_are_left_raw_by_the_pack() -> None:
     raw = np.arange(4000, dtype="<f4").view(np.uint8).copy()
     assert parse_codec("bp-nib").encode(raw, 4) == raw.tobytes()  # not smaller: stored raw
