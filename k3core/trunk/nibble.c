@@ -26,8 +26,21 @@ static uint32_t le32(const uint8_t *p) {
     return (uint32_t)p[0] | ((uint32_t)p[1] << 8) | ((uint32_t)p[2] << 16) | ((uint32_t)p[3] << 24);
 }
 
+/* Two elements per code byte: a 256-entry table of both high bytes, then one 4-byte store. */
 static size_t join_portable(const uint8_t *nib, const uint8_t *lo, size_t m, const uint8_t *table,
                             uint8_t *out, size_t i) {
+    if (i % 2u == 0 && m - i >= 64) {
+        uint16_t pair[256];
+        for (unsigned c = 0; c < 256; c++)
+            pair[c] = (uint16_t)(table[c & 15u] | ((unsigned)table[c >> 4] << 8));
+        for (; i + 2 <= m; i += 2) {
+            const unsigned p = pair[nib[i / 2]];
+            out[2 * i] = lo[i];
+            out[2 * i + 1] = (uint8_t)(p & 0xffu);
+            out[2 * i + 2] = lo[i + 1];
+            out[2 * i + 3] = (uint8_t)(p >> 8);
+        }
+    }
     for (; i < m; i++) {
         out[2 * i] = lo[i];
         out[2 * i + 1] = table[(nib[i / 2] >> ((i & 1u) * 4u)) & 15u];
