@@ -36,6 +36,7 @@ same messages; the tests hold them to it.
 
 from __future__ import annotations
 
+import functools
 import struct
 from typing import Any
 
@@ -142,17 +143,11 @@ def native_available() -> bool:
     return _native() is not None
 
 
-_LIB: list[Any] = []
-
-
+@functools.cache
 def _native() -> tuple[Any, Any, int] | None:
     """``(ffi, lib, vector)`` of the compiled decoder, or ``None`` where it was not built."""
-    if not _LIB:
-        try:
-            from k3core.trunk import _k3nib  # type: ignore[attr-defined]
-        except ImportError:
-            _LIB.append(None)
-        else:
-            _LIB.append((_k3nib.ffi, _k3nib.lib, int(_k3nib.lib.k3nib_vector())))
-    got: tuple[Any, Any, int] | None = _LIB[0]
-    return got
+    try:
+        from k3core.trunk import _k3nib  # type: ignore[attr-defined]
+    except ImportError:
+        return None
+    return _k3nib.ffi, _k3nib.lib, int(_k3nib.lib.k3nib_vector())

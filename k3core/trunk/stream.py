@@ -450,12 +450,17 @@ class StreamedTrunk(TrunkSource):
             self._read(f, lay, buf, start, nbytes)
             return
         slot = self.slots[0].buf
-        room = slot.nbytes - self._slack
-        step = room - room % ALIGN
+        step = self._piece(slot)
         for a in range(start, start + nbytes, step):
             n = min(step, start + nbytes - a)
             self._read(f, lay, slot, a, n)
             buf[a - start : a - start + n] = slot[:n]
+
+    def _piece(self, slot: np.ndarray) -> int:
+        """The aligned bytes of a slot one piece of a larger read may take (the slack stays
+        free for the encoded bytes of an in-place decode)."""
+        room = slot.nbytes - self._slack
+        return room - room % ALIGN
 
     def _finish(self, layer: int) -> None:
         """Every piece of ``layer`` is in: check its CRC, bind its small tensors."""
@@ -612,8 +617,7 @@ class StreamedTrunk(TrunkSource):
                 raise StorageError(f"trunk layer {L}: the trunk is closed")
             fresh = L not in self._small
             if fresh:  # the other parts through this slot, in pieces if it is the smaller
-                room = slot.buf.nbytes - self._slack  # the slack stays free for in place
-                step = room - room % ALIGN
+                step = self._piece(slot.buf)
                 for j, other in enumerate(self.splits[L].parts):
                     if j != k and not self._asm[L].fed(j):
                         for a in range(other.start, other.end, step):

@@ -140,9 +140,7 @@ def staging_bytes(windows: tuple[Window, ...], limit: int = READ_CHUNK) -> int:
 
 def linear_bytes(windows: tuple[Window, ...]) -> int:
     """The staging a ``linear`` read of ``windows`` needs: all their aligned bytes."""
-    if not windows:
-        return 0
-    return align_up(windows[-1].off + windows[-1].nbytes) - windows[0].off // ALIGN * ALIGN
+    return _aligned_range(windows, 0, len(windows))[1] if windows else 0
 
 
 def in_place_offset(windows: tuple[Window, ...], start: int, size: int) -> int | None:
@@ -155,11 +153,12 @@ def in_place_offset(windows: tuple[Window, ...], start: int, size: int) -> int |
 
     Since no window's encoding is longer than its raw bytes, ``size`` of the raw bytes plus
     the largest window's stored bytes plus three pages always suffices."""
-    need = linear_bytes(windows)
-    if not windows or need > size:
+    if not windows:
+        return None
+    base, need = _aligned_range(windows, 0, len(windows))
+    if need > size:
         return None
     at = (size - need) // ALIGN * ALIGN
-    base = windows[0].off // ALIGN * ALIGN
     for w in windows:
         if w.raw_off + w.raw_len - start > at + w.off - base:
             return None
@@ -229,20 +228,17 @@ def decoded_windows(
     may be the tail of the destination itself when every window decodes below its own
     input (:func:`in_place_offset`)."""
     parts = chunks(windows)
-    base = windows[0].off // ALIGN * ALIGN if windows else 0
-    if linear:
-        bufs: tuple[np.ndarray, ...] = (staging,)
-    elif prefetch is not None:
+    base = _aligned_range(windows, 0, len(windows))[0] if windows else 0
+    if prefetch is not None and not linear:
         half = staging.size // 2
-        bufs = (staging[:half], staging[half : 2 * half])
+        bufs: tuple[np.ndarray, ...] = (staging[:half], staging[half : 2 * half])
     else:
         bufs = (staging,)
 
     def read(k: int) -> None:
         start, length = _aligned_range(windows, *parts[k])
         if linear:  # from where the previous chunk's read ended: no page is read twice
-            lo = max(start, _aligned_range(windows, *parts[k - 1])[0]
-                     + _aligned_range(windows, *parts[k - 1])[1]) if k else start
+            lo = max(start, sum(_aligned_range(windows, *parts[k - 1]))) if k else start
             f.read_into(file_off + lo, staging[lo - base : start + length - base])
             return
         f.read_into(file_off + start, bufs[k % len(bufs)][:length])
@@ -259,7 +255,7 @@ def decoded_windows(
             if prefetch is not None and k + 1 < len(parts):
                 pending = prefetch.submit(read, k + 1)
             start = base if linear else _aligned_range(windows, a, b)[0]
-            buf = bufs[0] if linear else bufs[k % len(bufs)]
+            buf = bufs[k % len(bufs)]
             for i in range(a, b):
                 w = windows[i]
                 src = buf[w.off - start : w.off - start + w.nbytes]
