@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import threading
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -105,6 +106,7 @@ class Avx2Backend(KernelBackend):
         self._ffi = mod.ffi
         self._lib = mod.lib
         self._forced = force_parallel_from_env() if force_parallel is None else bool(force_parallel)
+        self._wmemo: dict[int, tuple[Any, ...]] = {}  # id(weight) -> what _winfo found
         self.set_threads(default_threads() if threads is None else threads)
 
     # --- threads -----------------------------------------------------------------------
@@ -232,20 +234,45 @@ class Avx2Backend(KernelBackend):
             return {np.dtype(np.uint16): 0, np.dtype(np.float32): 1}.get(w.dtype)
         return None
 
-    def _wptrs(self, w: Any, keep: list[Any]) -> tuple[Any, Any]:
-        if isinstance(w, Mxfp4):
-            a, b = self._p("uint8_t[]", w.packed), self._p("uint8_t[]", w.scales)
-            keep += [a, b]
-            return self._ffi.cast("void *", a), self._ffi.cast("uint8_t *", b)
-        a = self._p("uint8_t[]", w.view(np.uint8))
-        keep.append(a)
-        return self._ffi.cast("void *", a), self._ffi.NULL
+    def _winfo(self, w: Any) -> tuple[int | None, Any, Any, tuple[int, int]]:
+        """``(kind, weight pointer, scales pointer, (rows, cols))`` of a weight (``_kind``;
+        NULL scales unless MXFP4), remembered while the weight object lives: the trunk's matrices and
+        the cached experts' views come back every token, and checking them and taking their
+        pointers again cost more than several kernel calls. The pointers are plain casts
+        that keep nothing alive (the caller's reference keeps the bytes alive during a call);
+        the entry goes when the object does, and is taken only for the same object (an array
+        with the same shape; an ``Mxfp4`` is frozen)."""
+        key = id(w)
+        shape = w.shape if isinstance(w, np.ndarray) else None
+        hit = self._wmemo.get(key)
+        if hit is not None and hit[4]() is w and hit[5] == shape:
+            return hit[:4]
+        ffi = self._ffi
+        kind = self._kind(w)
+        p = s = ffi.NULL
+        if kind == 2:
+            p, s = self._addr("void *", w.packed), self._addr("uint8_t *", w.scales)
+        elif kind is not None:
+            p = self._addr("void *", w)
+        dims = (int(w.shape[0]), int(w.shape[1])) if kind is not None else (0, 0)
+        try:
+            ref = weakref.ref(w, lambda _r, k=key, memo=self._wmemo: memo.pop(k, None))
+        except TypeError:  # an object without weak references is checked every time
+            return kind, p, s, dims
+        self._wmemo[key] = (kind, p, s, dims, ref, shape)
+        return kind, p, s, dims
+
+    def _addr(self, ctype: str, a: np.ndarray) -> Any:
+        """A pointer to ``a``'s first byte as a cast (it does not keep ``a`` alive)."""
+        if a.size == 0:
+            return self._ffi.NULL
+        return self._ffi.cast(ctype, self._ffi.cast("uintptr_t", self._ffi.from_buffer(a)))
 
     def matmul_many(self, ws: Sequence[U16 | F32 | Mxfp4], x: F32) -> list[F32]:
         """One C call per group of weights of one kind (bf16, float32, MXFP4) and width."""
         groups: dict[tuple[int | None, int], list[int]] = {}
         for i, w in enumerate(ws):
-            groups.setdefault((self._kind(w), int(w.shape[1])), []).append(i)
+            groups.setdefault((self._winfo(w)[0], int(w.shape[1])), []).append(i)
         out: list[Any] = [None] * len(ws)
         for (kind, _), members in groups.items():
             if kind is None or len(members) < 2:
@@ -268,8 +295,7 @@ class Avx2Backend(KernelBackend):
             return outs
         if any(o.size == 0 for o in outs):
             return [self.matmul(w, x) for w in ws]
-        keep: list[Any] = []
-        ptrs = [self._wptrs(w, keep) for w in ws]
+        ptrs = [self._winfo(w)[1:3] for w in ws]
         ffi = self._ffi
         self._sync_threads()
         rc = self._lib.k3_matmul_many(
@@ -285,7 +311,8 @@ class Avx2Backend(KernelBackend):
         self, w1: U16 | F32 | Mxfp4, w3: U16 | F32 | Mxfp4, w2: U16 | F32 | Mxfp4, x: F32,
         b1: float, b2: float,
     ) -> F32:
-        kinds = {self._kind(w) for w in (w1, w3, w2)}
+        infos = [self._winfo(w) for w in (w1, w3, w2)]
+        kinds = {i[0] for i in infos}
         inter, cols = w1.shape
         out_rows = w2.shape[0]
         if (len(kinds) != 1 or None in kinds or w3.shape != (inter, cols)
@@ -295,8 +322,7 @@ class Avx2Backend(KernelBackend):
         out = np.empty((x.shape[0], out_rows), dtype=np.float32)
         if x.shape[0] == 0:
             return out
-        keep: list[Any] = []
-        (p1, s1), (p3, s3), (p2, s2) = (self._wptrs(w, keep) for w in (w1, w3, w2))
+        (_, p1, s1, _), (_, p3, s3, _), (_, p2, s2, _) = infos
         self._sync_threads()
         rc = self._lib.k3_situ_mlp(kinds.pop(), p1, s1, p3, s3, p2, s2, inter, cols, out_rows,
                                    self._p("float[]", x), x.shape[0], float(b1), float(b2),
@@ -316,9 +342,10 @@ class Avx2Backend(KernelBackend):
             return []
         inter, cols = mlps[0][0].shape
         out_rows = mlps[0][2].shape[0]
-        kinds = {self._kind(w) for mlp in mlps for w in mlp}
-        same = all(w1.shape == w3.shape == (inter, cols) and w2.shape == (out_rows, inter)
-                   for w1, w3, w2 in mlps)
+        infos = [[self._winfo(w) for w in mlp] for mlp in mlps]
+        kinds = {i[0] for info in infos for i in info}
+        same = all(i1[3] == i3[3] == (inter, cols) and i2[3] == (out_rows, inter)
+                   for i1, i3, i2 in infos)
         if len(kinds) != 1 or None in kinds or not same or min(inter, cols, out_rows) == 0:
             return super().situ_mlp_many(mlps, xs, b1, b2)
         kind = kinds.pop()
@@ -326,8 +353,8 @@ class Avx2Backend(KernelBackend):
         outs = [np.empty((x.shape[0], out_rows), dtype=np.float32) for x in xs]
         if not any(x.shape[0] for x in xs):
             return outs
-        ffi, keep = self._ffi, []
-        ptrs = [[self._wptrs(w, keep) for w in mlp] for mlp in mlps]
+        ffi = self._ffi
+        ptrs = [[i[1:3] for i in info] for info in infos]
 
         def arr(ctype: str, vals: list[Any]) -> Any:
             return ffi.new(ctype, vals)

@@ -253,9 +253,38 @@ class CycleETAPolicy(CachePolicy):
                 self._request(k)
         else:
             self._new_visit(layer, keys)
+        self._refresh(layer)
+
+    def _refresh(self, layer: int) -> None:
+        """Every resident of ``layer`` gets its ETA again: the current tick if this visit
+        requests it, else ``_predict``'s (the same arithmetic, inlined: this runs for every
+        resident of every layer visited, the decode loop's largest policy cost)."""
+        residents = self._res_layer.get(layer)
+        if not residents:
+            return
         tick = float(self._tick)
-        for k in self._res_layer.get(layer, ()):
-            self._set_eta(k, tick if k in self._remaining else self._predict(k))
+        remaining, klv, kcnt, table = self._remaining, self._klv, self._kcnt, self._C
+        base, period = self._vtick.get(layer, self._tick), self._period
+        visits, top, fresh = self._visits.get(layer, 0), self.max_age, self._C[0][0]
+        eta_of, ver, heap, live = self._eta, self._ver, self._heap, self._heap_live
+        seq = self._seq
+        for k in residents:
+            if k in remaining:
+                eta = tick
+            else:
+                last = klv.get(k)
+                if last is None:
+                    eta = base + period * fresh
+                else:
+                    eta = base + period * table[_CLASS_LIST[min(kcnt[k], 32)]][min(visits - last, top)]
+            eta_of[k] = eta
+            seq += 1
+            ver[k] = seq
+            if live:
+                heapq.heappush(heap, (-eta, seq, k))
+        self._seq = seq
+        if live and len(heap) > 4 * self.capacity + 64:
+            self._build_heap()
 
     def _new_visit(self, layer: int, keys: Sequence[int]) -> None:
         self._tick += 1

@@ -124,6 +124,10 @@ class ExpertCache(ExpertSource):
         self.slot_of: dict[int, int] = {}
         self.key_of: list[int | None] = [None] * slots
         self.free = list(range(slots - 1, -1, -1))
+        # the weights last served from each slot, with their key and slot bytes: views over the
+        # arena stay valid for a key in its slot whatever bytes are read in later (same layout,
+        # same buffer), so a hit reuses them instead of building and checking them again
+        self._slot_views: list[tuple[int, ExpertWeights, np.ndarray] | None] = [None] * slots
         self.published: dict[int, int] = {}  # key -> step its bytes became valid
         self.step = 0
         self.stats = ExpertStats()
@@ -281,7 +285,9 @@ class ExpertCache(ExpertSource):
                 else:
                     self.stats.extra["reuse"] += 1
                 ref = self.locator.ref(v.layer, e)
-                batch[key] = _Member(e, ref, self._slot_buf(slot, ref), slot)
+                served = self._slot_views[slot]
+                buf = served[2] if served is not None and served[0] == key else self._slot_buf(slot, ref)
+                batch[key] = _Member(e, ref, buf, slot)
                 protected.add(key)
                 continue
             self.stats.misses += 1
@@ -358,7 +364,7 @@ class ExpertCache(ExpertSource):
         ready: list[tuple[int, ExpertWeights]] = []
         for key, m in v.batch.items():
             if m.future is None:
-                ready.append((m.expert, self.locator.views(m.ref, m.buf)))
+                ready.append((m.expert, self._weights(key, m)))
                 v.done.add(key)
             else:
                 pending[m.future] = key
@@ -386,12 +392,23 @@ class ExpertCache(ExpertSource):
                 if m.slot is not None:  # a transient buffer is never looked up again
                     self.published[key] = self.step
                 if not failed:
-                    landed.append((m.expert, self.locator.views(m.ref, m.buf)))
+                    landed.append((m.expert, self._weights(key, m)))
                     v.done.add(key)
             if landed:
                 use_many(landed)
         if failed:
             self._raise_drops(v, failed)
+
+    def _weights(self, key: int, m: _Member) -> ExpertWeights:
+        """The expert's weights over its bytes: built once per key and slot."""
+        if m.slot is None:  # a transient buffer: never served again
+            return self.locator.views(m.ref, m.buf)
+        got = self._slot_views[m.slot]
+        if got is not None and got[0] == key:
+            return got[1]
+        w = self.locator.views(m.ref, m.buf)
+        self._slot_views[m.slot] = (key, w, m.buf)
+        return w
 
     def _raise_drops(self, v: _Visit, failed: list[tuple[_Member, Exception]]) -> None:
         self.stats.drops += len(failed)

@@ -273,14 +273,20 @@ class Model:
             outs = remote()  # the workers' outputs, waited for after the shared experts
         else:
             outs = np.empty((T, c.topk, c.latent), dtype=np.float32)
+            # each expert's (rows, routing slots), rows in increasing order, from one walk
+            where: dict[int, tuple[list[int], list[int]]] = {}
+            for pos, e in enumerate(requests):
+                rows, slots = where.setdefault(e, ([], []))
+                rows.append(pos // c.topk)
+                slots.append(pos % c.topk)
 
             def use_many(group: list[tuple[int, ExpertWeights]]) -> None:
                 # every expert that is ready in one kernel call, each over its own rows
-                where = [np.nonzero(idx == e) for e, _ in group]
+                ats = [where[e] for e, _ in group]
                 ys = k.situ_mlp_many([(ew.w1, ew.w3, ew.w2) for _, ew in group],
-                                     [np.ascontiguousarray(z[rows]) for rows, _ in where],
+                                     [z if T == len(rows) == 1 else z[rows] for rows, _ in ats],
                                      c.situ_b1, c.situ_b2)
-                for (rows, slots), y in zip(where, ys, strict=True):
+                for (rows, slots), y in zip(ats, ys, strict=True):
                     outs[rows, slots] = y
 
             self.experts.run_layer_many(p.layer, requests, use_many)

@@ -541,6 +541,32 @@ class ExpertCacheConformance:
         finally:
             rig.close()
 
+    def test_a_hit_serves_the_weights_it_served_before(self, workdir: Path,
+                                                       storage: StorageBackend) -> None:
+        """A resident expert's weights (views over its slot) are built once: every hit serves
+        the same object, and a slot that takes another expert serves that expert's bytes."""
+        reqs = [3, 5, 7, 9]
+        pairs = np.asarray([(0, e) for e in reqs * 3 + [11, 12, 13, 14, 15]], dtype=np.int32)
+        rig = self._fixture_rig(workdir, storage, 4, pairs)
+        try:
+            seen: dict[int, list[ExpertWeights]] = {}
+
+            def collect(e: int, w: ExpertWeights) -> None:
+                seen.setdefault(e, []).append(w)
+
+            for _ in range(3):
+                rig.cache.begin_step()
+                rig.cache.run_layer(0, reqs, collect)
+            st = rig.cache.stats
+            assert st.hits > 0, "four experts in four slots: the later steps must hit"
+            for e in reqs:
+                if make_key(0, e) in rig.cache.slot_of:  # resident all along
+                    assert all(w is seen[e][-1] for w in seen[e][1:]), f"expert {e} rebuilt"
+            drive(rig, [[(0, [11, 12, 13, 14, 15])]])  # checks the bytes of every one
+            check_resident(rig)
+        finally:
+            rig.close()
+
     # -- transient experts -------------------------------------------------------------------
     def test_declined_experts_are_served_and_not_retained(self, workdir: Path, storage: StorageBackend) -> None:
         declined = {make_key(0, 2), make_key(0, 5)}

@@ -713,3 +713,34 @@ def test_mla_latent_avx512_and_avx2_paths_agree(ref, C, n, r, dv):
                      ref.mla_latent_attention(q, cache, w, pos0, 0.07))
     finally:
         b._lib.k3_use_avx512(1)
+
+
+def test_weight_pointers_are_remembered_per_object_and_forgotten_with_it(avx2, ref):
+    """The fused products remember a weight's checks and pointers while the weight object
+    lives (the trunk and the cached experts recur every token): the same object again gives
+    the same bits, an array reshaped in place is checked again, and the entry goes when the
+    object does (its id may then name another weight)."""
+    import gc
+
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((1, 64)).astype(np.float32)
+    w = bf16(rng, 6, 64)
+    m = mxfp4(rng, 4, 64)
+    before = len(avx2._wmemo)
+    for _ in range(2):
+        got = avx2.matmul_many([w, m, w], x)
+        want = [ref.matmul_bf16(w, x), ref.matmul_mxfp4(m, x), ref.matmul_bf16(w, x)]
+        for g, r in zip(got, want, strict=True):
+            assert np.array_equal(_bits(g), _bits(r))
+    assert len(avx2._wmemo) == before + 2
+    flat = w.reshape(-1).copy()
+    w2 = flat.view()
+    w2.shape = (6, 64)
+    avx2.matmul_many([w2, w2], x)
+    w2.shape = (3, 128)  # the same object, another shape: not the remembered one
+    x2 = rng.standard_normal((1, 128)).astype(np.float32)
+    got = avx2.matmul_many([w2, w2], x2)
+    assert np.array_equal(_bits(got[0]), _bits(ref.matmul_bf16(w2, x2)))
+    del w, m, w2, flat, got
+    gc.collect()
+    assert len(avx2._wmemo) == before

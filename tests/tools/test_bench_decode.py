@@ -38,6 +38,30 @@ def test_reports_every_figure_with_ids_checked(model) -> None:
     assert len(doc["generated_ids"]) == 3 and len(doc["prefill_generated_ids"]) == 1
     assert doc["prefill_chunks"] == 1 and doc["prefill_chunk"] is None
     assert doc["prefill_calls"] > doc["calls_per_token"]
+    # a token splits into the kernel ops and the engine's own work between them
+    assert 0 < doc["kernel_seconds_per_token"] < doc["seconds_per_token"] * 1.5
+    assert doc["host_seconds_per_token"] > 0
+
+
+def test_call_counter_times_an_op_once_when_it_calls_another() -> None:
+    """A fused op whose fallback calls other ops is counted per call but timed once."""
+    import time
+
+    from k3core.tools.bench.decode import CallCounter
+
+    class Ops:
+        def inner(self, x: float) -> float:
+            time.sleep(0.01)
+            return x
+
+        def outer(self, x: float) -> float:
+            return self.inner(x) + self.inner(x)
+
+    ops = Ops()
+    counter = CallCounter(ops)  # type: ignore[arg-type]
+    assert ops.outer(1.0) == 2.0
+    assert counter.calls == 3
+    assert 0.02 <= counter.seconds < 0.2  # the two sleeps, not four
 
 
 def test_chunked_prefill_is_checked_against_one_pass(model) -> None:
@@ -57,7 +81,8 @@ def test_human_report(model) -> None:
     res = runner.invoke(app, ["bench", "decode", str(model), "--backend", "numpy", "--gen", "2",
                               "--prefill", "0", "--repeat", "1", "--no-check", "--bandwidth-mb", "32"])
     assert res.exit_code == 0, res.output
-    for text in ("s/token", "floor", "Python->kernel calls per token", "exposed I/O wait"):
+    for text in ("s/token", "floor", "Python->kernel calls per token", "exposed I/O wait",
+                 "inside kernel ops", "between them"):
         assert text in res.output, text
     assert "prefill" not in res.output.split("calls")[1]
 

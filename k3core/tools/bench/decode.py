@@ -40,6 +40,7 @@ import gc
 import json
 import statistics
 import sys
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -72,17 +73,30 @@ def kernel_ops(backend: KernelBackend) -> list[str]:
 
 
 class CallCounter:
-    """Counts calls of every kernel op of one backend instance (wrapping its methods)."""
+    """Counts calls of every kernel op of one backend instance (wrapping its methods), and
+    the wall seconds spent inside them: an op that calls another op (a fused op's fallback)
+    is timed once, at the outermost call. Everything else of a token is the engine's own
+    work between kernel calls (the *host* time: Python, NumPy glue, waits)."""
 
     def __init__(self, backend: KernelBackend):
         self.calls = 0
+        self.seconds = 0.0
+        self._depth = 0
         for name in kernel_ops(backend):
             setattr(backend, name, self._wrap(getattr(backend, name)))
 
     def _wrap(self, fn: Any) -> Any:
         def counted(*args: Any, **kwargs: Any) -> Any:
             self.calls += 1
-            return fn(*args, **kwargs)
+            if self._depth:
+                return fn(*args, **kwargs)
+            self._depth = 1
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - t0
+                self._depth = 0
 
         return counted
 
@@ -104,6 +118,7 @@ class RunFigures:
     chunks: int = 0  # forward passes of a one-step (prefill) run
     trunk_wait: list[float] = field(default_factory=list)
     trunk_read: list[float] = field(default_factory=list)
+    kernel_seconds: list[float] = field(default_factory=list)  # inside the kernel ops
 
 
 def _counters(eng: Engine, counter: CallCounter) -> tuple[int, int, int, int, float, int, float, float]:
@@ -124,6 +139,7 @@ def _decode_run(opts: EngineOptions, ids: list[int], gen: int, incremental: bool
     try:
         counter = CallCounter(eng.kernels)
         last = [_counters(eng, counter)]
+        kernel_at = [counter.seconds]
 
         def on_step(st: Step) -> None:
             now = _counters(eng, counter)
@@ -138,6 +154,8 @@ def _decode_run(opts: EngineOptions, ids: list[int], gen: int, incremental: bool
             fig.expert_distinct.append(now[5] - prev[5])
             fig.trunk_wait.append(now[6] - prev[6])
             fig.trunk_read.append(now[7] - prev[7])
+            fig.kernel_seconds.append(counter.seconds - kernel_at[0])
+            kernel_at[0] = counter.seconds
 
         res: RunResult = generate(eng.model, ids, gen, incremental=incremental, on_step=on_step,
                                   spec=spec)
@@ -234,6 +252,10 @@ class DecodeBench:
     #: the peak resident set of the timed decode runs (each reset first where Linux allows)
     peak_rss_bytes: int = 0
     expert_readers: int = 0
+    #: wall seconds per steady token inside the kernel ops, and the rest of the token: the
+    #: engine's own work between kernel calls (Python, NumPy glue, exposed waits)
+    kernel_seconds_per_token: float = 0.0
+    host_seconds_per_token: float = 0.0
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -305,7 +327,8 @@ def run_decode_bench(
     k = [r.first_pass for r in runs]
     steady = [RunFigures(r.seconds[f:], r.calls[f:], r.expert_bytes[f:], r.expert_requests[f:],
                          r.trunk_bytes[f:], r.wait_seconds[f:], r.ids, f, r.spec,
-                         r.expert_distinct[f:], 0, r.trunk_wait[f:], r.trunk_read[f:])
+                         r.expert_distinct[f:], 0, r.trunk_wait[f:], r.trunk_read[f:],
+                         r.kernel_seconds[f:])
               for r, f in zip(runs, k, strict=True)]
     means = [_mean(s.seconds) for s in steady]
     mid = sorted(range(len(steady)), key=lambda i: means[i])[len(steady) // 2]
@@ -319,6 +342,8 @@ def run_decode_bench(
         pooled.wait_seconds += s.wait_seconds
         pooled.trunk_wait += s.trunk_wait
         pooled.trunk_read += s.trunk_read
+        pooled.kernel_seconds += s.kernel_seconds
+        pooled.seconds += s.seconds
     rng = np.random.default_rng(seed)
     pids = [int(i) for i in rng.integers(0, cfg.vocab, prefill)] if prefill else []
     pruns = ([_decode_run(options(backend, prefill_chunk), pids, 1, True) for _ in range(repeat)]
@@ -380,6 +405,9 @@ def run_decode_bench(
         trunk_overlap=(max(0.0, 1.0 - sum(pooled.trunk_wait) / sum(pooled.trunk_read))
                        if sum(pooled.trunk_read) > 0 else 0.0),
         peak_rss_bytes=peak, expert_readers=readers_used,
+        kernel_seconds_per_token=_median(pooled.kernel_seconds),
+        host_seconds_per_token=_median([t - kt for t, kt in
+                                        zip(pooled.seconds, pooled.kernel_seconds, strict=True)]),
     )
 
 
@@ -426,7 +454,9 @@ def format_report(b: DecodeBench) -> str:
         f"read        : {b.expert_bytes_read_per_token / gb:.4f} GB experts + "
         f"{b.trunk_bytes_read_per_token / gb:.4f} GB trunk per token; exposed I/O wait "
         f"{b.exposed_wait_per_token:.4f} s/token",
-        f"calls       : {b.calls_per_token:.0f} Python->kernel calls per token",
+        f"calls       : {b.calls_per_token:.0f} Python->kernel calls per token; "
+        f"{b.kernel_seconds_per_token:.4f} s/token inside kernel ops, "
+        f"{b.host_seconds_per_token:.4f} s/token between them (the engine's own work)",
     ]
     if b.trunk:
         lines.append(
