@@ -257,26 +257,16 @@ class CycleETAPolicy(CachePolicy):
 
     def _refresh(self, layer: int) -> None:
         """Every resident of ``layer`` gets its ETA again: the current tick if this visit
-        requests it, else ``_predict``'s (the same arithmetic, inlined: this runs for every
-        resident of every layer visited, the decode loop's largest policy cost)."""
+        requests it, else ``_predict``'s. ``_set_eta``'s bookkeeping is done in the loop and
+        the heap rebuilt at most once after it (the valid entries, so every victim, are the
+        same): this runs for every resident of every layer visited."""
         residents = self._res_layer.get(layer)
         if not residents:
             return
-        tick = float(self._tick)
-        remaining, klv, kcnt, table = self._remaining, self._klv, self._kcnt, self._C
-        base, period = self._vtick.get(layer, self._tick), self._period
-        visits, top, fresh = self._visits.get(layer, 0), self.max_age, self._C[0][0]
-        eta_of, ver, heap, live = self._eta, self._ver, self._heap, self._heap_live
-        seq = self._seq
+        tick, remaining, predict = float(self._tick), self._remaining, self._predict
+        eta_of, ver, heap, live, seq = self._eta, self._ver, self._heap, self._heap_live, self._seq
         for k in residents:
-            if k in remaining:
-                eta = tick
-            else:
-                last = klv.get(k)
-                if last is None:
-                    eta = base + period * fresh
-                else:
-                    eta = base + period * table[_CLASS_LIST[min(kcnt[k], 32)]][min(visits - last, top)]
+            eta = tick if k in remaining else predict(k)
             eta_of[k] = eta
             seq += 1
             ver[k] = seq

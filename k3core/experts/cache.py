@@ -124,10 +124,10 @@ class ExpertCache(ExpertSource):
         self.slot_of: dict[int, int] = {}
         self.key_of: list[int | None] = [None] * slots
         self.free = list(range(slots - 1, -1, -1))
-        # the weights last served from each slot, with their key and slot bytes: views over the
-        # arena stay valid for a key in its slot whatever bytes are read in later (same layout,
-        # same buffer), so a hit reuses them instead of building and checking them again
-        self._slot_views: list[tuple[int, ExpertWeights, np.ndarray] | None] = [None] * slots
+        # the weights last served from each slot, with their key: views over the arena stay
+        # valid for a key in its slot whatever bytes are read in later (same layout, same
+        # buffer), so a hit reuses them instead of building and checking them again
+        self._slot_views: list[tuple[int, ExpertWeights] | None] = [None] * slots
         self.published: dict[int, int] = {}  # key -> step its bytes became valid
         self.step = 0
         self.stats = ExpertStats()
@@ -285,9 +285,7 @@ class ExpertCache(ExpertSource):
                 else:
                     self.stats.extra["reuse"] += 1
                 ref = self.locator.ref(v.layer, e)
-                served = self._slot_views[slot]
-                buf = served[2] if served is not None and served[0] == key else self._slot_buf(slot, ref)
-                batch[key] = _Member(e, ref, buf, slot)
+                batch[key] = _Member(e, ref, self._slot_buf(slot, ref), slot)
                 protected.add(key)
                 continue
             self.stats.misses += 1
@@ -407,7 +405,7 @@ class ExpertCache(ExpertSource):
         if got is not None and got[0] == key:
             return got[1]
         w = self.locator.views(m.ref, m.buf)
-        self._slot_views[m.slot] = (key, w, m.buf)
+        self._slot_views[m.slot] = (key, w)
         return w
 
     def _raise_drops(self, v: _Visit, failed: list[tuple[_Member, Exception]]) -> None:
