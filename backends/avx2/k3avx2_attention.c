@@ -7,13 +7,17 @@
 /* ---- shortconv: per channel, float32 ------------------------------------------------- */
 void k3_shortconv(const float *x, int64_t T, int64_t C, const float *w, int64_t K, float *hist,
                   float *y) {
-    /* AVX-512: eight channels in the lanes (k3avx2_vexp512.c k3__shortconv8), the same float32
-     * operations in the same order, so the same bits; the channels past a multiple of 8 and
-     * other CPUs take the scalar loop */
-    const int64_t vec = g_avx512 && K >= 1 && K <= K3_CONV_KMAX ? C / 8 : 0;
+    /* eight channels in the lanes (k3avx2_vexp512.c k3__shortconv8 on AVX-512, else
+     * k3avx2_vexp256.c k3__shortconv8_256), the same float32 operations in the same order, so
+     * the same bits; the channels past a multiple of 8 take the scalar loop */
+    const int64_t vec = K >= 1 && K <= K3_CONV_KMAX ? C / 8 : 0;
     K3_PARALLEL_FOR(K3_BIG(C * T * K, K3_PAR_ELEMENTS))
-    for (int64_t b = 0; b < vec; ++b)
-        k3__shortconv8(x + 8 * b, T, C, w + 8 * b * K, K, hist + 8 * b * (K - 1), y + 8 * b);
+    for (int64_t b = 0; b < vec; ++b) {
+        if (g_avx512)
+            k3__shortconv8(x + 8 * b, T, C, w + 8 * b * K, K, hist + 8 * b * (K - 1), y + 8 * b);
+        else
+            k3__shortconv8_256(x + 8 * b, T, C, w + 8 * b * K, K, hist + 8 * b * (K - 1), y + 8 * b);
+    }
     K3_PARALLEL_FOR(K3_BIG((C - 8 * vec) * T * K, K3_PAR_ELEMENTS))
     for (int64_t c = 8 * vec; c < C; ++c) {
         const float *wc = w + c * K;
@@ -39,15 +43,10 @@ void k3_kda_gate(const float *z, int64_t T, int64_t H, int64_t D, const float *d
     for (int64_t tp = 0; tp < T * H; ++tp) {
         int64_t t = tp / H, h = tp % H;
         double a = k3_exp_d((double)a_log[h]);
-        if (g_avx512) {
+        if (g_avx512)
             k3__kda_gate512(z + t * P + h * D, dt_bias + h * D, a, lower_bound, D, y + t * P + h * D);
-            continue;
-        }
-        for (int64_t j = 0; j < D; ++j) {
-            int64_t p = h * D + j;
-            double u = a * ((double)z[t * P + p] + (double)dt_bias[p]);
-            y[t * P + p] = (float)k3_exp_d(lower_bound * k3_sig_d(u));
-        }
+        else
+            k3__kda_gate256(z + t * P + h * D, dt_bias + h * D, a, lower_bound, D, y + t * P + h * D);
     }
 }
 

@@ -28,7 +28,8 @@ void k3_l2norm(const float *x, int64_t rows, int64_t m, float *y) {
 }
 
 /* y = op(x) elementwise: blocks of 256 on the threads, eight lanes at a time on AVX-512
- * (k3avx2_vexp512.c, the scalar expressions operation for operation). */
+ * (k3avx2_vexp512.c), else four (k3avx2_vexp256.c): the scalar expressions operation for
+ * operation. */
 static void unary(int op, const float *x, int64_t n, float *y) {
     const int64_t blocks = (n + 255) / 256;
     K3_PARALLEL_FOR(K3_BIG(n, K3_PAR_ELEMENTS))
@@ -37,7 +38,7 @@ static void unary(int op, const float *x, int64_t n, float *y) {
         if (g_avx512)
             k3__unary512(op, x + i, len, y + i);
         else
-            for (int64_t k = i; k < i + len; ++k) y[k] = k3__unary_f(op, x[k]);
+            k3__unary256(op, x + i, len, y + i);
     }
 }
 

@@ -25,11 +25,11 @@ typedef struct {
     const double *xd;
     int64_t nt;
     int64_t first; /* index of this matrix's row 0 in the job's concatenated rows */
+    int blocked;   /* use_blocked's path for its tokens (k3avx2_matmul.c) */
 } k3_tmat;
 
 typedef struct {
     enum k3_wkind kind;
-    int blocked;
     const k3_tmat *m;
     int64_t n;
     int64_t cols, cp;
@@ -48,22 +48,22 @@ static void tmats_job_fn(void *ctx, int64_t b, int64_t e) {
         int64_t nr = K3_PR; /* a lane-pass tile of rows where the range has them */
         if (nr > e - g) nr = e - g;
         if (nr > j->m[i].rows - o) nr = j->m[i].rows - o;
-        if (!j->blocked) nr = 1;
-        do_rows(j->kind, j->blocked, j->m[i].w, j->m[i].sc, o, nr, j->m[i].rows, j->cols, j->cp,
+        if (!j->m[i].blocked) nr = 1;
+        do_rows(j->kind, j->m[i].blocked, j->m[i].w, j->m[i].sc, o, nr, j->m[i].rows, j->cols, j->cp,
                 j->m[i].xd, j->m[i].nt, j->m[i].y);
         g += nr;
         o += nr;
     }
 }
 
-static void tmats_run(enum k3_wkind kind, int blocked, k3_tmat *m, int64_t n, int64_t cols,
-                      int64_t cp, int par) {
+static void tmats_run(enum k3_wkind kind, k3_tmat *m, int64_t n, int64_t cols, int64_t cp,
+                      int par) {
     int64_t total = 0;
     for (int64_t i = 0; i < n; ++i) {
         m[i].first = total;
         total += m[i].rows;
     }
-    tmats_job j = {kind, blocked, m, n, cols, cp};
+    tmats_job j = {kind, m, n, cols, cp};
     if (par)
         k3__pool_run(tmats_job_fn, &j, total, k3__forced() ? K3_PR : ROW_CHUNK, k3__threads());
     else
@@ -113,10 +113,9 @@ int k3_situ_mlp_many(int kind, int n, void **w1, uint8_t **s1, void **w3, uint8_
             pc[np].nt = T[i] - t0 < tb ? T[i] - t0 : tb;
             ++np;
         }
-    /* the multi-token kernels for every expert (one token included): the bits are the
-     * single-token kernels' either way (k3avx2_matmul512.c) */
-    const int blocked = use_blocked(kd, 2);
-    const int perm = kd == K3_W_MXFP4 && !blocked;
+    /* on AVX-512 the multi-token kernels for every expert (one token included), else each
+     * piece's own path (one token: the row kernels); the bits are the same either way */
+#define PIECE_PATH(p) (g_avx512 ? use_blocked(kd, 2) : use_blocked(kd, pc[p].nt))
     float *h1 = h, *h3 = h + gt * inter, *a = h + 2 * gt * inter;
     for (int64_t p0 = 0; p0 < np;) {
         /* the pieces [p0, p1) whose tokens fit the group */
@@ -126,13 +125,14 @@ int k3_situ_mlp_many(int kind, int n, void **w1, uint8_t **s1, void **w3, uint8_
         int64_t r = 0, nm = 0;
         for (int64_t p = p0; p < p1; ++p) {
             const int64_t e = pc[p].e;
-            widen_x(xd + r * cp, x[e] + pc[p].t0 * cols, pc[p].nt, cols, cp, perm);
+            const int bl = PIECE_PATH(p);
+            widen_x(xd + r * cp, x[e] + pc[p].t0 * cols, pc[p].nt, cols, cp, kd == K3_W_MXFP4 && !bl);
             const uint8_t *sc1 = s1 ? s1[e] : NULL, *sc3 = s3 ? s3[e] : NULL;
-            m[nm++] = (k3_tmat){w1[e], sc1, inter, h1 + r * inter, xd + r * cp, pc[p].nt, 0};
-            m[nm++] = (k3_tmat){w3[e], sc3, inter, h3 + r * inter, xd + r * cp, pc[p].nt, 0};
+            m[nm++] = (k3_tmat){w1[e], sc1, inter, h1 + r * inter, xd + r * cp, pc[p].nt, 0, bl};
+            m[nm++] = (k3_tmat){w3[e], sc3, inter, h3 + r * inter, xd + r * cp, pc[p].nt, 0, bl};
             r += pc[p].nt;
         }
-        tmats_run(kd, blocked, m, nm, cols, cp, par);
+        tmats_run(kd, m, nm, cols, cp, par);
         situ_job sj = {h1, h3, a, b1, b2};
         if (par)
             k3__pool_run(situ_job_fn, &sj, rows * inter, k3__forced() ? 1 : 64, k3__threads());
@@ -142,15 +142,17 @@ int k3_situ_mlp_many(int kind, int n, void **w1, uint8_t **s1, void **w3, uint8_
         nm = 0;
         for (int64_t p = p0; p < p1; ++p) {
             const int64_t e = pc[p].e;
-            widen_x(ad + r * ip, a + r * inter, pc[p].nt, inter, ip, perm);
+            const int bl = PIECE_PATH(p);
+            widen_x(ad + r * ip, a + r * inter, pc[p].nt, inter, ip, kd == K3_W_MXFP4 && !bl);
             const uint8_t *sc2 = s2 ? s2[e] : NULL;
             m[nm++] = (k3_tmat){w2[e], sc2, out_rows, y[e] + pc[p].t0 * out_rows, ad + r * ip,
-                                pc[p].nt, 0};
+                                pc[p].nt, 0, bl};
             r += pc[p].nt;
         }
-        tmats_run(kd, blocked, m, nm, inter, ip, par);
+        tmats_run(kd, m, nm, inter, ip, par);
         p0 = p1;
     }
+#undef PIECE_PATH
 out:
     k3__free(pc);
     k3__free(m);

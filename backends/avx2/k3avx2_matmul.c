@@ -67,13 +67,13 @@ int k3_use_avx512(int on) {
  * MXFP4 kernel: register j holds columns 4j + {0, 2, 1, 3}. */
 static const int MX_PERM[4] = {0, 2, 1, 3};
 
-/* y = situ(g, u) elementwise: eight lanes at a time on AVX-512 (k3avx2_vexp512.c). */
+/* y = situ(g, u) elementwise: eight lanes at a time on AVX-512 (k3avx2_vexp512.c), else
+ * four (k3avx2_vexp256.c). */
 static void k3__situ(const float *g, const float *u, int64_t n, double b1, double b2, float *y) {
-    if (g_avx512) {
+    if (g_avx512)
         k3__situ512(g, u, n, b1, b2, y);
-        return;
-    }
-    for (int64_t i = 0; i < n; ++i) y[i] = k3_situ_f(g[i], u[i], b1, b2);
+    else
+        k3__situ256(g, u, n, b1, b2, y);
 }
 
 /* ---- activations widened once per token block --------------------------------------- */
@@ -240,12 +240,34 @@ static inline float row_dot(enum k3_wkind kind, const void *w, const uint8_t *sc
     return row_mxfp4((const uint8_t *)w + o * (cols / 2), scales + o * (cols / 32), cols / 32, x);
 }
 
-/* Rows o .. o + nr - 1 (nr 1 or 2) of one matrix for the nt tokens of a widened block (xd:
- * nt x cp; y: the block's first token, y[t * rows + o]). */
+/* The AVX2 multi-token tiles (k3avx2_matmul256.c, included after this file). */
+#define K3_ROWS_FN(name)                                                                       \
+    static void name(const void *w, const uint8_t *sc, int64_t o, int64_t nr, int64_t rows,    \
+                     int64_t cols, int64_t cp, const double *xd, int64_t nt, float *y)
+K3_ROWS_FN(k3__row256_bf16);
+K3_ROWS_FN(k3__row256_f32);
+K3_ROWS_FN(k3__row256_mxfp4);
+#undef K3_ROWS_FN
+
+/* How a token block is multiplied (use_blocked): the one-token row kernels, the AVX-512
+ * tiles, or the AVX2 tiles. */
+enum { K3_PATH_ROWS = 0, K3_PATH_512 = 1, K3_PATH_256 = 2 };
+
+/* Rows o .. o + nr - 1 (nr 1..K3_PR; 1 on K3_PATH_ROWS) of one matrix for the nt tokens of a
+ * widened block (xd: nt x cp; y: the block's first token, y[t * rows + o]). */
 static inline void do_rows(enum k3_wkind kind, int blocked, const void *w, const uint8_t *sc,
                            int64_t o, int64_t nr, int64_t rows, int64_t cols, int64_t cp,
                            const double *xd, int64_t nt, float *y) {
-    if (blocked) {
+    if (blocked == K3_PATH_256) {
+        if (kind == K3_W_BF16)
+            k3__row256_bf16(w, sc, o, nr, rows, cols, cp, xd, nt, y);
+        else if (kind == K3_W_F32)
+            k3__row256_f32(w, sc, o, nr, rows, cols, cp, xd, nt, y);
+        else
+            k3__row256_mxfp4(w, sc, o, nr, rows, cols, cp, xd, nt, y);
+        return;
+    }
+    if (blocked == K3_PATH_512) {
         if (kind == K3_W_BF16)
             k3__row512_bf16(w, sc, o, nr, rows, cols, cp, xd, nt, y);
         else if (kind == K3_W_F32)
@@ -306,9 +328,12 @@ static void group_rows(enum k3_wkind kind, int blocked, const k3_mat *m, int n, 
         rows_job_fn(&j, 0, total);
 }
 
-/* The multi-token path: AVX-512 with four tokens per decode (also one MXFP4 token). */
+/* The path for a block of T tokens: the AVX-512 tiles for several tokens (and for one MXFP4
+ * token), else the AVX2 tiles for several tokens, else the one-token rows. Only the rows
+ * path reads MXFP4 activations in MX_PERM order (widen_x's `perm`). */
 static inline int use_blocked(enum k3_wkind kind, int64_t T) {
-    return (T >= 2 || kind == K3_W_MXFP4) && g_avx512;
+    if (g_avx512) return T >= 2 || kind == K3_W_MXFP4 ? K3_PATH_512 : K3_PATH_ROWS;
+    return T >= 2 ? K3_PATH_256 : K3_PATH_ROWS;
 }
 
 /* Several matrices over the same x in one call: x widened once per token block, the rows of
@@ -321,7 +346,6 @@ static int matmul_group(enum k3_wkind kind, const k3_mat *m, int n, int64_t cols
                         const float *x, int64_t T) {
     const int64_t cp = ROUND32(cols);
     const int64_t tb = token_block(T, cp);
-    const int blocked = use_blocked(kind, T);
     int64_t total = 0;
     for (int i = 0; i < n; ++i) total += m[i].rows;
     double *xd = (double *)k3__alloc((size_t)(tb * cp) * sizeof(double));
@@ -329,6 +353,7 @@ static int matmul_group(enum k3_wkind kind, const k3_mat *m, int n, int64_t cols
     const int par = K3_BIG(total * cols * T, K3_PAR_MATMUL);
     for (int64_t t0 = 0; t0 < T; t0 += tb) {
         const int64_t nt = t0 + tb < T ? tb : T - t0;
+        const int blocked = use_blocked(kind, nt);
         widen_x(xd, x + t0 * cols, nt, cols, cp, kind == K3_W_MXFP4 && !blocked);
         group_rows(kind, blocked, m, n, cols, cp, xd, t0, nt, par);
     }
@@ -395,7 +420,6 @@ int k3_situ_mlp(int kind, const void *w1, const uint8_t *s1, const void *w3, con
     const enum k3_wkind kd = (enum k3_wkind)kind;
     const int64_t cp = ROUND32(cols), ip = ROUND32(inter);
     int64_t tb = token_block(T, cp > ip ? cp : ip);
-    const int blocked = use_blocked(kd, T);
     double *xd = (double *)k3__alloc((size_t)(tb * cp) * sizeof(double));
     double *ad = (double *)k3__alloc((size_t)(tb * ip) * sizeof(double));
     float *h = (float *)k3__alloc((size_t)(3 * tb * inter) * sizeof(float));
@@ -411,6 +435,7 @@ int k3_situ_mlp(int kind, const void *w1, const uint8_t *s1, const void *w3, con
     const k3_mat down = {w2, s2, out_rows, y};
     for (int64_t t0 = 0; t0 < T; t0 += tb) {
         const int64_t nt = t0 + tb < T ? tb : T - t0;
+        const int blocked = use_blocked(kd, nt);
         widen_x(xd, x + t0 * cols, nt, cols, cp, kd == K3_W_MXFP4 && !blocked);
         group_rows(kd, blocked, up, 2, cols, cp, xd, 0, nt, par);
         situ_job sj = {h1, h3, a, b1, b2};

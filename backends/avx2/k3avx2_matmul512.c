@@ -296,16 +296,18 @@ K3_INLINE512 void pass_tile(enum k3_wkind kind, const int NT, const void *w, con
  * 10.0 GMAC/s against 13.5 without, 6 tokens 15.4 against 16.0, 10 tokens 17.1 against 16.2. */
 #define MX_COPY_MIN_TOKENS 8
 
-/* The K3_PR rows o.. of an MXFP4 matrix as float32 rows of `cols` (wb), or 0 where a scale
- * byte is past MX_F32_MAX_SCALE. */
-K3_INLINE512 int mx_to_f32(uint32_t *wb, const uint8_t *w, const uint8_t *sc, int64_t o,
-                           int64_t cols) {
+/* The nr rows o.. of an MXFP4 matrix as float32 rows of `cols` (wb), or 0 where a scale
+ * byte is past MX_F32_MAX_SCALE. AVX2 only, so the AVX2 tiles (k3avx2_matmul256.c) use it
+ * too. */
+static inline __attribute__((always_inline)) int mx_to_f32(uint32_t *wb, const uint8_t *w,
+                                                           const uint8_t *sc, int64_t o,
+                                                           int64_t nr, int64_t cols) {
     const int64_t chunks = cols / 32;
     const uint8_t *s0 = sc + o * chunks;
-    for (int64_t i = 0; i < K3_PR * chunks; ++i)
+    for (int64_t i = 0; i < nr * chunks; ++i)
         if (s0[i] > MX_F32_MAX_SCALE) return 0;
     const __m128i m0f = _mm_set1_epi8(0x0F);
-    for (int r = 0; r < K3_PR; ++r) {
+    for (int64_t r = 0; r < nr; ++r) {
         const uint8_t *rb = w + (o + r) * (cols / 2), *sb = s0 + r * chunks;
         uint32_t *out = wb + r * cols;
         for (int64_t c = 0; c < chunks; ++c) {
@@ -343,7 +345,7 @@ K3_INLINE512 int mx_to_f32(uint32_t *wb, const uint8_t *w, const uint8_t *sc, in
 K3_INLINE512 int mx_rows_f32(const void *w, const uint8_t *sc, int64_t o, int64_t rows,
                              int64_t cols, int64_t cp, const double *xd, int64_t nt, float *y) {
     uint32_t *wb = (uint32_t *)k3__scratch((size_t)(K3_PR * cols) * sizeof(uint32_t));
-    if (!wb || !mx_to_f32(wb, (const uint8_t *)w, sc, o, cols)) return 0;
+    if (!wb || !mx_to_f32(wb, (const uint8_t *)w, sc, o, K3_PR, cols)) return 0;
     int64_t t = 0;
     for (; t + K3_PT <= nt; t += K3_PT)
         pass_tile(K3_W_F32, K3_PT, wb, NULL, 0, cols, cp, xd + t * cp, rows, y + t * rows + o, 0);

@@ -1,0 +1,150 @@
+/* k3avx2_vexp256.c - the contract's transcendentals four float64 lanes at a time (AVX2), for
+ * the CPUs without AVX-512 (k3avx2_vexp512.c has the eight-lane ones): SiTU, sigmoid, silu,
+ * exp, kda_gate and shortconv's silu. Operation for operation the scalar k3_exp_d /
+ * k3_expm1_d / k3_tanh_d / k3_sig_d of k3avx2_internal.h: every multiply and add is its own
+ * instruction (no FMA; the build's -ffp-contract=off keeps it so), branches become blends of
+ * both sides, so every lane is the scalar code's value.
+ *
+ * ldexp(p, n) is p * 2**n with 2**n built from its bits, as in k3avx2_vexp512.c (n in
+ * [-1021, 1023] for x in [EXP_LO, EXP_HI]: 2**n is normal and the product exact). AVX2 has
+ * no float64 -> int64 conversion; n is a whole number, so n + (1023 + 2**52) is exact and its
+ * low bits are n + 1023.
+ */
+#include "k3avx2_internal.h"
+
+#define K3_V256 static inline __attribute__((always_inline))
+
+K3_V256 __m256d v4_sel(__m256d mask, __m256d if_set, __m256d otherwise) {
+    return _mm256_blendv_pd(otherwise, if_set, mask);
+}
+
+K3_V256 __m256d v4_exp_d(__m256d x) {
+    const __m256d nn = _mm256_round_pd(
+        _mm256_add_pd(_mm256_mul_pd(x, _mm256_set1_pd(K3C_LOG2E)), _mm256_set1_pd(0.5)),
+        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    const __m256d nan = _mm256_cmp_pd(x, x, _CMP_UNORD_Q);
+    const __m256d hi = _mm256_cmp_pd(x, _mm256_set1_pd(K3C_EXP_HI), _CMP_GT_OQ);
+    const __m256d lo = _mm256_cmp_pd(x, _mm256_set1_pd(K3C_EXP_LO), _CMP_LT_OQ);
+    const __m256d bad = _mm256_or_pd(nan, _mm256_or_pd(hi, lo));
+    const __m256d n = v4_sel(bad, _mm256_setzero_pd(), nn); /* keep the exponent sane */
+    __m256d r = _mm256_sub_pd(_mm256_sub_pd(x, _mm256_mul_pd(n, _mm256_set1_pd(K3C_LN2_HI))),
+                              _mm256_mul_pd(n, _mm256_set1_pd(K3C_LN2_LO)));
+    __m256d p = _mm256_set1_pd(K3C_EXP_COEF[K3C_EXP_NCOEF - 1]);
+    for (int i = K3C_EXP_NCOEF - 2; i >= 0; --i)
+        p = _mm256_add_pd(_mm256_mul_pd(p, r), _mm256_set1_pd(K3C_EXP_COEF[i]));
+    const __m256i magic = _mm256_set1_epi64x(INT64_C(0x4330000000000000)); /* bits of 2**52 */
+    const __m256i biased = _mm256_sub_epi64(
+        _mm256_castpd_si256(_mm256_add_pd(n, _mm256_set1_pd(1023.0 + 4503599627370496.0))), magic);
+    __m256d y = _mm256_mul_pd(p, _mm256_castsi256_pd(_mm256_slli_epi64(biased, 52)));
+    y = v4_sel(hi, _mm256_set1_pd(HUGE_VAL), y);
+    y = v4_sel(lo, _mm256_setzero_pd(), y);
+    return v4_sel(nan, _mm256_set1_pd(k3_nan_d()), y);
+}
+
+K3_V256 __m256d v4_abs(__m256d x) {
+    return _mm256_and_pd(x, _mm256_castsi256_pd(_mm256_set1_epi64x(INT64_C(0x7FFFFFFFFFFFFFFF))));
+}
+
+K3_V256 __m256d v4_expm1_d(__m256d x) {
+    const __m256d small = _mm256_cmp_pd(v4_abs(x), _mm256_set1_pd(K3C_EXPM1_SERIES_MAX), _CMP_LT_OQ);
+    __m256d q = _mm256_set1_pd(K3C_EXPM1_COEF[K3C_EXPM1_NCOEF - 1]);
+    for (int i = K3C_EXPM1_NCOEF - 2; i >= 0; --i)
+        q = _mm256_add_pd(_mm256_mul_pd(q, x), _mm256_set1_pd(K3C_EXPM1_COEF[i]));
+    const __m256d series = _mm256_mul_pd(q, x);
+    if (_mm256_movemask_pd(small) == 0xF) return series;
+    const __m256d big = _mm256_sub_pd(v4_exp_d(x), _mm256_set1_pd(1.0));
+    return v4_sel(small, series, big);
+}
+
+K3_V256 __m256d v4_tanh_d(__m256d x) {
+    const __m256d a = v4_abs(x);
+    const __m256d sat = _mm256_cmp_pd(a, _mm256_set1_pd(K3C_TANH_SAT), _CMP_GT_OQ);
+    const __m256d e = v4_expm1_d(_mm256_mul_pd(v4_sel(sat, _mm256_setzero_pd(), a), _mm256_set1_pd(2.0)));
+    __m256d t = _mm256_div_pd(e, _mm256_add_pd(e, _mm256_set1_pd(2.0)));
+    t = v4_sel(sat, _mm256_set1_pd(1.0), t);
+    const __m256d sign = _mm256_castsi256_pd(_mm256_set1_epi64x(INT64_MIN));
+    return _mm256_or_pd(_mm256_andnot_pd(sign, t), _mm256_and_pd(sign, x)); /* copysign(t, x) */
+}
+
+K3_V256 __m256d v4_sig_d(__m256d x) {
+    const __m256d one = _mm256_set1_pd(1.0);
+    const __m256d negx = _mm256_xor_pd(x, _mm256_castsi256_pd(_mm256_set1_epi64x(INT64_MIN)));
+    return _mm256_div_pd(one, _mm256_add_pd(one, v4_exp_d(negx)));
+}
+
+/* y[i] = k3_situ_f(g[i], u[i], b1, b2) for i < n (a tail of n % 4 through the scalar). */
+static void k3__situ256(const float *g, const float *u, int64_t n, double b1, double b2, float *y) {
+    const __m256d vb1 = _mm256_set1_pd(b1), vb2 = _mm256_set1_pd(b2);
+    int64_t i = 0;
+    for (; i + 4 <= n; i += 4) {
+        const __m256d gd = _mm256_cvtps_pd(_mm_loadu_ps(g + i));
+        const __m256d ud = _mm256_cvtps_pd(_mm_loadu_ps(u + i));
+        const __m256d a = _mm256_mul_pd(_mm256_mul_pd(vb1, v4_tanh_d(_mm256_div_pd(gd, vb1))), v4_sig_d(gd));
+        const __m256d c = _mm256_mul_pd(vb2, v4_tanh_d(_mm256_div_pd(ud, vb2)));
+        _mm_storeu_ps(y + i, _mm256_cvtpd_ps(_mm256_mul_pd(a, c)));
+    }
+    for (; i < n; ++i) y[i] = k3_situ_f(g[i], u[i], b1, b2);
+}
+
+/* sigmoid f32(sig_d(d(x))), silu f32(d(x) * sig_d(d(x))), exp f32(exp_d(d(x))) (the op codes
+ * of k3avx2_vexp512.c). */
+K3_V256 __m256d v4_unary(int op, __m256d xd) {
+    if (op == K3_U_SIG) return v4_sig_d(xd);
+    if (op == K3_U_SILU) return _mm256_mul_pd(xd, v4_sig_d(xd));
+    return v4_exp_d(xd);
+}
+
+/* y[i] = op(x[i]) for i < n (a tail of n % 4 through the scalar code). */
+static void k3__unary256(int op, const float *x, int64_t n, float *y) {
+    int64_t i = 0;
+    for (; i + 4 <= n; i += 4)
+        _mm_storeu_ps(y + i, _mm256_cvtpd_ps(v4_unary(op, _mm256_cvtps_pd(_mm_loadu_ps(x + i)))));
+    for (; i < n; ++i) y[i] = k3__unary_f(op, x[i]);
+}
+
+/* kda_gate over D elements of one (token, head): y = f32(exp_d(lb * sig_d(a * (d(z) + d(dt))))). */
+static void k3__kda_gate256(const float *z, const float *dt, double a, double lb, int64_t D, float *y) {
+    const __m256d va = _mm256_set1_pd(a), vlb = _mm256_set1_pd(lb);
+    int64_t j = 0;
+    for (; j + 4 <= D; j += 4) {
+        const __m256d u = _mm256_mul_pd(
+            va, _mm256_add_pd(_mm256_cvtps_pd(_mm_loadu_ps(z + j)), _mm256_cvtps_pd(_mm_loadu_ps(dt + j))));
+        _mm_storeu_ps(y + j, _mm256_cvtpd_ps(v4_exp_d(_mm256_mul_pd(vlb, v4_sig_d(u)))));
+    }
+    for (; j < D; ++j) {
+        double u = a * ((double)z[j] + (double)dt[j]);
+        y[j] = (float)k3_exp_d(lb * k3_sig_d(u));
+    }
+}
+
+/* shortconv of eight channels: k3__shortconv8 (k3avx2_vexp512.c) with the silu four lanes at
+ * a time; the float32 products and sums are the same instructions in the same order. */
+static void k3__shortconv8_256(const float *x, int64_t T, int64_t C, const float *w, int64_t K,
+                               float *hist, float *y) {
+    __m256 wv[K3_CONV_KMAX], hv[K3_CONV_KMAX];
+    float lane[8];
+    for (int64_t j = 0; j < K; ++j) {
+        for (int l = 0; l < 8; ++l) lane[l] = w[l * K + j];
+        wv[j] = _mm256_loadu_ps(lane);
+    }
+    for (int64_t j = 0; j < K - 1; ++j) {
+        for (int l = 0; l < 8; ++l) lane[l] = hist[l * (K - 1) + j];
+        hv[j] = _mm256_loadu_ps(lane);
+    }
+    for (int64_t t = 0; t < T; ++t) {
+        const __m256 xt = _mm256_loadu_ps(x + t * C);
+        __m256 acc = _mm256_mul_ps(wv[K - 1], xt);
+        for (int64_t j = 0; j < K - 1; ++j) acc = _mm256_add_ps(acc, _mm256_mul_ps(wv[j], hv[j]));
+        if (K > 1) {
+            for (int64_t j = 0; j + 1 < K - 1; ++j) hv[j] = hv[j + 1];
+            hv[K - 2] = xt;
+        }
+        const __m128 lo = _mm256_cvtpd_ps(v4_unary(K3_U_SILU, _mm256_cvtps_pd(_mm256_castps256_ps128(acc))));
+        const __m128 hi = _mm256_cvtpd_ps(v4_unary(K3_U_SILU, _mm256_cvtps_pd(_mm256_extractf128_ps(acc, 1))));
+        _mm256_storeu_ps(y + t * C, _mm256_insertf128_ps(_mm256_castps128_ps256(lo), hi, 1));
+    }
+    for (int64_t j = 0; j < K - 1; ++j) {
+        _mm256_storeu_ps(lane, hv[j]);
+        for (int l = 0; l < 8; ++l) hist[l * (K - 1) + j] = lane[l];
+    }
+}
