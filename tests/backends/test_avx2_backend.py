@@ -572,14 +572,32 @@ def test_multi_token_kernels_on_both_instruction_sets(ref, T, cols):
         b._lib.k3_use_avx512(1)
 
 
+@pytest.fixture(params=["avx512", "avx2"])
+def isa(request):
+    """The instruction set the kernels take (k3_use_avx512): the AVX-512 paths where the CPU
+    has them, and the AVX2 paths on every CPU."""
+    from k3_backends.avx2_backend import Avx2Backend
+
+    lib = Avx2Backend(threads=1)._lib
+    has = lib.k3_use_avx512(1)
+    if request.param == "avx512" and not has:
+        pytest.skip("no AVX-512 on this CPU")
+    lib.k3_use_avx512(1 if request.param == "avx512" else 0)
+    try:
+        yield request.param
+    finally:
+        lib.k3_use_avx512(1)
+
+
 @pytest.mark.parametrize("threads,forced", [(1, False), (2, True), (3, True)])
 @pytest.mark.parametrize("rows,T", [(4, 5), (9, 11), (16, 23), (13, 40)])
-def test_lane_pass_tiles_give_the_reference_bits(ref, threads, forced, rows, T):
-    """The AVX-512 lane-pass tiles (4 rows x 5 tokens, one register per row and token, the
-    four lane registers computed one pass after another) for bf16 rows ending inside an
-    eight-column step, MXFP4 with special scales, the SiTU MLP and grouped experts, serial and
-    split between threads (forced chunks are one tile of rows), with token and row counts
-    that leave tails for the 2 x 3 blocks."""
+def test_lane_pass_tiles_give_the_reference_bits(ref, isa, threads, forced, rows, T):
+    """The lane-pass tiles - AVX-512: 4 rows x 5 tokens, one register per row and token, the
+    four lane registers computed one pass after another; AVX2: 4 rows x 3 tokens, eight
+    passes over float32 copies of 512-column blocks, tokens in groups of 12 - for bf16 rows
+    ending inside a step or a block, MXFP4 with special scales, the SiTU MLP and grouped
+    experts, serial and split between threads (forced chunks are one tile of rows), with token
+    and row counts that leave tails."""
     from k3_backends.avx2_backend import Avx2Backend
 
     b = Avx2Backend(threads=threads, force_parallel=forced)
@@ -603,12 +621,13 @@ def test_lane_pass_tiles_give_the_reference_bits(ref, threads, forced, rows, T):
 
 
 @pytest.mark.parametrize("threads,forced", [(1, False), (2, True)])
-def test_mxfp4_decoded_row_tiles_give_the_reference_bits(ref, threads, forced):
+def test_mxfp4_decoded_row_tiles_give_the_reference_bits(ref, isa, threads, forced):
     """MXFP4 row tiles decoded once into a float32 copy read by every token tile (eight
     tokens or more; fewer keep the pass tiles): five-token tiles and every count of tokens
     left over (1..4), row tails, special activations, the grouped experts with uneven token
     counts; the extreme scales the copy still takes (0, 1, 2: subnormal float32 weights;
-    252: the largest) and the ones that send a tile back to the MXFP4 pass tiles (253..255)."""
+    252: the largest) and the ones that send a tile back to the MXFP4 pass tiles on AVX-512 or
+    to one table lookup per weight on AVX2 (253..255)."""
     from k3_backends.avx2_backend import Avx2Backend
 
     b = Avx2Backend(threads=threads, force_parallel=forced)
@@ -642,11 +661,12 @@ def _specials(rng, n):
 
 
 @pytest.mark.parametrize("threads,forced", [(1, False), (3, True)])
-def test_vector_elementwise_and_conv_paths_give_the_reference_bits(ref, threads, forced):
-    """sigmoid, silu and exp eight lanes at a time, shortconv with eight channels in the lanes
-    and kda_gate eight elements at a time (AVX-512), against the reference on every kind of
-    value, with tails that take the scalar code, and the conv history left the same (a NaN
-    compared as a class: its payload is not part of the contract)."""
+def test_vector_elementwise_and_conv_paths_give_the_reference_bits(ref, isa, threads, forced):
+    """sigmoid, silu and exp eight lanes at a time (AVX-512) or four (AVX2), shortconv with
+    eight channels in the lanes and kda_gate eight or four elements at a time, against the
+    reference on every kind of value, with tails that take the scalar code, and the conv
+    history left the same (a NaN compared as a class: its payload is not part of the
+    contract)."""
     from k3_backends.avx2_backend import Avx2Backend
 
     b = Avx2Backend(threads=threads, force_parallel=forced)
@@ -669,27 +689,22 @@ def test_vector_elementwise_and_conv_paths_give_the_reference_bits(ref, threads,
         same(b.kda_gate(z, dt, a_log, -5.0), ref.kda_gate(z, dt, a_log, -5.0), nan_payload=False)
 
 
-def test_situ_vector_and_scalar_paths_agree_on_every_exponent(ref):
-    """The AVX-512 SiTU (eight lanes, blended branches) against the scalar code on random
-    float32 bit patterns of every exponent, and against the reference on a sample."""
+def test_situ_vector_paths_agree_with_the_scalar_code_on_every_exponent(ref, isa):
+    """The vector SiTU (eight lanes on AVX-512, four on AVX2, blended branches) against the
+    scalar code on random float32 bit patterns of every exponent (a length of 1 leaves every
+    element to the scalar tail), and against the reference on a sample."""
     from k3_backends.avx2_backend import Avx2Backend
 
     rng = np.random.default_rng(11)
-    bits = rng.integers(0, 1 << 32, 1 << 20, dtype=np.uint64).astype(np.uint32)
+    bits = rng.integers(0, 1 << 32, 1 << 16, dtype=np.uint64).astype(np.uint32)
     g, u = bits.view(F32), np.roll(bits, 12345).view(F32)
     b = Avx2Backend(threads=1)
-    if not b._lib.k3_use_avx512(1):
-        pytest.skip("no AVX-512 on this CPU: the scalar SiTU is the only path")
-    try:
-        for b1, b2 in ((4.0, 25.0), (0.5, 3.0)):
-            vec = b.situ_glu(g, u, b1, b2)
-            b._lib.k3_use_avx512(0)
-            same(vec, b.situ_glu(g, u, b1, b2))
-            b._lib.k3_use_avx512(1)
-            small = (rng.standard_normal(4099) * 30).astype(F32)
-            same(b.situ_glu(small, small[::-1].copy(), b1, b2), ref.situ_glu(small, small[::-1].copy(), b1, b2))
-    finally:
-        b._lib.k3_use_avx512(1)
+    for b1, b2 in ((4.0, 25.0), (0.5, 3.0)):
+        vec = b.situ_glu(g, u, b1, b2)
+        scalar = np.concatenate([b.situ_glu(g[i:i + 1], u[i:i + 1], b1, b2) for i in range(g.size)])
+        same(vec, scalar)
+        small = (rng.standard_normal(4099) * 30).astype(F32)
+        same(b.situ_glu(small, small[::-1].copy(), b1, b2), ref.situ_glu(small, small[::-1].copy(), b1, b2))
 
 
 @pytest.mark.parametrize("C,n,r,dv", [(512, 128, 64, 128), (37, 9, 5, 3), (8, 1, 0, 1)])

@@ -12,6 +12,7 @@ from typer.testing import CliRunner
 from k3core.cli.app import app
 from k3core.model.config import ModelConfig
 from k3core.model.shapes import size_config
+from k3core.model.sizes import sizes_from_config
 from k3core.tools.synth.writer import synthesize
 
 runner = CliRunner()
@@ -41,6 +42,13 @@ def test_reports_every_figure_with_ids_checked(model) -> None:
     # a token splits into the kernel ops and the engine's own work between them
     assert 0 < doc["kernel_seconds_per_token"] < doc["seconds_per_token"] * 1.5
     assert doc["host_seconds_per_token"] > 0
+    # the prefill's weight products against the FMA peak of the same threads
+    sizes = sizes_from_config(ModelConfig.from_json_dict(json.loads((model / "config.json").read_text())))
+    assert doc["prefill_macs"] >= sizes.trunk_bytes  # 4 tokens through every layer matrix (2-4 B a weight)
+    if doc["fma_peak_gmacs"] > 0:  # measured by the avx2 module where it is built
+        assert doc["prefill_compute_floor_seconds"] == pytest.approx(
+            doc["prefill_macs"] / (doc["fma_peak_gmacs"] * 1e9))
+        assert doc["prefill_compute_floor_seconds"] < doc["prefill_seconds"]
 
 
 def test_call_counter_times_an_op_once_when_it_calls_another() -> None:
@@ -62,6 +70,38 @@ def test_call_counter_times_an_op_once_when_it_calls_another() -> None:
     assert ops.outer(1.0) == 2.0
     assert counter.calls == 3
     assert 0.02 <= counter.seconds < 0.2  # the two sleeps, not four
+
+
+def test_product_macs_counts_each_matrix_of_a_call_once() -> None:
+    """rows x cols x tokens per matrix, for every weight-product op; nothing for the others;
+    and the counter adds an op's multiply-adds at its outermost call only."""
+    import numpy as np
+
+    from k3core.api.kernels import Mxfp4
+    from k3core.tools.bench.decode import CallCounter, product_macs
+
+    w = np.zeros((6, 8), np.uint16)
+    m = Mxfp4(np.zeros((6, 16), np.uint8), np.zeros((6, 1), np.uint8))
+    x3, x1 = np.zeros((3, 8), np.float32), np.zeros(8, np.float32)
+    assert product_macs("matmul_bf16", (w, x3)) == 6 * 8 * 3
+    assert product_macs("matmul_mxfp4", (m, x1)) == 6 * 32
+    assert product_macs("matmul_many", ([w, w[:2]], x3)) == (48 + 16) * 3
+    w1, w2 = np.zeros((5, 8), np.uint16), np.zeros((8, 5), np.uint16)
+    assert product_macs("situ_mlp", (w1, w1, w2, x3, 4.0, 25.0)) == (2 * 40 + 40) * 3
+    assert product_macs("situ_mlp_many", ([(w1, w1, w2)] * 2, [x3, x1], 4.0, 25.0)) == 120 * 4
+    assert product_macs("rmsnorm", (x3, None, 1e-5)) == 0
+
+    class Ops:
+        def matmul_bf16(self, w: object, x: object) -> int:
+            return 0
+
+        def matmul_many(self, ws: list, x: object) -> list:
+            return [self.matmul_bf16(w, x) for w in ws]
+
+    ops = Ops()
+    counter = CallCounter(ops)  # type: ignore[arg-type]
+    ops.matmul_many([w, w], x3)
+    assert counter.calls == 3 and counter.macs == 2 * 48 * 3
 
 
 def test_chunked_prefill_is_checked_against_one_pass(model) -> None:

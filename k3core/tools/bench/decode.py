@@ -17,7 +17,11 @@ given) and measures, each ``repeat`` times from a fresh engine (medians reported
 * **exposed I/O wait** per token (expert and trunk reads the compute waited for);
 * **kernel calls per token** (Python -> kernel backend calls, counted on the leaf ops);
 * **the bandwidth floor**: bytes touched per token over the memory read bandwidth measured
-  in the same run with the same thread count (``k3core.tools.bench.kernels``).
+  in the same run with the same thread count (``k3core.tools.bench.kernels``);
+* **the prefill's compute floor**: the multiply-adds of its weight products (counted at the
+  kernel interface from the operands' shapes) over the float64 FMA peak measured in the same
+  run on the same threads: under the kernel contract every product is a float64 FMA, so no
+  prefill of that model on that machine can take less.
 
 With ``check`` (the default) the same ids are decoded with ``--backend numpy`` and the
 generated ids must be identical (the kernel contract is bit-exact), for the decode run
@@ -72,24 +76,53 @@ def kernel_ops(backend: KernelBackend) -> list[str]:
     return names
 
 
+def _tokens(x: Any) -> int:
+    """Rows of a matrix product's input (a 1-D input is one token)."""
+    shape = getattr(x, "shape", ())
+    return int(np.prod(shape[:-1])) if len(shape) > 1 else 1
+
+
+def _mlp_macs(w1: Any, w2: Any, x: Any) -> int:
+    inter, cols = w1.shape
+    return (2 * inter * cols + w2.shape[0] * w2.shape[1]) * _tokens(x)
+
+
+def product_macs(op: str, args: tuple[Any, ...]) -> int:
+    """The multiply-adds of a weight-product op's call (``rows x cols x tokens`` per matrix),
+    from its operands' shapes; 0 for every other op."""
+    if op in ("matmul_bf16", "matmul_f32", "matmul_mxfp4") and len(args) >= 2:
+        rows, cols = args[0].shape
+        return rows * cols * _tokens(args[1])
+    if op == "matmul_many" and len(args) >= 2:
+        return sum(w.shape[0] * w.shape[1] for w in args[0]) * _tokens(args[1])
+    if op == "situ_mlp" and len(args) >= 4:
+        return _mlp_macs(args[0], args[2], args[3])
+    if op == "situ_mlp_many" and len(args) >= 2:
+        return sum(_mlp_macs(m[0], m[2], x) for m, x in zip(args[0], args[1], strict=False))
+    return 0
+
+
 class CallCounter:
     """Counts calls of every kernel op of one backend instance (wrapping its methods), and
     the wall seconds spent inside them: an op that calls another op (a fused op's fallback)
     is timed once, at the outermost call. Everything else of a token is the engine's own
-    work between kernel calls (the *host* time: Python, NumPy glue, waits)."""
+    work between kernel calls (the *host* time: Python, NumPy glue, waits). ``macs`` adds up
+    the weight products' multiply-adds (``product_macs``, outermost calls only)."""
 
     def __init__(self, backend: KernelBackend):
         self.calls = 0
         self.seconds = 0.0
+        self.macs = 0
         self._depth = 0
         for name in kernel_ops(backend):
-            setattr(backend, name, self._wrap(getattr(backend, name)))
+            setattr(backend, name, self._wrap(name, getattr(backend, name)))
 
-    def _wrap(self, fn: Any) -> Any:
+    def _wrap(self, name: str, fn: Any) -> Any:
         def counted(*args: Any, **kwargs: Any) -> Any:
             self.calls += 1
             if self._depth:
                 return fn(*args, **kwargs)
+            self.macs += product_macs(name, args)
             self._depth = 1
             t0 = time.perf_counter()
             try:
@@ -119,6 +152,7 @@ class RunFigures:
     trunk_wait: list[float] = field(default_factory=list)
     trunk_read: list[float] = field(default_factory=list)
     kernel_seconds: list[float] = field(default_factory=list)  # inside the kernel ops
+    macs: list[int] = field(default_factory=list)  # the weight products' multiply-adds
 
 
 def _counters(eng: Engine, counter: CallCounter) -> tuple[int, int, int, int, float, int, float, float]:
@@ -140,6 +174,7 @@ def _decode_run(opts: EngineOptions, ids: list[int], gen: int, incremental: bool
         counter = CallCounter(eng.kernels)
         last = [_counters(eng, counter)]
         kernel_at = [counter.seconds]
+        macs_at = [counter.macs]
 
         def on_step(st: Step) -> None:
             now = _counters(eng, counter)
@@ -156,6 +191,8 @@ def _decode_run(opts: EngineOptions, ids: list[int], gen: int, incremental: bool
             fig.trunk_read.append(now[7] - prev[7])
             fig.kernel_seconds.append(counter.seconds - kernel_at[0])
             kernel_at[0] = counter.seconds
+            fig.macs.append(counter.macs - macs_at[0])
+            macs_at[0] = counter.macs
 
         res: RunResult = generate(eng.model, ids, gen, incremental=incremental, on_step=on_step,
                                   spec=spec)
@@ -256,6 +293,12 @@ class DecodeBench:
     #: engine's own work between kernel calls (Python, NumPy glue, exposed waits)
     kernel_seconds_per_token: float = 0.0
     host_seconds_per_token: float = 0.0
+    #: the prefill's weight-product multiply-adds, the float64 FMA peak of the same threads
+    #: (G multiply-adds/s, and how it was measured) and their quotient: the prefill's floor
+    prefill_macs: int = 0
+    fma_peak_gmacs: float = 0.0
+    fma_how: str = ""
+    prefill_compute_floor_seconds: float = 0.0
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -352,9 +395,11 @@ def run_decode_bench(
     requests_per_token = _median([float(x) for x in pooled.expert_requests])
     touched = (sizes.trunk_bytes + cfg.vocab * cfg.hidden * 2 + sizes.embed_row_bytes
                + int(round(requests_per_token)) * sizes.expert_bytes)
-    from k3core.tools.bench.kernels import measure_read_bandwidth
+    from k3core.tools.bench.kernels import measure_fma_peak, measure_read_bandwidth
 
     bw, how = measure_read_bandwidth(nthreads, max(1 << 20, bandwidth_bytes))
+    fma, fma_how = measure_fma_peak(nthreads) if prefill else (0.0, "")
+    pmacs = pruns[0].macs[0] if pruns else 0
     notes: list[str] = []
     match: bool | None = None
     if check:
@@ -405,6 +450,8 @@ def run_decode_bench(
         trunk_overlap=(max(0.0, 1.0 - sum(pooled.trunk_wait) / sum(pooled.trunk_read))
                        if sum(pooled.trunk_read) > 0 else 0.0),
         peak_rss_bytes=peak, expert_readers=readers_used,
+        prefill_macs=pmacs, fma_peak_gmacs=fma, fma_how=fma_how,
+        prefill_compute_floor_seconds=pmacs / (fma * 1e9) if fma > 0 else 0.0,
         kernel_seconds_per_token=_median(pooled.kernel_seconds),
         host_seconds_per_token=_median([t - kt for t, kt in
                                         zip(pooled.seconds, pooled.kernel_seconds, strict=True)]),
@@ -474,6 +521,13 @@ def format_report(b: DecodeBench) -> str:
             f"(one token at a time would multiply {b.prefill_expert_bytes_if_per_token / gb:.3f} GB); "
             f"{b.prefill_chunks} pass(es)" + (f" of at most {b.prefill_chunk} ids" if b.prefill_chunk else "")
             + f", {b.prefill_calls} Python->kernel calls")
+        if b.prefill_compute_floor_seconds > 0:
+            lines.append(
+                f"compute     : the prefill's weight products are {b.prefill_macs / 1e9:.1f} G "
+                f"multiply-adds; at the float64 FMA peak of {b.fma_peak_gmacs:.1f} G/s "
+                f"({b.fma_how}, {b.threads} threads) no prefill takes less than "
+                f"{b.prefill_compute_floor_seconds:.3f} s; this one is "
+                f"{b.prefill_seconds / b.prefill_compute_floor_seconds:.2f}x that floor")
     if b.checked_against:
         lines.append(f"ids         : {'identical to' if b.ids_match else 'DIFFERENT from'} "
                      f"--backend {b.checked_against} (decode: {','.join(map(str, b.generated_ids))})")
