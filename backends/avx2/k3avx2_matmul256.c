@@ -53,13 +53,13 @@ K3_AI void p2_block(const int NR, const int NT, __m256d part[K3_PR][P2_T][8], co
     }
 }
 
-/* Columns [c0, c0 + n) of NR rows (bf16 or float32, rows `rs` bytes apart from rb) as float32
- * rows of P2_CB in wb, +0.0 from column `cols` to the block's whole chunks (nc). */
-K3_AI void p2_convert(enum k3_wkind kind, const int NR, const uint8_t *rb, int64_t rs,
-                      int64_t c0, int64_t cols, int64_t nc, float *wb) {
+/* Columns [c0, c0 + nc) of nr rows (bf16 or float32, rows `rs` bytes apart from rb) as
+ * float32 rows `os` floats apart in wb, +0.0 from column `cols` on. */
+K3_AI void p2_convert(enum k3_wkind kind, int64_t nr, const uint8_t *rb, int64_t rs,
+                      int64_t c0, int64_t cols, int64_t nc, float *wb, int64_t os) {
     const int64_t n = cols - c0 < nc ? cols - c0 : nc;
-    for (int r = 0; r < NR; ++r) {
-        float *out = wb + r * P2_CB;
+    for (int64_t r = 0; r < nr; ++r) {
+        float *out = wb + r * os;
         int64_t i = 0;
         if (kind == K3_W_BF16) {
             const uint16_t *src = (const uint16_t *)(rb + r * rs) + c0;
@@ -84,13 +84,14 @@ K3_AI void p2_convert(enum k3_wkind kind, const int NR, const uint8_t *rb, int64
     }
 }
 
-/* NR rows (their first at rb, rows `rs` bytes apart; for MXFP4 `mxf`, the rows' float32 copy,
- * cols floats apart) for nt tokens of xd: y[t * rows + r]. Tokens go in groups of P2_G
- * tiles; for each group the columns go in blocks of P2_CB, whose weights (converted once for
- * the group) and activations stay in L1 across the eight passes of every tile. */
+/* NR rows (their first at rb, rows `rs` bytes apart; or `cpy`, the rows' float32 copy, `cs`
+ * floats apart, zero-padded to cp) for nt tokens of xd: y[t * rows + r]. Tokens go in groups
+ * of P2_G tiles; for each group the columns go in blocks of P2_CB, whose weights (converted
+ * once for the group where there is no copy) and activations stay in L1 across the eight
+ * passes of every tile. */
 K3_AI void p2_rows(enum k3_wkind kind, const int NR, const uint8_t *rb, int64_t rs,
-                   const float *mxf, int64_t rows, int64_t cols, int64_t cp, const double *xd,
-                   int64_t nt, float *y) {
+                   const float *cpy, int64_t cs, int64_t rows, int64_t cols, int64_t cp,
+                   const double *xd, int64_t nt, float *y) {
     float wb[K3_PR * P2_CB] __attribute__((aligned(32)));
     for (int64_t t0 = 0; t0 < nt; t0 += P2_T * P2_G) {
         const int64_t ng = nt - t0 < P2_T * P2_G ? nt - t0 : P2_T * P2_G;
@@ -103,11 +104,11 @@ K3_AI void p2_rows(enum k3_wkind kind, const int NR, const uint8_t *rb, int64_t 
             const int64_t nc = cp - c0 < P2_CB ? cp - c0 : P2_CB; /* whole chunks */
             const float *wf = wb;
             int64_t ws = P2_CB;
-            if (kind == K3_W_MXFP4) {
-                wf = mxf + c0;
-                ws = cols;
+            if (cpy) {
+                wf = cpy + c0;
+                ws = cs;
             } else {
-                p2_convert(kind, NR, rb, rs, c0, cols, nc, wb);
+                p2_convert(kind, NR, rb, rs, c0, cols, nc, wb, P2_CB);
             }
             for (int g = 0; g * P2_T < ng; ++g) {
                 const int64_t t = g * P2_T, n = ng - t < P2_T ? ng - t : P2_T;
@@ -157,23 +158,33 @@ static void mx_row_scalar(const uint8_t *w, const uint8_t *sc, int64_t o, int64_
 K3_AI void k3__row256(enum k3_wkind kind, const void *w, const uint8_t *sc, int64_t o,
                       int64_t nr, int64_t rows, int64_t cols, int64_t cp, const double *xd,
                       int64_t nt, float *y) {
-    const float *mxf = NULL;
+    const float *cpy = NULL;
+    int64_t cs = cols;
+    const int64_t rs = kind == K3_W_BF16 ? 2 * cols : 4 * cols;
+    const uint8_t *rb = kind == K3_W_MXFP4 ? NULL : (const uint8_t *)w + o * rs;
     if (kind == K3_W_MXFP4) {
         uint32_t *wb = (uint32_t *)k3__scratch((size_t)(K3_PR * cols) * sizeof(uint32_t));
         if (!wb || !mx_to_f32(wb, (const uint8_t *)w, sc, o, nr, cols)) {
             for (int64_t r = o; r < o + nr; ++r) mx_row_scalar(w, sc, r, rows, cols, cp, xd, nt, y);
             return;
         }
-        mxf = (const float *)wb;
+        cpy = (const float *)wb;
+    } else if (nt > P2_T * P2_G) {
+        /* more than one token group: the rows converted once for all of them, not once per
+         * group and block (without scratch, per group and block) */
+        float *wb = (float *)k3__scratch((size_t)(K3_PR * cp) * sizeof(float));
+        if (wb) {
+            p2_convert(kind, nr, rb, rs, 0, cols, cp, wb, cp);
+            cpy = wb;
+            cs = cp;
+        }
     }
-    const int64_t rs = kind == K3_W_BF16 ? 2 * cols : 4 * cols;
-    const uint8_t *rb = kind == K3_W_MXFP4 ? NULL : (const uint8_t *)w + o * rs;
     _Static_assert(K3_PR == 4, "the row counts spelled out below");
     switch (nr) {
-    case 1: p2_rows(kind, 1, rb, rs, mxf, rows, cols, cp, xd, nt, y + o); break;
-    case 2: p2_rows(kind, 2, rb, rs, mxf, rows, cols, cp, xd, nt, y + o); break;
-    case 3: p2_rows(kind, 3, rb, rs, mxf, rows, cols, cp, xd, nt, y + o); break;
-    default: p2_rows(kind, 4, rb, rs, mxf, rows, cols, cp, xd, nt, y + o); break;
+    case 1: p2_rows(kind, 1, rb, rs, cpy, cs, rows, cols, cp, xd, nt, y + o); break;
+    case 2: p2_rows(kind, 2, rb, rs, cpy, cs, rows, cols, cp, xd, nt, y + o); break;
+    case 3: p2_rows(kind, 3, rb, rs, cpy, cs, rows, cols, cp, xd, nt, y + o); break;
+    default: p2_rows(kind, 4, rb, rs, cpy, cs, rows, cols, cp, xd, nt, y + o); break;
     }
 }
 
