@@ -130,10 +130,14 @@ def _dense_t4(w, xd, out):
                 out[t0 + 3, o] = np.float32(fold(a3))
 
 
+assert LANES == 32  # the stack slots below
+
+
 @njit(**JIT)
 def _fold_split(even, odd):
-    """Interleave the even/odd lane halves back into lane order and fold."""
-    acc = np.empty(LANES)
+    """Interleave the even/odd lane halves back into lane order and fold (on the stack: a
+    heap array here was one allocation per row)."""
+    acc = carray(stack_f64(32), 32)
     for k in range(HALF):
         acc[2 * k] = even[k]
         acc[2 * k + 1] = odd[k]
