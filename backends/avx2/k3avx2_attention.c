@@ -7,17 +7,13 @@
 /* ---- shortconv: per channel, float32 ------------------------------------------------- */
 void k3_shortconv(const float *x, int64_t T, int64_t C, const float *w, int64_t K, float *hist,
                   float *y) {
-    /* eight channels in the lanes (k3avx2_vexp512.c k3__shortconv8 on AVX-512, else
-     * k3avx2_vexp256.c k3__shortconv8_256), the same float32 operations in the same order, so
-     * the same bits; the channels past a multiple of 8 take the scalar loop */
+    /* eight channels in the lanes (k3avx2_vexp256.c k3__shortconv8, its silu on AVX-512 where
+     * the CPU has it), the same float32 operations in the same order, so the same bits; the
+     * channels past a multiple of 8 take the scalar loop */
     const int64_t vec = K >= 1 && K <= K3_CONV_KMAX ? C / 8 : 0;
     K3_PARALLEL_FOR(K3_BIG(C * T * K, K3_PAR_ELEMENTS))
-    for (int64_t b = 0; b < vec; ++b) {
-        if (g_avx512)
-            k3__shortconv8(x + 8 * b, T, C, w + 8 * b * K, K, hist + 8 * b * (K - 1), y + 8 * b);
-        else
-            k3__shortconv8_256(x + 8 * b, T, C, w + 8 * b * K, K, hist + 8 * b * (K - 1), y + 8 * b);
-    }
+    for (int64_t b = 0; b < vec; ++b)
+        k3__shortconv8(x + 8 * b, T, C, w + 8 * b * K, K, hist + 8 * b * (K - 1), y + 8 * b, g_avx512);
     K3_PARALLEL_FOR(K3_BIG((C - 8 * vec) * T * K, K3_PAR_ELEMENTS))
     for (int64_t c = 8 * vec; c < C; ++c) {
         const float *wc = w + c * K;

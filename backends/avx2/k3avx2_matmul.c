@@ -180,27 +180,26 @@ static inline double fold_mx(const k3_lanes *L) {
  * place that copies (memcpy, a call): kept in the same function, the call made the compiler
  * keep every row's lanes in memory, cleared by a `rep stos` at the row's start and stored and
  * reloaded for the fold (measured on a Zen 3 core: 14 % of an MXFP4 row's time). */
-static __attribute__((noinline)) double row_bf16_tailed(const uint16_t *w, int64_t cols,
-                                                        const double *x) {
+static __attribute__((noinline)) double row_tailed(enum k3_wkind kind, const void *w,
+                                                  int64_t cols, const double *x) {
+    const size_t es = kind == K3_W_BF16 ? sizeof(uint16_t) : sizeof(float);
+    const uint8_t *wb = (const uint8_t *)w;
     k3_lanes L;
     k3_lanes_zero(&L);
     int64_t c = 0;
-    for (; c + 32 <= cols; c += 32) chunk_bf16(&L, w + c, x + c);
-    uint16_t tail[32] = {0};
-    memcpy(tail, w + c, (size_t)(cols - c) * sizeof(uint16_t));
-    chunk_bf16(&L, tail, x + c);
-    return k3_lanes_fold(&L);
-}
-
-static __attribute__((noinline)) double row_f32_tailed(const float *w, int64_t cols,
-                                                       const double *x) {
-    k3_lanes L;
-    k3_lanes_zero(&L);
-    int64_t c = 0;
-    for (; c + 32 <= cols; c += 32) chunk_f32(&L, w + c, x + c);
-    float tail[32] = {0};
-    memcpy(tail, w + c, (size_t)(cols - c) * sizeof(float));
-    chunk_f32(&L, tail, x + c);
+    uint8_t tail[32 * sizeof(float)] __attribute__((aligned(32))) = {0};
+    for (;; c += 32) {
+        const void *chunk = wb + es * (size_t)c;
+        if (c + 32 > cols) { /* the tail, completed with +0.0 weights */
+            memcpy(tail, chunk, es * (size_t)(cols - c));
+            chunk = tail;
+        }
+        if (kind == K3_W_BF16)
+            chunk_bf16(&L, (const uint16_t *)chunk, x + c);
+        else
+            chunk_f32(&L, (const float *)chunk, x + c);
+        if (c + 32 >= cols) break;
+    }
     return k3_lanes_fold(&L);
 }
 
@@ -220,7 +219,7 @@ static __attribute__((noinline)) double row_mxfp4_scalar(const uint8_t *pk, cons
 }
 
 static inline float row_bf16(const uint16_t *w, int64_t cols, const double *x) {
-    if (cols & 31) return (float)row_bf16_tailed(w, cols, x);
+    if (cols & 31) return (float)row_tailed(K3_W_BF16, w, cols, x);
     k3_lanes L;
     k3_lanes_zero(&L);
     for (int64_t c = 0; c < cols; c += 32) {
@@ -231,7 +230,7 @@ static inline float row_bf16(const uint16_t *w, int64_t cols, const double *x) {
 }
 
 static inline float row_f32(const float *w, int64_t cols, const double *x) {
-    if (cols & 31) return (float)row_f32_tailed(w, cols, x);
+    if (cols & 31) return (float)row_tailed(K3_W_F32, w, cols, x);
     k3_lanes L;
     k3_lanes_zero(&L);
     for (int64_t c = 0; c < cols; c += 32) {
@@ -284,22 +283,15 @@ enum { K3_PATH_ROWS = 0, K3_PATH_512 = 1, K3_PATH_256 = 2 };
 static inline void do_rows(enum k3_wkind kind, int blocked, const void *w, const uint8_t *sc,
                            int64_t o, int64_t nr, int64_t rows, int64_t cols, int64_t cp,
                            const double *xd, int64_t nt, float *y) {
-    if (blocked == K3_PATH_256) {
-        if (kind == K3_W_BF16)
-            k3__row256_bf16(w, sc, o, nr, rows, cols, cp, xd, nt, y);
-        else if (kind == K3_W_F32)
-            k3__row256_f32(w, sc, o, nr, rows, cols, cp, xd, nt, y);
-        else
-            k3__row256_mxfp4(w, sc, o, nr, rows, cols, cp, xd, nt, y);
-        return;
-    }
-    if (blocked == K3_PATH_512) {
-        if (kind == K3_W_BF16)
-            k3__row512_bf16(w, sc, o, nr, rows, cols, cp, xd, nt, y);
-        else if (kind == K3_W_F32)
-            k3__row512_f32(w, sc, o, nr, rows, cols, cp, xd, nt, y);
-        else
-            k3__row512_mxfp4(w, sc, o, nr, rows, cols, cp, xd, nt, y);
+    /* the tile kernels, one per path and weight kind (each inner loop specialised) */
+    typedef void (*rows_fn)(const void *, const uint8_t *, int64_t, int64_t, int64_t, int64_t,
+                            int64_t, const double *, int64_t, float *);
+    static const rows_fn tiles[2][3] = {
+        {k3__row512_bf16, k3__row512_f32, k3__row512_mxfp4},
+        {k3__row256_bf16, k3__row256_f32, k3__row256_mxfp4},
+    };
+    if (blocked == K3_PATH_512 || blocked == K3_PATH_256) {
+        tiles[blocked - K3_PATH_512][kind](w, sc, o, nr, rows, cols, cp, xd, nt, y);
         return;
     }
     for (int64_t r = o; r < o + nr; ++r)

@@ -117,10 +117,12 @@ static void k3__kda_gate256(const float *z, const float *dt, double a, double lb
     }
 }
 
-/* shortconv of eight channels: k3__shortconv8 (k3avx2_vexp512.c) with the silu four lanes at
- * a time; the float32 products and sums are the same instructions in the same order. */
-static void k3__shortconv8_256(const float *x, int64_t T, int64_t C, const float *w, int64_t K,
-                               float *hist, float *y) {
+/* shortconv of eight channels (x, w, hist, y offset to the first of them; channel stride 1 in
+ * x and y, K in w, K - 1 in hist): the scalar loop of k3avx2_attention.c with the channels in
+ * the lanes, float32 products and sums rounded one by one as there (no FMA); the silu eight
+ * float64 lanes at a time where `wide` (AVX-512, k3__silu8_512), else four. */
+static void k3__shortconv8(const float *x, int64_t T, int64_t C, const float *w, int64_t K,
+                           float *hist, float *y, int wide) {
     __m256 wv[K3_CONV_KMAX], hv[K3_CONV_KMAX];
     float lane[8];
     for (int64_t j = 0; j < K; ++j) {
@@ -138,6 +140,10 @@ static void k3__shortconv8_256(const float *x, int64_t T, int64_t C, const float
         if (K > 1) {
             for (int64_t j = 0; j + 1 < K - 1; ++j) hv[j] = hv[j + 1];
             hv[K - 2] = xt;
+        }
+        if (wide) {
+            _mm256_storeu_ps(y + t * C, k3__silu8_512(acc));
+            continue;
         }
         const __m128 lo = _mm256_cvtpd_ps(v4_unary(K3_U_SILU, _mm256_cvtps_pd(_mm256_castps256_ps128(acc))));
         const __m128 hi = _mm256_cvtpd_ps(v4_unary(K3_U_SILU, _mm256_cvtps_pd(_mm256_extractf128_ps(acc, 1))));

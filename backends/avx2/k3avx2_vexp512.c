@@ -130,35 +130,9 @@ k3__kda_gate512(const float *z, const float *dt, double a, double lb, int64_t D,
     }
 }
 
-/* shortconv of eight channels (x, w, hist, y offset to the first of them; channel stride 1 in
- * x and y, K in w, K - 1 in hist): the scalar loop of k3avx2_attention.c with the channels in
- * the lanes. float32 products and sums rounded one by one as there (no FMA). */
+/* shortconv's silu of eight float32 sums, eight float64 lanes at once (the conv itself is
+ * k3__shortconv8, k3avx2_vexp256.c). */
 #define K3_CONV_KMAX 8
-__attribute__((target("avx512f,avx512dq,avx512vl"))) static void
-k3__shortconv8(const float *x, int64_t T, int64_t C, const float *w, int64_t K, float *hist,
-               float *y) {
-    __m256 wv[K3_CONV_KMAX], hv[K3_CONV_KMAX];
-    float lane[8];
-    for (int64_t j = 0; j < K; ++j) {
-        for (int l = 0; l < 8; ++l) lane[l] = w[l * K + j];
-        wv[j] = _mm256_loadu_ps(lane);
-    }
-    for (int64_t j = 0; j < K - 1; ++j) {
-        for (int l = 0; l < 8; ++l) lane[l] = hist[l * (K - 1) + j];
-        hv[j] = _mm256_loadu_ps(lane);
-    }
-    for (int64_t t = 0; t < T; ++t) {
-        const __m256 xt = _mm256_loadu_ps(x + t * C);
-        __m256 acc = _mm256_mul_ps(wv[K - 1], xt);
-        for (int64_t j = 0; j < K - 1; ++j) acc = _mm256_add_ps(acc, _mm256_mul_ps(wv[j], hv[j]));
-        if (K > 1) {
-            for (int64_t j = 0; j + 1 < K - 1; ++j) hv[j] = hv[j + 1];
-            hv[K - 2] = xt;
-        }
-        _mm256_storeu_ps(y + t * C, _mm512_cvtpd_ps(v_unary(K3_U_SILU, _mm512_cvtps_pd(acc))));
-    }
-    for (int64_t j = 0; j < K - 1; ++j) {
-        _mm256_storeu_ps(lane, hv[j]);
-        for (int l = 0; l < 8; ++l) hist[l * (K - 1) + j] = lane[l];
-    }
+__attribute__((target("avx512f,avx512dq,avx512vl"))) static __m256 k3__silu8_512(__m256 v) {
+    return _mm512_cvtpd_ps(v_unary(K3_U_SILU, _mm512_cvtps_pd(v)));
 }
