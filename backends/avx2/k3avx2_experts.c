@@ -70,9 +70,10 @@ static void tmats_run(enum k3_wkind kind, k3_tmat *m, int64_t n, int64_t cols, i
         tmats_job_fn(&j, 0, total);
 }
 
-/* One piece: tokens [t0, t0 + nt) of expert e. */
+/* One piece: tokens [t0, t0 + nt) of expert e, multiplied on use_blocked's path `path`. */
 typedef struct {
     int64_t e, t0, nt;
+    int path;
 } k3_piece;
 
 int k3_situ_mlp_many(int kind, int n, void **w1, uint8_t **s1, void **w3, uint8_t **s3,
@@ -111,11 +112,11 @@ int k3_situ_mlp_many(int kind, int n, void **w1, uint8_t **s1, void **w3, uint8_
             pc[np].e = i;
             pc[np].t0 = t0;
             pc[np].nt = T[i] - t0 < tb ? T[i] - t0 : tb;
+            /* on AVX-512 the multi-token kernels for every expert (one token included), else
+             * the piece's own path (one token: the row kernels); the bits are the same */
+            pc[np].path = use_blocked(kd, g_avx512 ? 2 : pc[np].nt);
             ++np;
         }
-    /* on AVX-512 the multi-token kernels for every expert (one token included), else each
-     * piece's own path (one token: the row kernels); the bits are the same either way */
-#define PIECE_PATH(p) (g_avx512 ? use_blocked(kd, 2) : use_blocked(kd, pc[p].nt))
     float *h1 = h, *h3 = h + gt * inter, *a = h + 2 * gt * inter;
     for (int64_t p0 = 0; p0 < np;) {
         /* the pieces [p0, p1) whose tokens fit the group */
@@ -125,7 +126,7 @@ int k3_situ_mlp_many(int kind, int n, void **w1, uint8_t **s1, void **w3, uint8_
         int64_t r = 0, nm = 0;
         for (int64_t p = p0; p < p1; ++p) {
             const int64_t e = pc[p].e;
-            const int bl = PIECE_PATH(p);
+            const int bl = pc[p].path;
             widen_x(xd + r * cp, x[e] + pc[p].t0 * cols, pc[p].nt, cols, cp, kd == K3_W_MXFP4 && !bl);
             const uint8_t *sc1 = s1 ? s1[e] : NULL, *sc3 = s3 ? s3[e] : NULL;
             m[nm++] = (k3_tmat){w1[e], sc1, inter, h1 + r * inter, xd + r * cp, pc[p].nt, 0, bl};
@@ -142,7 +143,7 @@ int k3_situ_mlp_many(int kind, int n, void **w1, uint8_t **s1, void **w3, uint8_
         nm = 0;
         for (int64_t p = p0; p < p1; ++p) {
             const int64_t e = pc[p].e;
-            const int bl = PIECE_PATH(p);
+            const int bl = pc[p].path;
             widen_x(ad + r * ip, a + r * inter, pc[p].nt, inter, ip, kd == K3_W_MXFP4 && !bl);
             const uint8_t *sc2 = s2 ? s2[e] : NULL;
             m[nm++] = (k3_tmat){w2[e], sc2, out_rows, y[e] + pc[p].t0 * out_rows, ad + r * ip,
@@ -152,7 +153,6 @@ int k3_situ_mlp_many(int kind, int n, void **w1, uint8_t **s1, void **w3, uint8_
         tmats_run(kd, m, nm, inter, ip, par);
         p0 = p1;
     }
-#undef PIECE_PATH
 out:
     k3__free(pc);
     k3__free(m);

@@ -12,21 +12,23 @@
  *
  * What it buys is registers. A tile of K3_PR (4) rows and P2_T (3) tokens keeps one
  * accumulator per (row, token) - 12 ymm - beside the three tokens' activation vectors and
- * one weight vector: each decoded weight vector feeds three FMAs, each loaded activation
- * vector four. The one-token kernels decode a bf16 weight again for every token (two shuffles
- * and a widening per four weights, beside one FMA), which queues on the shuffle ports the
- * FMAs share. The rows of a tile stay in L1/L2 across its eight passes; pass 0 prefetches
- * them.
+ * one weight vector: each weight vector feeds three FMAs, each loaded activation vector four.
  *
- * MXFP4 rows go through a float32 copy of the tile (mx_to_f32, k3avx2_matmul512.c: exact for
- * every scale byte up to MX_F32_MAX_SCALE), then the float32 tiles; a tile with a larger
- * scale byte (2^126 and up, or the NaN byte) takes mx_row_scalar, one table lookup per
- * weight in natural column order.
+ * The weights come from float32 copies, so the inner loop widens four weights with one
+ * `vcvtps2pd` from memory and no integer shuffle (the one-token kernels' bf16 widening, two
+ * shuffles per four weights, queues on the ports the FMAs share). A tile's bf16 or float32
+ * rows are converted once for all the tokens of the block (twelve tokens or fewer: a
+ * 512-column block at a time, into a buffer that stays in L1); MXFP4 rows through mx_to_f32
+ * (k3avx2_matmul512.c: exact for every scale byte up to MX_F32_MAX_SCALE), and a tile with a
+ * larger scale byte (2^126 and up, or the NaN byte) takes mx_row_scalar, one table lookup per
+ * weight in natural column order. The columns go in blocks of P2_CB, whose weights and one
+ * token tile's activations stay in L1 across the eight passes; the accumulators are carried
+ * from block to block, so each lane's terms still come in increasing column order.
  */
 #include "k3avx2_internal.h"
 
 #define P2_T 3    /* tokens per tile */
-#define P2_G 4    /* tiles per token group: the rows are converted once per group */
+#define P2_G 4    /* tiles per token group (their accumulators live through the blocks) */
 #define P2_CB 512 /* columns per block */
 #define K3_AI static inline __attribute__((always_inline))
 
@@ -188,7 +190,7 @@ K3_AI void k3__row256(enum k3_wkind kind, const void *w, const uint8_t *sc, int6
     }
 }
 
-/* The two weight kinds as separate functions, so each inner loop is specialised. */
+/* The three weight kinds as separate functions, so each inner loop is specialised. */
 static void k3__row256_bf16(const void *w, const uint8_t *sc, int64_t o, int64_t nr, int64_t rows,
                             int64_t cols, int64_t cp, const double *xd, int64_t nt, float *y) {
     k3__row256(K3_W_BF16, w, sc, o, nr, rows, cols, cp, xd, nt, y);

@@ -117,6 +117,8 @@ static void k3__kda_gate256(const float *z, const float *dt, double a, double lb
     }
 }
 
+#define K3_CONV_KMAX 8 /* the longest conv kernel k3__shortconv8 takes */
+
 /* shortconv of eight channels (x, w, hist, y offset to the first of them; channel stride 1 in
  * x and y, K in w, K - 1 in hist): the scalar loop of k3avx2_attention.c with the channels in
  * the lanes, float32 products and sums rounded one by one as there (no FMA); the silu eight

@@ -99,9 +99,13 @@ def test_product_macs_counts_each_matrix_of_a_call_once() -> None:
             return [self.matmul_bf16(w, x) for w in ws]
 
     ops = Ops()
-    counter = CallCounter(ops)  # type: ignore[arg-type]
+    counter = CallCounter(ops, count_macs=True)  # type: ignore[arg-type]
     ops.matmul_many([w, w], x3)
     assert counter.calls == 3 and counter.macs == 2 * 48 * 3
+    plain = Ops()
+    quiet = CallCounter(plain)  # type: ignore[arg-type]  # the decode steps count no macs
+    plain.matmul_many([w, w], x3)
+    assert quiet.calls == 3 and quiet.macs == 0
 
 
 def test_chunked_prefill_is_checked_against_one_pass(model) -> None:

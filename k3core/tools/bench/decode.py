@@ -106,11 +106,13 @@ class CallCounter:
     """Counts calls of every kernel op of one backend instance (wrapping its methods), and
     the wall seconds spent inside them: an op that calls another op (a fused op's fallback)
     is timed once, at the outermost call. Everything else of a token is the engine's own
-    work between kernel calls (the *host* time: Python, NumPy glue, waits). ``macs`` adds up
-    the weight products' multiply-adds (``product_macs``, outermost calls only)."""
+    work between kernel calls (the *host* time: Python, NumPy glue, waits). With
+    ``count_macs``, ``macs`` adds up the weight products' multiply-adds (``product_macs``,
+    outermost calls only); off, the timed decode steps pay nothing for it."""
 
-    def __init__(self, backend: KernelBackend):
+    def __init__(self, backend: KernelBackend, count_macs: bool = False):
         self.calls = 0
+        self._count_macs = count_macs
         self.seconds = 0.0
         self.macs = 0
         self._depth = 0
@@ -122,7 +124,8 @@ class CallCounter:
             self.calls += 1
             if self._depth:
                 return fn(*args, **kwargs)
-            self.macs += product_macs(name, args)
+            if self._count_macs:
+                self.macs += product_macs(name, args)
             self._depth = 1
             t0 = time.perf_counter()
             try:
@@ -167,11 +170,11 @@ def _counters(eng: Engine, counter: CallCounter) -> tuple[int, int, int, int, fl
 
 
 def _decode_run(opts: EngineOptions, ids: list[int], gen: int, incremental: bool,
-                spec: SpecOptions | None = None) -> RunFigures:
+                spec: SpecOptions | None = None, count_macs: bool = False) -> RunFigures:
     eng = open_engine(opts)
     fig = RunFigures()
     try:
-        counter = CallCounter(eng.kernels)
+        counter = CallCounter(eng.kernels, count_macs)
         last = [_counters(eng, counter)]
         kernel_at = [counter.seconds]
         macs_at = [counter.macs]
@@ -389,7 +392,8 @@ def run_decode_bench(
         pooled.seconds += s.seconds
     rng = np.random.default_rng(seed)
     pids = [int(i) for i in rng.integers(0, cfg.vocab, prefill)] if prefill else []
-    pruns = ([_decode_run(options(backend, prefill_chunk), pids, 1, True) for _ in range(repeat)]
+    pruns = ([_decode_run(options(backend, prefill_chunk), pids, 1, True, count_macs=True)
+              for _ in range(repeat)]
              if prefill else [])
     sizes = sizes_from_config(cfg)
     requests_per_token = _median([float(x) for x in pooled.expert_requests])
