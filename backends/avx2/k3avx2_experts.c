@@ -45,10 +45,7 @@ static void tmats_job_fn(void *ctx, int64_t b, int64_t e) {
     int64_t i = lo, o = b - j->m[i].first;
     for (int64_t g = b; g < e;) {
         while (o >= j->m[i].rows) o -= j->m[i++].rows;
-        int64_t nr = K3_PR; /* a lane-pass tile of rows where the range has them */
-        if (nr > e - g) nr = e - g;
-        if (nr > j->m[i].rows - o) nr = j->m[i].rows - o;
-        if (!j->m[i].blocked) nr = 1;
+        const int64_t nr = tile_rows(j->m[i].blocked, e - g, j->m[i].rows - o);
         do_rows(j->kind, j->m[i].blocked, j->m[i].w, j->m[i].sc, o, nr, j->m[i].rows, j->cols, j->cp,
                 j->m[i].xd, j->m[i].nt, j->m[i].y);
         g += nr;
@@ -112,9 +109,9 @@ int k3_situ_mlp_many(int kind, int n, void **w1, uint8_t **s1, void **w3, uint8_
             pc[np].e = i;
             pc[np].t0 = t0;
             pc[np].nt = T[i] - t0 < tb ? T[i] - t0 : tb;
-            /* on AVX-512 the multi-token kernels for every expert (one token included), else
-             * the piece's own path (one token: the row kernels); the bits are the same */
-            pc[np].path = use_blocked(kd, g_avx512 ? 2 : pc[np].nt);
+            /* the piece's own path, and on AVX-512 the lane-pass tiles for one token too (the
+             * bits are the same) */
+            pc[np].path = g_avx512 && pc[np].nt < 2 ? K3_PATH_512 : use_blocked(kd, pc[np].nt);
             ++np;
         }
     float *h1 = h, *h3 = h + gt * inter, *a = h + 2 * gt * inter;
@@ -127,7 +124,7 @@ int k3_situ_mlp_many(int kind, int n, void **w1, uint8_t **s1, void **w3, uint8_
         for (int64_t p = p0; p < p1; ++p) {
             const int64_t e = pc[p].e;
             const int bl = pc[p].path;
-            widen_x(xd + r * cp, x[e] + pc[p].t0 * cols, pc[p].nt, cols, cp, kd == K3_W_MXFP4 && !bl);
+            widen_x(xd + r * cp, x[e] + pc[p].t0 * cols, pc[p].nt, cols, cp, x_order(kd, bl));
             const uint8_t *sc1 = s1 ? s1[e] : NULL, *sc3 = s3 ? s3[e] : NULL;
             m[nm++] = (k3_tmat){w1[e], sc1, inter, h1 + r * inter, xd + r * cp, pc[p].nt, 0, bl};
             m[nm++] = (k3_tmat){w3[e], sc3, inter, h3 + r * inter, xd + r * cp, pc[p].nt, 0, bl};
@@ -144,7 +141,7 @@ int k3_situ_mlp_many(int kind, int n, void **w1, uint8_t **s1, void **w3, uint8_
         for (int64_t p = p0; p < p1; ++p) {
             const int64_t e = pc[p].e;
             const int bl = pc[p].path;
-            widen_x(ad + r * ip, a + r * inter, pc[p].nt, inter, ip, kd == K3_W_MXFP4 && !bl);
+            widen_x(ad + r * ip, a + r * inter, pc[p].nt, inter, ip, x_order(kd, bl));
             const uint8_t *sc2 = s2 ? s2[e] : NULL;
             m[nm++] = (k3_tmat){w2[e], sc2, out_rows, y[e] + pc[p].t0 * out_rows, ad + r * ip,
                                 pc[p].nt, 0, bl};

@@ -77,15 +77,32 @@ static void k3__situ(const float *g, const float *u, int64_t n, double b1, doubl
 }
 
 /* ---- activations widened once per token block --------------------------------------- */
-/* xd[t, :] = d(x[t, :]) for n tokens, padded with +0.0 to a multiple of 32; `perm` applies
- * MX_PERM. */
-static void widen_x(double *xd, const float *x, int64_t n, int64_t cols, int64_t cp, int perm) {
+/* How a token block is multiplied (use_blocked): the one-token row kernels, the AVX-512
+ * lane-pass tiles, the AVX2 tiles, or the AVX-512 span tiles (k3avx2_span512.c). */
+enum { K3_PATH_ROWS = 0, K3_PATH_512 = 1, K3_PATH_256 = 2, K3_PATH_SPAN = 3 };
+
+/* The order of the widened activations a path reads: natural, MX_PERM within each group of
+ * four columns (the MXFP4 rows), or pass-major (the span tiles: span_index). */
+enum { K3_X_NATURAL = 0, K3_X_MXPERM = 1, K3_X_PASS = 2 };
+
+static inline int x_order(enum k3_wkind kind, int path) {
+    if (path == K3_PATH_SPAN) return K3_X_PASS;
+    return kind == K3_W_MXFP4 && path == K3_PATH_ROWS ? K3_X_MXPERM : K3_X_NATURAL;
+}
+
+/* xd[t, :] = d(x[t, :]) for n tokens, padded with +0.0 to a multiple of 32, in `order`. */
+static void widen_x(double *xd, const float *x, int64_t n, int64_t cols, int64_t cp, int order) {
     for (int64_t t = 0; t < n; ++t) {
         const float *xs = x + t * cols;
         double *xo = xd + t * cp;
         for (int64_t i = 0; i < cp; ++i) {
-            int64_t src = perm ? (i & ~(int64_t)3) + MX_PERM[i & 3] : i;
-            xo[i] = src < cols ? (double)xs[src] : 0.0;
+            const double v = i < cols ? (double)xs[i] : 0.0;
+            if (order == K3_X_PASS)
+                xo[span_index(i, cp)] = v;
+            else if (order == K3_X_MXPERM)
+                xo[(i & ~(int64_t)3) + MX_PERM[i & 3]] = v; /* MX_PERM is its own inverse */
+            else
+                xo[i] = v;
         }
     }
 }
@@ -274,11 +291,7 @@ K3_ROWS_FN(k3__row256_f32);
 K3_ROWS_FN(k3__row256_mxfp4);
 #undef K3_ROWS_FN
 
-/* How a token block is multiplied (use_blocked): the one-token row kernels, the AVX-512
- * tiles, or the AVX2 tiles. */
-enum { K3_PATH_ROWS = 0, K3_PATH_512 = 1, K3_PATH_256 = 2 };
-
-/* Rows o .. o + nr - 1 (nr 1..K3_PR; 1 on K3_PATH_ROWS) of one matrix for the nt tokens of a
+/* Rows o .. o + nr - 1 (nr 1..K3_PR; 1 on K3_PATH_ROWS; any on K3_PATH_SPAN) of one matrix for the nt tokens of a
  * widened block (xd: nt x cp; y: the block's first token, y[t * rows + o]). */
 static inline void do_rows(enum k3_wkind kind, int blocked, const void *w, const uint8_t *sc,
                            int64_t o, int64_t nr, int64_t rows, int64_t cols, int64_t cp,
@@ -290,8 +303,13 @@ static inline void do_rows(enum k3_wkind kind, int blocked, const void *w, const
         {k3__row512_bf16, k3__row512_f32, k3__row512_mxfp4},
         {k3__row256_bf16, k3__row256_f32, k3__row256_mxfp4},
     };
+    static const rows_fn spans[3] = {k3__span512_bf16, k3__span512_f32, k3__span512_mxfp4};
     if (blocked == K3_PATH_512 || blocked == K3_PATH_256) {
         tiles[blocked - K3_PATH_512][kind](w, sc, o, nr, rows, cols, cp, xd, nt, y);
+        return;
+    }
+    if (blocked == K3_PATH_SPAN) {
+        spans[kind](w, sc, o, nr, rows, cols, cp, xd, nt, y);
         return;
     }
     for (int64_t r = o; r < o + nr; ++r)
@@ -305,6 +323,15 @@ typedef struct {
     int64_t rows;
     float *y;
 } k3_mat;
+
+/* The rows a path takes at once from a range with `left` rows, `in_mat` of them in the
+ * current matrix: one on the rows path, a lane-pass tile of K3_PR where the range has them,
+ * all of them on the span path. */
+static inline int64_t tile_rows(int path, int64_t left, int64_t in_mat) {
+    int64_t nr = path == K3_PATH_ROWS ? 1 : path == K3_PATH_SPAN ? left : K3_PR;
+    if (nr > left) nr = left;
+    return nr < in_mat ? nr : in_mat;
+}
 
 /* Rows [b, e) of the concatenated rows of a group of matrices, for one token block. */
 typedef struct {
@@ -323,10 +350,7 @@ static void rows_job_fn(void *ctx, int64_t b, int64_t e) {
     while (o >= j->m[i].rows) o -= j->m[i++].rows;
     for (int64_t g = b; g < e;) {
         while (o >= j->m[i].rows) o -= j->m[i++].rows;
-        int64_t nr = K3_PR; /* a lane-pass tile of rows where the range has them */
-        if (nr > e - g) nr = e - g;
-        if (nr > j->m[i].rows - o) nr = j->m[i].rows - o;
-        if (!j->blocked) nr = 1;
+        int64_t nr = tile_rows(j->blocked, e - g, j->m[i].rows - o);
         do_rows(j->kind, j->blocked, j->m[i].w, j->m[i].sc, o, nr, j->m[i].rows, j->cols, j->cp,
                 j->xd, j->nt, j->m[i].y + j->t0 * j->m[i].rows);
         g += nr;
@@ -346,11 +370,15 @@ static void group_rows(enum k3_wkind kind, int blocked, const k3_mat *m, int n, 
         rows_job_fn(&j, 0, total);
 }
 
-/* The path for a block of T tokens: the AVX-512 tiles for several tokens (and for one MXFP4
- * token), else the AVX2 tiles for several tokens, else the one-token rows. Only the rows
- * path reads MXFP4 activations in MX_PERM order (widen_x's `perm`). */
+/* The path for a block of T tokens: on AVX-512 the span tiles for SPAN_MIN_TOKENS tokens
+ * and more (MX_COPY_MIN_TOKENS for MXFP4), the lane-pass tiles for fewer (and for one MXFP4
+ * token); else the AVX2 tiles for several tokens; else the one-token rows. Each path reads
+ * its activations in x_order's order. */
 static inline int use_blocked(enum k3_wkind kind, int64_t T) {
-    if (g_avx512) return T >= 2 || kind == K3_W_MXFP4 ? K3_PATH_512 : K3_PATH_ROWS;
+    if (g_avx512) {
+        if (T >= (kind == K3_W_MXFP4 ? MX_COPY_MIN_TOKENS : SPAN_MIN_TOKENS)) return K3_PATH_SPAN;
+        return T >= 2 || kind == K3_W_MXFP4 ? K3_PATH_512 : K3_PATH_ROWS;
+    }
     return T >= 2 ? K3_PATH_256 : K3_PATH_ROWS;
 }
 
@@ -372,7 +400,7 @@ static int matmul_group(enum k3_wkind kind, const k3_mat *m, int n, int64_t cols
     for (int64_t t0 = 0; t0 < T; t0 += tb) {
         const int64_t nt = t0 + tb < T ? tb : T - t0;
         const int blocked = use_blocked(kind, nt);
-        widen_x(xd, x + t0 * cols, nt, cols, cp, kind == K3_W_MXFP4 && !blocked);
+        widen_x(xd, x + t0 * cols, nt, cols, cp, x_order(kind, blocked));
         group_rows(kind, blocked, m, n, cols, cp, xd, t0, nt, par);
     }
     k3__free(xd);
@@ -454,14 +482,14 @@ int k3_situ_mlp(int kind, const void *w1, const uint8_t *s1, const void *w3, con
     for (int64_t t0 = 0; t0 < T; t0 += tb) {
         const int64_t nt = t0 + tb < T ? tb : T - t0;
         const int blocked = use_blocked(kd, nt);
-        widen_x(xd, x + t0 * cols, nt, cols, cp, kd == K3_W_MXFP4 && !blocked);
+        widen_x(xd, x + t0 * cols, nt, cols, cp, x_order(kd, blocked));
         group_rows(kd, blocked, up, 2, cols, cp, xd, 0, nt, par);
         situ_job sj = {h1, h3, a, b1, b2};
         if (par)
             k3__pool_run(situ_job_fn, &sj, nt * inter, k3__forced() ? 1 : 64, k3__threads());
         else
             situ_job_fn(&sj, 0, nt * inter);
-        widen_x(ad, a, nt, inter, ip, kd == K3_W_MXFP4 && !blocked);
+        widen_x(ad, a, nt, inter, ip, x_order(kd, blocked));
         group_rows(kd, blocked, &down, 1, inter, ip, ad, t0, nt, par);
     }
     k3__free(xd);

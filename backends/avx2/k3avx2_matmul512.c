@@ -215,7 +215,7 @@ K3_INLINE512 void pass_run(enum k3_wkind kind, const int NT, __m512d acc[K3_PR][
                 const uint16_t *p = (const uint16_t *)rb[r] + 32 * c + 8 * k;
                 if (pf) _mm_prefetch((const char *)p + PREFETCH512_BF16, _MM_HINT_T1);
                 q[r] = pass_bf16(p, n);
-            } else if (kind == K3_W_F32) { /* whole steps: the float32 copies of MXFP4 rows */
+            } else if (kind == K3_W_F32) { /* whole steps of float32 rows */
                 q[r] = _mm512_cvtps_pd(_mm256_loadu_ps((const float *)rb[r] + 32 * c + 8 * k));
             } else {
                 const uint8_t *g = rb[r] + 16 * c + 4 * k;
@@ -274,26 +274,18 @@ K3_INLINE512 void pass_tile(enum k3_wkind kind, const int NT, const void *w, con
                 (float)fold512(part[r][j][0], part[r][j][1], part[r][j][2], part[r][j][3]);
 }
 
-/* ---- MXFP4 row tiles decoded once, to float32 -------------------------------------------
- * An MXFP4 pass tile decodes every group again for each five tokens, and that decode (a
- * broadcast, a variable shift and a two-table permute per eight weights) costs about as
- * much as the five FMAs it feeds: measured on a Zen 4 core, 4 x 5 tiles over 768 columns
- * reach 14-16 GMAC/s where bf16 tiles reach 20-23. An MXFP4 weight is E2M1 x 2^(b - 127),
- * at most three significant bits: for every scale byte b <= MX_F32_MAX_SCALE it is a float32
- * exactly, whose low half is zero (the smallest, 2^-128, is a subnormal; the largest,
- * 6 x 2^125, a normal). So where a tile of four rows serves MX_COPY_MIN_TOKENS tokens or
- * more and its scales are in that range, its groups are decoded once into a float32 copy
- * of the four rows (the thread's scratch; two byte shuffles per group from per-scale tables
- * of the high halves, then widening), and every token tile - the five-token tiles and the
- * 1..4 tokens left over - runs the float32 pass tile over the copy (a load and a widening
- * per eight weights). Each weight is then the float64 dec_mxfp4 gives, the lane sums and the fold are
- * pass_tile's, so the bits are unchanged. Other scales (the largest, and the NaN byte 255)
- * keep the MXFP4 pass tiles. Measured, one thread, alternating in one process: the 64
- * experts of a 128-token prefill (8 to 23 tokens each) 16.7 GMAC/s against 14.4, one
- * [672 x 768] matrix and 40 tokens 19.3 against 16.3. */
+/* ---- MXFP4 rows decoded once, to float32 (the AVX2 tiles) --------------------------------
+ * An MXFP4 weight is E2M1 x 2^(b - 127), at most three significant bits: for every scale
+ * byte b <= MX_F32_MAX_SCALE it is a float32 exactly, whose low half is zero (the smallest,
+ * 2^-128, is a subnormal; the largest, 6 x 2^125, a normal). So the AVX2 tiles
+ * (k3avx2_matmul256.c) decode a tile's groups once into a float32 copy (two byte shuffles
+ * per group from per-scale tables of the high halves, then widening); each weight is then
+ * the float64 dec_mxfp4 gives. On AVX-512 several MXFP4 tokens go through the span tiles'
+ * float64 copies (k3avx2_span512.c) from MX_COPY_MIN_TOKENS on. */
 
-/* Below this many tokens the copy costs more than it saves: one thread, [672 x 768], 2 tokens
- * 10.0 GMAC/s against 13.5 without, 6 tokens 15.4 against 16.0, 10 tokens 17.1 against 16.2. */
+/* Below this many tokens an MXFP4 copy costs more than it saves (measured on Zen 4 for the
+ * float32 copy, one thread, [672 x 768]: 2 tokens 10.0 GMAC/s against 13.5 without, 6 tokens
+ * 15.4 against 16.0, 10 tokens 17.1 against 16.2). */
 #define MX_COPY_MIN_TOKENS 8
 
 /* The nr rows o.. of an MXFP4 matrix as float32 rows of `cols` (wb), or 0 where a scale
@@ -339,29 +331,6 @@ static inline __attribute__((always_inline)) int mx_to_f32(uint32_t *wb, const u
     return 1;
 }
 
-/* Rows o .. o + K3_PR - 1 of an MXFP4 matrix for nt tokens through one float32 copy; 0
- * when the scales or the thread's scratch do not allow it (the caller takes the MXFP4 pass
- * tiles). */
-K3_INLINE512 int mx_rows_f32(const void *w, const uint8_t *sc, int64_t o, int64_t rows,
-                             int64_t cols, int64_t cp, const double *xd, int64_t nt, float *y) {
-    uint32_t *wb = (uint32_t *)k3__scratch((size_t)(K3_PR * cols) * sizeof(uint32_t));
-    if (!wb || !mx_to_f32(wb, (const uint8_t *)w, sc, o, K3_PR, cols)) return 0;
-    int64_t t = 0;
-    for (; t + K3_PT <= nt; t += K3_PT)
-        pass_tile(K3_W_F32, K3_PT, wb, NULL, 0, cols, cp, xd + t * cp, rows, y + t * rows + o, 0);
-    const double *xt = xd + t * cp;
-    float *yt = y + t * rows + o;
-    _Static_assert(K3_PT == 5, "the tokens left over are 1..4");
-    switch (nt - t) {
-    case 1: pass_tile(K3_W_F32, 1, wb, NULL, 0, cols, cp, xt, rows, yt, 0); break;
-    case 2: pass_tile(K3_W_F32, 2, wb, NULL, 0, cols, cp, xt, rows, yt, 0); break;
-    case 3: pass_tile(K3_W_F32, 3, wb, NULL, 0, cols, cp, xt, rows, yt, 0); break;
-    case 4: pass_tile(K3_W_F32, 4, wb, NULL, 0, cols, cp, xt, rows, yt, 0); break;
-    default: break;
-    }
-    return 1;
-}
-
 /* Rows o .. o + nr - 1 (nr 1..K3_PR) for tokens 0..nt-1 of a widened block (xd: nt x cp
  * float64, natural order): lane-pass tiles where four rows and five tokens are there (bf16
  * and MXFP4), else K3_NT tokens and up to K3_NR rows per pass over the rows. */
@@ -374,9 +343,6 @@ K3_INLINE512 void k3__row512(enum k3_wkind kind, const void *w, const uint8_t *s
             rows_tokens(kind, 1, 1, w, sc, o + r, cols, cp, xd, rows, y + o + r);
         return;
     }
-    if (kind == K3_W_MXFP4 && nr == K3_PR && nt >= MX_COPY_MIN_TOKENS &&
-        mx_rows_f32(w, sc, o, rows, cols, cp, xd, nt, y))
-        return;
     int64_t t = 0;
     if (nr == K3_PR && kind != K3_W_F32)
         for (; t + K3_PT <= nt; t += K3_PT)
