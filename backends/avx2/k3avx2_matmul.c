@@ -371,12 +371,12 @@ static void group_rows(enum k3_wkind kind, int blocked, const k3_mat *m, int n, 
 }
 
 /* The path for a block of T tokens: on AVX-512 the span tiles for SPAN_MIN_TOKENS tokens
- * and more (MX_COPY_MIN_TOKENS for MXFP4), the lane-pass tiles for fewer (and for one MXFP4
+ * and more, the lane-pass tiles for fewer (and for one MXFP4
  * token); else the AVX2 tiles for several tokens; else the one-token rows. Each path reads
  * its activations in x_order's order. */
 static inline int use_blocked(enum k3_wkind kind, int64_t T) {
     if (g_avx512) {
-        if (T >= (kind == K3_W_MXFP4 ? MX_COPY_MIN_TOKENS : SPAN_MIN_TOKENS)) return K3_PATH_SPAN;
+        if (T >= SPAN_MIN_TOKENS) return K3_PATH_SPAN;
         return T >= 2 || kind == K3_W_MXFP4 ? K3_PATH_512 : K3_PATH_ROWS;
     }
     return T >= 2 ? K3_PATH_256 : K3_PATH_ROWS;

@@ -281,12 +281,8 @@ K3_INLINE512 void pass_tile(enum k3_wkind kind, const int NT, const void *w, con
  * (k3avx2_matmul256.c) decode a tile's groups once into a float32 copy (two byte shuffles
  * per group from per-scale tables of the high halves, then widening); each weight is then
  * the float64 dec_mxfp4 gives. On AVX-512 several MXFP4 tokens go through the span tiles'
- * float64 copies (k3avx2_span512.c) from MX_COPY_MIN_TOKENS on. */
+ * float64 copies (k3avx2_span512.c) from SPAN_MIN_TOKENS on. */
 
-/* Below this many tokens an MXFP4 copy costs more than it saves (measured on Zen 4 for the
- * float32 copy, one thread, [672 x 768]: 2 tokens 10.0 GMAC/s against 13.5 without, 6 tokens
- * 15.4 against 16.0, 10 tokens 17.1 against 16.2). */
-#define MX_COPY_MIN_TOKENS 8
 
 /* The nr rows o.. of an MXFP4 matrix as float32 rows of `cols` (wb), or 0 where a scale
  * byte is past MX_F32_MAX_SCALE. AVX2 only, so the AVX2 tiles (k3avx2_matmul256.c) use it

@@ -30,9 +30,13 @@
 #define SPAN_ROWS 16 /* rows per span (a multiple of K3_PR) */
 #define SPAN_T 6     /* tokens per tile */
 #define SPAN_QB 512  /* columns of a quarter per block: six tokens' float64 activations, 24 KiB */
-/* The span tiles from this many tokens on (fewer: k3avx2_matmul512.c's tiles); MXFP4 from
- * MX_COPY_MIN_TOKENS on, below which decoding a row's copy costs more than it saves. */
-#define SPAN_MIN_TOKENS 2
+/* The span tiles from this many tokens on; below it the lane-pass tiles of k3avx2_matmul512.c
+ * are faster (a span's copy is decoded for too few tokens). Measured on an Emerald Rapids
+ * core, one thread, bf16 [1536 x 1536]: 2 tokens 5.3 GMAC/s against 11.0, 4 tokens 9.2
+ * against 10.9, 6 tokens 12.4 against 13.2, 53 tokens 21-25 against 18-21; for MXFP4 the
+ * float32-copy tiles measured on Zen 4 gave the same crossing (2 tokens 10.0 against 13.5,
+ * 6 tokens 15.4 against 16.0, 10 tokens 17.1 against 16.2). */
+#define SPAN_MIN_TOKENS 8
 
 /* Where column i of a row of cp columns goes in pass-major order. */
 static inline int64_t span_index(int64_t i, int64_t cp) {
