@@ -291,8 +291,9 @@ K3_ROWS_FN(k3__row256_f32);
 K3_ROWS_FN(k3__row256_mxfp4);
 #undef K3_ROWS_FN
 
-/* Rows o .. o + nr - 1 (nr 1..K3_PR; 1 on K3_PATH_ROWS; any on K3_PATH_SPAN) of one matrix for the nt tokens of a
- * widened block (xd: nt x cp; y: the block's first token, y[t * rows + o]). */
+/* Rows o .. o + nr - 1 (nr 1..K3_PR; 1 on K3_PATH_ROWS; any number on K3_PATH_SPAN) of one
+ * matrix for the nt tokens of a widened block (xd: nt x cp; y: the block's first token,
+ * y[t * rows + o]). */
 static inline void do_rows(enum k3_wkind kind, int blocked, const void *w, const uint8_t *sc,
                            int64_t o, int64_t nr, int64_t rows, int64_t cols, int64_t cp,
                            const double *xd, int64_t nt, float *y) {
@@ -350,7 +351,7 @@ static void rows_job_fn(void *ctx, int64_t b, int64_t e) {
     while (o >= j->m[i].rows) o -= j->m[i++].rows;
     for (int64_t g = b; g < e;) {
         while (o >= j->m[i].rows) o -= j->m[i++].rows;
-        int64_t nr = tile_rows(j->blocked, e - g, j->m[i].rows - o);
+        const int64_t nr = tile_rows(j->blocked, e - g, j->m[i].rows - o);
         do_rows(j->kind, j->blocked, j->m[i].w, j->m[i].sc, o, nr, j->m[i].rows, j->cols, j->cp,
                 j->xd, j->nt, j->m[i].y + j->t0 * j->m[i].rows);
         g += nr;
@@ -371,9 +372,9 @@ static void group_rows(enum k3_wkind kind, int blocked, const k3_mat *m, int n, 
 }
 
 /* The path for a block of T tokens: on AVX-512 the span tiles for SPAN_MIN_TOKENS tokens
- * and more, the lane-pass tiles for fewer (and for one MXFP4
- * token); else the AVX2 tiles for several tokens; else the one-token rows. Each path reads
- * its activations in x_order's order. */
+ * and more, the lane-pass tiles for fewer (and for one MXFP4 token); else the AVX2 tiles for
+ * several tokens; else the one-token rows. Each path reads its activations in x_order's
+ * order. */
 static inline int use_blocked(enum k3_wkind kind, int64_t T) {
     if (g_avx512) {
         if (T >= SPAN_MIN_TOKENS) return K3_PATH_SPAN;

@@ -215,8 +215,6 @@ K3_INLINE512 void pass_run(enum k3_wkind kind, const int NT, __m512d acc[K3_PR][
                 const uint16_t *p = (const uint16_t *)rb[r] + 32 * c + 8 * k;
                 if (pf) _mm_prefetch((const char *)p + PREFETCH512_BF16, _MM_HINT_T1);
                 q[r] = pass_bf16(p, n);
-            } else if (kind == K3_W_F32) { /* whole steps of float32 rows */
-                q[r] = _mm512_cvtps_pd(_mm256_loadu_ps((const float *)rb[r] + 32 * c + 8 * k));
             } else {
                 const uint8_t *g = rb[r] + 16 * c + 4 * k;
                 if (pf && (c & 3) == 0) _mm_prefetch((const char *)g + PREFETCH512_AHEAD, _MM_HINT_T1);
@@ -252,19 +250,19 @@ K3_INLINE512 void pass_k(enum k3_wkind kind, const int NT, __m512d part[K3_PR][K
         for (int j = 0; j < NT; ++j) part[r][j][k] = acc[r][j];
 }
 
-/* Rows o .. o + K3_PR - 1 for tokens 0 .. NT - 1 (NT <= K3_PT) of xd (natural order, cp
- * columns); `pf` prefetches the rows in pass 0. */
+/* Rows o .. o + K3_PR - 1 of a bf16 or MXFP4 matrix for tokens 0 .. NT - 1 (NT <= K3_PT)
+ * of xd (natural order, cp columns); pass 0 prefetches the rows. */
 K3_INLINE512 void pass_tile(enum k3_wkind kind, const int NT, const void *w, const uint8_t *sc,
                             int64_t o, int64_t cols, int64_t cp, const double *xd, int64_t rows,
-                            float *y, const int pf) {
+                            float *y) {
     __m512d part[K3_PR][K3_PT][4];
     const uint8_t *rb[K3_PR], *sb[K3_PR];
     for (int r = 0; r < K3_PR; ++r) {
         rb[r] = (const uint8_t *)w +
-                (o + r) * (kind == K3_W_BF16 ? 2 * cols : kind == K3_W_F32 ? 4 * cols : cols / 2);
+                (o + r) * (kind == K3_W_BF16 ? 2 * cols : cols / 2);
         sb[r] = kind == K3_W_MXFP4 ? sc + (o + r) * (cols / 32) : NULL;
     }
-    pass_k(kind, NT, part, rb, sb, cols, cp, 0, pf, xd);
+    pass_k(kind, NT, part, rb, sb, cols, cp, 0, 1, xd);
     pass_k(kind, NT, part, rb, sb, cols, cp, 1, 0, xd);
     pass_k(kind, NT, part, rb, sb, cols, cp, 2, 0, xd);
     pass_k(kind, NT, part, rb, sb, cols, cp, 3, 0, xd);
@@ -342,7 +340,7 @@ K3_INLINE512 void k3__row512(enum k3_wkind kind, const void *w, const uint8_t *s
     int64_t t = 0;
     if (nr == K3_PR && kind != K3_W_F32)
         for (; t + K3_PT <= nt; t += K3_PT)
-            pass_tile(kind, K3_PT, w, sc, o, cols, cp, xd + t * cp, rows, y + t * rows, 1);
+            pass_tile(kind, K3_PT, w, sc, o, cols, cp, xd + t * cp, rows, y + t * rows);
     for (int64_t r0 = 0; r0 < nr; r0 += K3_NR) {
         const int64_t pr = nr - r0 < K3_NR ? nr - r0 : K3_NR;
         for (int64_t tt = t; tt < nt;) {
