@@ -47,7 +47,7 @@ static void tmats_job_fn(void *ctx, int64_t b, int64_t e) {
         while (o >= j->m[i].rows) o -= j->m[i++].rows;
         const int64_t nr = tile_rows(j->m[i].blocked, e - g, j->m[i].rows - o);
         do_rows(j->kind, j->m[i].blocked, j->m[i].w, j->m[i].sc, o, nr, j->m[i].rows, j->cols, j->cp,
-                j->m[i].xd, j->m[i].nt, j->m[i].y);
+                j->m[i].xd, j->m[i].nt, j->m[i].y, rows_ahead(e - g, j->m[i].rows - o, nr));
         g += nr;
         o += nr;
     }
@@ -56,13 +56,15 @@ static void tmats_job_fn(void *ctx, int64_t b, int64_t e) {
 static void tmats_run(enum k3_wkind kind, k3_tmat *m, int64_t n, int64_t cols, int64_t cp,
                       int par) {
     int64_t total = 0;
+    int path = K3_PATH_ONE; /* the chunks of one-token tiles where every matrix takes them */
     for (int64_t i = 0; i < n; ++i) {
         m[i].first = total;
         total += m[i].rows;
+        if (m[i].blocked != K3_PATH_ONE) path = m[i].blocked;
     }
     tmats_job j = {kind, m, n, cols, cp};
     if (par)
-        k3__pool_run(tmats_job_fn, &j, total, k3__forced() ? K3_PR : ROW_CHUNK, k3__threads());
+        k3__pool_run(tmats_job_fn, &j, total, row_chunk(path, cp), k3__threads());
     else
         tmats_job_fn(&j, 0, total);
 }
@@ -109,9 +111,7 @@ int k3_situ_mlp_many(int kind, int n, void **w1, uint8_t **s1, void **w3, uint8_
             pc[np].e = i;
             pc[np].t0 = t0;
             pc[np].nt = T[i] - t0 < tb ? T[i] - t0 : tb;
-            /* the piece's own path, and on AVX-512 the lane-pass tiles for one token too (the
-             * bits are the same) */
-            pc[np].path = g_avx512 && pc[np].nt < 2 ? K3_PATH_512 : use_blocked(kd, pc[np].nt);
+            pc[np].path = use_blocked(kd, pc[np].nt); /* the piece's own path */
             ++np;
         }
     float *h1 = h, *h3 = h + gt * inter, *a = h + 2 * gt * inter;

@@ -78,8 +78,9 @@ static void k3__situ(const float *g, const float *u, int64_t n, double b1, doubl
 
 /* ---- activations widened once per token block --------------------------------------- */
 /* How a token block is multiplied (use_blocked): the one-token row kernels, the AVX-512
- * lane-pass tiles, the AVX2 tiles, or the AVX-512 span tiles (k3avx2_span512.c). */
-enum { K3_PATH_ROWS = 0, K3_PATH_512 = 1, K3_PATH_256 = 2, K3_PATH_SPAN = 3 };
+ * lane-pass tiles, the AVX2 tiles, the AVX-512 span tiles (k3avx2_span512.c), or the
+ * AVX-512 one-token tiles (k3avx2_one512.c). */
+enum { K3_PATH_ROWS = 0, K3_PATH_512 = 1, K3_PATH_256 = 2, K3_PATH_SPAN = 3, K3_PATH_ONE = 4 };
 
 /* The order of the widened activations a path reads: natural, MX_PERM within each group of
  * four columns (the MXFP4 rows), or pass-major (the span tiles: span_index). */
@@ -291,12 +292,12 @@ K3_ROWS_FN(k3__row256_f32);
 K3_ROWS_FN(k3__row256_mxfp4);
 #undef K3_ROWS_FN
 
-/* Rows o .. o + nr - 1 (nr 1..K3_PR; 1 on K3_PATH_ROWS; any number on K3_PATH_SPAN) of one
- * matrix for the nt tokens of a widened block (xd: nt x cp; y: the block's first token,
- * y[t * rows + o]). */
+/* Rows o .. o + nr - 1 (tile_rows' count) of one matrix for the nt tokens of a widened block
+ * (xd: nt x cp; y: the block's first token, y[t * rows + o]); `ahead` rows after them are the
+ * same job's next, in the same matrix (the one-token tiles prefetch them). */
 static inline void do_rows(enum k3_wkind kind, int blocked, const void *w, const uint8_t *sc,
                            int64_t o, int64_t nr, int64_t rows, int64_t cols, int64_t cp,
-                           const double *xd, int64_t nt, float *y) {
+                           const double *xd, int64_t nt, float *y, int64_t ahead) {
     /* the tile kernels, one per path and weight kind (each inner loop specialised) */
     typedef void (*rows_fn)(const void *, const uint8_t *, int64_t, int64_t, int64_t, int64_t,
                             int64_t, const double *, int64_t, float *);
@@ -305,6 +306,13 @@ static inline void do_rows(enum k3_wkind kind, int blocked, const void *w, const
         {k3__row256_bf16, k3__row256_f32, k3__row256_mxfp4},
     };
     static const rows_fn spans[3] = {k3__span512_bf16, k3__span512_f32, k3__span512_mxfp4};
+    typedef void (*one_fn)(const void *, const uint8_t *, int64_t, int64_t, int64_t, int64_t,
+                           const double *, float *, int64_t);
+    static const one_fn ones[3] = {k3__one512_bf16, k3__one512_f32, k3__one512_mxfp4};
+    if (blocked == K3_PATH_ONE) {
+        ones[kind](w, sc, o, nr, cols, cp, xd, y, ahead);
+        return;
+    }
     if (blocked == K3_PATH_512 || blocked == K3_PATH_256) {
         tiles[blocked - K3_PATH_512][kind](w, sc, o, nr, rows, cols, cp, xd, nt, y);
         return;
@@ -326,12 +334,26 @@ typedef struct {
 } k3_mat;
 
 /* The rows a path takes at once from a range with `left` rows, `in_mat` of them in the
- * current matrix: one on the rows path, a lane-pass tile of K3_PR where the range has them,
- * all of them on the span path. */
+ * current matrix: one on the rows path, a one-token tile of ONE_TILE or a lane-pass tile of
+ * K3_PR where the range has them, all of them on the span path. */
 static inline int64_t tile_rows(int path, int64_t left, int64_t in_mat) {
-    int64_t nr = path == K3_PATH_ROWS ? 1 : path == K3_PATH_SPAN ? left : K3_PR;
+    int64_t nr = path == K3_PATH_ROWS  ? 1
+                 : path == K3_PATH_SPAN ? left
+                 : path == K3_PATH_ONE  ? ONE_TILE
+                                        : K3_PR;
     if (nr > left) nr = left;
     return nr < in_mat ? nr : in_mat;
+}
+
+/* The rows of the same job and matrix after a tile of nr (do_rows' `ahead`). */
+static inline int64_t rows_ahead(int64_t left, int64_t in_mat, int64_t nr) {
+    return (left < in_mat ? left : in_mat) - nr;
+}
+
+/* The pool's chunk of rows for a job on `path` over cp padded columns. */
+static inline int64_t row_chunk(int path, int64_t cp) {
+    if (k3__forced()) return K3_PR;
+    return path == K3_PATH_ONE ? one_chunk(cp, ROW_CHUNK) : ROW_CHUNK;
 }
 
 /* Rows [b, e) of the concatenated rows of a group of matrices, for one token block. */
@@ -353,7 +375,8 @@ static void rows_job_fn(void *ctx, int64_t b, int64_t e) {
         while (o >= j->m[i].rows) o -= j->m[i++].rows;
         const int64_t nr = tile_rows(j->blocked, e - g, j->m[i].rows - o);
         do_rows(j->kind, j->blocked, j->m[i].w, j->m[i].sc, o, nr, j->m[i].rows, j->cols, j->cp,
-                j->xd, j->nt, j->m[i].y + j->t0 * j->m[i].rows);
+                j->xd, j->nt, j->m[i].y + j->t0 * j->m[i].rows,
+                rows_ahead(e - g, j->m[i].rows - o, nr));
         g += nr;
         o += nr;
     }
@@ -366,19 +389,20 @@ static void group_rows(enum k3_wkind kind, int blocked, const k3_mat *m, int n, 
     for (int i = 0; i < n; ++i) total += m[i].rows;
     rows_job j = {kind, blocked, m, n, cols, cp, t0, nt, xd};
     if (par)
-        k3__pool_run(rows_job_fn, &j, total, k3__forced() ? K3_PR : ROW_CHUNK, k3__threads());
+        k3__pool_run(rows_job_fn, &j, total, row_chunk(blocked, cp), k3__threads());
     else
         rows_job_fn(&j, 0, total);
 }
 
 /* The path for a block of T tokens: on AVX-512 the span tiles for SPAN_MIN_TOKENS tokens
- * and more, the lane-pass tiles for fewer (and for one MXFP4 token); else the AVX2 tiles for
- * several tokens; else the one-token rows. Each path reads its activations in x_order's
- * order. */
+ * and more, the lane-pass tiles for fewer, the one-token tiles for one; else the AVX2 tiles
+ * for several tokens and the one-token rows for one. Each path reads its activations in
+ * x_order's order. */
 static inline int use_blocked(enum k3_wkind kind, int64_t T) {
+    (void)kind;
     if (g_avx512) {
         if (T >= SPAN_MIN_TOKENS) return K3_PATH_SPAN;
-        return T >= 2 || kind == K3_W_MXFP4 ? K3_PATH_512 : K3_PATH_ROWS;
+        return T >= 2 ? K3_PATH_512 : K3_PATH_ONE;
     }
     return T >= 2 ? K3_PATH_256 : K3_PATH_ROWS;
 }

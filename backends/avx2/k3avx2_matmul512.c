@@ -325,18 +325,13 @@ static inline __attribute__((always_inline)) int mx_to_f32(uint32_t *wb, const u
     return 1;
 }
 
-/* Rows o .. o + nr - 1 (nr 1..K3_PR) for tokens 0..nt-1 of a widened block (xd: nt x cp
- * float64, natural order): lane-pass tiles where four rows and five tokens are there (bf16
- * and MXFP4), else K3_NT tokens and up to K3_NR rows per pass over the rows. */
+/* Rows o .. o + nr - 1 (nr 1..K3_PR) for tokens 0..nt-1 (two or more; one token takes
+ * k3avx2_one512.c) of a widened block (xd: nt x cp float64, natural order): lane-pass tiles
+ * where four rows and five tokens are there (bf16 and MXFP4), else K3_NT tokens and up to
+ * K3_NR rows per pass over the rows. */
 K3_INLINE512 void k3__row512(enum k3_wkind kind, const void *w, const uint8_t *sc, int64_t o,
                              int64_t nr, int64_t rows, int64_t cols, int64_t cp,
                              const double *xd, int64_t nt, float *y) {
-    if (nt == 1 && nr > 1) { /* one token: a row at a time streams faster from memory (one
-                              * prefetched stream; 2 rows measured 16-18 % against 20 %) */
-        for (int64_t r = 0; r < nr; ++r)
-            rows_tokens(kind, 1, 1, w, sc, o + r, cols, cp, xd, rows, y + o + r);
-        return;
-    }
     int64_t t = 0;
     if (nr == K3_PR && kind != K3_W_F32)
         for (; t + K3_PT <= nt; t += K3_PT)

@@ -651,6 +651,42 @@ def test_mxfp4_decoded_row_tiles_give_the_reference_bits(ref, isa, threads, forc
         same(got, want)
 
 
+@pytest.mark.parametrize("threads,forced", [(1, False), (2, True), (3, True)])
+def test_one_token_tiles_give_the_reference_bits(ref, isa, threads, forced):
+    """One token: AVX-512 tiles of 16 rows, rows wider than 4096 padded columns taken block by
+    block (each row's lanes kept between blocks, the next block and the next tile prefetched),
+    and the AVX2 rows; row counts around a tile, bf16 and float32 rows ending inside a chunk,
+    MXFP4 with special scales, a group of matrices over the same x, the SiTU MLP and grouped
+    experts of one token each; serial and split between threads (forced chunks of four
+    rows)."""
+    from k3_backends.avx2_backend import Avx2Backend
+
+    b = Avx2Backend(threads=threads, force_parallel=forced)
+    rng = np.random.default_rng(91 + threads)
+    for rows in (1, 15, 16, 17, 70):
+        for cols in (4096, 4097, 6001, 12290):
+            w, x = bf16(rng, rows, cols), rand(rng, 1, cols, scale=2.0)
+            x.reshape(-1)[::53] = (0.0, np.inf, -0.0, 3e38)[rows % 4]
+            same(b.matmul_bf16(w, x), ref.matmul_bf16(w, x))
+            wf = rand(rng, rows, cols, scale=3.0)
+            same(b.matmul_f32(wf, x), ref.matmul_f32(wf, x))
+        for cols in (4096, 4128, 7168):
+            wm, xm = mxfp4(rng, rows, cols), rand(rng, 1, cols, scale=2.0)
+            same(b.matmul_mxfp4(wm, xm), ref.matmul_mxfp4(wm, xm))
+    ws = [bf16(rng, r, 5000) for r in (33, 16, 7)]
+    xs = rand(rng, 1, 5000)
+    for got, want in zip(b.matmul_many(ws, xs), ref.matmul_many(ws, xs), strict=True):
+        same(got, want)
+    w1, w3, w2 = bf16(rng, 40, 4608), bf16(rng, 40, 4608), bf16(rng, 4608, 40)
+    same(b.situ_mlp(w1, w3, w2, xs[:, :4608], 4.0, 25.0),
+         ref.situ_mlp(w1, w3, w2, xs[:, :4608], 4.0, 25.0))
+    mlps = [(mxfp4(rng, 32, 4160), mxfp4(rng, 32, 4160), mxfp4(rng, 4160, 32)) for _ in range(3)]
+    ins = [rand(rng, 1, 4160) for _ in range(3)]
+    for got, want in zip(b.situ_mlp_many(mlps, ins, 4.0, 25.0),
+                         ref.situ_mlp_many(mlps, ins, 4.0, 25.0), strict=True):
+        same(got, want)
+
+
 def _specials(rng, n):
     """float32 values of every kind: normal, tiny, huge, +-0, subnormal, +-inf, NaNs."""
     x = (rng.standard_normal(n) * rng.choice([1e-3, 1.0, 30.0, 800.0], n)).astype(F32)
