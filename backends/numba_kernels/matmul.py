@@ -28,11 +28,14 @@ import numpy as np
 from k3_backends.numba_kernels.bits import MX_SCALE, bf16_d, e2m1_hi_d, e2m1_lo_d
 from k3_backends.numba_kernels.exact import LANES, fold
 from k3_backends.numba_kernels.jit import JIT, LANE_SUM, twins
+from k3_backends.numba_kernels.prefetch import prefetch
 from k3_backends.numba_kernels.scratch import stack_f64
 from numba import carray, njit, prange, types
 from numba.extending import overload
 
 HALF = LANES // 2
+AHEAD = 16384  # elements of a row prefetched ahead of the one-token products
+AHEAD_MX = 4096  # packed MXFP4 bytes prefetched ahead
 
 
 def widen(v):  # pragma: no cover - replaced by the overload below inside jitted code
@@ -68,6 +71,11 @@ def _dense_t1(w, x0, out0):
         w2 = w[o2]
         for c in range(full):
             base = c * LANES
+            prefetch(w1, base + AHEAD)
+            prefetch(w2, base + AHEAD)
+            if w.itemsize == 4:  # float32: a chunk is two lines
+                prefetch(w1, base + AHEAD + 16)
+                prefetch(w2, base + AHEAD + 16)
             for ln in range(LANES):
                 xv = np.float64(x0[base + ln])
                 a1[ln] += xv * widen(w1[base + ln])
@@ -159,6 +167,8 @@ def _mxfp4_t1(packed, scales, xe0, xo0, out0):
         for g in range(groups):
             sc = MX_SCALE[sr[g]]
             pb = g * HALF
+            if (g & 3) == 0:
+                prefetch(pr, pb + AHEAD_MX)
             for k in range(HALF):
                 b = pr[pb + k]
                 acc_e[k] += xe0[pb + k] * (e2m1_lo_d(b) * sc)
