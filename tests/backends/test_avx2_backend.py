@@ -651,14 +651,14 @@ def test_mxfp4_decoded_row_tiles_give_the_reference_bits(ref, isa, threads, forc
         same(got, want)
 
 
-@pytest.mark.parametrize("threads,forced", [(1, False), (2, True), (3, True)])
+@pytest.mark.parametrize("threads,forced", [(1, False), (2, False), (2, True), (3, True)])
 def test_one_token_tiles_give_the_reference_bits(ref, isa, threads, forced):
     """One token: AVX-512 tiles of 16 rows, rows wider than 4096 padded columns taken block by
     block (each row's lanes kept between blocks, the next block and the next tile prefetched),
     and the AVX2 rows; row counts around a tile, bf16 and float32 rows ending inside a chunk,
     MXFP4 with special scales, a group of matrices over the same x, the SiTU MLP and grouped
     experts of one token each; serial and split between threads (forced chunks of four
-    rows)."""
+    rows, or unforced in chunks of four tiles)."""
     from k3_backends.avx2_backend import Avx2Backend
 
     b = Avx2Backend(threads=threads, force_parallel=forced)
@@ -673,6 +673,12 @@ def test_one_token_tiles_give_the_reference_bits(ref, isa, threads, forced):
         for cols in (4096, 4128, 7168):
             wm, xm = mxfp4(rng, rows, cols), rand(rng, 1, cols, scale=2.0)
             same(b.matmul_mxfp4(wm, xm), ref.matmul_mxfp4(wm, xm))
+    # unforced, wide rows go out in chunks of four tiles (64 rows): several chunks, each tile
+    # but a chunk's last prefetching the next
+    w, x = bf16(rng, 301, 7168), rand(rng, 1, 7168, scale=2.0)
+    same(b.matmul_bf16(w, x), ref.matmul_bf16(w, x))
+    wm = mxfp4(rng, 301, 7168)
+    same(b.matmul_mxfp4(wm, x), ref.matmul_mxfp4(wm, x))
     ws = [bf16(rng, r, 5000) for r in (33, 16, 7)]
     xs = rand(rng, 1, 5000)
     for got, want in zip(b.matmul_many(ws, xs), ref.matmul_many(ws, xs), strict=True):
