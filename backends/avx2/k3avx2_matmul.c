@@ -353,7 +353,7 @@ static inline int64_t rows_ahead(int64_t left, int64_t in_mat, int64_t nr) {
 /* The pool's chunk of rows for a job on `path` over cp padded columns. */
 static inline int64_t row_chunk(int path, int64_t cp) {
     if (k3__forced()) return K3_PR;
-    return path == K3_PATH_ONE ? one_chunk(cp, ROW_CHUNK) : ROW_CHUNK;
+    return path == K3_PATH_ONE && cp > ONE_WIDE ? ONE_CHUNK_TILES * ONE_TILE : ROW_CHUNK;
 }
 
 /* Rows [b, e) of the concatenated rows of a group of matrices, for one token block. */

@@ -119,19 +119,31 @@ K3_INLINE512 void dec_chunk(enum k3_wkind kind, __m512d q[4], const void *w, con
  * 2 KiB was barely one tile ahead). */
 #define PREFETCH512_AHEAD 2048 /* packed MXFP4 bytes, and float32 */
 #define PREFETCH512_BF16 8192
-K3_INLINE512 void prefetch_chunk(enum k3_wkind kind, const void *w, const uint8_t *sc, int64_t o,
-                                 int64_t cols, int64_t c) {
+
+/* One 64-byte line (bf16), half of one (float32), or a quarter of one plus, every 64
+ * chunks, one line of scale bytes (MXFP4) of chunk c of row o, fetched into L2. */
+K3_INLINE512 void prefetch_at(enum k3_wkind kind, const void *w, const uint8_t *sc, int64_t o,
+                              int64_t cols, int64_t c) {
     if (kind == K3_W_MXFP4) {
-        const char *r = (const char *)w + o * (cols / 2) + 16 * c;
-        if ((c & 3) == 0) _mm_prefetch(r + PREFETCH512_AHEAD, _MM_HINT_T1);
-        if ((c & 63) == 0) _mm_prefetch((const char *)sc + o * (cols / 32) + c + PREFETCH512_AHEAD / 16, _MM_HINT_T1);
+        if ((c & 3) == 0) _mm_prefetch((const char *)w + o * (cols / 2) + 16 * c, _MM_HINT_T1);
+        if ((c & 63) == 0) _mm_prefetch((const char *)sc + o * (cols / 32) + c, _MM_HINT_T1);
     } else if (kind == K3_W_BF16) {
-        _mm_prefetch((const char *)w + 2 * (o * cols + 32 * c) + PREFETCH512_BF16, _MM_HINT_T1);
+        _mm_prefetch((const char *)w + 2 * (o * cols + 32 * c), _MM_HINT_T1);
     } else {
-        const char *r = (const char *)w + 4 * (o * cols + 32 * c) + PREFETCH512_AHEAD;
+        const char *r = (const char *)w + 4 * (o * cols + 32 * c);
         _mm_prefetch(r, _MM_HINT_T1);
         _mm_prefetch(r + 64, _MM_HINT_T1);
     }
+}
+
+/* The stream's prefetch for chunk c of row o: prefetch_at the chunk PREFETCH512_AHEAD (bf16:
+ * PREFETCH512_BF16) bytes further on (into the next row near a row's end). */
+K3_INLINE512 void prefetch_chunk(enum k3_wkind kind, const void *w, const uint8_t *sc, int64_t o,
+                                 int64_t cols, int64_t c) {
+    const int64_t ahead = kind == K3_W_MXFP4 ? PREFETCH512_AHEAD / 16
+                          : kind == K3_W_BF16 ? PREFETCH512_BF16 / 64
+                                              : PREFETCH512_AHEAD / 128;
+    prefetch_at(kind, w, sc, o, cols, c + ahead);
 }
 
 /* NR (1..2) rows o.. and NT (1..K3_NT) tokens: y[j * rows + r] = f32(lsum_i W[o + r, i] *

@@ -18,7 +18,7 @@
  * rows (8 rows: 25-26, 32: 26-29).
  *
  * Prefetch. The rows of a tile are not read in address order, so the weights are fetched
- * into L2 by hand: while a row's block b is multiplied, its block b + 1 is prefetched line
+ * into L2 by hand (prefetch_at): while a row's block b is multiplied, its block b + 1 is prefetched line
  * by line, and during the last block the first block of the row ONE_TILE further on (the
  * next tile of the same job, when the job has one). The first block of a job's first tile
  * is left to the hardware prefetchers, so the pool hands these rows out in chunks of
@@ -30,23 +30,7 @@
 #define ONE_TILE 16        /* rows per tile */
 #define ONE_WIDE 4096      /* padded columns above which a tile goes block by block */
 #define ONE_BLOCK 2048     /* columns per block at most: 16 KiB of float64 activations */
-#define ONE_CHUNK_TILES 4  /* tiles per chunk of the pool on wide rows */
-
-/* One 64-byte line (bf16), half of one (float32), or a quarter of one plus, every 64
- * chunks, one line of scale bytes (MXFP4) of chunk c of row o, fetched into L2. */
-K3_INLINE512 void prefetch_at(enum k3_wkind kind, const void *w, const uint8_t *sc, int64_t o,
-                              int64_t cols, int64_t c) {
-    if (kind == K3_W_MXFP4) {
-        if ((c & 3) == 0) _mm_prefetch((const char *)w + o * (cols / 2) + 16 * c, _MM_HINT_T1);
-        if ((c & 63) == 0) _mm_prefetch((const char *)sc + o * (cols / 32) + c, _MM_HINT_T1);
-    } else if (kind == K3_W_BF16) {
-        _mm_prefetch((const char *)w + 2 * (o * cols + 32 * c), _MM_HINT_T1);
-    } else {
-        const char *r = (const char *)w + 4 * (o * cols + 32 * c);
-        _mm_prefetch(r, _MM_HINT_T1);
-        _mm_prefetch(r + 64, _MM_HINT_T1);
-    }
-}
+#define ONE_CHUNK_TILES 4  /* tiles per chunk of the pool on wide rows (row_chunk) */
 
 /* Chunks [c0, c1) of row o added to its lane registers a; chunk c0 + i of row `pr` is
  * prefetched from chunk pc0 on (pr < 0: none). */
@@ -102,11 +86,6 @@ K3_INLINE512 void k3__one512(enum k3_wkind kind, const void *w, const uint8_t *s
     }
     for (int64_t r = 0; r < nr; ++r)
         y[o + r] = (float)fold512(acc[r][0], acc[r][1], acc[r][2], acc[r][3]);
-}
-
-/* The pool's chunk for one-token rows of cp padded columns (not in forced-parallel mode). */
-static inline int64_t one_chunk(int64_t cp, int64_t dflt) {
-    return cp > ONE_WIDE ? ONE_CHUNK_TILES * ONE_TILE : dflt;
 }
 
 /* The three weight kinds as separate functions, so each inner loop is specialised. */

@@ -30,8 +30,11 @@ def prefetch(typingctx, arr, idx):
         ary = context.make_array(signature.args[0])(context, builder, args[0])
         base = builder.ptrtoint(ary.data, ir.IntType(64))
         step = context.get_abi_sizeof(context.get_data_type(signature.args[0].dtype))
-        off = builder.mul(builder.sext(args[1], ir.IntType(64)) if args[1].type.width < 64
-                          else args[1], ir.Constant(ir.IntType(64), step))
+        i64 = ir.IntType(64)
+        idx64 = args[1]
+        if idx64.type.width < 64:
+            idx64 = (builder.sext if signature.args[1].signed else builder.zext)(idx64, i64)
+        off = builder.mul(idx64, ir.Constant(i64, step))
         ptr = builder.inttoptr(builder.add(base, off), ir.IntType(8).as_pointer())
         fnty = ir.FunctionType(ir.VoidType(), [ptr.type, _I32, _I32, _I32])
         fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0")
