@@ -83,7 +83,7 @@ int k3_situ_mlp_many(int kind, int n, void **w1, uint8_t **s1, void **w3, uint8_
     if (kind == K3_W_MXFP4 && (cols % K3C_MXFP4_GROUP || inter % K3C_MXFP4_GROUP)) return K3_EINVAL;
     const enum k3_wkind kd = (enum k3_wkind)kind;
     const int64_t cp = ROUND32(cols), ip = ROUND32(inter);
-    const int64_t tb = token_block(INT64_MAX / 2, cp > ip ? cp : ip);
+    const int64_t tb = token_block(kd, INT64_MAX / 2, cp > ip ? cp : ip);
     int64_t npieces = 0, tokens = 0;
     for (int i = 0; i < n; ++i) {
         if (T[i] < 0) return K3_EINVAL;

@@ -78,16 +78,25 @@ static void k3__situ(const float *g, const float *u, int64_t n, double b1, doubl
 
 /* ---- activations widened once per token block --------------------------------------- */
 /* How a token block is multiplied (use_blocked): the one-token row kernels, the AVX-512
- * lane-pass tiles, the AVX2 tiles, the AVX-512 span tiles (k3avx2_span512.c), or the
- * AVX-512 one-token tiles (k3avx2_one512.c). */
-enum { K3_PATH_ROWS = 0, K3_PATH_512 = 1, K3_PATH_256 = 2, K3_PATH_SPAN = 3, K3_PATH_ONE = 4 };
+ * lane-pass tiles, the AVX2 tiles, the AVX-512 span tiles (k3avx2_span512.c), the AVX-512
+ * one-token tiles (k3avx2_one512.c), or the AVX2 span tiles (k3avx2_span256.c). */
+enum {
+    K3_PATH_ROWS = 0,
+    K3_PATH_512 = 1,
+    K3_PATH_256 = 2,
+    K3_PATH_SPAN = 3,
+    K3_PATH_ONE = 4,
+    K3_PATH_SPAN256 = 5
+};
 
 /* The order of the widened activations a path reads: natural, MX_PERM within each group of
- * four columns (the MXFP4 rows), or pass-major (the span tiles: span_index). */
-enum { K3_X_NATURAL = 0, K3_X_MXPERM = 1, K3_X_PASS = 2 };
+ * four columns (the MXFP4 rows), pass-major (the AVX-512 span tiles: span_index) or
+ * eighth-major (the AVX2 span tiles: span256_index). */
+enum { K3_X_NATURAL = 0, K3_X_MXPERM = 1, K3_X_PASS = 2, K3_X_EIGHTH = 3 };
 
 static inline int x_order(enum k3_wkind kind, int path) {
     if (path == K3_PATH_SPAN) return K3_X_PASS;
+    if (path == K3_PATH_SPAN256) return K3_X_EIGHTH;
     return kind == K3_W_MXFP4 && path == K3_PATH_ROWS ? K3_X_MXPERM : K3_X_NATURAL;
 }
 
@@ -100,6 +109,8 @@ static void widen_x(double *xd, const float *x, int64_t n, int64_t cols, int64_t
             const double v = i < cols ? (double)xs[i] : 0.0;
             if (order == K3_X_PASS)
                 xo[span_index(i, cp)] = v;
+            else if (order == K3_X_EIGHTH)
+                xo[span256_index(i, cp)] = v;
             else if (order == K3_X_MXPERM)
                 xo[(i & ~(int64_t)3) + MX_PERM[i & 3]] = v; /* MX_PERM is its own inverse */
             else
@@ -108,8 +119,11 @@ static void widen_x(double *xd, const float *x, int64_t n, int64_t cols, int64_t
     }
 }
 
-static int64_t token_block(int64_t T, int64_t cp) {
-    int64_t tb = XBLOCK_BYTES / (cp * (int64_t)sizeof(double));
+static int64_t token_block(enum k3_wkind kind, int64_t T, int64_t cp) {
+    /* the AVX2 span tiles keep a span's weights in L2 and stream the activations past them,
+     * a tile of tokens at a time: their blocks may be larger than L2 (SPAN2_XBLOCK_BYTES) */
+    const int64_t bytes = !g_avx512 && T >= span2_min_tokens(kind) ? SPAN2_XBLOCK_BYTES : XBLOCK_BYTES;
+    int64_t tb = bytes / (cp * (int64_t)sizeof(double));
     if (tb < K3_PT) tb = K3_PT; /* one lane-pass tile of tokens at least (k3avx2_matmul512.c) */
     tb -= tb % K3_PT;           /* and whole tiles */
     return tb < T ? tb : T;
@@ -283,14 +297,9 @@ static inline float row_dot(enum k3_wkind kind, const void *w, const uint8_t *sc
     return row_mxfp4((const uint8_t *)w + o * (cols / 2), scales + o * (cols / 32), cols / 32, x);
 }
 
-/* The AVX2 multi-token tiles (k3avx2_matmul256.c, included after this file). */
-#define K3_ROWS_FN(name)                                                                       \
-    static void name(const void *w, const uint8_t *sc, int64_t o, int64_t nr, int64_t rows,    \
-                     int64_t cols, int64_t cp, const double *xd, int64_t nt, float *y)
-K3_ROWS_FN(k3__row256_bf16);
-K3_ROWS_FN(k3__row256_f32);
-K3_ROWS_FN(k3__row256_mxfp4);
-#undef K3_ROWS_FN
+/* The AVX2 MXFP4 tiles of two to nine tokens (k3avx2_matmul256.c, included after this file). */
+static void k3__row256_mxfp4(const void *w, const uint8_t *sc, int64_t o, int64_t nr, int64_t rows,
+                             int64_t cols, int64_t cp, const double *xd, int64_t nt, float *y);
 
 /* Rows o .. o + nr - 1 (tile_rows' count) of one matrix for the nt tokens of a widened block
  * (xd: nt x cp; y: the block's first token, y[t * rows + o]); `ahead` rows after them are the
@@ -303,9 +312,12 @@ static inline void do_rows(enum k3_wkind kind, int blocked, const void *w, const
                             int64_t, const double *, int64_t, float *);
     static const rows_fn tiles[2][3] = {
         {k3__row512_bf16, k3__row512_f32, k3__row512_mxfp4},
-        {k3__row256_bf16, k3__row256_f32, k3__row256_mxfp4},
+        {NULL, NULL, k3__row256_mxfp4}, /* bf16 and float32 take the AVX2 span tiles */
     };
-    static const rows_fn spans[3] = {k3__span512_bf16, k3__span512_f32, k3__span512_mxfp4};
+    static const rows_fn spans[2][3] = {
+        {k3__span512_bf16, k3__span512_f32, k3__span512_mxfp4},
+        {k3__span256_bf16, k3__span256_f32, k3__span256_mxfp4},
+    };
     typedef void (*one_fn)(const void *, const uint8_t *, int64_t, int64_t, int64_t, int64_t,
                            const double *, float *, int64_t);
     static const one_fn ones[3] = {k3__one512_bf16, k3__one512_f32, k3__one512_mxfp4};
@@ -317,8 +329,8 @@ static inline void do_rows(enum k3_wkind kind, int blocked, const void *w, const
         tiles[blocked - K3_PATH_512][kind](w, sc, o, nr, rows, cols, cp, xd, nt, y);
         return;
     }
-    if (blocked == K3_PATH_SPAN) {
-        spans[kind](w, sc, o, nr, rows, cols, cp, xd, nt, y);
+    if (blocked == K3_PATH_SPAN || blocked == K3_PATH_SPAN256) {
+        spans[blocked == K3_PATH_SPAN256][kind](w, sc, o, nr, rows, cols, cp, xd, nt, y);
         return;
     }
     for (int64_t r = o; r < o + nr; ++r)
@@ -338,7 +350,7 @@ typedef struct {
  * K3_PR where the range has them, all of them on the span path. */
 static inline int64_t tile_rows(int path, int64_t left, int64_t in_mat) {
     int64_t nr = path == K3_PATH_ROWS  ? 1
-                 : path == K3_PATH_SPAN ? left
+                 : path == K3_PATH_SPAN || path == K3_PATH_SPAN256 ? left
                  : path == K3_PATH_ONE  ? ONE_TILE
                                         : K3_PR;
     if (nr > left) nr = left;
@@ -395,15 +407,15 @@ static void group_rows(enum k3_wkind kind, int blocked, const k3_mat *m, int n, 
 }
 
 /* The path for a block of T tokens: on AVX-512 the span tiles for SPAN_MIN_TOKENS tokens
- * and more, the lane-pass tiles for fewer, the one-token tiles for one; else the AVX2 tiles
- * for several tokens and the one-token rows for one. Each path reads its activations in
- * x_order's order. */
+ * and more, the lane-pass tiles for fewer, the one-token tiles for one; else the AVX2 span
+ * tiles from span2_min_tokens on, the AVX2 lane-pass tiles for fewer and the
+ * one-token rows for one. Each path reads its activations in x_order's order. */
 static inline int use_blocked(enum k3_wkind kind, int64_t T) {
-    (void)kind;
     if (g_avx512) {
         if (T >= SPAN_MIN_TOKENS) return K3_PATH_SPAN;
         return T >= 2 ? K3_PATH_512 : K3_PATH_ONE;
     }
+    if (T >= span2_min_tokens(kind)) return K3_PATH_SPAN256;
     return T >= 2 ? K3_PATH_256 : K3_PATH_ROWS;
 }
 
@@ -416,7 +428,7 @@ static inline int use_blocked(enum k3_wkind kind, int64_t T) {
 static int matmul_group(enum k3_wkind kind, const k3_mat *m, int n, int64_t cols,
                         const float *x, int64_t T) {
     const int64_t cp = ROUND32(cols);
-    const int64_t tb = token_block(T, cp);
+    const int64_t tb = token_block(kind, T, cp);
     int64_t total = 0;
     for (int i = 0; i < n; ++i) total += m[i].rows;
     double *xd = (double *)k3__alloc((size_t)(tb * cp) * sizeof(double));
@@ -490,7 +502,7 @@ int k3_situ_mlp(int kind, const void *w1, const uint8_t *s1, const void *w3, con
     if (kind == K3_W_MXFP4 && (cols % K3C_MXFP4_GROUP || inter % K3C_MXFP4_GROUP)) return K3_EINVAL;
     const enum k3_wkind kd = (enum k3_wkind)kind;
     const int64_t cp = ROUND32(cols), ip = ROUND32(inter);
-    int64_t tb = token_block(T, cp > ip ? cp : ip);
+    int64_t tb = token_block(kd, T, cp > ip ? cp : ip);
     double *xd = (double *)k3__alloc((size_t)(tb * cp) * sizeof(double));
     double *ad = (double *)k3__alloc((size_t)(tb * ip) * sizeof(double));
     float *h = (float *)k3__alloc((size_t)(3 * tb * inter) * sizeof(float));

@@ -6,24 +6,23 @@
  * eight registers of the contract's 32 float64 lanes can be computed one after the other:
  * pass k walks the row's chunks adding those four columns, and its register is kept for the
  * fold. Each lane adds its terms in increasing column order from +0.0, every update is the
- * one-token kernels' FMA (the product of a float32 and a bf16 or float32 value is exact in
- * float64, so one rounding), and the fold is k3_lanes_fold's: the bits are row_bf16's and
- * row_f32's, token by token.
+ * one-token kernels' FMA (the product of a float32 and an MXFP4 value is exact in float64, so
+ * one rounding), and the fold is k3_lanes_fold's: the bits are the one-token MXFP4 rows',
+ * token by token.
  *
  * What it buys is registers. A tile of K3_PR (4) rows and P2_T (3) tokens keeps one
  * accumulator per (row, token) - 12 ymm - beside the three tokens' activation vectors and
  * one weight vector: each weight vector feeds three FMAs, each loaded activation vector four.
  *
  * The weights come from float32 copies, so the inner loop widens four weights with one
- * `vcvtps2pd` from memory and no integer shuffle (the one-token kernels' bf16 widening, two
- * shuffles per four weights, queues on the ports the FMAs share). A tile's bf16 or float32
- * rows are converted once for all the tokens of the block (twelve tokens or fewer: a
- * 512-column block at a time, into a buffer that stays in L1); MXFP4 rows through mx_to_f32
- * (k3avx2_matmul512.c: exact for every scale byte up to MX_F32_MAX_SCALE), and a tile with a
- * larger scale byte (2^126 and up, or the NaN byte) takes mx_row_scalar, one table lookup per
- * weight in natural column order. The columns go in blocks of P2_CB, whose weights and one
- * token tile's activations stay in L1 across the eight passes; the accumulators are carried
- * from block to block, so each lane's terms still come in increasing column order.
+ * `vcvtps2pd` from memory and no integer shuffle. Only MXFP4 rows of two to nine tokens come
+ * here (bf16 and float32 rows of two tokens or more, and MXFP4 from ten, take the span tiles
+ * of k3avx2_span256.c): a tile's rows are decoded through mx_to_f32 (k3avx2_matmul512.c: exact
+ * for every scale byte up to MX_F32_MAX_SCALE), and a tile with a larger scale byte (2^126 and
+ * up, or the NaN byte) takes mx_row_scalar, one table lookup per weight in natural column
+ * order. The columns go in blocks of P2_CB, whose weights and one token tile's activations
+ * stay in L1 across the eight passes; the accumulators are carried from block to block, so
+ * each lane's terms still come in increasing column order.
  */
 #include "k3avx2_internal.h"
 
@@ -55,46 +54,12 @@ K3_AI void p2_block(const int NR, const int NT, __m256d part[K3_PR][P2_T][8], co
     }
 }
 
-/* Columns [c0, c0 + nc) of nr rows (bf16 or float32, rows `rs` bytes apart from rb) as
- * float32 rows `os` floats apart in wb, +0.0 from column `cols` on. */
-K3_AI void p2_convert(enum k3_wkind kind, int64_t nr, const uint8_t *rb, int64_t rs,
-                      int64_t c0, int64_t cols, int64_t nc, float *wb, int64_t os) {
-    const int64_t n = cols - c0 < nc ? cols - c0 : nc;
-    for (int64_t r = 0; r < nr; ++r) {
-        float *out = wb + r * os;
-        int64_t i = 0;
-        if (kind == K3_W_BF16) {
-            const uint16_t *src = (const uint16_t *)(rb + r * rs) + c0;
-            const __m128i z = _mm_setzero_si128();
-            for (; i + 8 <= n; i += 8) {
-                if ((i & 31) == 0) /* one line of bf16 per 32 columns */
-                    _mm_prefetch((const char *)(src + i) + PREFETCH512_BF16, _MM_HINT_T1);
-                const __m128i v = _mm_loadu_si128((const __m128i *)(src + i));
-                _mm_storeu_si128((__m128i *)(out + i), _mm_unpacklo_epi16(z, v));
-                _mm_storeu_si128((__m128i *)(out + i + 4), _mm_unpackhi_epi16(z, v));
-            }
-            for (; i < n; ++i) {
-                const uint32_t u = (uint32_t)src[i] << 16;
-                memcpy(out + i, &u, 4);
-            }
-        } else {
-            const float *src = (const float *)(rb + r * rs) + c0;
-            memcpy(out, src, (size_t)n * sizeof(float));
-            i = n;
-        }
-        for (; i < nc; ++i) out[i] = 0.0f;
-    }
-}
-
-/* NR rows (their first at rb, rows `rs` bytes apart; or `cpy`, the rows' float32 copy, `cs`
- * floats apart, zero-padded to cp) for nt tokens of xd: y[t * rows + r]. Tokens go in groups
- * of P2_G tiles; for each group the columns go in blocks of P2_CB, whose weights (converted
- * once for the group where there is no copy) and activations stay in L1 across the eight
- * passes of every tile. */
-K3_AI void p2_rows(enum k3_wkind kind, const int NR, const uint8_t *rb, int64_t rs,
-                   const float *cpy, int64_t cs, int64_t rows, int64_t cols, int64_t cp,
+/* NR rows of a float32 copy (`cpy`, rows `cs` floats apart, zero-padded to cp) for nt tokens
+ * of xd: y[t * rows + r]. Tokens go in groups of P2_G tiles; for each group the columns go
+ * in blocks of P2_CB, whose weights and activations stay in L1 across the eight passes of
+ * every tile. */
+K3_AI void p2_rows(const int NR, const float *cpy, int64_t cs, int64_t rows, int64_t cp,
                    const double *xd, int64_t nt, float *y) {
-    float wb[K3_PR * P2_CB] __attribute__((aligned(32)));
     for (int64_t t0 = 0; t0 < nt; t0 += P2_T * P2_G) {
         const int64_t ng = nt - t0 < P2_T * P2_G ? nt - t0 : P2_T * P2_G;
         __m256d part[P2_G][K3_PR][P2_T][8];
@@ -104,21 +69,13 @@ K3_AI void p2_rows(enum k3_wkind kind, const int NR, const uint8_t *rb, int64_t 
                     for (int k = 0; k < 8; ++k) part[g][r][j][k] = _mm256_setzero_pd();
         for (int64_t c0 = 0; c0 < cp; c0 += P2_CB) {
             const int64_t nc = cp - c0 < P2_CB ? cp - c0 : P2_CB; /* whole chunks */
-            const float *wf = wb;
-            int64_t ws = P2_CB;
-            if (cpy) {
-                wf = cpy + c0;
-                ws = cs;
-            } else {
-                p2_convert(kind, NR, rb, rs, c0, cols, nc, wb, P2_CB);
-            }
             for (int g = 0; g * P2_T < ng; ++g) {
                 const int64_t t = g * P2_T, n = ng - t < P2_T ? ng - t : P2_T;
                 const double *x = xd + (t0 + t) * cp + c0;
                 switch (n) {
-                case 1: p2_block(NR, 1, part[g], wf, ws, nc / 32, x, cp); break;
-                case 2: p2_block(NR, 2, part[g], wf, ws, nc / 32, x, cp); break;
-                default: p2_block(NR, 3, part[g], wf, ws, nc / 32, x, cp); break;
+                case 1: p2_block(NR, 1, part[g], cpy + c0, cs, nc / 32, x, cp); break;
+                case 2: p2_block(NR, 2, part[g], cpy + c0, cs, nc / 32, x, cp); break;
+                default: p2_block(NR, 3, part[g], cpy + c0, cs, nc / 32, x, cp); break;
                 }
             }
         }
@@ -155,52 +112,22 @@ static void mx_row_scalar(const uint8_t *w, const uint8_t *sc, int64_t o, int64_
     }
 }
 
-/* Rows o .. o + nr - 1 (nr 1..K3_PR) for tokens 0 .. nt - 1 (nt >= 2) of a widened block (xd:
- * nt x cp float64, natural order). */
-K3_AI void k3__row256(enum k3_wkind kind, const void *w, const uint8_t *sc, int64_t o,
-                      int64_t nr, int64_t rows, int64_t cols, int64_t cp, const double *xd,
-                      int64_t nt, float *y) {
-    const float *cpy = NULL;
-    int64_t cs = cols;
-    const int64_t rs = kind == K3_W_BF16 ? 2 * cols : 4 * cols;
-    const uint8_t *rb = kind == K3_W_MXFP4 ? NULL : (const uint8_t *)w + o * rs;
-    if (kind == K3_W_MXFP4) {
-        uint32_t *wb = (uint32_t *)k3__scratch((size_t)(K3_PR * cols) * sizeof(uint32_t));
-        if (!wb || !mx_to_f32(wb, (const uint8_t *)w, sc, o, nr, cols)) {
-            for (int64_t r = o; r < o + nr; ++r) mx_row_scalar(w, sc, r, rows, cols, cp, xd, nt, y);
-            return;
-        }
-        cpy = (const float *)wb;
-    } else if (nt > P2_T * P2_G) {
-        /* more than one token group: the rows converted once for all of them, not once per
-         * group and block (without scratch, per group and block) */
-        float *wb = (float *)k3__scratch((size_t)(K3_PR * cp) * sizeof(float));
-        if (wb) {
-            p2_convert(kind, nr, rb, rs, 0, cols, cp, wb, cp);
-            cpy = wb;
-            cs = cp;
-        }
-    }
-    _Static_assert(K3_PR == 4, "the row counts spelled out below");
-    switch (nr) {
-    case 1: p2_rows(kind, 1, rb, rs, cpy, cs, rows, cols, cp, xd, nt, y + o); break;
-    case 2: p2_rows(kind, 2, rb, rs, cpy, cs, rows, cols, cp, xd, nt, y + o); break;
-    case 3: p2_rows(kind, 3, rb, rs, cpy, cs, rows, cols, cp, xd, nt, y + o); break;
-    default: p2_rows(kind, 4, rb, rs, cpy, cs, rows, cols, cp, xd, nt, y + o); break;
-    }
-}
-
-/* The three weight kinds as separate functions, so each inner loop is specialised. */
-static void k3__row256_bf16(const void *w, const uint8_t *sc, int64_t o, int64_t nr, int64_t rows,
-                            int64_t cols, int64_t cp, const double *xd, int64_t nt, float *y) {
-    k3__row256(K3_W_BF16, w, sc, o, nr, rows, cols, cp, xd, nt, y);
-}
-static void k3__row256_f32(const void *w, const uint8_t *sc, int64_t o, int64_t nr, int64_t rows,
-                           int64_t cols, int64_t cp, const double *xd, int64_t nt, float *y) {
-    k3__row256(K3_W_F32, w, sc, o, nr, rows, cols, cp, xd, nt, y);
-}
+/* MXFP4 rows o .. o + nr - 1 (nr 1..K3_PR) for tokens 0 .. nt - 1 (nt >= 2) of a widened
+ * block (xd: nt x cp float64, natural order). */
 static void k3__row256_mxfp4(const void *w, const uint8_t *sc, int64_t o, int64_t nr,
                              int64_t rows, int64_t cols, int64_t cp, const double *xd, int64_t nt,
                              float *y) {
-    k3__row256(K3_W_MXFP4, w, sc, o, nr, rows, cols, cp, xd, nt, y);
+    uint32_t *wb = (uint32_t *)k3__scratch((size_t)(K3_PR * cols) * sizeof(uint32_t));
+    if (!wb || !mx_to_f32(wb, (const uint8_t *)w, sc, o, nr, cols)) {
+        for (int64_t r = o; r < o + nr; ++r) mx_row_scalar(w, sc, r, rows, cols, cp, xd, nt, y);
+        return;
+    }
+    const float *cpy = (const float *)wb;
+    _Static_assert(K3_PR == 4, "the row counts spelled out below");
+    switch (nr) {
+    case 1: p2_rows(1, cpy, cols, rows, cp, xd, nt, y + o); break;
+    case 2: p2_rows(2, cpy, cols, rows, cp, xd, nt, y + o); break;
+    case 3: p2_rows(3, cpy, cols, rows, cp, xd, nt, y + o); break;
+    default: p2_rows(4, cpy, cols, rows, cp, xd, nt, y + o); break;
+    }
 }

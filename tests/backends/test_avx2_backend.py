@@ -693,6 +693,51 @@ def test_one_token_tiles_give_the_reference_bits(ref, isa, threads, forced):
         same(got, want)
 
 
+@pytest.mark.parametrize("threads,forced", [(1, False), (2, False), (2, True), (3, True)])
+def test_span_tiles_give_the_reference_bits(ref, isa, threads, forced):
+    """The span tiles (AVX-512: pass-major quarters, eight tokens or more; AVX2: eighth-major
+    copies, bf16 and float32 from two tokens, MXFP4 from ten): spans of 16 rows and their row
+    tails, three- and six-token tiles and every token tail, rows ending inside a chunk and
+    wider than an eighth block, MXFP4 scale bytes that the float32 decode takes (0, 1, 2, 252)
+    and the ones that take a table lookup per weight (253..255), token blocks larger than L2
+    (AVX2: several blocks of a 7232-column product), a group of matrices, the SiTU MLP and
+    grouped experts; serial and split between threads."""
+    from k3_backends.avx2_backend import Avx2Backend
+
+    b = Avx2Backend(threads=threads, force_parallel=forced)
+    rng = np.random.default_rng(57 + threads + 4 * forced)
+    for T in (2, 3, 4, 7, 8, 10, 13):
+        for rows, cols in ((1, 1), (4, 31), (16, 33), (17, 1003), (33, 4130)):
+            w, x = bf16(rng, rows, cols), rand(rng, T, cols, scale=2.0)
+            x.reshape(-1)[::37] = (0.0, np.inf, -0.0, 3e38)[T % 4]
+            same(b.matmul_bf16(w, x), ref.matmul_bf16(w, x))
+            wf = rand(rng, rows, cols, scale=3.0)
+            same(b.matmul_f32(wf, x), ref.matmul_f32(wf, x))
+    for T in (10, 11, 12, 16, 23):
+        for rows, cols in ((5, 32), (16, 96), (19, 4128)):
+            wm, xm = mxfp4(rng, rows, cols), rand(rng, T, cols, scale=2.0)
+            same(b.matmul_mxfp4(wm, xm), ref.matmul_mxfp4(wm, xm))
+    for edge in ((0, 1, 2, 252), (0, 252, 253), (254, 255, 127)):
+        wm = mxfp4(rng, 18, 160)
+        wm.scales[:] = rng.choice(np.array(edge, np.uint8), wm.scales.shape)
+        xm = rand(rng, 14, 160, scale=2.0)
+        same(b.matmul_mxfp4(wm, xm), ref.matmul_mxfp4(wm, xm))
+    w, x = bf16(rng, 5, 7232), rand(rng, 80, 7232)  # AVX2: blocks of 72 tokens, then 8
+    same(b.matmul_bf16(w, x), ref.matmul_bf16(w, x))
+    ws = [bf16(rng, r, 200) for r in (33, 16, 7)]
+    xs = rand(rng, 9, 200)
+    for got, want in zip(b.matmul_many(ws, xs), ref.matmul_many(ws, xs), strict=True):
+        same(got, want)
+    w1, w3, w2 = bf16(rng, 40, 96), bf16(rng, 40, 96), bf16(rng, 96, 40)
+    same(b.situ_mlp(w1, w3, w2, xs[:, :96], 4.0, 25.0),
+         ref.situ_mlp(w1, w3, w2, xs[:, :96], 4.0, 25.0))
+    mlps = [(mxfp4(rng, 64, 96), mxfp4(rng, 64, 96), mxfp4(rng, 96, 64)) for _ in range(4)]
+    ins = [rand(rng, n, 96) for n in (9, 10, 16, 33)]
+    for got, want in zip(b.situ_mlp_many(mlps, ins, 4.0, 25.0),
+                         ref.situ_mlp_many(mlps, ins, 4.0, 25.0), strict=True):
+        same(got, want)
+
+
 def _specials(rng, n):
     """float32 values of every kind: normal, tiny, huge, +-0, subnormal, +-inf, NaNs."""
     x = (rng.standard_normal(n) * rng.choice([1e-3, 1.0, 30.0, 800.0], n)).astype(F32)

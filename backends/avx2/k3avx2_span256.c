@@ -1,0 +1,253 @@
+/* k3avx2_span256.c - the AVX2 multi-token products over spans of rows, their activations in
+ * eighth-major order (k3avx2_matmul.c's K3_PATH_SPAN256, on CPUs without AVX-512; the
+ * AVX-512 ones are k3avx2_span512.c's, and k3avx2_matmul256.c has the tiles these replace
+ * from span2_min_tokens on).
+ *
+ * Eighth-major order. Lane register k (k = 0..7) of a (row, token) sum only ever receives
+ * the columns 32c + 4k .. 32c + 4k + 3, in increasing c (the lane-pass tiles of
+ * k3avx2_matmul256.c). Here the activations are widened with those columns side by side:
+ * column 32c + 4k + i of a token's cp columns sits at k * (cp / 8) + 4c + i, so eighth k of
+ * the row is everything lane register k adds, contiguous, and the rows' float64 copies are
+ * laid out the same way. A (row, token) sum is then eight plain four-lane dot products of
+ * cp / 8 columns, one per eighth, each adding its terms in increasing column order from +0.0
+ * with the one-token kernels' FMA (the product of a float32 and a bf16, float32 or MXFP4
+ * value is exact in float64), and the fold is k3_lanes_fold's: the bits are the one-token
+ * kernels', token by token.
+ *
+ * Why spans. The lane-pass tiles take four rows at a time: for every four rows they read
+ * each token tile's activations from L2 or L3 again (128 tokens of 1536 columns are 1.5 MiB
+ * of float64, more than a Zen 2 or Zen 3 core's L2), and their inner loop widens float32
+ * weights (`vcvtps2pd` from memory) beside the FMAs. Here a job's rows go in spans of
+ * SPAN2_ROWS: the span's rows are decoded once into a float64 copy, and then, for each tile
+ * of SPAN2_T tokens and each block of SPAN2_EB columns of an eighth, the tile's activations
+ * (three tokens, 12 KiB) are loaded into L1 once and multiplied by every four-row tile of the
+ * span in turn. A tile keeps 12 accumulators, the three tokens' activation vectors and one
+ * weight vector in the 16 ymm registers, and its inner loop is loads and FMAs only.
+ * Standalone, one Zen 2 core (FMA peak 26 G/s), four rows by three tokens over 512 columns in
+ * L1: float32 weights widened in the loop 15.2 GMAC/s, float64 weights 17-18.
+ */
+#include "k3avx2_internal.h"
+
+#define SPAN2_ROWS 16 /* rows per span (a multiple of K3_PR) */
+#define SPAN2_T 3     /* tokens per tile */
+#define SPAN2_EB 512   /* columns of an eighth per block: three tokens' float64 activations */
+/* The span tiles' token blocks (k3avx2_matmul.c's token_block): a span's copy stays in L2
+ * while every tile of the block's tokens passes over it, so the activations need not fit
+ * L2. One Zen 2 core, bf16 [1536 x 7232] x 128 tokens: blocks of 640 KiB (11 tokens, each
+ * span decoded twelve times) 12.8 GMAC/s, 2 MiB 15.9, 4 MiB 17.0, 8 MiB 16.5. */
+#define SPAN2_XBLOCK_BYTES (4 << 20)
+/* The span tiles from this many tokens on; below it the lane-pass tiles of
+ * k3avx2_matmul256.c are faster (a span's copy is decoded for too few tokens). One Zen 2
+ * core, [1536 x 1536] bf16 and [768 x 1536] MXFP4, GMAC/s span / lane-pass: bf16 2 tokens
+ * 6.3-6.6 / 6.0-6.2, 3 tokens 8.6-8.8 / 7.6-7.8, 16 tokens 15.1-15.5 / 12.2-12.4; MXFP4 (its
+ * copy costs a decode to float32 and a widening) 8 tokens 10.9-11.0 / 10.9-11.2, 10 tokens
+ * 11.5-11.7 / 11.1-11.5, 16 tokens 13.5-13.7 / 12.2-12.4. */
+#define SPAN2_MIN_TOKENS 2
+#define SPAN2_MIN_TOKENS_MXFP4 10
+#define K3_SI static inline __attribute__((always_inline))
+
+/* The fewest tokens that take the span tiles for weights of `kind`. */
+static inline int64_t span2_min_tokens(enum k3_wkind kind) {
+    return kind == K3_W_MXFP4 ? SPAN2_MIN_TOKENS_MXFP4 : SPAN2_MIN_TOKENS;
+}
+
+/* Where column i of a row of cp columns goes in eighth-major order. */
+static inline int64_t span256_index(int64_t i, int64_t cp) {
+    return ((i & 31) >> 2) * (cp / 8) + ((i >> 5) << 2) + (i & 3);
+}
+
+/* Thirty-two float32 values (natural column order) widened into chunk c of an eighth-major
+ * float64 row (its eighths e doubles apart). */
+K3_SI void span2_put_f32(double *out, int64_t e, int64_t c, const float *v) {
+    for (int k = 0; k < 8; ++k)
+        _mm256_storeu_pd(out + k * e + 4 * c, _mm256_cvtps_pd(_mm_loadu_ps(v + 4 * k)));
+}
+
+/* Row `row` of a matrix as one eighth-major float64 row of cp doubles (+0.0 from column
+ * `cols` on): the weights the lane-pass tiles multiply, exact for every MXFP4 scale byte.
+ * `tmp` holds one float32 row (the MXFP4 decode). */
+K3_SI void span2_row(enum k3_wkind kind, const void *w, const uint8_t *sc, int64_t row,
+                     int64_t cols, int64_t cp, double *out, uint32_t *tmp) {
+    const int64_t e = cp / 8, whole = cols / 32;
+    float v[32] __attribute__((aligned(32)));
+    if (kind == K3_W_BF16) {
+        const uint16_t *src = (const uint16_t *)w + row * cols;
+        const __m128i z = _mm_setzero_si128();
+        for (int64_t c = 0; c < whole; ++c) {
+            const uint16_t *s = src + 32 * c;
+            _mm_prefetch((const char *)s + PREFETCH512_BF16, _MM_HINT_T1);
+            for (int q = 0; q < 4; ++q) {
+                const __m128i b = _mm_loadu_si128((const __m128i *)(s + 8 * q));
+                _mm_store_si128((__m128i *)(v + 8 * q), _mm_unpacklo_epi16(z, b));
+                _mm_store_si128((__m128i *)(v + 8 * q + 4), _mm_unpackhi_epi16(z, b));
+            }
+            span2_put_f32(out, e, c, v);
+        }
+    } else if (kind == K3_W_F32) {
+        const float *src = (const float *)w + row * cols;
+        for (int64_t c = 0; c < whole; ++c) {
+            _mm_prefetch((const char *)(src + 32 * c) + PREFETCH512_AHEAD, _MM_HINT_T1);
+            span2_put_f32(out, e, c, src + 32 * c);
+        }
+    } else if (mx_to_f32(tmp, (const uint8_t *)w, sc, row, 1, cols)) {
+        for (int64_t c = 0; c < whole; ++c) span2_put_f32(out, e, c, (const float *)tmp + 32 * c);
+    } else { /* a scale byte past MX_F32_MAX_SCALE: a table lookup per weight */
+        const uint8_t *pk = (const uint8_t *)w + row * (cols / 2), *sb = sc + row * whole;
+        for (int64_t c = 0; c < whole; ++c) {
+            double d[32] __attribute__((aligned(32)));
+            for (int i = 0; i < 32; ++i) {
+                const int byte = pk[16 * c + (i >> 1)];
+                d[i] = WV512[sb[c]][(i & 1) ? byte >> 4 : byte & 15];
+            }
+            for (int k = 0; k < 8; ++k) _mm256_storeu_pd(out + k * e + 4 * c, _mm256_load_pd(d + 4 * k));
+        }
+    }
+    if (whole * 32 < cp) { /* the column tail (bf16 and float32 only: MXFP4 rows are whole) */
+        for (int i = 0; i < 32; ++i) {
+            const int64_t col = 32 * whole + i;
+            float f = 0.0f;
+            if (col < cols && kind == K3_W_BF16) {
+                const uint32_t u = (uint32_t)((const uint16_t *)w)[row * cols + col] << 16;
+                memcpy(&f, &u, 4);
+            } else if (col < cols) {
+                f = ((const float *)w)[row * cols + col];
+            }
+            v[i] = f;
+        }
+        span2_put_f32(out, e, whole, v);
+    }
+}
+
+/* n4 four-column steps of one eighth block: four rows of the copy (w, cp doubles apart)
+ * against NT tokens (x, cp doubles apart), added to acc. */
+K3_SI void span2_block(const int NT, __m256d acc[K3_PR][SPAN2_T], const double *w, int64_t cp,
+                       const double *x, int64_t n4) {
+    for (int64_t s = 0; s < n4; ++s) {
+        __m256d xv[SPAN2_T];
+        for (int j = 0; j < NT; ++j) xv[j] = _mm256_loadu_pd(x + j * cp + 4 * s);
+        for (int r = 0; r < K3_PR; ++r) {
+            const __m256d q = _mm256_loadu_pd(w + r * cp + 4 * s);
+            for (int j = 0; j < NT; ++j) acc[r][j] = _mm256_fmadd_pd(q, xv[j], acc[r][j]);
+        }
+    }
+}
+
+/* NT tokens (x: the first one's eighth-major activations) against the nrt four-row tiles of
+ * a span's copy wb: part[rt][r][j][k] is lane register k of the (row 4rt + r, token j) sum. */
+K3_SI void span2_tokens(const int NT, __m256d part[SPAN2_ROWS / K3_PR][K3_PR][SPAN2_T][8],
+                        const double *wb, int64_t nrt, int64_t cp, const double *x) {
+    const int64_t e = cp / 8;
+    for (int k = 0; k < 8; ++k)
+        for (int64_t b = 0; b < e; b += SPAN2_EB) {
+            const int64_t n4 = (e - b < SPAN2_EB ? e - b : SPAN2_EB) / 4;
+            for (int64_t rt = 0; rt < nrt; ++rt) {
+                __m256d acc[K3_PR][SPAN2_T];
+                for (int r = 0; r < K3_PR; ++r)
+                    for (int j = 0; j < NT; ++j)
+                        acc[r][j] = b ? part[rt][r][j][k] : _mm256_setzero_pd();
+                span2_block(NT, acc, wb + rt * K3_PR * cp + k * e + b, cp, x + k * e + b, n4);
+                for (int r = 0; r < K3_PR; ++r)
+                    for (int j = 0; j < NT; ++j) part[rt][r][j][k] = acc[r][j];
+            }
+        }
+}
+
+/* Weight `col` of row `row`, widened on its own (the path without scratch). */
+K3_SI double span2_weight(enum k3_wkind kind, const void *w, const uint8_t *sc, int64_t row,
+                          int64_t cols, int64_t col) {
+    if (kind == K3_W_MXFP4) {
+        const int byte = ((const uint8_t *)w)[row * (cols / 2) + col / 2];
+        return WV512[sc[row * (cols / 32) + col / 32]][(col & 1) ? byte >> 4 : byte & 15];
+    }
+    if (kind == K3_W_BF16) {
+        const uint32_t u = (uint32_t)((const uint16_t *)w)[row * cols + col] << 16;
+        float f;
+        memcpy(&f, &u, 4);
+        return (double)f;
+    }
+    return (double)((const float *)w)[row * cols + col];
+}
+
+/* Row `row` for nt tokens of eighth-major xd, each weight widened on its own (a thread
+ * without scratch for a span's copy). */
+K3_SI void span2_row_scalar(enum k3_wkind kind, const void *w, const uint8_t *sc, int64_t row,
+                            int64_t rows, int64_t cols, int64_t cp, const double *xd, int64_t nt,
+                            float *y) {
+    const int64_t e = cp / 8;
+    for (int64_t t = 0; t < nt; ++t) {
+        k3_lanes L;
+        k3_lanes_zero(&L);
+        const double *xt = xd + t * cp;
+        for (int64_t c = 0; 32 * c < cp; ++c) {
+            double q[32] __attribute__((aligned(32)));
+            for (int i = 0; i < 32; ++i) {
+                const int64_t col = 32 * c + i;
+                q[i] = col < cols ? span2_weight(kind, w, sc, row, cols, col) : 0.0;
+            }
+            for (int k = 0; k < 8; ++k)
+                L.a[k] = _mm256_fmadd_pd(_mm256_load_pd(q + 4 * k),
+                                         _mm256_loadu_pd(xt + k * e + 4 * c), L.a[k]);
+        }
+        y[t * rows + row] = (float)k3_lanes_fold(&L);
+    }
+}
+
+/* Rows o .. o + nr - 1 (any nr >= 1) for the nt tokens of an eighth-major block (xd: nt x cp;
+ * y[t * rows + r]), a span of SPAN2_ROWS at a time. */
+K3_SI void k3__span256(enum k3_wkind kind, const void *w, const uint8_t *sc, int64_t o,
+                       int64_t nr, int64_t rows, int64_t cols, int64_t cp, const double *xd,
+                       int64_t nt, float *y) {
+    const size_t copy = (size_t)(SPAN2_ROWS * cp) * sizeof(double);
+    char *scr = (char *)k3__scratch(copy + (size_t)cp * sizeof(uint32_t));
+    if (!scr) { /* no scratch for a span's copy */
+        for (int64_t r = o; r < o + nr; ++r)
+            span2_row_scalar(kind, w, sc, r, rows, cols, cp, xd, nt, y);
+        return;
+    }
+    double *wb = (double *)scr;
+    uint32_t *tmp = (uint32_t *)(scr + copy);
+    for (int64_t s0 = o; s0 < o + nr; s0 += SPAN2_ROWS) {
+        const int64_t n = o + nr - s0 < SPAN2_ROWS ? o + nr - s0 : SPAN2_ROWS;
+        const int64_t nrt = (n + K3_PR - 1) / K3_PR;
+        for (int64_t r = 0; r < nrt * K3_PR; ++r) {
+            if (r < n)
+                span2_row(kind, w, sc, s0 + r, cols, cp, wb + r * cp, tmp);
+            else
+                memset(wb + r * cp, 0, (size_t)cp * sizeof(double));
+        }
+        for (int64_t t0 = 0; t0 < nt; t0 += SPAN2_T) {
+            const int64_t m = nt - t0 < SPAN2_T ? nt - t0 : SPAN2_T;
+            __m256d part[SPAN2_ROWS / K3_PR][K3_PR][SPAN2_T][8];
+            const double *xt = xd + t0 * cp;
+            _Static_assert(SPAN2_T == 3, "the token counts spelled out below");
+            switch (m) {
+            case 1: span2_tokens(1, part, wb, nrt, cp, xt); break;
+            case 2: span2_tokens(2, part, wb, nrt, cp, xt); break;
+            default: span2_tokens(3, part, wb, nrt, cp, xt); break;
+            }
+            for (int64_t r = 0; r < n; ++r)
+                for (int64_t j = 0; j < m; ++j) {
+                    k3_lanes L;
+                    for (int k = 0; k < 8; ++k) L.a[k] = part[r / K3_PR][r % K3_PR][j][k];
+                    y[(t0 + j) * rows + s0 + r] = (float)k3_lanes_fold(&L);
+                }
+        }
+    }
+}
+
+/* The three weight kinds as separate functions, so each inner loop is specialised. */
+static void k3__span256_bf16(const void *w, const uint8_t *sc, int64_t o, int64_t nr,
+                             int64_t rows, int64_t cols, int64_t cp, const double *xd, int64_t nt,
+                             float *y) {
+    k3__span256(K3_W_BF16, w, sc, o, nr, rows, cols, cp, xd, nt, y);
+}
+static void k3__span256_f32(const void *w, const uint8_t *sc, int64_t o, int64_t nr,
+                            int64_t rows, int64_t cols, int64_t cp, const double *xd, int64_t nt,
+                            float *y) {
+    k3__span256(K3_W_F32, w, sc, o, nr, rows, cols, cp, xd, nt, y);
+}
+static void k3__span256_mxfp4(const void *w, const uint8_t *sc, int64_t o, int64_t nr,
+                              int64_t rows, int64_t cols, int64_t cp, const double *xd,
+                              int64_t nt, float *y) {
+    k3__span256(K3_W_MXFP4, w, sc, o, nr, rows, cols, cp, xd, nt, y);
+}
