@@ -215,8 +215,11 @@ K3_SI void k3__span256(enum k3_wkind kind, const void *w, const uint8_t *sc, int
             else
                 memset(wb + r * cp, 0, (size_t)cp * sizeof(double));
         }
-        for (int64_t t0 = 0; t0 < nt; t0 += SPAN2_T) {
-            const int64_t m = nt - t0 < SPAN2_T ? nt - t0 : SPAN2_T;
+        for (int64_t t0 = 0, m; t0 < nt; t0 += m) {
+            /* four tokens left go as two tiles of two, not three and one (a one-token tile
+             * loads a weight vector for every FMA) */
+            const int64_t left = nt - t0;
+            m = left == 4 ? 2 : left < SPAN2_T ? left : SPAN2_T;
             __m256d part[SPAN2_ROWS / K3_PR][K3_PR][SPAN2_T][8];
             const double *xt = xd + t0 * cp;
             _Static_assert(SPAN2_T == 3, "the token counts spelled out below");
