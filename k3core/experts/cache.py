@@ -52,6 +52,7 @@ from k3core.api.cache_policy import CachePolicy, key_expert, key_layer, make_key
 from k3core.api.errors import ExpertDropError, K3Error, PluginError
 from k3core.api.experts import ExpertSource, ExpertStats, ExpertWeights
 from k3core.api.prefault import prefault
+from k3core.api.read_priority import DEMAND
 from k3core.api.storage import aligned_empty
 from k3core.api.units import ALIGN
 from k3core.checkpoint.index import CheckpointIndex
@@ -245,7 +246,7 @@ class ExpertCache(ExpertSource):
         if misses:
             self.await_arena()  # no read may land in the arena while it is being faulted in
         for m in sorted(misses, key=lambda m: (str(m.ref.path), m.ref.offset)):
-            m.future = self._pool.submit(self._read, m.ref, m.buf)
+            m.future = _submit_demand(self._pool, self._read, m.ref, m.buf)
 
     def _walk(self, v: _Visit, misses: list[_Member]) -> None:
         batch = v.batch
@@ -577,3 +578,18 @@ class ExpertCache(ExpertSource):
     @property
     def resident(self) -> int:
         return len(self.slot_of)
+
+
+def _submit_demand(pool: ThreadPoolExecutor, read: Callable[[ExpertRef, np.ndarray], float],
+                   ref: ExpertRef, buf: np.ndarray) -> Future[float]:
+    """Submit a miss's read as a demand read (k3core/api/read_priority.py): counted from
+    submission until its future is done, failed or cancelled, so the trunk's read-ahead
+    yields to it while it waits for a reader thread too."""
+    DEMAND.begin()
+    try:
+        fut = pool.submit(read, ref, buf)
+    except BaseException:
+        DEMAND.end()
+        raise
+    fut.add_done_callback(lambda _f: DEMAND.end())
+    return fut

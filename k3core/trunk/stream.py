@@ -24,6 +24,8 @@ Invariants, all under one condition variable:
   first time they are read in a run (with ``verify_every``, which ``--verify-trunk`` sets,
   on every read). A mismatch is a ``CheckpointError`` (exit 1) naming the layer, raised by
   the open or by the ``acquire`` of that layer, and the bytes are never served;
+* the reader thread reads a raw part in pieces and lets the routed experts' reads in flight
+  go first (k3core/api/read_priority.py);
 * a trunk packed with a codec is read as encoded windows in aligned chunks, decoded into
   the slot (or pinned buffer) by the thread that reads it, with a daemon prefetch thread
   reading the next chunk meanwhile (:mod:`k3core.trunk.windows`); the checksum is that of
@@ -47,6 +49,7 @@ import numpy as np
 
 from k3core.api.errors import CheckpointError, K3Error, StorageError
 from k3core.api.prefault import advise_hugepages, prefault
+from k3core.api.read_priority import AHEAD_PIECE_BYTES, DEMAND
 from k3core.api.storage import StorageBackend, StorageFile, aligned_empty
 from k3core.api.units import ALIGN, align_up, human
 from k3core.model import names
@@ -489,6 +492,8 @@ class StreamedTrunk(TrunkSource):
         try:
             if self._codec is not None:
                 self._read_coded(f, lay, buf, start, nbytes)
+            elif threading.current_thread() is self._thread:
+                _read_ahead(f, lay.file_off + start, buf[:nbytes])
             else:
                 f.read_into(lay.file_off + start, buf[:nbytes])
         except CheckpointError:
@@ -715,6 +720,15 @@ def _open(storage: StorageBackend, man: TrunkManifest) -> StorageFile:
         raise CheckpointError(f"{man.bin_path} is {f.size} bytes but the manifest says "
                               f"{man.total_bytes}; truncated or replaced, repack the trunk")
     return f
+
+
+def _read_ahead(f: StorageFile, offset: int, out: np.ndarray) -> None:
+    """The reader thread's read of a ring part: in pieces, each after the expert reads in
+    flight (demand reads, k3core/api/read_priority.py) have gone, so that a routed expert
+    the MoE waits for is not queued behind a part needed only later."""
+    for a in range(0, out.size, AHEAD_PIECE_BYTES):
+        DEMAND.wait_for_demand()
+        f.read_into(offset + a, out[a : a + AHEAD_PIECE_BYTES])
 
 
 def _windows_in(lay: TrunkLayer, start: int, nbytes: int) -> tuple[Window, ...]:
