@@ -651,6 +651,25 @@ def test_mxfp4_decoded_row_tiles_give_the_reference_bits(ref, isa, threads, forc
         same(got, want)
 
 
+def _fused_calls_agree(b, ref, rng, cols, T, inter, ex_rows, ex_cols, ex_tokens) -> None:
+    """A group of three bf16 matrices over one input of T tokens, the SiTU MLP over it
+    (inter columns), and grouped MXFP4 experts [ex_rows x ex_cols] with ex_tokens tokens each:
+    the backend's bits are the reference's."""
+    ws = [bf16(rng, r, cols) for r in (33, 16, 7)]
+    xs = rand(rng, T, cols)
+    for got, want in zip(b.matmul_many(ws, xs), ref.matmul_many(ws, xs), strict=True):
+        same(got, want)
+    w1, w3, w2 = bf16(rng, 40, inter), bf16(rng, 40, inter), bf16(rng, inter, 40)
+    same(b.situ_mlp(w1, w3, w2, xs[:, :inter], 4.0, 25.0),
+         ref.situ_mlp(w1, w3, w2, xs[:, :inter], 4.0, 25.0))
+    mlps = [(mxfp4(rng, ex_rows, ex_cols), mxfp4(rng, ex_rows, ex_cols),
+             mxfp4(rng, ex_cols, ex_rows)) for _ in ex_tokens]
+    ins = [rand(rng, n, ex_cols) for n in ex_tokens]
+    for got, want in zip(b.situ_mlp_many(mlps, ins, 4.0, 25.0),
+                         ref.situ_mlp_many(mlps, ins, 4.0, 25.0), strict=True):
+        same(got, want)
+
+
 @pytest.mark.parametrize("threads,forced", [(1, False), (2, False), (2, True), (3, True)])
 def test_one_token_tiles_give_the_reference_bits(ref, isa, threads, forced):
     """One token: AVX-512 tiles of 16 rows, rows wider than 4096 padded columns taken block by
@@ -679,18 +698,7 @@ def test_one_token_tiles_give_the_reference_bits(ref, isa, threads, forced):
     same(b.matmul_bf16(w, x), ref.matmul_bf16(w, x))
     wm = mxfp4(rng, 301, 7168)
     same(b.matmul_mxfp4(wm, x), ref.matmul_mxfp4(wm, x))
-    ws = [bf16(rng, r, 5000) for r in (33, 16, 7)]
-    xs = rand(rng, 1, 5000)
-    for got, want in zip(b.matmul_many(ws, xs), ref.matmul_many(ws, xs), strict=True):
-        same(got, want)
-    w1, w3, w2 = bf16(rng, 40, 4608), bf16(rng, 40, 4608), bf16(rng, 4608, 40)
-    same(b.situ_mlp(w1, w3, w2, xs[:, :4608], 4.0, 25.0),
-         ref.situ_mlp(w1, w3, w2, xs[:, :4608], 4.0, 25.0))
-    mlps = [(mxfp4(rng, 32, 4160), mxfp4(rng, 32, 4160), mxfp4(rng, 4160, 32)) for _ in range(3)]
-    ins = [rand(rng, 1, 4160) for _ in range(3)]
-    for got, want in zip(b.situ_mlp_many(mlps, ins, 4.0, 25.0),
-                         ref.situ_mlp_many(mlps, ins, 4.0, 25.0), strict=True):
-        same(got, want)
+    _fused_calls_agree(b, ref, rng, 5000, 1, 4608, 32, 4160, (1, 1, 1))
 
 
 @pytest.mark.parametrize("threads,forced", [(1, False), (2, False), (2, True), (3, True)])
@@ -724,18 +732,7 @@ def test_span_tiles_give_the_reference_bits(ref, isa, threads, forced):
         same(b.matmul_mxfp4(wm, xm), ref.matmul_mxfp4(wm, xm))
     w, x = bf16(rng, 5, 7232), rand(rng, 80, 7232)  # AVX2: blocks of 72 tokens, then 8
     same(b.matmul_bf16(w, x), ref.matmul_bf16(w, x))
-    ws = [bf16(rng, r, 200) for r in (33, 16, 7)]
-    xs = rand(rng, 9, 200)
-    for got, want in zip(b.matmul_many(ws, xs), ref.matmul_many(ws, xs), strict=True):
-        same(got, want)
-    w1, w3, w2 = bf16(rng, 40, 96), bf16(rng, 40, 96), bf16(rng, 96, 40)
-    same(b.situ_mlp(w1, w3, w2, xs[:, :96], 4.0, 25.0),
-         ref.situ_mlp(w1, w3, w2, xs[:, :96], 4.0, 25.0))
-    mlps = [(mxfp4(rng, 64, 96), mxfp4(rng, 64, 96), mxfp4(rng, 96, 64)) for _ in range(4)]
-    ins = [rand(rng, n, 96) for n in (9, 10, 16, 33)]
-    for got, want in zip(b.situ_mlp_many(mlps, ins, 4.0, 25.0),
-                         ref.situ_mlp_many(mlps, ins, 4.0, 25.0), strict=True):
-        same(got, want)
+    _fused_calls_agree(b, ref, rng, 200, 9, 96, 64, 96, (9, 10, 16, 33))
 
 
 def _specials(rng, n):

@@ -7,6 +7,7 @@ generated ids and the step-0 logits bytes must equal the resident run's.
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from pathlib import Path
@@ -19,6 +20,7 @@ from k3_storage.plain import PlainStorage
 from typer.testing import CliRunner
 
 from k3core.api.errors import K3Error, StorageError, UsageError
+from k3core.api.read_priority import AHEAD_MAX_WAIT_S, DEMAND
 from k3core.checkpoint.index import CheckpointIndex
 from k3core.cli.app import app
 from k3core.model import names
@@ -372,3 +374,38 @@ def test_registry_create_storage_is_what_the_engine_uses(model, trunk) -> None:
     assert "plain" in names_
     backend, _, _ = get_registry().create("storage", "plain")
     assert backend.name == "plain"
+
+
+def test_ring_reads_yield_to_demand_reads_and_serve_the_same_bytes(model, trunk) -> None:
+    cfg = load_config(model / "config.json")
+    with CheckpointIndex.open(model, PlainStorage()) as idx:
+        man = open_trunk(trunk, idx, cfg)
+        ring = 2 * max(lay.nbytes for lay in man.layers)
+        faulty = FaultyStorage(PlainStorage())
+        before = DEMAND.waited_seconds
+        DEMAND.begin()  # an expert read in flight while the reader starts filling the ring
+        try:
+            tr = StreamedTrunk(cfg, man, faulty, ring, ring=2)
+            try:
+                time.sleep(3 * AHEAD_MAX_WAIT_S)
+                assert DEMAND.waited_seconds - before >= 0.9 * AHEAD_MAX_WAIT_S
+            finally:
+                DEMAND.end()
+            for layer in range(cfg.n_layers):  # the walk still gets every layer, byte for byte
+                p = tr.acquire(layer)
+                want = idx.read(names.layer_name(layer, "self_attn.o_proj.weight")).tobytes()
+                assert p["self_attn.o_proj.weight"].tobytes() == want
+                tr.release(layer)
+            tr.close()
+        finally:
+            assert DEMAND.active == 0
+
+
+def test_expert_miss_reads_are_counted_in_and_out(model, trunk, work) -> None:
+    out = work / "run.json"
+    res = runner.invoke(app, ["run", str(model), "--ids", "3,7,11", "--gen", "3", "--trunk",
+                              str(trunk), "--trunk-gb", "0.0003", "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    report = json.loads(out.read_text())
+    assert report["expert_bytes_read"] > 0 and report["trunk_ring_bytes_read"] > 0
+    assert DEMAND.active == 0  # every miss read's future ended its demand
