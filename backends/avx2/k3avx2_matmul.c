@@ -119,10 +119,24 @@ static void widen_x(double *xd, const float *x, int64_t n, int64_t cols, int64_t
     }
 }
 
+/* The path for a block of T tokens: on AVX-512 the span tiles for SPAN_MIN_TOKENS tokens
+ * and more, the lane-pass tiles for fewer, the one-token tiles for one; else the AVX2 span
+ * tiles from span2_min_tokens on, the AVX2 lane-pass tiles for fewer and the
+ * one-token rows for one. Each path reads its activations in x_order's order. */
+static inline int use_blocked(enum k3_wkind kind, int64_t T) {
+    if (g_avx512) {
+        if (T >= SPAN_MIN_TOKENS) return K3_PATH_SPAN;
+        return T >= 2 ? K3_PATH_512 : K3_PATH_ONE;
+    }
+    if (T >= span2_min_tokens(kind)) return K3_PATH_SPAN256;
+    return T >= 2 ? K3_PATH_256 : K3_PATH_ROWS;
+}
+
 static int64_t token_block(enum k3_wkind kind, int64_t T, int64_t cp) {
     /* the AVX2 span tiles keep a span's weights in L2 and stream the activations past them,
      * a tile of tokens at a time: their blocks may be larger than L2 (SPAN2_XBLOCK_BYTES) */
-    const int64_t bytes = !g_avx512 && T >= span2_min_tokens(kind) ? SPAN2_XBLOCK_BYTES : XBLOCK_BYTES;
+    const int64_t bytes =
+        use_blocked(kind, T) == K3_PATH_SPAN256 ? SPAN2_XBLOCK_BYTES : XBLOCK_BYTES;
     int64_t tb = bytes / (cp * (int64_t)sizeof(double));
     if (tb < K3_PT) tb = K3_PT; /* one lane-pass tile of tokens at least (k3avx2_matmul512.c) */
     tb -= tb % K3_PT;           /* and whole tiles */
@@ -404,19 +418,6 @@ static void group_rows(enum k3_wkind kind, int blocked, const k3_mat *m, int n, 
         k3__pool_run(rows_job_fn, &j, total, row_chunk(blocked, cp), k3__threads());
     else
         rows_job_fn(&j, 0, total);
-}
-
-/* The path for a block of T tokens: on AVX-512 the span tiles for SPAN_MIN_TOKENS tokens
- * and more, the lane-pass tiles for fewer, the one-token tiles for one; else the AVX2 span
- * tiles from span2_min_tokens on, the AVX2 lane-pass tiles for fewer and the
- * one-token rows for one. Each path reads its activations in x_order's order. */
-static inline int use_blocked(enum k3_wkind kind, int64_t T) {
-    if (g_avx512) {
-        if (T >= SPAN_MIN_TOKENS) return K3_PATH_SPAN;
-        return T >= 2 ? K3_PATH_512 : K3_PATH_ONE;
-    }
-    if (T >= span2_min_tokens(kind)) return K3_PATH_SPAN256;
-    return T >= 2 ? K3_PATH_256 : K3_PATH_ROWS;
 }
 
 /* Several matrices over the same x in one call: x widened once per token block, the rows of

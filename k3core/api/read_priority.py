@@ -9,12 +9,13 @@ makes each 0.8 MB expert read behind it wait for it (measured on the synthetic m
 streamed at ``--trunk-gb 0.2 --cache-gb 0.2``: 27 s of device time for 4.6 GB of expert
 reads, 171 MB/s per read, against a disk that reads 1.3-3 GB/s).
 
-:data:`DEMAND` is the process's gate. A demand read runs inside :meth:`ReadPriority.demand`;
-(or between :meth:`ReadPriority.begin` at submission and :meth:`ReadPriority.end` when its
-future is done, so that a read still queued for a reader thread counts too); a read-ahead cuts its read into pieces (:data:`AHEAD_PIECE_BYTES`) and calls
-:meth:`ReadPriority.wait_for_demand` before each, which returns at once when no demand read
-is in flight and otherwise waits until none is, but never longer than its timeout (a demand
-read stuck in the kernel must not stall the ring). Only the order of reads changes, never
+:data:`DEMAND` is the process's gate. A demand read counts from :meth:`ReadPriority.begin`
+at its submission to :meth:`ReadPriority.end` when its future is done, so a read still queued
+for a reader thread counts too. A read-ahead cuts its read into pieces
+(:data:`AHEAD_PIECE_BYTES`) and calls :meth:`ReadPriority.wait_for_demand` before each,
+which returns at once when no demand read is in flight and otherwise waits until none is,
+but never longer than its timeout (a demand read stuck in the kernel must not stall the
+ring). Only the order of reads changes, never
 their bytes: the bits of a run cannot depend on it.
 """
 
@@ -22,8 +23,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 #: a read-ahead's piece: one syscall between two looks at the gate (8 MiB is 2-6 ms of a
 #: 1.3-4 GB/s disk, the most a demand read waits for read-ahead already in flight; 4, 16 and
@@ -39,7 +38,7 @@ class ReadPriority:
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._active = 0
-        self.waited_seconds = 0.0  # read-ahead time spent yielding (reports and tests)
+        self.waited_seconds = 0.0  # read-ahead time spent yielding
 
     def begin(self) -> None:
         """A demand read is submitted (queued for a reader thread, or in flight)."""
@@ -53,15 +52,6 @@ class ReadPriority:
             if self._active <= 0:
                 self._active = 0
                 self._cond.notify_all()
-
-    @contextmanager
-    def demand(self) -> Iterator[None]:
-        """Mark a demand read in flight for the duration of the block."""
-        self.begin()
-        try:
-            yield
-        finally:
-            self.end()
 
     @property
     def active(self) -> int:

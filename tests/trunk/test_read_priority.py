@@ -20,14 +20,15 @@ def test_no_demand_read_means_no_wait() -> None:
 def test_read_ahead_waits_until_the_demand_reads_are_done() -> None:
     gate = ReadPriority()
     gate.begin()
-    with gate.demand():
-        assert gate.active == 2
-        threading.Timer(0.1, gate.end).start()
-        waited: list[float] = []
-        t = threading.Thread(target=lambda: waited.append(gate.wait_for_demand(5.0)))
-        t.start()
-        time.sleep(0.2)
-        assert t.is_alive()  # one demand read is still in flight
+    gate.begin()
+    assert gate.active == 2
+    threading.Timer(0.1, gate.end).start()
+    waited: list[float] = []
+    t = threading.Thread(target=lambda: waited.append(gate.wait_for_demand(5.0)))
+    t.start()
+    time.sleep(0.2)
+    assert t.is_alive()  # one demand read is still in flight
+    gate.end()
     t.join(5)
     assert not t.is_alive() and 0.15 <= waited[0] < 4.0
     assert gate.active == 0
