@@ -159,6 +159,71 @@ K3_AVX512 static void kda_head512(const kda_job *j, int64_t h, double *acc, floa
     }
 }
 
+/* The same sweeps with AVX2 (eight float32 state values, two four-lane FMAs at a time). */
+static inline __m256d kda_lane_start256(const double *lane, int first) {
+    return first ? _mm256_setzero_pd() : _mm256_loadu_pd(lane);
+}
+
+/* lane[0..8) += c * d(r) (eight new state values), from +0.0 for a first row. */
+static inline void kda_lane_add8(double *lane, __m256 r, __m256d c, int first) {
+    const __m256d lo = _mm256_cvtps_pd(_mm256_castps256_ps128(r));
+    const __m256d hi = _mm256_cvtps_pd(_mm256_extractf128_ps(r, 1));
+    _mm256_storeu_pd(lane, _mm256_fmadd_pd(c, lo, kda_lane_start256(lane, first)));
+    _mm256_storeu_pd(lane + 4, _mm256_fmadd_pd(c, hi, kda_lane_start256(lane + 4, first)));
+}
+
+static inline void kda_decay_row256(float *row, float ai, double ki, double *lane, int64_t m,
+                                    int first) {
+    const __m256 a = _mm256_set1_ps(ai);
+    const __m256d k = _mm256_set1_pd(ki);
+    int64_t j = 0;
+    for (; j + 8 <= m; j += 8) {
+        const __m256 r = _mm256_mul_ps(_mm256_loadu_ps(row + j), a);
+        _mm256_storeu_ps(row + j, r);
+        kda_lane_add8(lane + j, r, k, first);
+    }
+    for (; j < m; ++j) {
+        row[j] = row[j] * ai;
+        lane[j] = (first ? 0.0 : lane[j]) + ki * (double)row[j];
+    }
+}
+
+static inline void kda_update_row256(float *row, float ki, const float *w, double qi,
+                                     double *lane, int64_t m, int first) {
+    const __m256 k = _mm256_set1_ps(ki);
+    const __m256d q = _mm256_set1_pd(qi);
+    int64_t j = 0;
+    for (; j + 8 <= m; j += 8) {
+        const __m256 r =
+            _mm256_add_ps(_mm256_loadu_ps(row + j), _mm256_mul_ps(k, _mm256_loadu_ps(w + j)));
+        _mm256_storeu_ps(row + j, r);
+        kda_lane_add8(lane + j, r, q, first);
+    }
+    for (; j < m; ++j) {
+        row[j] = row[j] + ki * w[j];
+        lane[j] = (first ? 0.0 : lane[j]) + qi * (double)row[j];
+    }
+}
+
+/* Head h for every token on AVX2: kda_head512's sweeps, four float64 lanes at a time. A
+ * head of fewer than 32 rows folds only the lanes its rows started (colsum_end). */
+static void kda_head256(const kda_job *j, int64_t h, double *acc, float *u, float *w) {
+    const int64_t T = j->T, H = j->H, Dk = j->Dk, Dv = j->Dv;
+    float *S = j->state + h * Dk * Dv;
+    for (int64_t t = 0; t < T; ++t) {
+        const float *qt = j->q + (t * H + h) * Dk, *kt = j->k + (t * H + h) * Dk;
+        const float *vt = j->v + (t * H + h) * Dv, *at = j->alpha + (t * H + h) * Dk;
+        const float bt = j->beta[t * H + h];
+        for (int64_t i = 0; i < Dk; ++i)
+            kda_decay_row256(S + i * Dv, at[i], (double)kt[i], acc + (i % 32) * Dv, Dv, i < 32);
+        colsum_end(acc, Dv, u, Dk);
+        for (int64_t c = 0; c < Dv; ++c) w[c] = bt * (vt[c] - u[c]);
+        for (int64_t i = 0; i < Dk; ++i)
+            kda_update_row256(S + i * Dv, kt[i], w, (double)qt[i], acc + (i % 32) * Dv, Dv, i < 32);
+        colsum_end(acc, Dv, j->out + (t * H + h) * Dv, Dk);
+    }
+}
+
 /* Heads [h0, h1) for every token, with the scratch of the chunk that starts at h0. */
 static void kda_job_fn(void *ctx, int64_t h0, int64_t h1) {
     const kda_job *j = (const kda_job *)ctx;
@@ -166,33 +231,10 @@ static void kda_job_fn(void *ctx, int64_t h0, int64_t h1) {
     double *acc = j->scratch + (h0 / j->chunk) * (33 * Dv);
     float *u = (float *)(acc + 32 * Dv), *w = u + Dv;
     for (int64_t h = h0; h < h1; ++h) {
-        if (g_avx512) {
+        if (g_avx512)
             kda_head512(j, h, acc, u, w);
-            continue;
-        }
-        float *S = j->state + h * Dk * Dv;
-        for (int64_t t = 0; t < T; ++t) {
-            const float *qt = j->q + (t * H + h) * Dk, *kt = j->k + (t * H + h) * Dk;
-            const float *vt = j->v + (t * H + h) * Dv, *at = j->alpha + (t * H + h) * Dk;
-            const float bt = j->beta[t * H + h];
-            colsum_begin(acc, Dv, Dk);
-            for (int64_t i = 0; i < Dk; ++i) {
-                float *row = S + i * Dv;
-                const float ai = at[i];
-                for (int64_t c = 0; c < Dv; ++c) row[c] = row[c] * ai;
-                colsum_add(acc, Dv, i, kt[i], row);
-            }
-            colsum_end(acc, Dv, u, Dk);
-            for (int64_t c = 0; c < Dv; ++c) w[c] = bt * (vt[c] - u[c]);
-            colsum_begin(acc, Dv, Dk);
-            for (int64_t i = 0; i < Dk; ++i) {
-                float *row = S + i * Dv;
-                const float ki = kt[i];
-                for (int64_t c = 0; c < Dv; ++c) row[c] = row[c] + ki * w[c];
-                colsum_add(acc, Dv, i, qt[i], row);
-            }
-            colsum_end(acc, Dv, j->out + (t * H + h) * Dv, Dk);
-        }
+        else
+            kda_head256(j, h, acc, u, w);
     }
 }
 
