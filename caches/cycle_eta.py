@@ -180,13 +180,16 @@ class CycleETAPolicy(CachePolicy):
         for a in range(top - 1, -1, -1):
             R[:, a] = 1.0 + (1.0 - h[:, a]) * R[:, a + 1]
         C = R.copy()  # holding for ever is one horizon; try every shorter one
-        for a in range(top + 1):
-            alive = np.ones(N_CLASSES)  # P(no request yet)
-            held = np.zeros(N_CLASSES)  # expected visits held so far
-            for age in range(a, top + 1):
-                held += alive
-                alive = alive * (1.0 - h[:, age])
-                C[:, a] = np.minimum(C[:, a], held / np.maximum(1.0 - alive, 1e-12))
+        # every start age a at once: step s holds from age a to age a + s (the same float
+        # operations, in the same order, as a loop over a and then over the ages)
+        q = 1.0 - h
+        alive = np.ones_like(h)  # [class, a]: P(no request yet)
+        held = np.zeros_like(h)  # expected visits held so far
+        for step in range(top + 1):
+            n = top + 1 - step  # the start ages with a + step <= top
+            held[:, :n] += alive[:, :n]
+            alive[:, :n] = alive[:, :n] * q[:, step:]
+            C[:, :n] = np.minimum(C[:, :n], held[:, :n] / np.maximum(1.0 - alive[:, :n], 1e-12))
         self._C = C.tolist()
 
     def _arrays(self, layer: int, expert: int) -> tuple[np.ndarray, np.ndarray]:
