@@ -6,6 +6,7 @@
 #include "k3avx2_vexp256.c"
 #include "k3avx2_matmul512.c"
 #include "k3avx2_span512.c"
+#include "k3avx2_mxfp4.c"
 #include "k3avx2_span256.c"
 #include "k3avx2_one512.c"
 #include "k3avx2_matmul.c"

@@ -227,7 +227,7 @@ static void kda_head256(const kda_job *j, int64_t h, double *acc, float *u, floa
 /* Heads [h0, h1) for every token, with the scratch of the chunk that starts at h0. */
 static void kda_job_fn(void *ctx, int64_t h0, int64_t h1) {
     const kda_job *j = (const kda_job *)ctx;
-    const int64_t T = j->T, H = j->H, Dk = j->Dk, Dv = j->Dv;
+    const int64_t Dv = j->Dv;
     double *acc = j->scratch + (h0 / j->chunk) * (33 * Dv);
     float *u = (float *)(acc + 32 * Dv), *w = u + Dv;
     for (int64_t h = h0; h < h1; ++h) {

@@ -15,8 +15,8 @@
  * one weight vector: each weight vector feeds three FMAs, each loaded activation vector four.
  *
  * The weights come from float32 copies, so the inner loop widens four weights with one
- * `vcvtps2pd` from memory and no integer shuffle. Only MXFP4 rows of two to nine tokens come
- * here (bf16 and float32 rows of two tokens or more, and MXFP4 from ten, take the span tiles
+ * `vcvtps2pd` from memory and no integer shuffle. Only MXFP4 rows of two tokens come
+ * here (bf16 and float32 rows of two tokens or more, and MXFP4 from three, take the span tiles
  * of k3avx2_span256.c): a tile's rows are decoded through mx_to_f32 (k3avx2_matmul512.c: exact
  * for every scale byte up to MX_F32_MAX_SCALE), and a tile with a larger scale byte (2^126 and
  * up, or the NaN byte) takes mx_row_scalar, one table lookup per weight in natural column

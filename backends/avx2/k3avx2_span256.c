@@ -12,7 +12,10 @@
  * cp / 8 columns, one per eighth, each adding its terms in increasing column order from +0.0
  * with the one-token kernels' FMA (the product of a float32 and a bf16, float32 or MXFP4
  * value is exact in float64), and the fold is k3_lanes_fold's: the bits are the one-token
- * kernels', token by token.
+ * kernels', token by token. MXFP4 rows are decoded straight to float64 a 32-column group at
+ * a time (k3avx2_mxfp4.c decode_group: two table shuffles and one spread per register), its
+ * eight registers stored as they come, each holding its four columns in MX_PERM order; the
+ * activations are widened in the same order (span256_mx_index) and the fold is fold_mx's.
  *
  * Why spans. The lane-pass tiles take four rows at a time: for every four rows they read
  * each token tile's activations from L2 or L3 again (128 tokens of 1536 columns are 1.5 MiB
@@ -39,11 +42,13 @@
 /* The span tiles from this many tokens on; below it the lane-pass tiles of
  * k3avx2_matmul256.c are faster (a span's copy is decoded for too few tokens). One Zen 2
  * core, [1536 x 1536] bf16 and [768 x 1536] MXFP4, GMAC/s span / lane-pass: bf16 2 tokens
- * 6.3-6.6 / 6.0-6.2, 3 tokens 8.6-8.8 / 7.6-7.8, 16 tokens 15.1-15.5 / 12.2-12.4; MXFP4 (its
- * copy costs a decode to float32 and a widening) 8 tokens 10.9-11.0 / 10.9-11.2, 10 tokens
- * 11.5-11.7 / 11.1-11.5, 16 tokens 13.5-13.7 / 12.2-12.4. */
+ * 6.3-6.6 / 6.0-6.2, 3 tokens 8.6-8.8 / 7.6-7.8, 16 tokens 15.1-15.5 / 12.2-12.4. MXFP4
+ * [672 x 768] (the medium model's experts), the copy decoded straight to float64: 2 tokens
+ * 5.5-5.6 / 5.8, 3 tokens 7.8-7.9 / 7.2, 4 tokens 8.1-8.3 / 7.6-7.8, 8 tokens 11.9-12.0 /
+ * 10.3-10.4 (the copy had been decoded to float32 and widened: then the lane-pass tiles won
+ * up to 9 tokens). */
 #define SPAN2_MIN_TOKENS 2
-#define SPAN2_MIN_TOKENS_MXFP4 10
+#define SPAN2_MIN_TOKENS_MXFP4 3
 #define K3_SI static inline __attribute__((always_inline))
 
 /* The fewest tokens that take the span tiles for weights of `kind`. */
@@ -56,6 +61,17 @@ static inline int64_t span256_index(int64_t i, int64_t cp) {
     return ((i & 31) >> 2) * (cp / 8) + ((i >> 5) << 2) + (i & 3);
 }
 
+/* Where column i goes for MXFP4 weights: eighth-major with the four columns of each eighth's
+ * step in MX_PERM order (k3avx2_mxfp4.c decode_group's registers, stored as they come). */
+static inline int64_t span256_mx_index(int64_t i, int64_t cp) {
+    return span256_index((i & ~(int64_t)3) + MX_PERM[i & 3], cp); /* MX_PERM is its own inverse */
+}
+
+/* The lane sum of a (row, token): an MXFP4 one has its lanes in MX_PERM order. */
+K3_SI double span2_fold(enum k3_wkind kind, const k3_lanes *L) {
+    return kind == K3_W_MXFP4 ? fold_mx(L) : k3_lanes_fold(L);
+}
+
 /* Thirty-two float32 values (natural column order) widened into chunk c of an eighth-major
  * float64 row (its eighths e doubles apart). */
 K3_SI void span2_put_f32(double *out, int64_t e, int64_t c, const float *v) {
@@ -64,10 +80,10 @@ K3_SI void span2_put_f32(double *out, int64_t e, int64_t c, const float *v) {
 }
 
 /* Row `row` of a matrix as one eighth-major float64 row of cp doubles (+0.0 from column
- * `cols` on): the weights the lane-pass tiles multiply, exact for every MXFP4 scale byte.
- * `tmp` holds one float32 row (the MXFP4 decode). */
+ * `cols` on): the weights the lane-pass tiles multiply, exact for every MXFP4 scale byte;
+ * an MXFP4 row in span256_mx_index's order. */
 K3_SI void span2_row(enum k3_wkind kind, const void *w, const uint8_t *sc, int64_t row,
-                     int64_t cols, int64_t cp, double *out, uint32_t *tmp) {
+                     int64_t cols, int64_t cp, double *out) {
     const int64_t e = cp / 8, whole = cols / 32;
     float v[32] __attribute__((aligned(32)));
     if (kind == K3_W_BF16) {
@@ -89,17 +105,20 @@ K3_SI void span2_row(enum k3_wkind kind, const void *w, const uint8_t *sc, int64
             _mm_prefetch((const char *)(src + 32 * c) + PREFETCH512_AHEAD, _MM_HINT_T1);
             span2_put_f32(out, e, c, src + 32 * c);
         }
-    } else if (mx_to_f32(tmp, (const uint8_t *)w, sc, row, 1, cols)) {
-        for (int64_t c = 0; c < whole; ++c) span2_put_f32(out, e, c, (const float *)tmp + 32 * c);
-    } else { /* a scale byte past MX_F32_MAX_SCALE: a table lookup per weight */
+    } else { /* MXFP4: each group decoded straight to float64, its columns in MX_PERM order
+              * inside each eighth's four (the activations are widened to match) */
         const uint8_t *pk = (const uint8_t *)w + row * (cols / 2), *sb = sc + row * whole;
         for (int64_t c = 0; c < whole; ++c) {
-            double d[32] __attribute__((aligned(32)));
-            for (int i = 0; i < 32; ++i) {
-                const int byte = pk[16 * c + (i >> 1)];
-                d[i] = WV512[sb[c]][(i & 1) ? byte >> 4 : byte & 15];
+            __m256d q[8];
+            if ((c & 3) == 0) _mm_prefetch((const char *)(pk + 16 * c) + PREFETCH512_AHEAD, _MM_HINT_T1);
+            if (g_tables_exact) {
+                decode_group(q, pk + 16 * c, sb[c]);
+            } else {
+                double d[32] __attribute__((aligned(32)));
+                decode_group_scalar(d, pk + 16 * c, sb[c]);
+                for (int k = 0; k < 8; ++k) q[k] = _mm256_load_pd(d + 4 * k);
             }
-            for (int k = 0; k < 8; ++k) _mm256_storeu_pd(out + k * e + 4 * c, _mm256_load_pd(d + 4 * k));
+            for (int k = 0; k < 8; ++k) _mm256_store_pd(out + k * e + 4 * c, q[k]);
         }
     }
     if (whole * 32 < cp) { /* the column tail (bf16 and float32 only: MXFP4 rows are whole) */
@@ -168,8 +187,8 @@ K3_SI double span2_weight(enum k3_wkind kind, const void *w, const uint8_t *sc, 
     return (double)((const float *)w)[row * cols + col];
 }
 
-/* Row `row` for nt tokens of eighth-major xd, each weight widened on its own (a thread
- * without scratch for a span's copy). */
+/* Row `row` for nt tokens of eighth-major xd (span256_mx_index's order for MXFP4), each
+ * weight widened on its own (a thread without scratch for a span's copy). */
 K3_SI void span2_row_scalar(enum k3_wkind kind, const void *w, const uint8_t *sc, int64_t row,
                             int64_t rows, int64_t cols, int64_t cp, const double *xd, int64_t nt,
                             float *y) {
@@ -181,14 +200,14 @@ K3_SI void span2_row_scalar(enum k3_wkind kind, const void *w, const uint8_t *sc
         for (int64_t c = 0; 32 * c < cp; ++c) {
             double q[32] __attribute__((aligned(32)));
             for (int i = 0; i < 32; ++i) {
-                const int64_t col = 32 * c + i;
+                const int64_t col = 32 * c + (kind == K3_W_MXFP4 ? (i & ~3) + MX_PERM[i & 3] : i);
                 q[i] = col < cols ? span2_weight(kind, w, sc, row, cols, col) : 0.0;
             }
             for (int k = 0; k < 8; ++k)
                 L.a[k] = _mm256_fmadd_pd(_mm256_load_pd(q + 4 * k),
                                          _mm256_loadu_pd(xt + k * e + 4 * c), L.a[k]);
         }
-        y[t * rows + row] = (float)k3_lanes_fold(&L);
+        y[t * rows + row] = (float)span2_fold(kind, &L);
     }
 }
 
@@ -198,20 +217,19 @@ K3_SI void k3__span256(enum k3_wkind kind, const void *w, const uint8_t *sc, int
                        int64_t nr, int64_t rows, int64_t cols, int64_t cp, const double *xd,
                        int64_t nt, float *y) {
     const size_t copy = (size_t)(SPAN2_ROWS * cp) * sizeof(double);
-    char *scr = (char *)k3__scratch(copy + (size_t)cp * sizeof(uint32_t));
+    char *scr = (char *)k3__scratch(copy);
     if (!scr) { /* no scratch for a span's copy */
         for (int64_t r = o; r < o + nr; ++r)
             span2_row_scalar(kind, w, sc, r, rows, cols, cp, xd, nt, y);
         return;
     }
     double *wb = (double *)scr;
-    uint32_t *tmp = (uint32_t *)(scr + copy);
     for (int64_t s0 = o; s0 < o + nr; s0 += SPAN2_ROWS) {
         const int64_t n = o + nr - s0 < SPAN2_ROWS ? o + nr - s0 : SPAN2_ROWS;
         const int64_t nrt = (n + K3_PR - 1) / K3_PR;
         for (int64_t r = 0; r < nrt * K3_PR; ++r) {
             if (r < n)
-                span2_row(kind, w, sc, s0 + r, cols, cp, wb + r * cp, tmp);
+                span2_row(kind, w, sc, s0 + r, cols, cp, wb + r * cp);
             else
                 memset(wb + r * cp, 0, (size_t)cp * sizeof(double));
         }
@@ -232,7 +250,7 @@ K3_SI void k3__span256(enum k3_wkind kind, const void *w, const uint8_t *sc, int
                 for (int64_t j = 0; j < m; ++j) {
                     k3_lanes L;
                     for (int k = 0; k < 8; ++k) L.a[k] = part[r / K3_PR][r % K3_PR][j][k];
-                    y[(t0 + j) * rows + s0 + r] = (float)k3_lanes_fold(&L);
+                    y[(t0 + j) * rows + s0 + r] = (float)span2_fold(kind, &L);
                 }
         }
     }

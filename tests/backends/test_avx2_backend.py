@@ -704,10 +704,11 @@ def test_one_token_tiles_give_the_reference_bits(ref, isa, threads, forced):
 @pytest.mark.parametrize("threads,forced", [(1, False), (2, False), (2, True), (3, True)])
 def test_span_tiles_give_the_reference_bits(ref, isa, threads, forced):
     """The span tiles (AVX-512: pass-major quarters, eight tokens or more; AVX2: eighth-major
-    copies, bf16 and float32 from two tokens, MXFP4 from ten): spans of 16 rows and their row
-    tails, three- and six-token tiles and every token tail, rows ending inside a chunk and
-    wider than an eighth block, MXFP4 scale bytes that the float32 decode takes (0, 1, 2, 252)
-    and the ones that take a table lookup per weight (253..255), token blocks larger than L2
+    copies, bf16 and float32 from two tokens, MXFP4 from three, its copy decoded straight to
+    float64 in MX_PERM order): spans of 16 rows and their row tails, three- and six-token
+    tiles and every token tail, rows ending inside a chunk and wider than an eighth block,
+    every kind of MXFP4 scale byte (0, 1, 2, 252, and 253..255, past float32's range: the
+    AVX-512 tiles' table lookup per weight), token blocks larger than L2
     (AVX2: several blocks of a 7232-column product), a group of matrices, the SiTU MLP and
     grouped experts; serial and split between threads."""
     from k3_backends.avx2_backend import Avx2Backend
@@ -721,15 +722,16 @@ def test_span_tiles_give_the_reference_bits(ref, isa, threads, forced):
             same(b.matmul_bf16(w, x), ref.matmul_bf16(w, x))
             wf = rand(rng, rows, cols, scale=3.0)
             same(b.matmul_f32(wf, x), ref.matmul_f32(wf, x))
-    for T in (10, 11, 12, 16, 23):
+    for T in (3, 4, 5, 9, 10, 11, 12, 16, 23):
         for rows, cols in ((5, 32), (16, 96), (19, 4128)):
             wm, xm = mxfp4(rng, rows, cols), rand(rng, T, cols, scale=2.0)
             same(b.matmul_mxfp4(wm, xm), ref.matmul_mxfp4(wm, xm))
     for edge in ((0, 1, 2, 252), (0, 252, 253), (254, 255, 127)):
         wm = mxfp4(rng, 18, 160)
         wm.scales[:] = rng.choice(np.array(edge, np.uint8), wm.scales.shape)
-        xm = rand(rng, 14, 160, scale=2.0)
-        same(b.matmul_mxfp4(wm, xm), ref.matmul_mxfp4(wm, xm))
+        for T in (3, 14):
+            xm = rand(rng, T, 160, scale=2.0)
+            same(b.matmul_mxfp4(wm, xm), ref.matmul_mxfp4(wm, xm))
     w, x = bf16(rng, 5, 7232), rand(rng, 80, 7232)  # AVX2: blocks of 72 tokens, then 8
     same(b.matmul_bf16(w, x), ref.matmul_bf16(w, x))
     _fused_calls_agree(b, ref, rng, 200, 9, 96, 64, 96, (9, 10, 16, 33))
