@@ -4,7 +4,9 @@ While the interpreter imports k3 and a command's libraries (numpy, the kernels),
 open and nothing is half-written, so :func:`quiet_until_command` makes SIGINT print
 ``k3: error: interrupted`` and exit 130 at once. When the command itself starts,
 :func:`restore` hands SIGINT back to Python's own handler (``KeyboardInterrupt``), which
-``guarded`` turns into the same line after the command has closed and kept what it made.
+``guarded`` turns into the same line after the command has closed and kept what it made;
+when the command line's ``main`` returns, the quiet handler is back for the interpreter's
+shutdown.
 Standard library only: this runs before anything else is imported.
 """
 

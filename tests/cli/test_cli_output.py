@@ -244,3 +244,20 @@ def test_quiet_handler_before_the_command_exits_130_at_once():
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30,
                        preexec_fn=_default_sigint)
     assert p.returncode == 130 and p.stderr == "k3: error: interrupted\n" and p.stdout == ""
+
+
+def test_ctrl_c_after_the_command_returned_is_one_line():
+    """Once the command line's command has returned (its files closed), SIGINT is the quiet
+    handler's again, so Ctrl-C while the interpreter shuts down is one line and exit 130, not
+    the traceback of a finaliser; without relying on timing (the app is a stand-in that
+    checks it runs with Python's own handler, as a guarded command does)."""
+    code = ("import os, signal, sys\nimport k3core.cli.app as app\n"
+            "from k3core.cli.__main__ import main\nfrom k3core.cli.interrupts import restore\n"
+            "def fake():\n    restore()\n"
+            "    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler\n"
+            "    print('done', flush=True)\n    sys.exit(0)\n"
+            "app.main = fake\ntry:\n    main()\nexcept SystemExit:\n    pass\n"
+            "os.kill(os.getpid(), signal.SIGINT)\nimport time\ntime.sleep(5)\nprint('not reached')")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30,
+                       preexec_fn=_default_sigint)
+    assert p.returncode == 130 and p.stderr == "k3: error: interrupted\n" and p.stdout == "done\n"
