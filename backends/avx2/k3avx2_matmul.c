@@ -298,6 +298,7 @@ static inline int64_t rows_ahead(int64_t left, int64_t in_mat, int64_t nr) {
 /* The pool's chunk of rows for a job on `path` over cp padded columns. */
 static inline int64_t row_chunk(int path, int64_t cp) {
     if (k3__forced()) return K3_PR;
+    if (path == K3_PATH_SPAN256) return SPAN2_ROWS; /* whole spans of the AVX2 span tiles */
     return path == K3_PATH_ONE && cp > ONE_WIDE ? ONE_CHUNK_TILES * ONE_TILE : ROW_CHUNK;
 }
 

@@ -23,16 +23,21 @@
  * weights (`vcvtps2pd` from memory) beside the FMAs. Here a job's rows go in spans of
  * SPAN2_ROWS: the span's rows are decoded once into a float64 copy, and then, for each tile
  * of SPAN2_T tokens and each block of SPAN2_EB columns of an eighth, the tile's activations
- * (three tokens, 12 KiB) are loaded into L1 once and multiplied by every four-row tile of the
- * span in turn. A tile keeps 12 accumulators, the three tokens' activation vectors and one
- * weight vector in the 16 ymm registers, and its inner loop is loads and FMAs only.
+ * (four tokens, 16 KiB) are loaded into L1 once and multiplied by every three-row tile of the
+ * span in turn. A tile keeps 12 accumulators, three tokens' activation vectors and one weight
+ * vector in the 16 ymm registers, the fourth token's activations are the FMAs' memory operand,
+ * and its inner loop is loads and FMAs only. Three rows by four tokens read a weight vector
+ * from the span's copy (L2) for every four FMAs, where four rows by three tokens read one for
+ * every three: a loop of the span tiles' shape (a 16- or 15-row copy of 1,536 columns in L2,
+ * 128 tokens from L3), one Zen 2 core, 4 x 3 19.8-20.6 GMAC/s, 3 x 4 21.5-22.1.
  * Standalone, one Zen 2 core (FMA peak 26 G/s), four rows by three tokens over 512 columns in
- * L1: float32 weights widened in the loop 15.2 GMAC/s, float64 weights 17-18.
+ * L1: float32 weights widened in the loop 15.2 GMAC/s, float64 weights 17-18, 25 from L1.
  */
 #include "k3avx2_internal.h"
 
-#define SPAN2_ROWS 16 /* rows per span (a multiple of K3_PR) */
-#define SPAN2_T 3     /* tokens per tile */
+#define SPAN2_R 3     /* rows per tile */
+#define SPAN2_ROWS 15 /* rows per span (a multiple of SPAN2_R; k3avx2_matmul.c's row_chunk) */
+#define SPAN2_T 4     /* tokens per tile */
 #define SPAN2_EB 512   /* columns of an eighth per block: three tokens' float64 activations */
 /* The span tiles' token blocks (k3avx2_matmul.c's token_block): a span's copy stays in L2
  * while every tile of the block's tokens passes over it, so the activations need not fit
@@ -137,35 +142,37 @@ K3_SI void span2_row(enum k3_wkind kind, const void *w, const uint8_t *sc, int64
     }
 }
 
-/* n4 four-column steps of one eighth block: four rows of the copy (w, cp doubles apart)
- * against NT tokens (x, cp doubles apart), added to acc. */
-K3_SI void span2_block(const int NT, __m256d acc[K3_PR][SPAN2_T], const double *w, int64_t cp,
+/* n4 four-column steps of one eighth block: three rows of the copy (w, cp doubles apart)
+ * against NT tokens (x, cp doubles apart), added to acc. With four tokens the compiler keeps
+ * three activation vectors in registers and takes the fourth as the FMAs' memory operand
+ * (12 accumulators, 3 activations and 1 weight vector are the 16 ymm registers). */
+K3_SI void span2_block(const int NT, __m256d acc[SPAN2_R][SPAN2_T], const double *w, int64_t cp,
                        const double *x, int64_t n4) {
     for (int64_t s = 0; s < n4; ++s) {
         __m256d xv[SPAN2_T];
         for (int j = 0; j < NT; ++j) xv[j] = _mm256_loadu_pd(x + j * cp + 4 * s);
-        for (int r = 0; r < K3_PR; ++r) {
+        for (int r = 0; r < SPAN2_R; ++r) {
             const __m256d q = _mm256_loadu_pd(w + r * cp + 4 * s);
             for (int j = 0; j < NT; ++j) acc[r][j] = _mm256_fmadd_pd(q, xv[j], acc[r][j]);
         }
     }
 }
 
-/* NT tokens (x: the first one's eighth-major activations) against the nrt four-row tiles of
- * a span's copy wb: part[rt][r][j][k] is lane register k of the (row 4rt + r, token j) sum. */
-K3_SI void span2_tokens(const int NT, __m256d part[SPAN2_ROWS / K3_PR][K3_PR][SPAN2_T][8],
+/* NT tokens (x: the first one's eighth-major activations) against the nrt three-row tiles of
+ * a span's copy wb: part[rt][r][j][k] is lane register k of the (row 3rt + r, token j) sum. */
+K3_SI void span2_tokens(const int NT, __m256d part[SPAN2_ROWS / SPAN2_R][SPAN2_R][SPAN2_T][8],
                         const double *wb, int64_t nrt, int64_t cp, const double *x) {
     const int64_t e = cp / 8;
     for (int k = 0; k < 8; ++k)
         for (int64_t b = 0; b < e; b += SPAN2_EB) {
             const int64_t n4 = (e - b < SPAN2_EB ? e - b : SPAN2_EB) / 4;
             for (int64_t rt = 0; rt < nrt; ++rt) {
-                __m256d acc[K3_PR][SPAN2_T];
-                for (int r = 0; r < K3_PR; ++r)
+                __m256d acc[SPAN2_R][SPAN2_T];
+                for (int r = 0; r < SPAN2_R; ++r)
                     for (int j = 0; j < NT; ++j)
                         acc[r][j] = b ? part[rt][r][j][k] : _mm256_setzero_pd();
-                span2_block(NT, acc, wb + rt * K3_PR * cp + k * e + b, cp, x + k * e + b, n4);
-                for (int r = 0; r < K3_PR; ++r)
+                span2_block(NT, acc, wb + rt * SPAN2_R * cp + k * e + b, cp, x + k * e + b, n4);
+                for (int r = 0; r < SPAN2_R; ++r)
                     for (int j = 0; j < NT; ++j) part[rt][r][j][k] = acc[r][j];
             }
         }
@@ -226,30 +233,31 @@ K3_SI void k3__span256(enum k3_wkind kind, const void *w, const uint8_t *sc, int
     double *wb = (double *)scr;
     for (int64_t s0 = o; s0 < o + nr; s0 += SPAN2_ROWS) {
         const int64_t n = o + nr - s0 < SPAN2_ROWS ? o + nr - s0 : SPAN2_ROWS;
-        const int64_t nrt = (n + K3_PR - 1) / K3_PR;
-        for (int64_t r = 0; r < nrt * K3_PR; ++r) {
+        const int64_t nrt = (n + SPAN2_R - 1) / SPAN2_R;
+        for (int64_t r = 0; r < nrt * SPAN2_R; ++r) {
             if (r < n)
                 span2_row(kind, w, sc, s0 + r, cols, cp, wb + r * cp);
             else
                 memset(wb + r * cp, 0, (size_t)cp * sizeof(double));
         }
         for (int64_t t0 = 0, m; t0 < nt; t0 += m) {
-            /* four tokens left go as two tiles of two, not three and one (a one-token tile
-             * loads a weight vector for every FMA) */
+            /* tiles of four tokens, but five, six or nine left go in threes (3 + 2, 3 + 3,
+             * 3 + 3 + 3): a tile of one or two tokens has too few independent FMA chains */
             const int64_t left = nt - t0;
-            m = left == 4 ? 2 : left < SPAN2_T ? left : SPAN2_T;
-            __m256d part[SPAN2_ROWS / K3_PR][K3_PR][SPAN2_T][8];
+            m = left == 5 || left == 6 || left == 9 ? 3 : left < SPAN2_T ? left : SPAN2_T;
+            __m256d part[SPAN2_ROWS / SPAN2_R][SPAN2_R][SPAN2_T][8];
             const double *xt = xd + t0 * cp;
-            _Static_assert(SPAN2_T == 3, "the token counts spelled out below");
+            _Static_assert(SPAN2_T == 4, "the token counts spelled out below");
             switch (m) {
             case 1: span2_tokens(1, part, wb, nrt, cp, xt); break;
             case 2: span2_tokens(2, part, wb, nrt, cp, xt); break;
-            default: span2_tokens(3, part, wb, nrt, cp, xt); break;
+            case 3: span2_tokens(3, part, wb, nrt, cp, xt); break;
+            default: span2_tokens(4, part, wb, nrt, cp, xt); break;
             }
             for (int64_t r = 0; r < n; ++r)
                 for (int64_t j = 0; j < m; ++j) {
                     k3_lanes L;
-                    for (int k = 0; k < 8; ++k) L.a[k] = part[r / K3_PR][r % K3_PR][j][k];
+                    for (int k = 0; k < 8; ++k) L.a[k] = part[r / SPAN2_R][r % SPAN2_R][j][k];
                     y[(t0 + j) * rows + s0 + r] = (float)span2_fold(kind, &L);
                 }
         }

@@ -705,8 +705,9 @@ def test_one_token_tiles_give_the_reference_bits(ref, isa, threads, forced):
 def test_span_tiles_give_the_reference_bits(ref, isa, threads, forced):
     """The span tiles (AVX-512: pass-major quarters, eight tokens or more; AVX2: eighth-major
     copies, bf16 and float32 from two tokens, MXFP4 from three, its copy decoded straight to
-    float64 in MX_PERM order): spans of 16 rows and their row tails, three- and six-token
-    tiles and every token tail, rows ending inside a chunk and wider than an eighth block,
+    float64 in MX_PERM order): spans of 16 (AVX2: 15) rows and their row tails, tiles of
+    six (AVX2: four) tokens and every token tail (AVX2: 5, 6 and 9 tokens left in tiles of
+    three), rows ending inside a chunk and wider than an eighth block,
     every kind of MXFP4 scale byte (0, 1, 2, 252, and 253..255, past float32's range: the
     AVX-512 tiles' table lookup per weight), token blocks larger than L2
     (AVX2: several blocks of a 7232-column product), a group of matrices, the SiTU MLP and
@@ -715,7 +716,7 @@ def test_span_tiles_give_the_reference_bits(ref, isa, threads, forced):
 
     b = Avx2Backend(threads=threads, force_parallel=forced)
     rng = np.random.default_rng(57 + threads + 4 * forced)
-    for T in (2, 3, 4, 7, 8, 10, 13):
+    for T in (2, 3, 4, 5, 6, 7, 8, 9, 10, 13):
         for rows, cols in ((1, 1), (4, 31), (16, 33), (17, 1003), (33, 4130)):
             w, x = bf16(rng, rows, cols), rand(rng, T, cols, scale=2.0)
             x.reshape(-1)[::37] = (0.0, np.inf, -0.0, 3e38)[T % 4]
