@@ -132,15 +132,21 @@ static inline void k3_lanes_zero(k3_lanes *L) {
     for (int k = 0; k < 8; ++k) L->a[k] = _mm256_setzero_pd();
 }
 
-/* Fold the 8 registers exactly as k3_fold32 does. */
-static inline double k3_lanes_fold(const k3_lanes *L) {
+/* The register-level steps of k3_fold32 (h = 16, 8, 4): register j += register j + h / 4,
+ * into t[0..3], the four slots of register 0. */
+static inline void k3_lanes_fold_regs(const k3_lanes *L, double t[4]) {
     __m256d a0 = _mm256_add_pd(L->a[0], L->a[4]), a1 = _mm256_add_pd(L->a[1], L->a[5]);
     __m256d a2 = _mm256_add_pd(L->a[2], L->a[6]), a3 = _mm256_add_pd(L->a[3], L->a[7]);
     a0 = _mm256_add_pd(a0, a2);
     a1 = _mm256_add_pd(a1, a3);
     a0 = _mm256_add_pd(a0, a1);
-    double t[4];
     _mm256_storeu_pd(t, a0);
+}
+
+/* Fold the 8 registers exactly as k3_fold32 does. */
+static inline double k3_lanes_fold(const k3_lanes *L) {
+    double t[4];
+    k3_lanes_fold_regs(L, t);
     double s0 = t[0] + t[2], s1 = t[1] + t[3];
     return s0 + s1;
 }

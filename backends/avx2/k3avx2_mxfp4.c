@@ -79,13 +79,8 @@ static inline void add_group(k3_lanes *L, const __m256d q[8], const double *xp) 
  * register-level folds (h = 16, 8, 4) pair registers exactly as in natural order; inside
  * the last register slots (0, 1, 2, 3) are lanes (0, 2, 1, 3). */
 static inline double fold_mx(const k3_lanes *L) {
-    __m256d a0 = _mm256_add_pd(L->a[0], L->a[4]), a1 = _mm256_add_pd(L->a[1], L->a[5]);
-    __m256d a2 = _mm256_add_pd(L->a[2], L->a[6]), a3 = _mm256_add_pd(L->a[3], L->a[7]);
-    a0 = _mm256_add_pd(a0, a2);
-    a1 = _mm256_add_pd(a1, a3);
-    a0 = _mm256_add_pd(a0, a1);
     double t[4];
-    _mm256_storeu_pd(t, a0);
+    k3_lanes_fold_regs(L, t);
     double s0 = t[0] + t[1], s1 = t[2] + t[3]; /* lane0 + lane2, lane1 + lane3 */
     return s0 + s1;
 }
