@@ -266,3 +266,79 @@ def test_a_policy_breaking_the_contract_is_caught() -> None:
         checked_replay(Bad(5), pairs, 5)
     with pytest.raises(PluginError, match="protected"):
         replay_policy(Bad(5), TraceView.of(pairs), 5, topk=4)
+
+
+def _drive_cycle_eta(p: CycleETAPolicy, rng: np.random.Generator, layers: int, experts: int,
+                     topk: int, tokens: int, check) -> None:
+    """A small cache in front of ``p``: random skewed requests, a batch of positions first;
+    ``check()`` after every layer visit."""
+    res: set[int] = set()
+    pop = rng.dirichlet(np.ones(experts) * 0.3, size=layers)
+    for t in range(tokens):
+        p.begin_token()
+        for layer in range(layers):
+            keys = [make_key(layer, int(e)) for _ in range(6 if t == 0 else 1)
+                    for e in rng.choice(experts, topk, replace=False, p=pop[layer])]
+            p.begin_layer(layer, keys)
+            check()
+            batch: set[int] = set()
+            for key in keys:
+                if key in res:
+                    p.on_hit(key)
+                    batch.add(key)
+                    continue
+                if not p.admit(key, batch):
+                    continue
+                if len(res) >= p.capacity:
+                    victim = p.choose_victim(batch | {key})
+                    if victim is None:
+                        continue
+                    p.on_evict(victim)
+                    res.discard(victim)
+                p.on_insert(key)
+                res.add(key)
+                batch.add(key)
+
+
+def test_cycle_eta_layer_predictions_are_the_per_key_ones() -> None:
+    """The ETAs a layer visit refreshes in one numpy pass are ``_predict``'s, key for key
+    (residents never requested, requested under another layer, of every class and age)."""
+    rng = np.random.default_rng(3)
+    p = CycleETAPolicy(40, n_layers=5, n_experts=24, topk=3)
+    compared = 0
+
+    def check() -> None:
+        nonlocal compared
+        for layer in range(5):
+            keys = [make_key(layer, e) for e in range(30)]  # past n_experts too
+            assert p._predict_layer(layer, keys) == [p._predict(k) for k in keys]
+            compared += len(keys)
+
+    _drive_cycle_eta(p, rng, 5, 24, 3, 40, check)
+    assert compared > 0
+
+
+def test_cycle_eta_table_is_the_loop_over_start_ages() -> None:
+    """The occupancy table, built for every start age at once, is the plain loop's (holding
+    from each age ``a`` for ever or for each shorter horizon), bit for bit."""
+    rng = np.random.default_rng(4)
+    for max_age in (1, 5, 16):
+        p = CycleETAPolicy(64, n_layers=4, n_experts=16, max_age=max_age)
+        opp = rng.integers(0, 50, p._opp.shape) * rng.random(p._opp.shape)
+        p._opp[:] = opp
+        p._hits[:] = opp * rng.random(opp.shape) * (rng.random(opp.shape) < 0.8)
+        p._rebuild()
+        h = p.hazard()
+        top = max_age
+        R = np.empty_like(h)
+        R[:, top] = 1.0 / np.maximum(h[:, top], 1e-9)
+        for a in range(top - 1, -1, -1):
+            R[:, a] = 1.0 + (1.0 - h[:, a]) * R[:, a + 1]
+        C = R.copy()
+        for a in range(top + 1):
+            alive, held = np.ones(h.shape[0]), np.zeros(h.shape[0])
+            for age in range(a, top + 1):
+                held += alive
+                alive = alive * (1.0 - h[:, age])
+                C[:, a] = np.minimum(C[:, a], held / np.maximum(1.0 - alive, 1e-12))
+        assert p._C == C.tolist()
