@@ -38,7 +38,7 @@
 #define SPAN2_R 3     /* rows per tile */
 #define SPAN2_ROWS 15 /* rows per span (a multiple of SPAN2_R; k3avx2_matmul.c's row_chunk) */
 #define SPAN2_T 4     /* tokens per tile */
-#define SPAN2_EB 512   /* columns of an eighth per block: three tokens' float64 activations */
+#define SPAN2_EB 512  /* columns of an eighth per block: a tile's four tokens of them are 16 KiB */
 /* The span tiles' token blocks (k3avx2_matmul.c's token_block): a span's copy stays in L2
  * while every tile of the block's tokens passes over it, so the activations need not fit
  * L2. One Zen 2 core, bf16 [1536 x 7232] x 128 tokens: blocks of 640 KiB (11 tokens, each
