@@ -28,7 +28,8 @@ Invariants, all under one condition variable:
   go first (k3core/api/read_priority.py);
 * a trunk packed with a codec is read as encoded windows in aligned chunks, decoded into
   the slot (or pinned buffer) by the thread that reads it, with a daemon prefetch thread
-  reading the next chunk meanwhile (:mod:`k3core.trunk.windows`); the checksum is that of
+  reading the next chunk meanwhile (:mod:`k3core.trunk.windows`); the reader thread's chunks,
+  like its raw pieces, go after the routed experts' reads in flight; the checksum is that of
   the decoded bytes, checked as above, and a window that does not decode fails the read
   the same way (``CheckpointError`` naming layer and window, never served).
 
@@ -539,10 +540,12 @@ class StreamedTrunk(TrunkSource):
                 return buf[w.raw_off - start : w.raw_off - start + w.raw_len]
             return aside[: w.raw_len]
 
+        # the reader thread's chunks go after the demand reads in flight, as _read_ahead's
+        gate = DEMAND.wait_for_demand if threading.current_thread() is self._thread else None
         t0 = time.perf_counter()
         for w in decoded_windows(f, self.manifest.bin_path, lay.layer, lay.file_off, wins,
                                  self._codec, staging, dest, self._prefetch,
-                                 linear=at is not None):
+                                 linear=at is not None, gate=gate):
             if not inside(w):
                 a, b = max(start, w.raw_off), min(end, w.raw_off + w.raw_len)
                 buf[a - start : b - start] = aside[a - w.raw_off : b - w.raw_off]

@@ -214,6 +214,7 @@ def decoded_windows(
     dest: Callable[[Window], np.ndarray],
     prefetch: Executor | None = None,
     linear: bool = False,
+    gate: Callable[[], object] | None = None,
 ) -> Iterator[Window]:
     """Read and decode every window of a layer into ``dest(window)``, yielding each after it
     is decoded. Storage errors propagate; a window that does not decode is a
@@ -226,7 +227,11 @@ def decoded_windows(
     With ``linear`` the staging holds all of the windows' aligned bytes at once
     (:func:`linear_bytes`), each chunk read where it lies and never reread, so the staging
     may be the tail of the destination itself when every window decodes below its own
-    input (:func:`in_place_offset`)."""
+    input (:func:`in_place_offset`).
+
+    ``gate``, when given, is called before each chunk's read (the ring's reader thread
+    passes the demand gate, :meth:`k3core.api.read_priority.ReadPriority.wait_for_demand`,
+    so a routed expert the MoE waits for is not queued behind a chunk read ahead)."""
     parts = chunks(windows)
     base = _aligned_range(windows, 0, len(windows))[0] if windows else 0
     if prefetch is not None and not linear:
@@ -236,6 +241,8 @@ def decoded_windows(
         bufs = (staging,)
 
     def read(k: int) -> None:
+        if gate is not None:
+            gate()
         start, length = _aligned_range(windows, *parts[k])
         if linear:  # from where the previous chunk's read ended: no page is read twice
             lo = max(start, sum(_aligned_range(windows, *parts[k - 1]))) if k else start
