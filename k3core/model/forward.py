@@ -144,10 +144,11 @@ class Model:
             blocks.append(h)
             pref = None
         xn = self.k.rmsnorm(x_a, p["input_layernorm.weight"], eps)
-        a = self.mla(p, xn, st) if p.mla else self.kda(p, xn, st)
+        T = xn.shape[0]
+        a = self.mla(p, xn, st, keep) if p.mla else self.kda(p, xn, st)
         self.trunk.begin_mlp(p.layer)  # a split layer's MLP part replaces its attention part
-        if keep is not None and keep < a.shape[0]:
-            a = a[a.shape[0] - keep :]
+        if keep is not None and keep < T:
+            a = a[a.shape[0] - keep :]  # (an MLA layer's output has only those rows already)
             pref = None if pref is None else pref[pref.shape[0] - keep :]
             blocks[:] = [b[b.shape[0] - keep :] for b in blocks]
             if keep == 0:  # no row asked (a chunk before the last): nothing reads the output
@@ -219,24 +220,36 @@ class Model:
         return k.matmul(p["self_attn.o_proj.weight"], o)
 
     # ---- gated MLA, NoPE (docs/model.md §5.5) ---------------------------------------------------
-    def mla(self, p: LayerParams, x: np.ndarray, st: SequenceState) -> np.ndarray:
+    def mla(self, p: LayerParams, x: np.ndarray, st: SequenceState, keep: int | None = None
+            ) -> np.ndarray:
+        """Gated MLA over the rows of ``x``; with ``keep`` (the last layer of a pass), every
+        row's latent still goes to the KV cache but only the last ``keep`` rows attend, and
+        the output has those rows (each row's bits are the full pass's: attention is per
+        query row over the cache up to its position)."""
         c, k = self.cfg, self.k
         T, H, n, r, dv = x.shape[0], c.n_heads, c.qk_nope, c.qk_rope, c.v_head
-        # the projections of x in one call: q down, kv down (+ rope key), output gate
+        q0 = T - keep if keep is not None and keep < T else 0  # the first row that attends
         ws = [p["self_attn.q_a_proj.weight"], p["self_attn.kv_a_proj_with_mqa.weight"]]
         if c.mla_out_gate:
             ws.append(p["self_attn.g_proj.weight"])
-        qa, ckv, *gate = k.matmul_many(ws, x)
-        cq = k.rmsnorm(qa, p["self_attn.q_a_layernorm.weight"], c.rms_eps)
-        q = k.matmul(p["self_attn.q_b_proj.weight"], cq).reshape(T, H, n + r)
-        latent = k.rmsnorm(np.ascontiguousarray(ckv[:, : c.kv_lora]), p["self_attn.kv_a_layernorm.weight"], c.rms_eps)
+        if q0 == 0:  # the projections of x in one call: q down, kv down (+ rope key), output gate
+            qa, ckv, *gate = k.matmul_many(ws, x)
+        else:  # the latent of every row here; q and the gate below, of the rows that attend
+            ckv = k.matmul(ws[1], x)
         # the cache holds the latent and the rope key; attention absorbs kv_b_proj (§5.5)
+        latent = k.rmsnorm(np.ascontiguousarray(ckv[:, : c.kv_lora]), p["self_attn.kv_a_layernorm.weight"], c.rms_eps)
         cache = st.kv_cache(p.layer)
         a, b = st.pos, st.pos + T
         cache.rows[a:b, : c.kv_lora] = latent
         cache.rows[a:b, c.kv_lora :] = ckv[:, c.kv_lora :]
-        o = k.mla_latent_attention(q, cache.rows[:b], p["self_attn.kv_b_proj.weight"], a, self.mla_scale)
-        o = o.reshape(T, H * dv)
+        if q0 == T:  # no row attends (a chunk before the one whose logits are asked)
+            return np.empty((0, c.hidden), dtype=np.float32)
+        if q0:
+            qa, *gate = k.matmul_many([ws[0], *ws[2:]], x[q0:])
+        cq = k.rmsnorm(qa, p["self_attn.q_a_layernorm.weight"], c.rms_eps)
+        q = k.matmul(p["self_attn.q_b_proj.weight"], cq).reshape(T - q0, H, n + r)
+        o = k.mla_latent_attention(q, cache.rows[:b], p["self_attn.kv_b_proj.weight"], a + q0, self.mla_scale)
+        o = o.reshape(T - q0, H * dv)
         if c.mla_out_gate:
             o = o * k.sigmoid(gate[0])
         return k.matmul(p["self_attn.o_proj.weight"], o)
