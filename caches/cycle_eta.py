@@ -69,19 +69,21 @@ After its last request in the visit its ETA returns to the prediction.
 Cost
 ----
 ``begin_layer`` is O(n_experts) in numpy (per-layer arrays of last-request visit and request
-count feed the hazard counts) plus O(distinct keys + residents of that layer) in Python;
-other events are O(log C): a max-heap on ETA with lazy invalidation, rebuilt when it holds
-more than four entries per slot. ``begin_token`` costs O(max_age**2) for the table.
+count feed the hazard counts) plus O(distinct keys) in Python; the residents' ETAs live in
+arrays indexed by a slot position, so a visit refreshes its layer's residents in one numpy
+pass (their positions and experts are kept per layer between insertions and evictions).
+A victim search is an argmax over the residents (ties go to the ETA set longest ago, as a
+heap on ``(-ETA, version)`` would give them), repeated past each protected key it meets:
+O(C) in numpy, and the engine's caches evict a few keys a pass while every pass refreshes
+every resident. Other events are O(1). ``begin_token`` costs O(max_age**2) for the table.
 """
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Container, Sequence
 from typing import Any
 
 import numpy as np
-from k3_caches.lazy_heap import top_unprotected
 
 from k3.plugin import EXPERT_MASK, KEY_SHIFT, CachePolicy, UsageError, key_layer
 
@@ -140,11 +142,15 @@ class CycleETAPolicy(CachePolicy):
         # the current visit: its layer and the requests still to come
         self._layer = -1
         self._remaining: dict[int, int] = {}
-        # residents: ETA, version, lazy max-heap of (-eta, version, key)
-        self._eta: dict[int, float] = {}
-        self._ver: dict[int, int] = {}
-        self._heap: list[tuple[float, int, int]] = []
-        self._heap_live = False  # built at the first victim search (never, if nothing evicts)
+        # residents: a position each in the ETA / version / key arrays (-inf ETA where free);
+        # per layer, its residents' (keys, positions, experts), rebuilt after it changes
+        self._pos: dict[int, int] = {}
+        size = max(self.capacity, 1)
+        self._eta_at = np.full(size, -np.inf)
+        self._ver_at = np.zeros(size, dtype=np.int64)
+        self._key_at = np.full(size, -1, dtype=np.int64)
+        self._free: list[int] = list(range(size - 1, -1, -1))
+        self._layer_res: dict[int, tuple[list[int], np.ndarray, np.ndarray]] = {}
         self._seq = 0
         self._pending: tuple[int, float] | None = None  # (key, ETA) between admit and insert
 
@@ -157,8 +163,8 @@ class CycleETAPolicy(CachePolicy):
         is shrunk toward the one at ``a - 1``; each class's cell is shrunk toward the
         all-class hazard of its age (pseudo-count weight ``shrink`` at both levels).
         """
-        shape = (N_CLASSES, self.max_age + 1)
-        hits, opp = self._hits.reshape(shape), self._opp.reshape(shape)
+        dims = (N_CLASSES, self.max_age + 1)
+        hits, opp = self._hits.reshape(dims), self._opp.reshape(dims)
         all_hits, all_opp = hits.sum(axis=0), opp.sum(axis=0)
         k = self.shrink
         shape = np.empty(self.max_age + 1)  # hazard between prompt positions, by age
@@ -220,12 +226,16 @@ class CycleETAPolicy(CachePolicy):
         """``_predict`` of every key of ``layer`` in ``keys`` at once (the same float
         operations, so the same values), from the layer's arrays instead of the per-key
         dicts (they hold the same facts)."""
-        n = len(keys)
+        exp = np.fromiter((k & EXPERT_MASK for k in keys), dtype=np.int64, count=len(keys))
+        out: list[float] = self._predict_experts(layer, exp).tolist()
+        return out
+
+    def _predict_experts(self, layer: int, exp: np.ndarray) -> np.ndarray:
+        """``_predict_layer`` for the experts ``exp`` of ``layer``, as an array."""
         lv, cnt = self._lv.get(layer), self._cnt.get(layer)
         if lv is None or cnt is None:
-            c = age = np.zeros(n, dtype=np.int64)
+            c = age = np.zeros(len(exp), dtype=np.int64)
         else:
-            exp = np.fromiter((k & EXPERT_MASK for k in keys), dtype=np.int64, count=n)
             inside = exp < len(lv)
             e = np.where(inside, exp, 0)
             last = np.where(inside, lv[e], -1)
@@ -233,29 +243,48 @@ class CycleETAPolicy(CachePolicy):
             c = np.where(seen, _CLASS_OF[np.minimum(np.where(inside, cnt[e], 0), 32)], 0)
             age = np.where(seen, np.minimum(self._visits.get(layer, 0) - last, self.max_age), 0)
         base = self._vtick.get(layer, self._tick)
-        out: list[float] = (base + self._period * self._Carr[c, age]).tolist()
+        out: np.ndarray = base + self._period * self._Carr[c, age]
         return out
 
-    # ---- heap --------------------------------------------------------------------------
+    # ---- the residents' ETAs -----------------------------------------------------------
     def _set_eta(self, key: int, eta: float) -> None:
-        self._eta[key] = eta
+        p = self._pos[key]
         self._seq += 1
-        self._ver[key] = self._seq
-        if self._heap_live:
-            heapq.heappush(self._heap, (-eta, self._seq, key))
-            if len(self._heap) > 4 * self.capacity + 64:
-                self._build_heap()
+        self._eta_at[p] = eta
+        self._ver_at[p] = self._seq
 
-    def _build_heap(self) -> None:
-        self._heap = [(-e, self._ver[k], k) for k, e in self._eta.items()]
-        heapq.heapify(self._heap)
-        self._heap_live = True
+    def _eta(self, key: int) -> float:
+        return float(self._eta_at[self._pos[key]])
+
+    def _residents_of(self, layer: int) -> tuple[list[int], np.ndarray, np.ndarray]:
+        """The residents of ``layer`` in insertion order, their positions and experts."""
+        got = self._layer_res.get(layer)
+        if got is None:
+            keys = list(self._res_layer.get(layer, ()))
+            pos = np.fromiter((self._pos[k] for k in keys), dtype=np.int64, count=len(keys))
+            exp = np.fromiter((k & EXPERT_MASK for k in keys), dtype=np.int64, count=len(keys))
+            got = self._layer_res[layer] = (keys, pos, exp)
+        return got
 
     def _peek_victim(self, protected: Container[int]) -> int | None:
-        if not self._heap_live:
-            self._build_heap()
-        return top_unprotected(
-            self._heap, lambda e: self._ver.get(e[2]) == e[1] and e[2] in self._eta, protected)
+        """The resident with the largest ETA that is not protected; among equal ETAs the one
+        whose ETA was set first (the order of a heap on ``(-ETA, version)``)."""
+        eta = self._eta_at
+        for _ in range(len(self._pos)):
+            j = int(np.argmax(eta))
+            m = eta[j]
+            if m == -np.inf:
+                return None
+            tied = np.flatnonzero(eta == m)
+            if len(tied) > 1:
+                j = int(tied[np.argmin(self._ver_at[tied])])
+            key = int(self._key_at[j])
+            if key not in protected:
+                return key
+            if eta is self._eta_at:
+                eta = eta.copy()
+            eta[j] = -np.inf  # protected: the next best
+        return None
 
     # ---- events ------------------------------------------------------------------------
     def begin_token(self) -> None:
@@ -282,25 +311,20 @@ class CycleETAPolicy(CachePolicy):
 
     def _refresh(self, layer: int) -> None:
         """Every resident of ``layer`` gets its ETA again: the current tick if this visit
-        requests it, else ``_predict``'s. ``_set_eta``'s bookkeeping is done in the loop and
-        the heap rebuilt at most once after it (the valid entries, so every victim, are the
-        same): this runs for every resident of every layer visited."""
-        residents = self._res_layer.get(layer)
-        if not residents:
+        requests it, else ``_predict``'s, with versions in the residents' insertion order
+        (as ``_set_eta`` one key at a time would give them), in one numpy pass: this runs for
+        every resident of every layer visited."""
+        if not self._res_layer.get(layer):
             return
-        keys = list(residents)
-        tick, remaining = float(self._tick), self._remaining
-        eta_of, ver, heap, live, seq = self._eta, self._ver, self._heap, self._heap_live, self._seq
-        for k, predicted in zip(keys, self._predict_layer(layer, keys), strict=True):
-            eta = tick if k in remaining else predicted
-            eta_of[k] = eta
-            seq += 1
-            ver[k] = seq
-            if live:
-                heapq.heappush(heap, (-eta, seq, k))
-        self._seq = seq
-        if live and len(heap) > 4 * self.capacity + 64:
-            self._build_heap()
+        keys, pos, exp = self._residents_of(layer)
+        eta = self._predict_experts(layer, exp)
+        tick, res = float(self._tick), self._res_layer[layer]
+        for k in self._remaining:  # requested in this visit: needed now
+            if k in res:
+                eta[keys.index(k)] = tick
+        self._eta_at[pos] = eta
+        self._ver_at[pos] = np.arange(self._seq + 1, self._seq + 1 + len(keys))
+        self._seq += len(keys)
 
     def _new_visit(self, layer: int, keys: Sequence[int]) -> None:
         self._tick += 1
@@ -389,22 +413,33 @@ class CycleETAPolicy(CachePolicy):
         return False
 
     def on_hit(self, key: int) -> None:
-        if not self._consume(key) and key in self._eta:
+        if not self._consume(key) and key in self._pos:
             self._set_eta(key, self._predict(key))
 
     def admit(self, key: int, protected: Container[int]) -> bool:
         eta = float(self._tick) if self._consume(key) else self._predict(key)
         self._pending = (key, eta)
-        if len(self._eta) < self.capacity:
+        if len(self._pos) < self.capacity:
             return True
         victim = self._peek_victim(protected)
-        return victim is not None and eta < self._eta[victim]
+        return victim is not None and eta < self._eta(victim)
 
     def choose_victim(self, protected: Container[int]) -> int | None:
         return self._peek_victim(protected)
 
     def on_insert(self, key: int) -> None:
-        self._res_layer.setdefault(key_layer(key), {})[key] = None
+        layer = key_layer(key)
+        self._res_layer.setdefault(layer, {})[key] = None
+        self._layer_res.pop(layer, None)
+        if key not in self._pos:
+            if not self._free:  # more residents than slots (a cache that overfills): grow
+                n = len(self._eta_at)
+                self._eta_at = np.concatenate([self._eta_at, np.full(n, -np.inf)])
+                self._ver_at = np.concatenate([self._ver_at, np.zeros(n, dtype=np.int64)])
+                self._key_at = np.concatenate([self._key_at, np.full(n, -1, dtype=np.int64)])
+                self._free = list(range(2 * n - 1, n - 1, -1))
+            p = self._pos[key] = self._free.pop()
+            self._key_at[p] = key
         pending, self._pending = self._pending, None
         if pending is not None and pending[0] == key:
             self._set_eta(key, pending[1])
@@ -412,13 +447,18 @@ class CycleETAPolicy(CachePolicy):
             self._set_eta(key, self._predict(key))
 
     def on_evict(self, key: int) -> None:
-        self._res_layer[key_layer(key)].pop(key, None)
-        del self._eta[key]
+        layer = key_layer(key)
+        self._res_layer[layer].pop(key, None)
+        self._layer_res.pop(layer, None)
+        p = self._pos.pop(key)
+        self._eta_at[p] = -np.inf
+        self._key_at[p] = -1
+        self._free.append(p)
 
     def describe(self) -> str:
         h = self.hazard()
         return (
-            f"cycle-eta ({len(self._eta)} resident; P(reuse next pass) {100 * h[0, 0]:.1f} % "
+            f"cycle-eta ({len(self._pos)} resident; P(reuse next pass) {100 * h[0, 0]:.1f} % "
             f"for a new expert, {100 * h[-1, 0]:.1f} % for a hot one; "
             f"{self._period:.0f} layer visits per pass)"
         )

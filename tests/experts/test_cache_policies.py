@@ -318,6 +318,30 @@ def test_cycle_eta_layer_predictions_are_the_per_key_ones() -> None:
     assert compared > 0
 
 
+def test_cycle_eta_victim_is_the_largest_eta_oldest_first_past_protected_keys() -> None:
+    """The victim search over the residents' ETA arrays picks what a heap on ``(-ETA,
+    version)`` would: the largest ETA, among equal ETAs (common: a layer's residents of one
+    class and age share one) the one set longest ago, never a protected key."""
+    rng = np.random.default_rng(5)
+    p = CycleETAPolicy(30, n_layers=4, n_experts=20, topk=3)
+    searched = tied = 0
+
+    def check() -> None:
+        nonlocal searched, tied
+        residents = list(p._pos)
+        order = sorted(residents, key=lambda k: (-p._eta(k), p._ver_at[p._pos[k]]))
+        for n_protected in (0, 1, 5, len(residents)):
+            protected = set(rng.permutation(residents)[:n_protected].tolist())
+            want = next((k for k in order if k not in protected), None)
+            assert p._peek_victim(protected) == want
+            searched += 1
+        etas = [p._eta(k) for k in residents]
+        tied += len(etas) - len(set(etas))
+
+    _drive_cycle_eta(p, rng, 4, 20, 3, 30, check)
+    assert searched > 0 and tied > 0
+
+
 def test_cycle_eta_table_is_the_loop_over_start_ages() -> None:
     """The occupancy table, built for every start age at once, is the plain loop's (holding
     from each age ``a`` for ever or for each shorter horizon), bit for bit."""
