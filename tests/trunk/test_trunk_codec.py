@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import time
 from pathlib import Path
 
 import numpy as np
@@ -21,16 +20,13 @@ from k3_storage.plain import PlainStorage
 from typer.testing import CliRunner
 
 from k3core.api.errors import CheckpointError, UsageError
-from k3core.api.read_priority import AHEAD_MAX_WAIT_S, DEMAND
 from k3core.checkpoint.index import CheckpointIndex
 from k3core.cli.app import app
-from k3core.model import names
 from k3core.model.config import load_config
-from k3core.testing.faulty_backend import FaultyStorage, available_storage, disk_backed_dir
+from k3core.testing.faulty_backend import available_storage, disk_backed_dir
 from k3core.testing.fixtures import fixtures_dir
 from k3core.trunk.codec import NAMES, join_planes, parse_codec, split_planes
 from k3core.trunk.manifest import DATA_NAME, MANIFEST_NAME, open_trunk
-from k3core.trunk.stream import StreamedTrunk
 from k3core.trunk.windows import WINDOW_BYTES, plan_windows
 
 runner = CliRunner()
@@ -152,33 +148,6 @@ def test_the_demo_trunk_compresses_and_keeps_the_raw_checksums(raw, coded) -> No
         assert sum(w[0] for w in b["windows"]) == b["span"]
         assert sum(w[1] for w in b["windows"]) == b["stored"] <= b["file_nbytes"]
         assert any(w[1] < w[0] for w in b["windows"])  # real windows are encoded
-
-
-def test_coded_ring_reads_yield_to_demand_reads_and_serve_the_same_bytes(coded) -> None:
-    """The ring's reader reads a coded layer's chunks after the expert reads in flight, as
-    it does a raw layer's pieces (k3core/api/read_priority.py), and still serves each
-    layer byte for byte."""
-    cfg = load_config(DEMO / "config.json")
-    with CheckpointIndex.open(DEMO, PlainStorage()) as idx:
-        man = open_trunk(coded, idx, cfg)
-        ring = 2 * max(lay.nbytes for lay in man.layers)
-        before = DEMAND.waited_seconds
-        DEMAND.begin()  # an expert read in flight while the reader starts filling the ring
-        try:
-            tr = StreamedTrunk(cfg, man, FaultyStorage(PlainStorage()), ring, ring=2)
-            try:
-                time.sleep(3 * AHEAD_MAX_WAIT_S)
-                assert DEMAND.waited_seconds - before >= 0.9 * AHEAD_MAX_WAIT_S
-            finally:
-                DEMAND.end()
-            for layer in range(cfg.n_layers):
-                p = tr.acquire(layer)
-                want = idx.read(names.layer_name(layer, "self_attn.o_proj.weight")).tobytes()
-                assert p["self_attn.o_proj.weight"].tobytes() == want
-                tr.release(layer)
-            tr.close()
-        finally:
-            assert DEMAND.active == 0
 
 
 # ---- the same bits ------------------------------------------------------------------------

@@ -376,10 +376,22 @@ def test_registry_create_storage_is_what_the_engine_uses(model, trunk) -> None:
     assert backend.name == "plain"
 
 
-def test_ring_reads_yield_to_demand_reads_and_serve_the_same_bytes(model, trunk) -> None:
+@pytest.fixture(scope="module")
+def coded_trunk(model, work) -> Path:
+    out = work / "trunk-bp-nib"
+    res = runner.invoke(app, ["pack-trunk", str(model), str(out), "--codec", "bp-nib"])
+    assert res.exit_code == 0, res.output
+    return out
+
+
+@pytest.mark.parametrize("packed", ["raw", "bp-nib"])
+def test_ring_reads_yield_to_demand_reads_and_serve_the_same_bytes(model, trunk, coded_trunk,
+                                                                   packed) -> None:
+    """The ring's reader reads a raw part's pieces, or a coded part's chunks, after the
+    expert reads in flight, and still serves every layer byte for byte."""
     cfg = load_config(model / "config.json")
     with CheckpointIndex.open(model, PlainStorage()) as idx:
-        man = open_trunk(trunk, idx, cfg)
+        man = open_trunk(trunk if packed == "raw" else coded_trunk, idx, cfg)
         ring = 2 * max(lay.nbytes for lay in man.layers)
         faulty = FaultyStorage(PlainStorage())
         before = DEMAND.waited_seconds
