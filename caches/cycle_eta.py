@@ -366,23 +366,31 @@ class CycleETAPolicy(CachePolicy):
             self._learn_positions(keys)
 
     def _learn_positions(self, keys: Sequence[int]) -> None:
-        """Hazard by age between the positions of a batched visit of the first pass."""
-        positions = len(keys) // self.topk
-        seen_at: dict[int, list[int]] = {}
-        for i, k in enumerate(keys):
-            at = seen_at.setdefault(k, [])
-            if not at or at[-1] != i // self.topk:
-                at.append(i // self.topk)
+        """Hazard by age between the positions of a batched visit of the first pass.
+
+        Each key's distinct positions in order; from each, ``gap`` positions to its next one
+        (a hit at age ``gap - 1``) or to the end of the batch: ages ``0 .. gap - 1`` are
+        opportunities, those past ``max_age`` lumped into its cell. Counted for all keys at
+        once in numpy; every count is a whole number, so the float sums are exact and the
+        same as adding the pairs one by one."""
+        n = len(keys)
+        positions = n // self.topk
         top = self.max_age
-        for at in seen_at.values():
-            for here, there in zip(at, [*at[1:], None], strict=True):
-                # positions after `here`: `gap` opportunities, the last one a hit if `there`
-                gap = (positions - 1 - here) if there is None else (there - here)
-                self._pos_opp[: min(gap, top)] += 1.0
-                if gap > top:
-                    self._pos_opp[top] += gap - top
-                if there is not None:
-                    self._pos_hits[min(gap - 1, top)] += 1.0
+        k = np.fromiter(keys, dtype=np.int64, count=n)
+        at = np.arange(n, dtype=np.int64) // self.topk
+        order = np.lexsort((at, k))  # by key, then position
+        k, at = k[order], at[order]
+        first = np.ones(n, dtype=bool)  # a key's first request at a position
+        first[1:] = (k[1:] != k[:-1]) | (at[1:] != at[:-1])
+        k, at = k[first], at[first]
+        again = np.zeros(len(k), dtype=bool)  # the key comes back at a later position
+        again[:-1] = k[1:] == k[:-1]
+        gap = positions - 1 - at
+        gap[:-1] = np.where(again[:-1], at[1:] - at[:-1], gap[:-1])
+        per = np.bincount(np.minimum(gap, top), minlength=top + 1)  # pairs per min(gap, top)
+        self._pos_opp[:top] += np.cumsum(per[::-1])[::-1][1:]  # age a: pairs with gap > a
+        self._pos_opp[top] += float((gap[gap > top] - top).sum())
+        self._pos_hits += np.bincount(np.minimum(gap[again] - 1, top), minlength=top + 1)
 
     def _request(self, key: int) -> None:
         """Note a request of ``key`` in its layer's current visit (once per visit)."""

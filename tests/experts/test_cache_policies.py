@@ -342,6 +342,35 @@ def test_cycle_eta_victim_is_the_largest_eta_oldest_first_past_protected_keys() 
     assert searched > 0 and tied > 0
 
 
+def test_cycle_eta_position_hazard_is_the_loop_over_pairs() -> None:
+    """The first pass's hazard between positions, counted for every key at once, is the
+    plain loop's over each key's consecutive positions, bit for bit (repeats within a
+    position, keys seen once, gaps past max_age, several layers in turn)."""
+    rng = np.random.default_rng(6)
+    for _ in range(200):
+        topk, max_age = int(rng.integers(1, 9)), int(rng.integers(1, 20))
+        p = CycleETAPolicy(10, topk=topk, max_age=max_age)
+        opp, hits = np.zeros(max_age + 1), np.zeros(max_age + 1)
+        for _ in range(int(rng.integers(1, 4))):
+            positions = int(rng.integers(2, 60))
+            keys = [int(k) for k in rng.integers(0, int(rng.integers(2, 40)), positions * topk)]
+            p._learn_positions(keys)
+            seen_at: dict[int, list[int]] = {}
+            for i, k in enumerate(keys):
+                at = seen_at.setdefault(k, [])
+                if not at or at[-1] != i // topk:
+                    at.append(i // topk)
+            for at in seen_at.values():
+                for here, there in zip(at, [*at[1:], None], strict=True):
+                    gap = (positions - 1 - here) if there is None else (there - here)
+                    opp[: min(gap, max_age)] += 1.0
+                    if gap > max_age:
+                        opp[max_age] += gap - max_age
+                    if there is not None:
+                        hits[min(gap - 1, max_age)] += 1.0
+        assert p._pos_opp.tobytes() == opp.tobytes() and p._pos_hits.tobytes() == hits.tobytes()
+
+
 def test_cycle_eta_table_is_the_loop_over_start_ages() -> None:
     """The occupancy table, built for every start age at once, is the plain loop's (holding
     from each age ``a`` for ever or for each shorter horizon), bit for bit."""
