@@ -262,8 +262,7 @@ class CycleETAPolicy(CachePolicy):
         if got is None:
             keys = list(self._res_layer.get(layer, ()))
             pos = np.fromiter((self._pos[k] for k in keys), dtype=np.int64, count=len(keys))
-            exp = np.fromiter((k & EXPERT_MASK for k in keys), dtype=np.int64, count=len(keys))
-            got = self._layer_res[layer] = (keys, pos, exp)
+            got = self._layer_res[layer] = (keys, pos, self._key_at[pos] & EXPERT_MASK)
         return got
 
     def _peek_victim(self, protected: Container[int]) -> int | None:
