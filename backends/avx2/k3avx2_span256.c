@@ -21,15 +21,23 @@
  * each token tile's activations from L2 or L3 again (128 tokens of 1536 columns are 1.5 MiB
  * of float64, more than a Zen 2 or Zen 3 core's L2), and their inner loop widens float32
  * weights (`vcvtps2pd` from memory) beside the FMAs. Here a job's rows go in spans of
- * SPAN2_ROWS: the span's rows are decoded once into a float64 copy, and then, for each tile
- * of SPAN2_T tokens and each block of SPAN2_EB columns of an eighth, the tile's activations
- * (four tokens, 16 KiB) are loaded into L1 once and multiplied by every three-row tile of the
- * span in turn. A tile keeps 12 accumulators, three tokens' activation vectors and one weight
+ * SPAN2_ROWS: the span's rows are decoded once into a float64 copy laid out block by block
+ * (span2_at), and then, for each group of SPAN2_GT token tiles, each eighth and each block of
+ * SPAN2_EB of its columns, the span's slice of the block (15 rows, 15 KiB) stays in L1 while
+ * every tile of SPAN2_T tokens passes over it, three rows at a time; each tile's lane
+ * registers wait in the scratch between blocks. (The copy's rows had been cp doubles apart
+ * and each token tile had walked all the span's blocks: at 1,536 columns a block's rows fell
+ * into the same L1 sets, and the copy was read from L2 again for every tile. One Zen 2 core,
+ * three alternating rounds, GMAC/s: bf16 [1536 x 7232] x 128 16.7-17.6 -> 17.4-18.4, the 64
+ * experts of a medium MoE layer 12.3-12.5 -> 13.0-13.5, MXFP4 [672 x 768] x 16 15.2-15.3 ->
+ * 16.2-16.8.) A tile keeps 12 accumulators, three tokens' activation vectors and one weight
  * vector in the 16 ymm registers, the fourth token's activations are the FMAs' memory operand,
  * and its inner loop is loads and FMAs only. Three rows by four tokens read a weight vector
- * from the span's copy (L2) for every four FMAs, where four rows by three tokens read one for
+ * from the span's copy for every four FMAs, where four rows by three tokens read one for
  * every three: a loop of the span tiles' shape (a 16- or 15-row copy of 1,536 columns in L2,
- * 128 tokens from L3), one Zen 2 core, 4 x 3 19.8-20.6 GMAC/s, 3 x 4 21.5-22.1.
+ * 128 tokens from L3), one Zen 2 core, 4 x 3 19.8-20.6 GMAC/s, 3 x 4 21.5-22.1. Tiles of
+ * twelve accumulators for every token count (4 x 3 for three tokens, 6 x 2 for two, 12 x 1
+ * for one, over 12-row spans) measured 3-10 % slower on the experts than the threes below.
  * Standalone, one Zen 2 core (FMA peak 26 G/s), four rows by three tokens over 512 columns in
  * L1: float32 weights widened in the loop 15.2 GMAC/s, float64 weights 17-18, 25 from L1.
  */
@@ -38,7 +46,8 @@
 #define SPAN2_R 3     /* rows per tile */
 #define SPAN2_ROWS 15 /* rows per span (a multiple of SPAN2_R; k3avx2_matmul.c's row_chunk) */
 #define SPAN2_T 4     /* tokens per tile */
-#define SPAN2_EB 512  /* columns of an eighth per block: a tile's four tokens of them are 16 KiB */
+#define SPAN2_EB 128  /* columns of an eighth per block: the span's 15 rows of them are 15 KiB */
+#define SPAN2_GT 8    /* token tiles per group (their accumulators live in the scratch) */
 /* The span tiles' token blocks (k3avx2_matmul.c's token_block): a span's copy stays in L2
  * while every tile of the block's tokens passes over it, so the activations need not fit
  * L2. One Zen 2 core, bf16 [1536 x 7232] x 128 tokens: blocks of 640 KiB (11 tokens, each
@@ -77,11 +86,25 @@ K3_SI double span2_fold(enum k3_wkind kind, const k3_lanes *L) {
     return kind == K3_W_MXFP4 ? fold_mx(L) : k3_lanes_fold(L);
 }
 
-/* Thirty-two float32 values (natural column order) widened into chunk c of an eighth-major
- * float64 row (its eighths e doubles apart). */
+/* The span's copy, block-major: for each eighth k and each block of SPAN2_EB of its columns,
+ * the span's SPAN2_ROWS rows of that block side by side (SPAN2_EB doubles apart), so the
+ * slice every tile of a block multiplies is 15 KiB in one piece. (Rows cp doubles apart put
+ * a block's rows in the same few L1 sets whenever cp * 8 is a multiple of 4 KiB, as at 1,536
+ * columns, and they evicted each other.) An eighth is span2_eighth(cp) doubles long. */
+static inline int64_t span2_eighth(int64_t cp) {
+    return (cp / 8 + SPAN2_EB - 1) / SPAN2_EB * SPAN2_ROWS * SPAN2_EB;
+}
+
+/* Where four-column step c of eighth k of a row (its first double at out) sits in the copy. */
+K3_SI double *span2_at(double *out, int64_t e, int k, int64_t c) {
+    return out + k * e + c / (SPAN2_EB / 4) * (SPAN2_ROWS * SPAN2_EB) + 4 * (c % (SPAN2_EB / 4));
+}
+
+/* Thirty-two float32 values (natural column order) widened into chunk c of a row of the
+ * span's copy (its eighths e doubles apart). */
 K3_SI void span2_put_f32(double *out, int64_t e, int64_t c, const float *v) {
     for (int k = 0; k < 8; ++k)
-        _mm256_storeu_pd(out + k * e + 4 * c, _mm256_cvtps_pd(_mm_loadu_ps(v + 4 * k)));
+        _mm256_store_pd(span2_at(out, e, k, c), _mm256_cvtps_pd(_mm_loadu_ps(v + 4 * k)));
 }
 
 /* Row `row` of a matrix as one eighth-major float64 row of cp doubles (+0.0 from column
@@ -89,7 +112,7 @@ K3_SI void span2_put_f32(double *out, int64_t e, int64_t c, const float *v) {
  * an MXFP4 row in span256_mx_index's order. */
 K3_SI void span2_row(enum k3_wkind kind, const void *w, const uint8_t *sc, int64_t row,
                      int64_t cols, int64_t cp, double *out) {
-    const int64_t e = cp / 8, whole = cols / 32;
+    const int64_t e = span2_eighth(cp), whole = cols / 32;
     float v[32] __attribute__((aligned(32)));
     if (kind == K3_W_BF16) {
         const uint16_t *src = (const uint16_t *)w + row * cols;
@@ -123,7 +146,7 @@ K3_SI void span2_row(enum k3_wkind kind, const void *w, const uint8_t *sc, int64
                 decode_group_scalar(d, pk + 16 * c, sb[c]);
                 for (int k = 0; k < 8; ++k) q[k] = _mm256_load_pd(d + 4 * k);
             }
-            for (int k = 0; k < 8; ++k) _mm256_store_pd(out + k * e + 4 * c, q[k]);
+            for (int k = 0; k < 8; ++k) _mm256_store_pd(span2_at(out, e, k, c), q[k]);
         }
     }
     if (whole * 32 < cp) { /* the column tail (bf16 and float32 only: MXFP4 rows are whole) */
@@ -146,36 +169,31 @@ K3_SI void span2_row(enum k3_wkind kind, const void *w, const uint8_t *sc, int64
  * against NT tokens (x, cp doubles apart), added to acc. With four tokens the compiler keeps
  * three activation vectors in registers and takes the fourth as the FMAs' memory operand
  * (12 accumulators, 3 activations and 1 weight vector are the 16 ymm registers). */
-K3_SI void span2_block(const int NT, __m256d acc[SPAN2_R][SPAN2_T], const double *w, int64_t cp,
-                       const double *x, int64_t n4) {
+K3_SI void span2_block(const int NT, __m256d acc[SPAN2_R][SPAN2_T], const double *w,
+                       const double *x, int64_t cp, int64_t n4) {
     for (int64_t s = 0; s < n4; ++s) {
         __m256d xv[SPAN2_T];
         for (int j = 0; j < NT; ++j) xv[j] = _mm256_loadu_pd(x + j * cp + 4 * s);
         for (int r = 0; r < SPAN2_R; ++r) {
-            const __m256d q = _mm256_loadu_pd(w + r * cp + 4 * s);
+            const __m256d q = _mm256_load_pd(w + r * SPAN2_EB + 4 * s);
             for (int j = 0; j < NT; ++j) acc[r][j] = _mm256_fmadd_pd(q, xv[j], acc[r][j]);
         }
     }
 }
 
-/* NT tokens (x: the first one's eighth-major activations) against the nrt three-row tiles of
- * a span's copy wb: part[rt][r][j][k] is lane register k of the (row 3rt + r, token j) sum. */
-K3_SI void span2_tokens(const int NT, __m256d part[SPAN2_ROWS / SPAN2_R][SPAN2_R][SPAN2_T][8],
-                        const double *wb, int64_t nrt, int64_t cp, const double *x) {
-    const int64_t e = cp / 8;
-    for (int k = 0; k < 8; ++k)
-        for (int64_t b = 0; b < e; b += SPAN2_EB) {
-            const int64_t n4 = (e - b < SPAN2_EB ? e - b : SPAN2_EB) / 4;
-            for (int64_t rt = 0; rt < nrt; ++rt) {
-                __m256d acc[SPAN2_R][SPAN2_T];
-                for (int r = 0; r < SPAN2_R; ++r)
-                    for (int j = 0; j < NT; ++j)
-                        acc[r][j] = b ? part[rt][r][j][k] : _mm256_setzero_pd();
-                span2_block(NT, acc, wb + rt * SPAN2_R * cp + k * e + b, cp, x + k * e + b, n4);
-                for (int r = 0; r < SPAN2_R; ++r)
-                    for (int j = 0; j < NT; ++j) part[rt][r][j][k] = acc[r][j];
-            }
-        }
+/* One block of an eighth for one token tile: the nrt three-row tiles of the span's copy
+ * (wb, this eighth block's first column) against NT tokens (x), each tile's accumulators
+ * continued from acc (zero at the eighth's first block) and stored back. */
+K3_SI void span2_tile(const int NT, __m256d (*acc)[SPAN2_R][SPAN2_T], const double *wb,
+                      int64_t nrt, int64_t cp, const double *x, int64_t n4, int first) {
+    for (int64_t rt = 0; rt < nrt; ++rt) {
+        __m256d a[SPAN2_R][SPAN2_T];
+        for (int r = 0; r < SPAN2_R; ++r)
+            for (int j = 0; j < NT; ++j) a[r][j] = first ? _mm256_setzero_pd() : acc[rt][r][j];
+        span2_block(NT, a, wb + rt * SPAN2_R * SPAN2_EB, x, cp, n4);
+        for (int r = 0; r < SPAN2_R; ++r)
+            for (int j = 0; j < NT; ++j) acc[rt][r][j] = a[r][j];
+    }
 }
 
 /* Weight `col` of row `row`, widened on its own (the path without scratch). */
@@ -223,43 +241,69 @@ K3_SI void span2_row_scalar(enum k3_wkind kind, const void *w, const uint8_t *sc
 K3_SI void k3__span256(enum k3_wkind kind, const void *w, const uint8_t *sc, int64_t o,
                        int64_t nr, int64_t rows, int64_t cols, int64_t cp, const double *xd,
                        int64_t nt, float *y) {
-    const size_t copy = (size_t)(SPAN2_ROWS * cp) * sizeof(double);
-    char *scr = (char *)k3__scratch(copy);
+    const int64_t ek = span2_eighth(cp); /* an eighth's doubles in the span's copy */
+    const size_t copy = (size_t)(8 * ek) * sizeof(double);
+    const size_t accs =
+        (size_t)(8 * SPAN2_GT * SPAN2_ROWS / SPAN2_R) * sizeof(__m256d[SPAN2_R][SPAN2_T]);
+    char *scr = (char *)k3__scratch(copy + accs);
     if (!scr) { /* no scratch for a span's copy */
         for (int64_t r = o; r < o + nr; ++r)
             span2_row_scalar(kind, w, sc, r, rows, cols, cp, xd, nt, y);
         return;
     }
     double *wb = (double *)scr;
+    __m256d (*acc)[SPAN2_R][SPAN2_T] = (__m256d (*)[SPAN2_R][SPAN2_T])(scr + copy);
+    const int64_t e = cp / 8;
     for (int64_t s0 = o; s0 < o + nr; s0 += SPAN2_ROWS) {
         const int64_t n = o + nr - s0 < SPAN2_ROWS ? o + nr - s0 : SPAN2_ROWS;
         const int64_t nrt = (n + SPAN2_R - 1) / SPAN2_R;
         for (int64_t r = 0; r < nrt * SPAN2_R; ++r) {
             if (r < n)
-                span2_row(kind, w, sc, s0 + r, cols, cp, wb + r * cp);
+                span2_row(kind, w, sc, s0 + r, cols, cp, wb + r * SPAN2_EB);
             else
-                memset(wb + r * cp, 0, (size_t)cp * sizeof(double));
+                for (int64_t q = r * SPAN2_EB; q < 8 * ek; q += SPAN2_ROWS * SPAN2_EB)
+                    memset(wb + q, 0, SPAN2_EB * sizeof(double));
         }
-        for (int64_t t0 = 0, m; t0 < nt; t0 += m) {
-            /* tiles of four tokens, but five, six or nine left go in threes (3 + 2, 3 + 3,
-             * 3 + 3 + 3): a tile of one or two tokens has too few independent FMA chains */
-            const int64_t left = nt - t0;
-            m = left == 5 || left == 6 || left == 9 ? 3 : left < SPAN2_T ? left : SPAN2_T;
-            __m256d part[SPAN2_ROWS / SPAN2_R][SPAN2_R][SPAN2_T][8];
-            const double *xt = xd + t0 * cp;
-            _Static_assert(SPAN2_T == 4, "the token counts spelled out below");
-            switch (m) {
-            case 1: span2_tokens(1, part, wb, nrt, cp, xt); break;
-            case 2: span2_tokens(2, part, wb, nrt, cp, xt); break;
-            case 3: span2_tokens(3, part, wb, nrt, cp, xt); break;
-            default: span2_tokens(4, part, wb, nrt, cp, xt); break;
+        for (int64_t g0 = 0; g0 < nt;) {
+            /* a group of up to SPAN2_GT token tiles: tiles of four tokens, but five, six or
+             * nine left go in threes (3 + 2, 3 + 3, 3 + 3 + 3): a tile of one or two tokens
+             * has too few independent FMA chains */
+            int64_t t0s[SPAN2_GT], ms[SPAN2_GT], ng = 0, t0 = g0;
+            for (; ng < SPAN2_GT && t0 < nt; ++ng) {
+                const int64_t left = nt - t0;
+                ms[ng] = left == 5 || left == 6 || left == 9 ? 3 : left < SPAN2_T ? left : SPAN2_T;
+                t0s[ng] = t0;
+                t0 += ms[ng];
             }
-            for (int64_t r = 0; r < n; ++r)
-                for (int64_t j = 0; j < m; ++j) {
-                    k3_lanes L;
-                    for (int k = 0; k < 8; ++k) L.a[k] = part[r / SPAN2_R][r % SPAN2_R][j][k];
-                    y[(t0 + j) * rows + s0 + r] = (float)span2_fold(kind, &L);
+            /* eighth by eighth and block by block, the span's slice of the block (at most
+             * 15 x SPAN2_EB doubles) stays in L1 while every tile of the group passes over it */
+            for (int k = 0; k < 8; ++k)
+                for (int64_t b = 0; b < e; b += SPAN2_EB) {
+                    const int64_t n4 = (e - b < SPAN2_EB ? e - b : SPAN2_EB) / 4;
+                    const double *wk = wb + k * ek + b / SPAN2_EB * (SPAN2_ROWS * SPAN2_EB);
+                    for (int64_t g = 0; g < ng; ++g) {
+                        __m256d (*ag)[SPAN2_R][SPAN2_T] =
+                            acc + (k * SPAN2_GT + g) * (SPAN2_ROWS / SPAN2_R);
+                        const double *xt = xd + t0s[g] * cp + k * e + b;
+                        _Static_assert(SPAN2_T == 4, "the token counts spelled out below");
+                        switch (ms[g]) {
+                        case 1: span2_tile(1, ag, wk, nrt, cp, xt, n4, b == 0); break;
+                        case 2: span2_tile(2, ag, wk, nrt, cp, xt, n4, b == 0); break;
+                        case 3: span2_tile(3, ag, wk, nrt, cp, xt, n4, b == 0); break;
+                        default: span2_tile(4, ag, wk, nrt, cp, xt, n4, b == 0); break;
+                        }
+                    }
                 }
+            for (int64_t g = 0; g < ng; ++g)
+                for (int64_t r = 0; r < n; ++r)
+                    for (int64_t j = 0; j < ms[g]; ++j) {
+                        k3_lanes L;
+                        for (int k = 0; k < 8; ++k)
+                            L.a[k] = acc[(k * SPAN2_GT + g) * (SPAN2_ROWS / SPAN2_R) + r / SPAN2_R]
+                                        [r % SPAN2_R][j];
+                        y[(t0s[g] + j) * rows + s0 + r] = (float)span2_fold(kind, &L);
+                    }
+            g0 = t0;
         }
     }
 }
