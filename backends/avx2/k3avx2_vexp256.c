@@ -220,6 +220,23 @@ K3_V256 __m256d v4_unary(int op, __m256d xd) {
 /* y[i] = op(x[i]) for i < n (a tail of n % 4 through the scalar code). */
 static void k3__unary256(int op, const float *x, int64_t n, float *y) {
     int64_t i = 0;
+    for (; i + 16 <= n; i += 16) { /* four vectors' exp_d chains side by side (v4n_exp_d) */
+        __m256d xd[4], ex[4];
+        for (int j = 0; j < 4; ++j) {
+            xd[j] = _mm256_cvtps_pd(_mm_loadu_ps(x + i + 4 * j));
+            ex[j] = op == K3_U_EXP ? xd[j] : _mm256_xor_pd(xd[j], _mm256_castsi256_pd(_mm256_set1_epi64x(INT64_MIN)));
+        }
+        v4n_exp_d(4, ex, ex);
+        for (int j = 0; j < 4; ++j) {
+            __m256d v = ex[j];
+            if (op != K3_U_EXP) {
+                const __m256d one = _mm256_set1_pd(1.0);
+                v = _mm256_div_pd(one, _mm256_add_pd(one, v)); /* v4_sig_d */
+                if (op == K3_U_SILU) v = _mm256_mul_pd(xd[j], v);
+            }
+            _mm_storeu_ps(y + i + 4 * j, _mm256_cvtpd_ps(v));
+        }
+    }
     for (; i + 4 <= n; i += 4)
         _mm_storeu_ps(y + i, _mm256_cvtpd_ps(v4_unary(op, _mm256_cvtps_pd(_mm_loadu_ps(x + i)))));
     for (; i < n; ++i) y[i] = k3__unary_f(op, x[i]);
@@ -228,7 +245,20 @@ static void k3__unary256(int op, const float *x, int64_t n, float *y) {
 /* kda_gate over D elements of one (token, head): y = f32(exp_d(lb * sig_d(a * (d(z) + d(dt))))). */
 static void k3__kda_gate256(const float *z, const float *dt, double a, double lb, int64_t D, float *y) {
     const __m256d va = _mm256_set1_pd(a), vlb = _mm256_set1_pd(lb);
+    const __m256d one = _mm256_set1_pd(1.0), sign = _mm256_castsi256_pd(_mm256_set1_epi64x(INT64_MIN));
     int64_t j = 0;
+    for (; j + 16 <= D; j += 16) { /* four vectors' exp_d chains side by side (v4n_exp_d) */
+        __m256d v[4];
+        for (int q = 0; q < 4; ++q) {
+            const __m256d u = _mm256_mul_pd(va, _mm256_add_pd(_mm256_cvtps_pd(_mm_loadu_ps(z + j + 4 * q)),
+                                                              _mm256_cvtps_pd(_mm_loadu_ps(dt + j + 4 * q))));
+            v[q] = _mm256_xor_pd(u, sign);
+        }
+        v4n_exp_d(4, v, v);
+        for (int q = 0; q < 4; ++q) v[q] = _mm256_mul_pd(vlb, _mm256_div_pd(one, _mm256_add_pd(one, v[q])));
+        v4n_exp_d(4, v, v);
+        for (int q = 0; q < 4; ++q) _mm_storeu_ps(y + j + 4 * q, _mm256_cvtpd_ps(v[q]));
+    }
     for (; j + 4 <= D; j += 4) {
         const __m256d u = _mm256_mul_pd(
             va, _mm256_add_pd(_mm256_cvtps_pd(_mm_loadu_ps(z + j)), _mm256_cvtps_pd(_mm_loadu_ps(dt + j))));
@@ -270,8 +300,13 @@ static void k3__shortconv8(const float *x, int64_t T, int64_t C, const float *w,
             _mm256_storeu_ps(y + t * C, k3__silu8_512(acc));
             continue;
         }
-        const __m128 lo = _mm256_cvtpd_ps(v4_unary(K3_U_SILU, _mm256_cvtps_pd(_mm256_castps256_ps128(acc))));
-        const __m128 hi = _mm256_cvtpd_ps(v4_unary(K3_U_SILU, _mm256_cvtps_pd(_mm256_extractf128_ps(acc, 1))));
+        const __m256d xd[2] = {_mm256_cvtps_pd(_mm256_castps256_ps128(acc)),
+                               _mm256_cvtps_pd(_mm256_extractf128_ps(acc, 1))};
+        const __m256d sign = _mm256_castsi256_pd(_mm256_set1_epi64x(INT64_MIN)), one = _mm256_set1_pd(1.0);
+        __m256d ex[2] = {_mm256_xor_pd(xd[0], sign), _mm256_xor_pd(xd[1], sign)};
+        v4n_exp_d(2, ex, ex); /* both halves' chains side by side; then silu as v4_unary's */
+        const __m128 lo = _mm256_cvtpd_ps(_mm256_mul_pd(xd[0], _mm256_div_pd(one, _mm256_add_pd(one, ex[0]))));
+        const __m128 hi = _mm256_cvtpd_ps(_mm256_mul_pd(xd[1], _mm256_div_pd(one, _mm256_add_pd(one, ex[1]))));
         _mm256_storeu_ps(y + t * C, _mm256_insertf128_ps(_mm256_castps128_ps256(lo), hi, 1));
     }
     for (int64_t j = 0; j < K - 1; ++j) {
