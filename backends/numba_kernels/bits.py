@@ -6,7 +6,8 @@ bit cast and an exact widening to float64:
 
 * ``bf16_d(bits)``: bf16 (``uint16``) -> float64. The bf16 pattern is the top half of a
   float32, so ``f32 = bits << 16`` and the widening to float64 is exact.
-* ``e2m1_lo_d(byte)`` / ``e2m1_hi_d(byte)``: the low / high nibble of an MXFP4 byte
+* ``e2m1_lo_d(byte)`` / ``e2m1_hi_d(byte)`` (and ``e2m1_lo_f`` / ``e2m1_hi_f``, the same
+  values left in float32): the low / high nibble of an MXFP4 byte
   (``s e e m``) -> ``E2M1[code] * 2**-126`` as float64, exactly. Placing the three magnitude
   bits at float32 bits 22..24 makes a float32 whose exponent field is ``e`` and whose top
   mantissa bit is ``m``: for ``e > 0`` it is ``(1 + m/2) * 2**(e-127)``, for ``e == 0`` the
@@ -49,31 +50,66 @@ def bf16_d(typingctx, bits):
     return sig, codegen
 
 
-def _nibble_codegen(builder, byte, mag_mask, mag_shift, sign_mask, sign_shift):
+def _nibble_codegen(builder, byte, high):
+    """``E2M1 * 2**-126`` as float32 from the low or high nibble of ``byte``, in four integer
+    operations each (the separate magnitude and sign masks took five for the low nibble):
+    low: the byte shifted by 22 (magnitude to bits 22..24) OR-ed with it shifted by 28 (sign
+    to 31), one mask keeping those four bits; high: the byte shifted by 18 (magnitude to
+    22..24) under the magnitude mask, OR-ed with the sign-extended byte under bit 31."""
     c = builder.zext(byte, _I32)
-    mag = builder.shl(builder.and_(c, _c(mag_mask)), _c(mag_shift))
-    sgn = builder.shl(builder.and_(c, _c(sign_mask)), _c(sign_shift))
-    return builder.fpext(builder.bitcast(builder.or_(mag, sgn), _F32), _F64)
+    if not high:
+        both = builder.or_(builder.shl(c, _c(22)), builder.shl(c, _c(28)))
+        return builder.bitcast(builder.and_(both, _c(_E2M1_BITS)), _F32)
+    mag = builder.and_(builder.shl(c, _c(18)), _c(0x01C00000))
+    sgn = builder.and_(builder.sext(byte, _I32), _c(-(1 << 31)))
+    return builder.bitcast(builder.or_(mag, sgn), _F32)
+
+
+#: Float32 bits 22..24 (the magnitude: exponent field low bits and the top mantissa bit) and
+#: 31 (the sign), as a signed 32-bit constant.
+_E2M1_BITS = 0x81C00000 - (1 << 32)
+
+
+@intrinsic
+def e2m1_lo_f(typingctx, byte):
+    """Low nibble (even column) -> E2M1 * 2**-126 as float32: bits 0..2 -> 22..24, 3 -> 31."""
+    sig = types.float32(types.uint8)
+
+    def codegen(context, builder, signature, args):
+        return _nibble_codegen(builder, args[0], False)
+
+    return sig, codegen
+
+
+@intrinsic
+def e2m1_hi_f(typingctx, byte):
+    """High nibble (odd column) -> E2M1 * 2**-126 as float32: bits 4..6 -> 22..24, 7 -> 31."""
+    sig = types.float32(types.uint8)
+
+    def codegen(context, builder, signature, args):
+        return _nibble_codegen(builder, args[0], True)
+
+    return sig, codegen
 
 
 @intrinsic
 def e2m1_lo_d(typingctx, byte):
-    """Low nibble (even column) -> E2M1 * 2**-126: bits 0..2 -> 22..24, bit 3 -> 31."""
+    """Low nibble (even column) -> E2M1 * 2**-126 as float64 (``e2m1_lo_f`` widened)."""
     sig = types.float64(types.uint8)
 
     def codegen(context, builder, signature, args):
-        return _nibble_codegen(builder, args[0], 0x07, 22, 0x08, 28)
+        return builder.fpext(_nibble_codegen(builder, args[0], False), _F64)
 
     return sig, codegen
 
 
 @intrinsic
 def e2m1_hi_d(typingctx, byte):
-    """High nibble (odd column) -> E2M1 * 2**-126: bits 4..6 -> 22..24, bit 7 -> 31."""
+    """High nibble (odd column) -> E2M1 * 2**-126 as float64 (``e2m1_hi_f`` widened)."""
     sig = types.float64(types.uint8)
 
     def codegen(context, builder, signature, args):
-        return _nibble_codegen(builder, args[0], 0x70, 18, 0x80, 24)
+        return builder.fpext(_nibble_codegen(builder, args[0], True), _F64)
 
     return sig, codegen
 

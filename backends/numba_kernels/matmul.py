@@ -4,7 +4,8 @@ Every row keeps its own 32 float64 lane accumulators (lane = column % 32) and fo
 the end, so the result is the contract's lane sum whatever the thread count; rows are split
 across threads with ``prange`` and never share an accumulator. Weights are widened inside
 the inner loop (bf16 by a 16-bit shift, MXFP4 nibble by nibble straight from the packed
-bytes): no dequantised copy of a matrix is ever made. Per weight the inner loop is one
+bytes; a one-token MXFP4 row decodes eight groups at a time into a float32 slot on the stack
+first, see ``_mxfp4_t1``): no dequantised copy of a matrix is ever made. Per weight the inner loop is one
 widening, one multiply by ``d(x)`` and one add; x arrives as float32 (one token, converted in
 the loop) or already widened to float64 (several tokens, MXFP4). Several tokens are taken
 four at a time, so each weight is widened once per four tokens; the caller pads x with zero
@@ -25,11 +26,18 @@ do) and nothing else: no reassociation of the lane additions, no other approxima
 from __future__ import annotations
 
 import numpy as np
-from k3_backends.numba_kernels.bits import MX_SCALE, bf16_d, e2m1_hi_d, e2m1_lo_d
+from k3_backends.numba_kernels.bits import (
+    MX_SCALE,
+    bf16_d,
+    e2m1_hi_d,
+    e2m1_hi_f,
+    e2m1_lo_d,
+    e2m1_lo_f,
+)
 from k3_backends.numba_kernels.exact import LANES, fold
 from k3_backends.numba_kernels.jit import JIT, LANE_SUM, twins
 from k3_backends.numba_kernels.prefetch import prefetch
-from k3_backends.numba_kernels.scratch import stack_f64
+from k3_backends.numba_kernels.scratch import stack_f32, stack_f64
 from numba import carray, njit, prange, types
 from numba.extending import overload
 
@@ -152,27 +160,47 @@ def _fold_split(even, odd):
     return fold(acc)
 
 
+MX_BLOCK = 8  # groups of a one-token MXFP4 row decoded ahead of their products
+assert MX_BLOCK * HALF == 128  # the stack slots below
+
+
 def _mxfp4_t1(packed, scales, xe0, xo0, out0):
-    """One token from packed MXFP4 rows; ``xe0``/``xo0`` are x's even/odd columns (float64)."""
+    """One token from packed MXFP4 rows; ``xe0``/``xo0`` are x's even/odd columns (float64).
+
+    A row goes MX_BLOCK groups at a time: their bytes are first decoded to float32 into two
+    stack slots (even and odd columns), a loop of integer operations only, which LLVM runs
+    eight lanes wide; then each weight is widened, scaled and added to its lane, four lanes
+    wide. Decoded inside the product loop, every integer operation ran at the product's
+    four float64 lanes: 1.75 -> 2.1-2.2 GB/s on one Zen 2 core, [3072 x 3584] from memory.
+    The block is a slice so its indices are plainly non-negative: indexed from the row, the
+    byte loads were eight single-byte inserts (numba's negative-index wrap).
+    """
     rows = packed.shape[0]
     groups = scales.shape[1]
     for o in prange(rows):
         acc_e = carray(stack_f64(16), 16)
         acc_o = carray(stack_f64(16), 16)
+        de = carray(stack_f32(128), 128)
+        do = carray(stack_f32(128), 128)
         for k in range(HALF):
             acc_e[k] = 0.0
             acc_o[k] = 0.0
         pr = packed[o]
         sr = scales[o]
-        for g in range(groups):
-            sc = MX_SCALE[sr[g]]
-            pb = g * HALF
-            if (g & 3) == 0:
-                prefetch(pr, pb + AHEAD_MX)
-            for k in range(HALF):
-                b = pr[pb + k]
-                acc_e[k] += xe0[pb + k] * (e2m1_lo_d(b) * sc)
-                acc_o[k] += xo0[pb + k] * (e2m1_hi_d(b) * sc)
+        for g0 in range(0, groups, MX_BLOCK):
+            pb0 = g0 * HALF
+            prefetch(pr, pb0 + AHEAD_MX)
+            prefetch(pr, pb0 + AHEAD_MX + 64)
+            blk = pr[pb0 : pb0 + MX_BLOCK * HALF]
+            for i in range(blk.shape[0]):
+                de[i] = e2m1_lo_f(blk[i])
+                do[i] = e2m1_hi_f(blk[i])
+            for gi in range(blk.shape[0] // HALF):
+                sc = MX_SCALE[sr[g0 + gi]]
+                pb = pb0 + gi * HALF
+                for k in range(HALF):
+                    acc_e[k] += xe0[pb + k] * (np.float64(de[gi * HALF + k]) * sc)
+                    acc_o[k] += xo0[pb + k] * (np.float64(do[gi * HALF + k]) * sc)
         out0[o] = np.float32(_fold_split(acc_e, acc_o))
 
 
