@@ -70,48 +70,34 @@ def _nibble_codegen(builder, byte, high):
 _E2M1_BITS = 0x81C00000 - (1 << 32)
 
 
-@intrinsic
-def e2m1_lo_f(typingctx, byte):
-    """Low nibble (even column) -> E2M1 * 2**-126 as float32: bits 0..2 -> 22..24, 3 -> 31."""
-    sig = types.float32(types.uint8)
+def _nibble_intrinsic(name: str, high: bool, wide: bool, doc: str) -> object:
+    """The intrinsic ``name(byte)``: the low or high nibble's ``E2M1 * 2**-126``, float32 or
+    (``wide``) widened to float64."""
 
-    def codegen(context, builder, signature, args):
-        return _nibble_codegen(builder, args[0], False)
+    def typer(typingctx, byte):
+        sig = (types.float64 if wide else types.float32)(types.uint8)
 
-    return sig, codegen
+        def codegen(context, builder, signature, args):
+            f = _nibble_codegen(builder, args[0], high)
+            return builder.fpext(f, _F64) if wide else f
 
+        return sig, codegen
 
-@intrinsic
-def e2m1_hi_f(typingctx, byte):
-    """High nibble (odd column) -> E2M1 * 2**-126 as float32: bits 4..6 -> 22..24, 7 -> 31."""
-    sig = types.float32(types.uint8)
-
-    def codegen(context, builder, signature, args):
-        return _nibble_codegen(builder, args[0], True)
-
-    return sig, codegen
+    typer.__name__ = typer.__qualname__ = name
+    typer.__doc__ = doc
+    return intrinsic(typer)
 
 
-@intrinsic
-def e2m1_lo_d(typingctx, byte):
-    """Low nibble (even column) -> E2M1 * 2**-126 as float64 (``e2m1_lo_f`` widened)."""
-    sig = types.float64(types.uint8)
-
-    def codegen(context, builder, signature, args):
-        return builder.fpext(_nibble_codegen(builder, args[0], False), _F64)
-
-    return sig, codegen
-
-
-@intrinsic
-def e2m1_hi_d(typingctx, byte):
-    """High nibble (odd column) -> E2M1 * 2**-126 as float64 (``e2m1_hi_f`` widened)."""
-    sig = types.float64(types.uint8)
-
-    def codegen(context, builder, signature, args):
-        return builder.fpext(_nibble_codegen(builder, args[0], True), _F64)
-
-    return sig, codegen
+e2m1_lo_f = _nibble_intrinsic(
+    "e2m1_lo_f", False, False, "Low nibble (even column) -> E2M1 * 2**-126 as float32: bits 0..2 "
+    "-> 22..24, 3 -> 31.")
+e2m1_hi_f = _nibble_intrinsic(
+    "e2m1_hi_f", True, False, "High nibble (odd column) -> E2M1 * 2**-126 as float32: bits 4..6 "
+    "-> 22..24, 7 -> 31.")
+e2m1_lo_d = _nibble_intrinsic(
+    "e2m1_lo_d", False, True, "Low nibble (even column) -> E2M1 * 2**-126 as float64.")
+e2m1_hi_d = _nibble_intrinsic(
+    "e2m1_hi_d", True, True, "High nibble (odd column) -> E2M1 * 2**-126 as float64.")
 
 
 @intrinsic

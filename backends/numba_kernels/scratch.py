@@ -1,4 +1,4 @@
-"""Fixed-size float64 (and float32) scratch arrays on the stack, for accumulators LLVM can keep in registers.
+"""Fixed-size float64 (and float32) scratch arrays on the stack, kept in registers by LLVM.
 
 A ``np.zeros`` array lives on the heap and LLVM cannot prove that the kernel's other loads do
 not alias it, so it stores the accumulators back to memory on every iteration. An ``alloca``
@@ -15,27 +15,24 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 
-@intrinsic
-def stack_f64(typingctx, size):
-    """A pointer to ``size`` (a compile-time constant) uninitialised float64 slots."""
-    if not isinstance(size, types.IntegerLiteral):
-        return None
-    n = size.literal_value
+def _stack_intrinsic(name: str, ir_type: ir.Type, nb_type: types.Type) -> object:
+    """The intrinsic ``name(size)``: a pointer to ``size`` (a compile-time constant)
+    uninitialised slots of ``nb_type``."""
 
-    def codegen(context, builder, signature, args):
-        return cgutils.alloca_once(builder, ir.DoubleType(), size=n)
+    def typer(typingctx, size):
+        if not isinstance(size, types.IntegerLiteral):
+            return None
+        n = size.literal_value
 
-    return types.CPointer(types.float64)(size), codegen
+        def codegen(context, builder, signature, args):
+            return cgutils.alloca_once(builder, ir_type, size=n)
+
+        return types.CPointer(nb_type)(size), codegen
+
+    typer.__name__ = typer.__qualname__ = name
+    typer.__doc__ = f"A pointer to ``size`` (a compile-time constant) uninitialised {nb_type} slots."
+    return intrinsic(typer)
 
 
-@intrinsic
-def stack_f32(typingctx, size):
-    """A pointer to ``size`` (a compile-time constant) uninitialised float32 slots."""
-    if not isinstance(size, types.IntegerLiteral):
-        return None
-    n = size.literal_value
-
-    def codegen(context, builder, signature, args):
-        return cgutils.alloca_once(builder, ir.FloatType(), size=n)
-
-    return types.CPointer(types.float32)(size), codegen
+stack_f64 = _stack_intrinsic("stack_f64", ir.DoubleType(), types.float64)
+stack_f32 = _stack_intrinsic("stack_f32", ir.FloatType(), types.float32)
