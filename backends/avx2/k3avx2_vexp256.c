@@ -18,60 +18,6 @@ K3_V256 __m256d v4_sel(__m256d mask, __m256d if_set, __m256d otherwise) {
     return _mm256_blendv_pd(otherwise, if_set, mask);
 }
 
-K3_V256 __m256d v4_exp_d(__m256d x) {
-    const __m256d nn = _mm256_round_pd(
-        _mm256_add_pd(_mm256_mul_pd(x, _mm256_set1_pd(K3C_LOG2E)), _mm256_set1_pd(0.5)),
-        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    const __m256d nan = _mm256_cmp_pd(x, x, _CMP_UNORD_Q);
-    const __m256d hi = _mm256_cmp_pd(x, _mm256_set1_pd(K3C_EXP_HI), _CMP_GT_OQ);
-    const __m256d lo = _mm256_cmp_pd(x, _mm256_set1_pd(K3C_EXP_LO), _CMP_LT_OQ);
-    const __m256d bad = _mm256_or_pd(nan, _mm256_or_pd(hi, lo));
-    const __m256d n = v4_sel(bad, _mm256_setzero_pd(), nn); /* keep the exponent sane */
-    __m256d r = _mm256_sub_pd(_mm256_sub_pd(x, _mm256_mul_pd(n, _mm256_set1_pd(K3C_LN2_HI))),
-                              _mm256_mul_pd(n, _mm256_set1_pd(K3C_LN2_LO)));
-    __m256d p = _mm256_set1_pd(K3C_EXP_COEF[K3C_EXP_NCOEF - 1]);
-    for (int i = K3C_EXP_NCOEF - 2; i >= 0; --i)
-        p = _mm256_add_pd(_mm256_mul_pd(p, r), _mm256_set1_pd(K3C_EXP_COEF[i]));
-    const __m256i magic = _mm256_set1_epi64x(INT64_C(0x4330000000000000)); /* bits of 2**52 */
-    const __m256i biased = _mm256_sub_epi64(
-        _mm256_castpd_si256(_mm256_add_pd(n, _mm256_set1_pd(1023.0 + 4503599627370496.0))), magic);
-    __m256d y = _mm256_mul_pd(p, _mm256_castsi256_pd(_mm256_slli_epi64(biased, 52)));
-    y = v4_sel(hi, _mm256_set1_pd(HUGE_VAL), y);
-    y = v4_sel(lo, _mm256_setzero_pd(), y);
-    return v4_sel(nan, _mm256_set1_pd(k3_nan_d()), y);
-}
-
-K3_V256 __m256d v4_abs(__m256d x) {
-    return _mm256_and_pd(x, _mm256_castsi256_pd(_mm256_set1_epi64x(INT64_C(0x7FFFFFFFFFFFFFFF))));
-}
-
-K3_V256 __m256d v4_expm1_d(__m256d x) {
-    const __m256d small = _mm256_cmp_pd(v4_abs(x), _mm256_set1_pd(K3C_EXPM1_SERIES_MAX), _CMP_LT_OQ);
-    __m256d q = _mm256_set1_pd(K3C_EXPM1_COEF[K3C_EXPM1_NCOEF - 1]);
-    for (int i = K3C_EXPM1_NCOEF - 2; i >= 0; --i)
-        q = _mm256_add_pd(_mm256_mul_pd(q, x), _mm256_set1_pd(K3C_EXPM1_COEF[i]));
-    const __m256d series = _mm256_mul_pd(q, x);
-    if (_mm256_movemask_pd(small) == 0xF) return series;
-    const __m256d big = _mm256_sub_pd(v4_exp_d(x), _mm256_set1_pd(1.0));
-    return v4_sel(small, series, big);
-}
-
-K3_V256 __m256d v4_tanh_d(__m256d x) {
-    const __m256d a = v4_abs(x);
-    const __m256d sat = _mm256_cmp_pd(a, _mm256_set1_pd(K3C_TANH_SAT), _CMP_GT_OQ);
-    const __m256d e = v4_expm1_d(_mm256_mul_pd(v4_sel(sat, _mm256_setzero_pd(), a), _mm256_set1_pd(2.0)));
-    __m256d t = _mm256_div_pd(e, _mm256_add_pd(e, _mm256_set1_pd(2.0)));
-    t = v4_sel(sat, _mm256_set1_pd(1.0), t);
-    const __m256d sign = _mm256_castsi256_pd(_mm256_set1_epi64x(INT64_MIN));
-    return _mm256_or_pd(_mm256_andnot_pd(sign, t), _mm256_and_pd(sign, x)); /* copysign(t, x) */
-}
-
-K3_V256 __m256d v4_sig_d(__m256d x) {
-    const __m256d one = _mm256_set1_pd(1.0);
-    const __m256d negx = _mm256_xor_pd(x, _mm256_castsi256_pd(_mm256_set1_epi64x(INT64_MIN)));
-    return _mm256_div_pd(one, _mm256_add_pd(one, v4_exp_d(negx)));
-}
-
 /* Ties the n chains' values at one Horner step (an empty asm that "changes" them), so the
  * compiler keeps the steps of independent chains side by side: left alone, GCC emitted each
  * chain whole, one after another, and the core waited on one chain's latency at a time. */
@@ -80,7 +26,7 @@ K3_V256 void v4n_step(const int n, __m256d *v) {
     if (n == 4) __asm__("" : "+x"(v[0]), "+x"(v[1]), "+x"(v[2]), "+x"(v[3]));
 }
 
-/* exp_d of n vectors (n = 2 or 4), each lane v4_exp_d's value: their Horner chains advance
+/* exp_d of n vectors (n = 1, 2 or 4), each lane k3_exp_d's value: their Horner chains advance
  * together, so the latency of one step of one chain overlaps the others'. */
 K3_V256 void v4n_exp_d(const int n, const __m256d *x, __m256d *y) {
     __m256d r[4], p[4], nv[4], hi[4], lo[4], nan[4];
@@ -110,6 +56,58 @@ K3_V256 void v4n_exp_d(const int n, const __m256d *x, __m256d *y) {
         v = v4_sel(lo[j], _mm256_setzero_pd(), v);
         y[j] = v4_sel(nan[j], _mm256_set1_pd(k3_nan_d()), v);
     }
+}
+
+K3_V256 __m256d v4_exp_d(__m256d x) {
+    __m256d y;
+    v4n_exp_d(1, &x, &y);
+    return y;
+}
+
+K3_V256 __m256d v4_abs(__m256d x) {
+    return _mm256_and_pd(x, _mm256_castsi256_pd(_mm256_set1_epi64x(INT64_C(0x7FFFFFFFFFFFFFFF))));
+}
+
+K3_V256 __m256d v4_expm1_d(__m256d x) {
+    const __m256d small = _mm256_cmp_pd(v4_abs(x), _mm256_set1_pd(K3C_EXPM1_SERIES_MAX), _CMP_LT_OQ);
+    __m256d q = _mm256_set1_pd(K3C_EXPM1_COEF[K3C_EXPM1_NCOEF - 1]);
+    for (int i = K3C_EXPM1_NCOEF - 2; i >= 0; --i)
+        q = _mm256_add_pd(_mm256_mul_pd(q, x), _mm256_set1_pd(K3C_EXPM1_COEF[i]));
+    const __m256d series = _mm256_mul_pd(q, x);
+    if (_mm256_movemask_pd(small) == 0xF) return series;
+    const __m256d big = _mm256_sub_pd(v4_exp_d(x), _mm256_set1_pd(1.0));
+    return v4_sel(small, series, big);
+}
+
+K3_V256 __m256d v4_tanh_d(__m256d x) {
+    const __m256d a = v4_abs(x);
+    const __m256d sat = _mm256_cmp_pd(a, _mm256_set1_pd(K3C_TANH_SAT), _CMP_GT_OQ);
+    const __m256d e = v4_expm1_d(_mm256_mul_pd(v4_sel(sat, _mm256_setzero_pd(), a), _mm256_set1_pd(2.0)));
+    __m256d t = _mm256_div_pd(e, _mm256_add_pd(e, _mm256_set1_pd(2.0)));
+    t = v4_sel(sat, _mm256_set1_pd(1.0), t);
+    const __m256d sign = _mm256_castsi256_pd(_mm256_set1_epi64x(INT64_MIN));
+    return _mm256_or_pd(_mm256_andnot_pd(sign, t), _mm256_and_pd(sign, x)); /* copysign(t, x) */
+}
+
+/* 1 / (1 + e) for e = exp_d(-x): the sigmoid's last step. */
+K3_V256 __m256d v4_sig_from_exp(__m256d e) {
+    const __m256d one = _mm256_set1_pd(1.0);
+    return _mm256_div_pd(one, _mm256_add_pd(one, e));
+}
+
+/* sig_d of n vectors (n = 1, 2 or 4), their exp_d chains side by side. */
+K3_V256 void v4n_sig_d(const int n, const __m256d *x, __m256d *y) {
+    const __m256d sign = _mm256_castsi256_pd(_mm256_set1_epi64x(INT64_MIN));
+    __m256d negx[4];
+    for (int j = 0; j < n; ++j) negx[j] = _mm256_xor_pd(x[j], sign);
+    v4n_exp_d(n, negx, y);
+    for (int j = 0; j < n; ++j) y[j] = v4_sig_from_exp(y[j]);
+}
+
+K3_V256 __m256d v4_sig_d(__m256d x) {
+    __m256d y;
+    v4n_sig_d(1, &x, &y);
+    return y;
 }
 
 /* Whether every lane of the n vectors is set in mask. */
@@ -177,8 +175,7 @@ K3_V256 __m128 v4_situ_pair(__m256d vb1, __m256d vb2, __m256d g0, __m256d g1, __
     }
     __m256d y[2];
     for (int j = 0; j < 2; ++j) {
-        const __m256d sg = _mm256_div_pd(one, _mm256_add_pd(one, ex[j]));
-        const __m256d a = v4_mul_first(_mm256_mul_pd(vb1, t[j]), sg);
+        const __m256d a = v4_mul_first(_mm256_mul_pd(vb1, t[j]), v4_sig_from_exp(ex[j]));
         const __m256d c = _mm256_mul_pd(vb2, t[2 + j]);
         y[j] = v4_mul_first(c, a);
     }
@@ -220,21 +217,16 @@ K3_V256 __m256d v4_unary(int op, __m256d xd) {
 /* y[i] = op(x[i]) for i < n (a tail of n % 4 through the scalar code). */
 static void k3__unary256(int op, const float *x, int64_t n, float *y) {
     int64_t i = 0;
-    for (; i + 16 <= n; i += 16) { /* four vectors' exp_d chains side by side (v4n_exp_d) */
-        __m256d xd[4], ex[4];
+    for (; i + 16 <= n; i += 16) { /* four vectors' exp_d chains side by side */
+        __m256d xd[4], v[4];
+        for (int j = 0; j < 4; ++j) xd[j] = _mm256_cvtps_pd(_mm_loadu_ps(x + i + 4 * j));
+        if (op == K3_U_EXP)
+            v4n_exp_d(4, xd, v);
+        else
+            v4n_sig_d(4, xd, v);
         for (int j = 0; j < 4; ++j) {
-            xd[j] = _mm256_cvtps_pd(_mm_loadu_ps(x + i + 4 * j));
-            ex[j] = op == K3_U_EXP ? xd[j] : _mm256_xor_pd(xd[j], _mm256_castsi256_pd(_mm256_set1_epi64x(INT64_MIN)));
-        }
-        v4n_exp_d(4, ex, ex);
-        for (int j = 0; j < 4; ++j) {
-            __m256d v = ex[j];
-            if (op != K3_U_EXP) {
-                const __m256d one = _mm256_set1_pd(1.0);
-                v = _mm256_div_pd(one, _mm256_add_pd(one, v)); /* v4_sig_d */
-                if (op == K3_U_SILU) v = _mm256_mul_pd(xd[j], v);
-            }
-            _mm_storeu_ps(y + i + 4 * j, _mm256_cvtpd_ps(v));
+            if (op == K3_U_SILU) v[j] = _mm256_mul_pd(xd[j], v[j]);
+            _mm_storeu_ps(y + i + 4 * j, _mm256_cvtpd_ps(v[j]));
         }
     }
     for (; i + 4 <= n; i += 4)
@@ -245,18 +237,15 @@ static void k3__unary256(int op, const float *x, int64_t n, float *y) {
 /* kda_gate over D elements of one (token, head): y = f32(exp_d(lb * sig_d(a * (d(z) + d(dt))))). */
 static void k3__kda_gate256(const float *z, const float *dt, double a, double lb, int64_t D, float *y) {
     const __m256d va = _mm256_set1_pd(a), vlb = _mm256_set1_pd(lb);
-    const __m256d one = _mm256_set1_pd(1.0), sign = _mm256_castsi256_pd(_mm256_set1_epi64x(INT64_MIN));
     int64_t j = 0;
-    for (; j + 16 <= D; j += 16) { /* four vectors' exp_d chains side by side (v4n_exp_d) */
-        __m256d v[4];
-        for (int q = 0; q < 4; ++q) {
-            const __m256d u = _mm256_mul_pd(va, _mm256_add_pd(_mm256_cvtps_pd(_mm_loadu_ps(z + j + 4 * q)),
-                                                              _mm256_cvtps_pd(_mm_loadu_ps(dt + j + 4 * q))));
-            v[q] = _mm256_xor_pd(u, sign);
-        }
-        v4n_exp_d(4, v, v);
-        for (int q = 0; q < 4; ++q) v[q] = _mm256_mul_pd(vlb, _mm256_div_pd(one, _mm256_add_pd(one, v[q])));
-        v4n_exp_d(4, v, v);
+    for (; j + 16 <= D; j += 16) { /* four vectors' exp_d chains side by side */
+        __m256d u[4], v[4];
+        for (int q = 0; q < 4; ++q)
+            u[q] = _mm256_mul_pd(va, _mm256_add_pd(_mm256_cvtps_pd(_mm_loadu_ps(z + j + 4 * q)),
+                                                   _mm256_cvtps_pd(_mm_loadu_ps(dt + j + 4 * q))));
+        v4n_sig_d(4, u, v);
+        for (int q = 0; q < 4; ++q) u[q] = _mm256_mul_pd(vlb, v[q]);
+        v4n_exp_d(4, u, v);
         for (int q = 0; q < 4; ++q) _mm_storeu_ps(y + j + 4 * q, _mm256_cvtpd_ps(v[q]));
     }
     for (; j + 4 <= D; j += 4) {
@@ -302,11 +291,10 @@ static void k3__shortconv8(const float *x, int64_t T, int64_t C, const float *w,
         }
         const __m256d xd[2] = {_mm256_cvtps_pd(_mm256_castps256_ps128(acc)),
                                _mm256_cvtps_pd(_mm256_extractf128_ps(acc, 1))};
-        const __m256d sign = _mm256_castsi256_pd(_mm256_set1_epi64x(INT64_MIN)), one = _mm256_set1_pd(1.0);
-        __m256d ex[2] = {_mm256_xor_pd(xd[0], sign), _mm256_xor_pd(xd[1], sign)};
-        v4n_exp_d(2, ex, ex); /* both halves' chains side by side; then silu as v4_unary's */
-        const __m128 lo = _mm256_cvtpd_ps(_mm256_mul_pd(xd[0], _mm256_div_pd(one, _mm256_add_pd(one, ex[0]))));
-        const __m128 hi = _mm256_cvtpd_ps(_mm256_mul_pd(xd[1], _mm256_div_pd(one, _mm256_add_pd(one, ex[1]))));
+        __m256d sg[2];
+        v4n_sig_d(2, xd, sg); /* both halves' chains side by side; then silu as v4_unary's */
+        const __m128 lo = _mm256_cvtpd_ps(_mm256_mul_pd(xd[0], sg[0]));
+        const __m128 hi = _mm256_cvtpd_ps(_mm256_mul_pd(xd[1], sg[1]));
         _mm256_storeu_ps(y + t * C, _mm256_insertf128_ps(_mm256_castps128_ps256(lo), hi, 1));
     }
     for (int64_t j = 0; j < K - 1; ++j) {
