@@ -328,7 +328,8 @@ def test_kda_gate_edge_values(avx2, ref):
 
 @pytest.mark.parametrize("T,H,Dk,Dv", [(1, 1, 1, 1), (3, 2, 33, 33), (2, 3, 31, 31),
                                         (2, 2, 40, 24), (1, 8, 128, 128), (1, 64, 128, 128),
-                                        (3, 3, 16, 130)])
+                                        (3, 3, 16, 130), (5, 2, 128, 128), (2, 3, 96, 21),
+                                        (3, 1, 64, 7)])
 def test_kda_recurrent(avx2, ref, T, H, Dk, Dv):
     rng = np.random.default_rng(T * 7 + H + Dk + Dv)
     q, k = rand(rng, T, H, Dk), rand(rng, T, H, Dk)
