@@ -141,6 +141,8 @@ def test_human_report(model) -> None:
     (["--prompt-file", "/nonexistent/prompt.txt"], "--prompt-file"),
     (["--prefill-chunk", "0"], "--prefill-chunk must be >= 1"),
     (["--readers", "0"], "--readers must be in 1..64"),
+    (["--threads", "0"], "--threads must be >= 1"),
+    (["--ids", ","], "--ids names no id"),
 ])
 def test_bad_arguments_are_refused(model, args, msg) -> None:
     res = runner.invoke(app, ["bench", "decode", str(model), "--backend", "numpy", "--prefill", "0",

@@ -55,6 +55,23 @@ def test_bench_refuses_bad_counts():
         run_kernel_bench(["numpy"], threads=0, repeat=1)
 
 
+def test_bench_refuses_an_unknown_backend_name():
+    with pytest.raises(UsageError, match="unknown kernel backend 'nosuch'; registered: .*numpy"):
+        run_kernel_bench(["numpy", "nosuch"], threads=1, repeat=1, cases=small_cases(),
+                         memory_bytes=16 << 20)
+
+
+def test_cli_bench_kernels_unknown_backend_is_one_line_exit_2():
+    from typer.testing import CliRunner
+
+    from k3core.cli.app import app
+
+    res = CliRunner().invoke(app, ["bench", "kernels", "--backends", "nosuch"])
+    assert res.exit_code == 2, res.output
+    lines = res.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("k3: error: bench kernels: unknown"), lines
+
+
 def test_default_cases_are_the_real_widths():
     cases = {c.op: c for c in default_cases()}
     assert cases["matmul_bf16 (KDA q/k/v/g proj)"].nbytes == 12288 * 7168 * 2

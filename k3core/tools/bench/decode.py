@@ -340,6 +340,10 @@ def run_decode_bench(
                          "--bandwidth-mb > 0")
     if prefill_chunk is not None and prefill_chunk < 1:
         raise UsageError(f"bench decode: --prefill-chunk must be >= 1, got {prefill_chunk}")
+    if threads is not None and threads < 1:
+        raise UsageError(f"bench decode: --threads must be >= 1, got {threads}")
+    if ids is not None and not ids:
+        raise UsageError("bench decode: --ids names no id")
     ids = list(ids or DEFAULT_IDS)
 
     def options(name: str, chunk: int | None = None) -> EngineOptions:

@@ -341,7 +341,12 @@ def run_kernel_bench(
     if threads < 1 or repeat < 1:
         raise UsageError(f"bench: threads and repeat must be >= 1 (got {threads}, {repeat})")
     registry = get_registry()
-    names = list(backends) or [n for n in registry.names("kernel") if registry.probe("kernel", n).ok]
+    known = list(registry.names("kernel"))
+    unknown = [n for n in backends if n not in known]
+    if unknown:
+        raise UsageError(f"bench kernels: unknown kernel backend {unknown[0]!r}; registered: "
+                         f"{', '.join(sorted(known))}")
+    names = list(backends) or [n for n in known if registry.probe("kernel", n).ok]
     llc = llc_bytes()
     mem_bytes = memory_bytes or max(GiB, 8 * llc)
     mem_gbps, method = measure_read_bandwidth(threads, mem_bytes)
