@@ -7,13 +7,15 @@
 /* ---- shortconv: per channel, float32 ------------------------------------------------- */
 void k3_shortconv(const float *x, int64_t T, int64_t C, const float *w, int64_t K, float *hist,
                   float *y) {
-    /* eight channels in the lanes (k3avx2_vexp256.c k3__shortconv8, its silu on AVX-512 where
-     * the CPU has it), the same float32 operations in the same order, so the same bits; the
-     * channels past a multiple of 8 take the scalar loop */
+    /* the sums first, eight channels in the lanes (k3avx2_vexp256.c k3__shortconv8), the
+     * same float32 operations in the same order, so the same bits; the channels past a
+     * multiple of 8 take the scalar loop. Then the silu of every sum in place, as k3_silu
+     * (several vectors' chains side by side; per eight channels, one vector's chain ran
+     * alone and its latency was most of a one-token call) */
     const int64_t vec = K >= 1 && K <= K3_CONV_KMAX ? C / 8 : 0;
     K3_PARALLEL_FOR(K3_BIG(C * T * K, K3_PAR_ELEMENTS))
     for (int64_t b = 0; b < vec; ++b)
-        k3__shortconv8(x + 8 * b, T, C, w + 8 * b * K, K, hist + 8 * b * (K - 1), y + 8 * b, g_avx512);
+        k3__shortconv8(x + 8 * b, T, C, w + 8 * b * K, K, hist + 8 * b * (K - 1), y + 8 * b);
     K3_PARALLEL_FOR(K3_BIG((C - 8 * vec) * T * K, K3_PAR_ELEMENTS))
     for (int64_t c = 8 * vec; c < C; ++c) {
         const float *wc = w + c * K;
@@ -26,9 +28,10 @@ void k3_shortconv(const float *x, int64_t T, int64_t C, const float *w, int64_t 
                 for (int64_t j = 0; j + 1 < K - 1; ++j) hc[j] = hc[j + 1];
                 hc[K - 2] = xt;
             }
-            y[t * C + c] = k3_silu_f(acc);
+            y[t * C + c] = acc;
         }
     }
+    k3_silu(y, T * C, y);
 }
 
 /* ---- kda_gate: alpha = f32(exp_d(lb * sig_d(exp_d(A_log[h]) * (d(z) + d(dt))))) -------- */

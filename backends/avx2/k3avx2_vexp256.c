@@ -261,22 +261,25 @@ static void k3__kda_gate256(const float *z, const float *dt, double a, double lb
 
 #define K3_CONV_KMAX 8 /* the longest conv kernel k3__shortconv8 takes */
 
-/* shortconv of eight channels (x, w, hist, y offset to the first of them; channel stride 1 in
- * x and y, K in w, K - 1 in hist): the scalar loop of k3avx2_attention.c with the channels in
- * the lanes, float32 products and sums rounded one by one as there (no FMA); the silu eight
- * float64 lanes at a time where `wide` (AVX-512, k3__silu8_512), else four. */
+/* p[0], p[stride], ..., p[7 * stride] as one vector, built in registers. */
+static inline __m256 conv_lanes(const float *p, int64_t stride) {
+    return _mm256_setr_ps(p[0], p[stride], p[2 * stride], p[3 * stride], p[4 * stride],
+                          p[5 * stride], p[6 * stride], p[7 * stride]);
+}
+
+/* shortconv's sums of eight channels (x, w, hist, y offset to the first of them; channel
+ * stride 1 in x and y, K in w, K - 1 in hist): the scalar loop of k3avx2_attention.c with the
+ * channels in the lanes, float32 products and sums rounded one by one as there (no FMA). The
+ * sums go to y; k3_shortconv applies the silu to all of them afterwards. */
 static void k3__shortconv8(const float *x, int64_t T, int64_t C, const float *w, int64_t K,
-                           float *hist, float *y, int wide) {
+                           float *hist, float *y) {
     __m256 wv[K3_CONV_KMAX], hv[K3_CONV_KMAX];
     float lane[8];
-    for (int64_t j = 0; j < K; ++j) {
-        for (int l = 0; l < 8; ++l) lane[l] = w[l * K + j];
-        wv[j] = _mm256_loadu_ps(lane);
-    }
-    for (int64_t j = 0; j < K - 1; ++j) {
-        for (int l = 0; l < 8; ++l) lane[l] = hist[l * (K - 1) + j];
-        hv[j] = _mm256_loadu_ps(lane);
-    }
+    /* the channels' taps element by element into the lanes (eight scalar stores read back
+     * as one vector cannot be forwarded from the store queue: that stall was most of a
+     * one-token call) */
+    for (int64_t j = 0; j < K; ++j) wv[j] = conv_lanes(w + j, K);
+    for (int64_t j = 0; j < K - 1; ++j) hv[j] = conv_lanes(hist + j, K - 1);
     for (int64_t t = 0; t < T; ++t) {
         const __m256 xt = _mm256_loadu_ps(x + t * C);
         __m256 acc = _mm256_mul_ps(wv[K - 1], xt);
@@ -285,17 +288,7 @@ static void k3__shortconv8(const float *x, int64_t T, int64_t C, const float *w,
             for (int64_t j = 0; j + 1 < K - 1; ++j) hv[j] = hv[j + 1];
             hv[K - 2] = xt;
         }
-        if (wide) {
-            _mm256_storeu_ps(y + t * C, k3__silu8_512(acc));
-            continue;
-        }
-        const __m256d xd[2] = {_mm256_cvtps_pd(_mm256_castps256_ps128(acc)),
-                               _mm256_cvtps_pd(_mm256_extractf128_ps(acc, 1))};
-        __m256d sg[2];
-        v4n_sig_d(2, xd, sg); /* both halves' chains side by side; then silu as v4_unary's */
-        const __m128 lo = _mm256_cvtpd_ps(_mm256_mul_pd(xd[0], sg[0]));
-        const __m128 hi = _mm256_cvtpd_ps(_mm256_mul_pd(xd[1], sg[1]));
-        _mm256_storeu_ps(y + t * C, _mm256_insertf128_ps(_mm256_castps128_ps256(lo), hi, 1));
+        _mm256_storeu_ps(y + t * C, acc);
     }
     for (int64_t j = 0; j < K - 1; ++j) {
         _mm256_storeu_ps(lane, hv[j]);

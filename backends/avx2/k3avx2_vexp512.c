@@ -130,8 +130,3 @@ k3__kda_gate512(const float *z, const float *dt, double a, double lb, int64_t D,
     }
 }
 
-/* shortconv's silu of eight float32 sums, eight float64 lanes at once (the conv itself is
- * k3__shortconv8, k3avx2_vexp256.c). */
-__attribute__((target("avx512f,avx512dq,avx512vl"))) static __m256 k3__silu8_512(__m256 v) {
-    return _mm512_cvtpd_ps(v_unary(K3_U_SILU, _mm512_cvtps_pd(v)));
-}
