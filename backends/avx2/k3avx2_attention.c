@@ -10,8 +10,8 @@ void k3_shortconv(const float *x, int64_t T, int64_t C, const float *w, int64_t 
     /* the sums first, eight channels in the lanes (k3avx2_vexp256.c k3__shortconv8), the
      * same float32 operations in the same order, so the same bits; the channels past a
      * multiple of 8 take the scalar loop. Then the silu of every sum in place, as k3_silu
-     * (several vectors' chains side by side; per eight channels, one vector's chain ran
-     * alone and its latency was most of a one-token call) */
+     * (several vectors' chains side by side; taken per eight channels as they came, one
+     * pair of chains ran at a time and the core waited on their latency) */
     const int64_t vec = K >= 1 && K <= K3_CONV_KMAX ? C / 8 : 0;
     K3_PARALLEL_FOR(K3_BIG(C * T * K, K3_PAR_ELEMENTS))
     for (int64_t b = 0; b < vec; ++b)

@@ -276,8 +276,7 @@ static void k3__shortconv8(const float *x, int64_t T, int64_t C, const float *w,
     __m256 wv[K3_CONV_KMAX], hv[K3_CONV_KMAX];
     float lane[8];
     /* the channels' taps element by element into the lanes (eight scalar stores read back
-     * as one vector cannot be forwarded from the store queue: that stall was most of a
-     * one-token call) */
+     * as one vector cannot be forwarded from the store queue) */
     for (int64_t j = 0; j < K; ++j) wv[j] = conv_lanes(w + j, K);
     for (int64_t j = 0; j < K - 1; ++j) hv[j] = conv_lanes(hist + j, K - 1);
     for (int64_t t = 0; t < T; ++t) {
