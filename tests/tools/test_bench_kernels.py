@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from k3core.api.errors import UsageError
+from k3core.api.errors import PluginError, UsageError
 from k3core.tools.bench.kernels import (
     COLUMNS,
     Case,
@@ -56,7 +56,7 @@ def test_bench_refuses_bad_counts():
 
 
 def test_bench_refuses_an_unknown_backend_name():
-    with pytest.raises(UsageError, match="unknown kernel backend 'nosuch'; registered: .*numpy"):
+    with pytest.raises(PluginError, match="unknown kernel backend 'nosuch'; registered: .*numpy"):
         run_kernel_bench(["numpy", "nosuch"], threads=1, repeat=1, cases=small_cases(),
                          memory_bytes=16 << 20)
 
@@ -69,7 +69,7 @@ def test_cli_bench_kernels_unknown_backend_is_one_line_exit_2():
     res = CliRunner().invoke(app, ["bench", "kernels", "--backends", "nosuch"])
     assert res.exit_code == 2, res.output
     lines = res.output.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("k3: error: bench kernels: unknown"), lines
+    assert len(lines) == 1 and lines[0].startswith("k3: error: unknown kernel backend"), lines
 
 
 def test_default_cases_are_the_real_widths():
