@@ -23,7 +23,7 @@
  * weights (`vcvtps2pd` from memory) beside the FMAs. Here a job's rows go in spans of
  * SPAN2_ROWS: the span's rows are decoded once into a float64 copy laid out block by block
  * (span2_at), and then, for each group of SPAN2_GT token tiles, each eighth and each block of
- * SPAN2_EB of its columns, the span's slice of the block (15 rows, 15 KiB) stays in L1 while
+ * SPAN2_EB of its columns, the span's slice of the block (15 rows, 22.5 KiB) stays in L1 while
  * every tile of SPAN2_T tokens passes over it, three rows at a time; each tile's lane
  * registers wait in the scratch between blocks. (The copy's rows had been cp doubles apart
  * and each token tile had walked all the span's blocks: at 1,536 columns a block's rows fell
@@ -46,7 +46,13 @@
 #define SPAN2_R 3     /* rows per tile */
 #define SPAN2_ROWS 15 /* rows per span (a multiple of SPAN2_R; k3avx2_matmul.c's row_chunk) */
 #define SPAN2_T 4     /* tokens per tile */
-#define SPAN2_EB 128  /* columns of an eighth per block: the span's 15 rows of them are 15 KiB */
+/* Columns of an eighth per block: the span's 15 rows of them are 22.5 KiB, and a [. x 1536]
+ * matrix's eighth (192 columns) is one block. One Zen 2 core, bf16 x 128 tokens, two
+ * alternating rounds, GMAC/s for blocks of 128 / 192 / 256: [1536 x 1536] 20.4-20.5 /
+ * 21.2-21.3 / 20.7, [7232 x 1536] 21.0-21.2 / 21.9-22.0 / 21.2-21.4, [1536 x 7232] 20.5-20.6
+ * / 20.7-20.8 / 19.9-20.3 (two threads: 38.4-42.2 / 40.2-44.3 / 39.3-42.8); the medium
+ * model's routed experts (768 and 672 columns, one block either way) within noise. */
+#define SPAN2_EB 192
 #define SPAN2_GT 8    /* token tiles per group (their accumulators live in the scratch) */
 /* The span tiles' token blocks (k3avx2_matmul.c's token_block): a span's copy stays in L2
  * while every tile of the block's tokens passes over it, so the activations need not fit
@@ -88,7 +94,7 @@ K3_SI double span2_fold(enum k3_wkind kind, const k3_lanes *L) {
 
 /* The span's copy, block-major: for each eighth k and each block of SPAN2_EB of its columns,
  * the span's SPAN2_ROWS rows of that block side by side (SPAN2_EB doubles apart), so the
- * slice every tile of a block multiplies is 15 KiB in one piece. (Rows cp doubles apart put
+ * slice every tile of a block multiplies is in one piece. (Rows cp doubles apart put
  * a block's rows in the same few L1 sets whenever cp * 8 is a multiple of 4 KiB, as at 1,536
  * columns, and they evicted each other.) An eighth is span2_eighth(cp) doubles long. */
 static inline int64_t span2_eighth(int64_t cp) {
