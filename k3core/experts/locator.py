@@ -5,6 +5,11 @@ plus E8M0 scales: six tensors) or, in the oracle, dense. In the released checkpo
 tensors of an expert are one contiguous run (w1, w2, w3; packed then scale), read with one
 call; when they are not, each tensor is read on its own into its place in the slot. Either
 way the slot holds the tensors at the offsets this layout records.
+
+A slot's layout (each tensor's place, size, shape and dtype in the slot) is the same for
+every expert of a checkpoint in practice: it is checked once per distinct layout, and views
+over a checked layout are built without checking it again (a miss pays for the views it
+needs, not for validation it already passed).
 """
 
 from __future__ import annotations
@@ -24,6 +29,13 @@ from k3core.model.config import ModelConfig
 from k3core.model.sources import checked_mxfp4
 
 _FIELDS = ("weight_packed", "weight_scale")
+
+#: a slot layout: ``(key, slot_off, nbytes, shape, dtype)`` per tensor
+Layout = tuple[tuple[str, int, int, tuple[int, ...], np.dtype], ...]
+#: where one tensor of a checked layout sits: ``(slot_off, nbytes, dtype, shape)``
+_Where = tuple[int, int, np.dtype, tuple[int, ...]]
+#: how one matrix is built from a checked layout: MXFP4 ``(packed, scales)`` or ``(dense,)``
+_Plan = tuple[_Where, ...]
 
 
 @dataclass(frozen=True)
@@ -48,6 +60,9 @@ class ExpertRef:
     nbytes: int  # bytes the slot needs
     contiguous: bool
     parts: tuple[Part, ...]
+    #: the slot layout the views are built from: ``(key, slot_off, nbytes, shape, dtype)``
+    #: per part; experts with equal layouts share one check (``ExpertLocator._check``)
+    layout: Layout = ()
 
 
 class ExpertLocator:
@@ -60,6 +75,8 @@ class ExpertLocator:
         lat, inter = cfg.latent, cfg.moe_inter
         self.logical = {"w1": (inter, lat), "w3": (inter, lat), "w2": (lat, inter)}
         self._zeros = np.zeros(0, dtype=np.uint8)  # _check's read-only stand-in for a slot
+        # layouts whose views passed the check, each with the parts that make each matrix
+        self._plans: dict[Layout, tuple[_Plan, ...]] = {}
 
     def ref(self, layer: int, expert: int) -> ExpertRef:
         key = (layer, expert)
@@ -76,13 +93,14 @@ class ExpertLocator:
 
     def _infos(self, layer: int, expert: int) -> list[tuple[str, TensorInfo]]:
         out = []
+        base = names.expert_name(layer, expert, "", "")[:-1]  # "...experts.{expert}."
         for part in names.EXPERT_PARTS:
-            packed = names.expert_name(layer, expert, part, "weight_packed")
+            packed = f"{base}{part}.weight_packed"
             if packed in self.index:
                 for f in _FIELDS:
-                    out.append((f"{part}.{f}", self.index.info(names.expert_name(layer, expert, part, f))))
+                    out.append((f"{part}.{f}", self.index.info(f"{base}{part}.{f}")))
             else:
-                dense = names.expert_name(layer, expert, part, "weight")
+                dense = f"{base}{part}.weight"
                 if dense not in self.index:
                     raise CheckpointError(f"missing routed expert tensor {packed}")
                 out.append((f"{part}.weight", self.index.info(dense)))
@@ -106,7 +124,8 @@ class ExpertLocator:
             pos += info.nbytes
         total = ordered[-1][1].offset + ordered[-1][1].nbytes - start if contiguous else pos
         path = ordered[0][1].path
-        ref = ExpertRef(layer, expert, path, start, total, contiguous, tuple(parts))
+        layout = tuple((p.key, p.slot_off, p.nbytes, p.shape, p.dtype) for p in parts)
+        ref = ExpertRef(layer, expert, path, start, total, contiguous, tuple(parts), layout)
         self._check(ref)
         return ref
 
@@ -120,16 +139,27 @@ class ExpertLocator:
                 f"routed expert {ref.layer}/{ref.expert}: its tensors hold {ref.nbytes} bytes; "
                 f"an expert of this config holds at most {limit} (shapes disagree with the "
                 "config)")
-        # build views over a zero buffer: validates shapes/dtypes once per expert (one
+        if ref.layout in self._plans:
+            return  # an expert laid out like one already checked
+        # build views over a zero buffer: validates shapes/dtypes once per layout (one
         # buffer for every check, only ever read: a fresh one each time was an mmap and an
         # munmap per expert, 0.07 s of a first 128-id medium prefill)
         zeros = self._zeros
         if zeros.size < ref.nbytes:
             zeros = self._zeros = np.zeros(ref.nbytes, dtype=np.uint8)
-        self.views(ref, zeros[: ref.nbytes])
+        self._checked_views(ref, zeros[: ref.nbytes])
+        self._plans[ref.layout] = _plan(ref.layout)
 
     def views(self, ref: ExpertRef, buf: np.ndarray) -> ExpertWeights:
         """ExpertWeights over ``buf`` (the slot bytes laid out as ``ref`` says), zero-copy."""
+        plan = self._plans.get(ref.layout) if ref.layout else None
+        if (plan is None or buf.dtype != np.uint8 or buf.ndim != 1 or buf.size < ref.nbytes
+                or not buf.flags.c_contiguous):
+            return self._checked_views(ref, buf)
+        return ExpertWeights(_build(plan[0], buf), _build(plan[1], buf), _build(plan[2], buf))
+
+    def _checked_views(self, ref: ExpertRef, buf: np.ndarray) -> ExpertWeights:
+        """``views`` with every shape and dtype checked against the config."""
         arrays = {}
         for p in ref.parts:
             a = buf[p.slot_off : p.slot_off + p.nbytes].view(p.dtype).reshape(p.shape)
@@ -147,3 +177,24 @@ class ExpertLocator:
                     raise CheckpointError(f"{what}: dense expert of shape {list(w.shape)} / {w.dtype}")
                 mats[part] = w
         return ExpertWeights(mats["w1"], mats["w3"], mats["w2"])
+
+
+def _plan(layout: Layout) -> tuple[_Plan, ...]:
+    """The (w1, w3, w2) builders of a checked layout."""
+    at: dict[str, _Where] = {key: (off, n, dt, shape) for key, off, n, shape, dt in layout}
+    out: list[_Plan] = []
+    for part in ("w1", "w3", "w2"):
+        if f"{part}.weight_packed" in at:
+            out.append((at[f"{part}.weight_packed"], at[f"{part}.weight_scale"]))
+        else:
+            out.append((at[f"{part}.weight"],))
+    return tuple(out)
+
+
+def _build(plan: _Plan, buf: np.ndarray) -> Mxfp4 | np.ndarray:
+    """One matrix of a checked layout over the slot bytes ``buf`` (contiguous views)."""
+    if len(plan) == 2:
+        (po, _, pd, ps), (so, _, sd, ss) = plan
+        return Mxfp4(np.ndarray(ps, pd, buf, po), np.ndarray(ss, sd, buf, so))
+    off, _, dt, shape = plan[0]
+    return np.ndarray(shape, dt, buf, off)
