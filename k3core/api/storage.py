@@ -57,6 +57,11 @@ class StorageFile(ABC):
 
     path: Path
     size: int
+    #: the block size this file reads natively: a read of whole blocks at an aligned offset
+    #: into a buffer aligned to it is one request, any other read may cost more (unbuffered
+    #: files read each unaligned end through a bounce buffer: a request of its own). 1: every
+    #: range is as cheap
+    alignment: int = 1
 
     @abstractmethod
     def read_into(self, offset: int, out: np.ndarray | memoryview) -> None:

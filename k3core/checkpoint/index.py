@@ -178,14 +178,26 @@ class CheckpointIndex:
             self._read(p, offset, out, what=f"{nbytes} bytes at offset {offset}")
         return out
 
+    def shard_size(self, path: Path) -> int:
+        """Bytes in shard ``path`` (as opened)."""
+        return self._file(path).size
+
+    def read_alignment(self, path: Path) -> int:
+        """The block size shard ``path`` reads natively (``StorageFile.alignment``)."""
+        return max(1, int(self._file(path).alignment))
+
+    def _file(self, path: Path) -> StorageFile:
+        f = self._files.get(path)
+        if f is None:
+            raise CheckpointError(f"{path}: checkpoint index is closed")
+        return f
+
     def read_at(self, path: Path, offset: int, out: np.ndarray | memoryview, what: str) -> None:
         """Fill ``out`` from shard ``path`` at absolute ``offset`` (the expert cache's reads)."""
         self._read(path, offset, out, what)
 
     def _read(self, path: Path, offset: int, out: np.ndarray | memoryview, what: str) -> None:
-        f = self._files.get(path)
-        if f is None:
-            raise CheckpointError(f"{path}: checkpoint index is closed")
+        f = self._file(path)
         try:
             f.read_into(offset, out)
         except StorageError as exc:
