@@ -75,24 +75,37 @@ static inline int x_order(enum k3_wkind kind, int path) {
     return kind == K3_W_MXFP4 && path == K3_PATH_ROWS ? K3_X_MXPERM : K3_X_NATURAL;
 }
 
-/* xd[t, :] = d(x[t, :]) for n tokens, padded with +0.0 to a multiple of 32, in `order`. */
+/* Where column i of a row of cp columns goes in `order`. */
+static inline int64_t x_index(int64_t i, int64_t cp, int order) {
+    if (order == K3_X_PASS) return span_index(i, cp);
+    if (order == K3_X_EIGHTH) return span256_index(i, cp);
+    if (order == K3_X_EIGHTH_MX) return span256_mx_index(i, cp);
+    if (order == K3_X_MXPERM) return (i & ~(int64_t)3) + MX_PERM[i & 3]; /* its own inverse */
+    return i;
+}
+
+/* xd[t, :] = d(x[t, :]) for n tokens, padded with +0.0 to a multiple of 32, in `order`.
+ * Whole 32-column groups go four columns a vector: in every order a group's columns land
+ * in runs of four (eight for the pass order) consecutive doubles, MX_PERM's runs being
+ * (0, 2, 1, 3), one vpermpd. It runs on the calling thread while the pool waits, so it is
+ * vectorised: the per-element index of x_index cost the medium model's 128-id prefill about
+ * 0.13 s of one Zen 2 core (2 ns an element). The group tail goes element by element. */
 static void widen_x(double *xd, const float *x, int64_t n, int64_t cols, int64_t cp, int order) {
+    const int64_t whole = cols / 32;
     for (int64_t t = 0; t < n; ++t) {
         const float *xs = x + t * cols;
         double *xo = xd + t * cp;
-        for (int64_t i = 0; i < cp; ++i) {
-            const double v = i < cols ? (double)xs[i] : 0.0;
-            if (order == K3_X_PASS)
-                xo[span_index(i, cp)] = v;
-            else if (order == K3_X_EIGHTH)
-                xo[span256_index(i, cp)] = v;
-            else if (order == K3_X_EIGHTH_MX)
-                xo[span256_mx_index(i, cp)] = v;
-            else if (order == K3_X_MXPERM)
-                xo[(i & ~(int64_t)3) + MX_PERM[i & 3]] = v; /* MX_PERM is its own inverse */
-            else
-                xo[i] = v;
+        for (int64_t c = 0; c < whole; ++c) {
+            const float *g = xs + 32 * c;
+            for (int k = 0; k < 8; ++k) {
+                __m256d v = _mm256_cvtps_pd(_mm_loadu_ps(g + 4 * k));
+                if (order == K3_X_MXPERM || order == K3_X_EIGHTH_MX)
+                    v = _mm256_permute4x64_pd(v, 0xD8); /* MX_PERM: (0, 2, 1, 3) */
+                _mm256_storeu_pd(xo + x_index(32 * c + 4 * k, cp, order), v);
+            }
         }
+        for (int64_t i = 32 * whole; i < cp; ++i)
+            xo[x_index(i, cp, order)] = i < cols ? (double)xs[i] : 0.0;
     }
 }
 
