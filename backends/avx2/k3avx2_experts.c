@@ -69,11 +69,40 @@ static void tmats_run(enum k3_wkind kind, k3_tmat *m, int64_t n, int64_t cols, i
         tmats_job_fn(&j, 0, total);
 }
 
-/* One piece: tokens [t0, t0 + nt) of expert e, multiplied on use_blocked's path `path`. */
+/* One piece: tokens [t0, t0 + nt) of expert e, multiplied on use_blocked's path `path`;
+ * r is its first token's row among its group's widened activations. */
 typedef struct {
-    int64_t e, t0, nt;
+    int64_t e, t0, nt, r;
     int path;
 } k3_piece;
+
+/* The pieces' activations widened on the pool, a piece a claim: each in its own path's
+ * order, from x[e] (the W1/W3 input) or from the SiTU output a (the W2 input), whose rows
+ * are the group's rows. */
+typedef struct {
+    enum k3_wkind kind;
+    const k3_piece *pc;
+    const float **x; /* NULL: from a */
+    const float *a;
+    double *xd;
+    int64_t cols, cp;
+} widen_pieces_job;
+
+static void widen_pieces_fn(void *ctx, int64_t b, int64_t e) {
+    const widen_pieces_job *j = (const widen_pieces_job *)ctx;
+    for (int64_t p = b; p < e; ++p) {
+        const k3_piece *q = j->pc + p;
+        const float *src = j->x ? j->x[q->e] + q->t0 * j->cols : j->a + q->r * j->cols;
+        widen_x(j->xd + q->r * j->cp, src, q->nt, j->cols, j->cp, x_order(j->kind, q->path));
+    }
+}
+
+static void widen_pieces(widen_pieces_job *j, int64_t p0, int64_t p1, int par) {
+    if (par && p1 - p0 > 1)
+        k3__pool_run(widen_pieces_fn, j, p1 - p0, 1, k3__threads());
+    else
+        widen_pieces_fn(j, 0, p1 - p0);
+}
 
 int k3_situ_mlp_many(int kind, int n, void **w1, uint8_t **s1, void **w3, uint8_t **s3,
                      void **w2, uint8_t **s2, int64_t inter, int64_t cols, int64_t out_rows,
@@ -122,9 +151,15 @@ int k3_situ_mlp_many(int kind, int n, void **w1, uint8_t **s1, void **w3, uint8_
         const int par = K3_BIG((2 * inter * cols + out_rows * inter) * rows, K3_PAR_MATMUL);
         int64_t r = 0, nm = 0;
         for (int64_t p = p0; p < p1; ++p) {
+            pc[p].r = r;
+            r += pc[p].nt;
+        }
+        widen_pieces_job wj = {kd, pc + p0, x, NULL, xd, cols, cp};
+        widen_pieces(&wj, p0, p1, par);
+        r = 0;
+        for (int64_t p = p0; p < p1; ++p) {
             const int64_t e = pc[p].e;
             const int bl = pc[p].path;
-            widen_x(xd + r * cp, x[e] + pc[p].t0 * cols, pc[p].nt, cols, cp, x_order(kd, bl));
             const uint8_t *sc1 = s1 ? s1[e] : NULL, *sc3 = s3 ? s3[e] : NULL;
             m[nm++] = (k3_tmat){w1[e], sc1, inter, h1 + r * inter, xd + r * cp, pc[p].nt, 0, bl};
             m[nm++] = (k3_tmat){w3[e], sc3, inter, h3 + r * inter, xd + r * cp, pc[p].nt, 0, bl};
@@ -136,12 +171,13 @@ int k3_situ_mlp_many(int kind, int n, void **w1, uint8_t **s1, void **w3, uint8_
             k3__pool_run(situ_job_fn, &sj, rows * inter, k3__forced() ? 1 : 64, k3__threads());
         else
             situ_job_fn(&sj, 0, rows * inter);
+        widen_pieces_job wa = {kd, pc + p0, NULL, a, ad, inter, ip};
+        widen_pieces(&wa, p0, p1, par);
         r = 0;
         nm = 0;
         for (int64_t p = p0; p < p1; ++p) {
             const int64_t e = pc[p].e;
             const int bl = pc[p].path;
-            widen_x(ad + r * ip, a + r * inter, pc[p].nt, inter, ip, x_order(kd, bl));
             const uint8_t *sc2 = s2 ? s2[e] : NULL;
             m[nm++] = (k3_tmat){w2[e], sc2, out_rows, y[e] + pc[p].t0 * out_rows, ad + r * ip,
                                 pc[p].nt, 0, bl};

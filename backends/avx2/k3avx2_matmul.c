@@ -109,6 +109,33 @@ static void widen_x(double *xd, const float *x, int64_t n, int64_t cols, int64_t
     }
 }
 
+/* widen_x on the pool, tokens split between threads, when `par` and there are enough of
+ * them (the calling thread would widen them alone while the others wait). */
+typedef struct {
+    double *xd;
+    const float *x;
+    int64_t cols, cp;
+    int order;
+} widen_job;
+
+static void widen_job_fn(void *ctx, int64_t b, int64_t e) {
+    const widen_job *j = (const widen_job *)ctx;
+    widen_x(j->xd + b * j->cp, j->x + b * j->cols, e - b, j->cols, j->cp, j->order);
+}
+
+#define WIDEN_CHUNK 16384 /* elements a claim at least */
+
+static void widen_par(double *xd, const float *x, int64_t n, int64_t cols, int64_t cp, int order,
+                      int par) {
+    const int64_t chunk = k3__forced() ? 1 : (WIDEN_CHUNK + cp - 1) / cp;
+    if (!par || n <= chunk) {
+        widen_x(xd, x, n, cols, cp, order);
+        return;
+    }
+    widen_job j = {xd, x, cols, cp, order};
+    k3__pool_run(widen_job_fn, &j, n, chunk, k3__threads());
+}
+
 /* The path for a block of T tokens: on AVX-512 the span tiles for SPAN_MIN_TOKENS tokens
  * and more, the lane-pass tiles for fewer, the one-token tiles for one; else the AVX2 span
  * tiles from span2_min_tokens on, the AVX2 lane-pass tiles for fewer and the
@@ -371,7 +398,7 @@ static int matmul_group(enum k3_wkind kind, const k3_mat *m, int n, int64_t cols
     for (int64_t t0 = 0; t0 < T; t0 += tb) {
         const int64_t nt = t0 + tb < T ? tb : T - t0;
         const int blocked = use_blocked(kind, nt);
-        widen_x(xd, x + t0 * cols, nt, cols, cp, x_order(kind, blocked));
+        widen_par(xd, x + t0 * cols, nt, cols, cp, x_order(kind, blocked), par);
         group_rows(kind, blocked, m, n, cols, cp, xd, t0, nt, par);
     }
     k3__free(xd);
@@ -453,14 +480,14 @@ int k3_situ_mlp(int kind, const void *w1, const uint8_t *s1, const void *w3, con
     for (int64_t t0 = 0; t0 < T; t0 += tb) {
         const int64_t nt = t0 + tb < T ? tb : T - t0;
         const int blocked = use_blocked(kd, nt);
-        widen_x(xd, x + t0 * cols, nt, cols, cp, x_order(kd, blocked));
+        widen_par(xd, x + t0 * cols, nt, cols, cp, x_order(kd, blocked), par);
         group_rows(kd, blocked, up, 2, cols, cp, xd, 0, nt, par);
         situ_job sj = {h1, h3, a, b1, b2};
         if (par)
             k3__pool_run(situ_job_fn, &sj, nt * inter, k3__forced() ? 1 : 64, k3__threads());
         else
             situ_job_fn(&sj, 0, nt * inter);
-        widen_x(ad, a, nt, inter, ip, x_order(kd, blocked));
+        widen_par(ad, a, nt, inter, ip, x_order(kd, blocked), par);
         group_rows(kd, blocked, &down, 1, inter, ip, ad, t0, nt, par);
     }
     k3__free(xd);
