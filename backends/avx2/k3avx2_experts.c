@@ -168,7 +168,8 @@ int k3_situ_mlp_many(int kind, int n, void **w1, uint8_t **s1, void **w3, uint8_
         tmats_run(kd, m, nm, cols, cp, par);
         situ_job sj = {h1, h3, a, b1, b2};
         if (par)
-            k3__pool_run(situ_job_fn, &sj, rows * inter, k3__forced() ? 1 : 64, k3__threads());
+            k3__pool_run(situ_job_fn, &sj, rows * inter, k3__forced() ? 1 : SITU_CHUNK,
+                         k3__threads());
         else
             situ_job_fn(&sj, 0, rows * inter);
         widen_pieces_job wa = {kd, pc + p0, NULL, a, ad, inter, ip};
