@@ -71,7 +71,7 @@ static void tmats_run(enum k3_wkind kind, k3_tmat *m, int64_t n, int64_t cols, i
         if (m[i].blocked != K3_PATH_ONE) path = m[i].blocked;
     }
     tmats_job j = {kind, m, n, cols, cp};
-    int64_t chunk = row_chunk(path, cp);
+    int64_t chunk = row_chunk(path, cp, total);
     if (path == K3_PATH_SPAN256 && !k3__forced()) chunk *= TMATS_SPANS;
     if (par)
         k3__pool_run(tmats_job_fn, &j, total, chunk, k3__threads());
