@@ -15,14 +15,6 @@
 #include "k3avx2_internal.h"
 
 #define MANY_BYTES (16 << 20) /* widened float64 activations of one group of pieces */
-/* Spans of the AVX2 span tiles a claim of the pool takes (k3avx2_span256.c). An expert's
- * span in prefill is a few microseconds of work, and its packed rows come from memory: a
- * claim of one span started cold every few microseconds, and the prefetch at its end ran
- * into the rows the other thread had claimed. The 64 experts of a medium MoE layer in
- * prefill, two Zen 2 threads, three alternating rounds, ms for 1 / 2 / 4 / 8 / 16 spans a
- * claim: 59.0-59.4 / 57.8-58.2 / 56.5-57.0 / 55.3-56.4 / 55.2-55.4 (one claim is still
- * about 0.1 ms of work, so the threads end a job together). */
-#define TMATS_SPANS 8
 
 /* A matrix applied to its own widened tokens. */
 typedef struct {
@@ -63,18 +55,18 @@ static void tmats_job_fn(void *ctx, int64_t b, int64_t e) {
 
 static void tmats_run(enum k3_wkind kind, k3_tmat *m, int64_t n, int64_t cols, int64_t cp,
                       int par) {
-    int64_t total = 0;
+    int64_t total = 0, work = 0;
     int path = K3_PATH_ONE; /* the chunks of one-token tiles where every matrix takes them */
     for (int64_t i = 0; i < n; ++i) {
         m[i].first = total;
         total += m[i].rows;
+        work += m[i].rows * m[i].nt;
         if (m[i].blocked != K3_PATH_ONE) path = m[i].blocked;
     }
     tmats_job j = {kind, m, n, cols, cp};
-    int64_t chunk = row_chunk(path, cp, total);
-    if (path == K3_PATH_SPAN256 && !k3__forced()) chunk *= TMATS_SPANS;
-    if (par)
-        k3__pool_run(tmats_job_fn, &j, total, chunk, k3__threads());
+    if (par) /* claims sized by the tokens of an average row (row_chunk) */
+        k3__pool_run(tmats_job_fn, &j, total, row_chunk(path, cp, total, total ? work / total : 1),
+                     k3__threads());
     else
         tmats_job_fn(&j, 0, total);
 }

@@ -26,7 +26,8 @@
  * in-cache speed; an L2 prefetch 4 KiB ahead brings it to ~90% (docs/avx2-backend.md). */
 #define PREFETCH_AHEAD 4096
 #define ROW_CHUNK 16 /* rows per scheduling chunk (at least, row_chunk) */
-#define ROWS_CLAIMS 4 /* claims per thread of a job of one-token rows (row_chunk) */
+#define ROWS_CLAIMS 4 /* claims per thread of a job at least (row_chunk) */
+#define SPAN2_CLAIM_MACS 1500000 /* multiply-adds of a claim of span tiles (row_chunk) */
 #define PREFETCH_L2(p) _mm_prefetch((const char *)(p) + PREFETCH_AHEAD, _MM_HINT_T1)
 
 static int g_avx512 = 0;
@@ -336,20 +337,30 @@ static inline int64_t rows_ahead(int64_t left, int64_t in_mat, int64_t nr) {
     return (left < in_mat ? left : in_mat) - nr;
 }
 
-/* The pool's chunk of rows for a job of `total` rows on `path` over cp padded columns. The
- * AVX2 one-token rows and two-token tiles hand out ROWS_CLAIMS claims per thread (at least
- * ROW_CHUNK rows each): their rows come from memory, and a claim of 16 rows (a few
- * microseconds) started cold while the rows its prefetch ran into were the other thread's.
- * The medium model's resident decode, two Zen 2 threads, three alternating runs of 64
- * tokens, s/token: claims of 16 rows 0.1087-0.1095, 64 rows 0.0984-0.0991, 256 rows
- * 0.0957-0.0974, four claims per thread 0.0958-0.0965. */
-static inline int64_t row_chunk(int path, int64_t cp, int64_t total) {
+/* The pool's chunk of rows for a job of `total` rows on `path` over cp padded columns and
+ * about nt tokens a row. A claim that is only microseconds of work on rows from memory
+ * starts cold, and the prefetch at its end runs into rows the other thread has claimed, so
+ * a claim is sized by its work, within ROWS_CLAIMS claims per thread at least:
+ *  - the AVX2 one-token rows and two-token tiles: ROWS_CLAIMS claims per thread, at least
+ *    ROW_CHUNK rows each. The medium model's resident decode, two Zen 2 threads, three
+ *    alternating runs of 64 tokens, s/token: claims of 16 rows 0.1087-0.1095, 64 rows
+ *    0.0984-0.0991, 256 rows 0.0957-0.0974, four claims per thread 0.0958-0.0965;
+ *  - the AVX2 span tiles: whole spans, as many as make SPAN2_CLAIM_MACS multiply-adds. The
+ *    64 routed experts of a medium MoE layer in prefill (a span of an expert's 16-odd tokens
+ *    is about 0.18 M), two Zen 2 threads, three alternating rounds, ms for 1 / 2 / 4 / 8 /
+ *    16 spans a claim: 59.0-59.4 / 57.8-58.2 / 56.5-57.0 / 55.3-56.4 / 55.2-55.4; a span
+ *    of the trunk's [. x 1536] products at 128 tokens (2.9 M) is a claim alone, and larger
+ *    claims of those measured the same. */
+static inline int64_t row_chunk(int path, int64_t cp, int64_t total, int64_t nt) {
     if (k3__forced()) return K3_PR;
-    if (path == K3_PATH_SPAN256) return SPAN2_ROWS; /* whole spans of the AVX2 span tiles */
-    if (path == K3_PATH_ROWS || path == K3_PATH_256) {
-        const int64_t c = total / ((int64_t)k3__threads() * ROWS_CLAIMS);
-        return c > ROW_CHUNK ? c : ROW_CHUNK;
+    const int64_t most = total / ((int64_t)k3__threads() * ROWS_CLAIMS); /* rows a claim */
+    if (path == K3_PATH_SPAN256) {
+        const int64_t span = SPAN2_ROWS * cp * (nt > 1 ? nt : 1);
+        int64_t spans = (SPAN2_CLAIM_MACS + span - 1) / span;
+        if (spans > most / SPAN2_ROWS) spans = most / SPAN2_ROWS;
+        return (spans > 1 ? spans : 1) * SPAN2_ROWS;
     }
+    if (path == K3_PATH_ROWS || path == K3_PATH_256) return most > ROW_CHUNK ? most : ROW_CHUNK;
     return path == K3_PATH_ONE && cp > ONE_WIDE ? ONE_CHUNK_TILES * ONE_TILE : ROW_CHUNK;
 }
 
@@ -386,7 +397,7 @@ static void group_rows(enum k3_wkind kind, int blocked, const k3_mat *m, int n, 
     for (int i = 0; i < n; ++i) total += m[i].rows;
     rows_job j = {kind, blocked, m, n, cols, cp, t0, nt, xd};
     if (par)
-        k3__pool_run(rows_job_fn, &j, total, row_chunk(blocked, cp, total), k3__threads());
+        k3__pool_run(rows_job_fn, &j, total, row_chunk(blocked, cp, total, nt), k3__threads());
     else
         rows_job_fn(&j, 0, total);
 }
