@@ -151,21 +151,19 @@ int k3_situ_mlp_many(int kind, int n, void **w1, uint8_t **s1, void **w3, uint8_
         int64_t p1 = p0, rows = 0;
         while (p1 < np && rows + pc[p1].nt <= gt) rows += pc[p1++].nt;
         const int par = K3_BIG((2 * inter * cols + out_rows * inter) * rows, K3_PAR_MATMUL);
-        int64_t r = 0, nm = 0;
-        for (int64_t p = p0; p < p1; ++p) {
+        int64_t nm = 0;
+        for (int64_t p = p0, r = 0; p < p1; ++p) { /* each piece's first row in the group */
             pc[p].r = r;
             r += pc[p].nt;
         }
         widen_pieces_job wj = {kd, pc + p0, x, NULL, xd, cols, cp};
         widen_pieces(&wj, p0, p1, par);
-        r = 0;
         for (int64_t p = p0; p < p1; ++p) {
-            const int64_t e = pc[p].e;
+            const int64_t e = pc[p].e, r = pc[p].r;
             const int bl = pc[p].path;
             const uint8_t *sc1 = s1 ? s1[e] : NULL, *sc3 = s3 ? s3[e] : NULL;
             m[nm++] = (k3_tmat){w1[e], sc1, inter, h1 + r * inter, xd + r * cp, pc[p].nt, 0, bl};
             m[nm++] = (k3_tmat){w3[e], sc3, inter, h3 + r * inter, xd + r * cp, pc[p].nt, 0, bl};
-            r += pc[p].nt;
         }
         tmats_run(kd, m, nm, cols, cp, par);
         situ_job sj = {h1, h3, a, b1, b2};
@@ -176,15 +174,13 @@ int k3_situ_mlp_many(int kind, int n, void **w1, uint8_t **s1, void **w3, uint8_
             situ_job_fn(&sj, 0, rows * inter);
         widen_pieces_job wa = {kd, pc + p0, NULL, a, ad, inter, ip};
         widen_pieces(&wa, p0, p1, par);
-        r = 0;
         nm = 0;
         for (int64_t p = p0; p < p1; ++p) {
             const int64_t e = pc[p].e;
             const int bl = pc[p].path;
             const uint8_t *sc2 = s2 ? s2[e] : NULL;
-            m[nm++] = (k3_tmat){w2[e], sc2, out_rows, y[e] + pc[p].t0 * out_rows, ad + r * ip,
-                                pc[p].nt, 0, bl};
-            r += pc[p].nt;
+            m[nm++] = (k3_tmat){w2[e], sc2, out_rows, y[e] + pc[p].t0 * out_rows,
+                                ad + pc[p].r * ip, pc[p].nt, 0, bl};
         }
         tmats_run(kd, m, nm, inter, ip, par);
         p0 = p1;

@@ -89,9 +89,10 @@ static inline int64_t x_index(int64_t i, int64_t cp, int order) {
 /* xd[t, :] = d(x[t, :]) for n tokens, padded with +0.0 to a multiple of 32, in `order`.
  * Whole 32-column groups go four columns a vector: in every order a group's columns land
  * in runs of four (eight for the pass order) consecutive doubles, MX_PERM's runs being
- * (0, 2, 1, 3), one vpermpd. It runs on the calling thread while the pool waits, so it is
- * vectorised: the per-element index of x_index cost the medium model's 128-id prefill about
- * 0.13 s of one Zen 2 core (2 ns an element). The group tail goes element by element. */
+ * (0, 2, 1, 3), one vpermpd. Element by element through x_index it had cost the medium
+ * model's 128-id prefill about 0.13 s of the calling thread while the pool waited (2 ns an
+ * element on Zen 2; widen_par now splits it between threads too). The group tail goes
+ * element by element. */
 static void widen_x(double *xd, const float *x, int64_t n, int64_t cols, int64_t cp, int order) {
     const int64_t whole = cols / 32;
     for (int64_t t = 0; t < n; ++t) {
@@ -512,7 +513,8 @@ int k3_situ_mlp(int kind, const void *w1, const uint8_t *s1, const void *w3, con
         group_rows(kd, blocked, up, 2, cols, cp, xd, 0, nt, par);
         situ_job sj = {h1, h3, a, b1, b2};
         if (par)
-            k3__pool_run(situ_job_fn, &sj, nt * inter, k3__forced() ? 1 : SITU_CHUNK, k3__threads());
+            k3__pool_run(situ_job_fn, &sj, nt * inter, k3__forced() ? 1 : SITU_CHUNK,
+                         k3__threads());
         else
             situ_job_fn(&sj, 0, nt * inter);
         widen_par(ad, a, nt, inter, ip, x_order(kd, blocked), par);
