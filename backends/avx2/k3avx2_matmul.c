@@ -153,10 +153,13 @@ static inline int use_blocked(enum k3_wkind kind, int64_t T) {
 }
 
 static int64_t token_block(enum k3_wkind kind, int64_t T, int64_t cp) {
-    /* the AVX2 span tiles keep a span's weights in L2 and stream the activations past them,
-     * a tile of tokens at a time: their blocks may be larger than L2 (SPAN2_XBLOCK_BYTES) */
-    const int64_t bytes =
-        use_blocked(kind, T) == K3_PATH_SPAN256 ? SPAN2_XBLOCK_BYTES : XBLOCK_BYTES;
+    /* the span tiles keep a span's weights in L2 and stream the activations past them, a
+     * tile of tokens at a time: their blocks may be larger than L2 (SPAN2_XBLOCK_BYTES,
+     * SPAN_XBLOCK_BYTES) */
+    const int path = use_blocked(kind, T);
+    const int64_t bytes = path == K3_PATH_SPAN256 ? SPAN2_XBLOCK_BYTES
+                          : path == K3_PATH_SPAN  ? SPAN_XBLOCK_BYTES
+                                                  : XBLOCK_BYTES;
     int64_t tb = bytes / (cp * (int64_t)sizeof(double));
     if (tb < K3_PT) tb = K3_PT; /* one lane-pass tile of tokens at least (k3avx2_matmul512.c) */
     tb -= tb % K3_PT;           /* and whole tiles */
@@ -351,15 +354,18 @@ static inline int64_t rows_ahead(int64_t left, int64_t in_mat, int64_t nr) {
  *    is about 0.18 M), two Zen 2 threads, three alternating rounds, ms for 1 / 2 / 4 / 8 /
  *    16 spans a claim: 59.0-59.4 / 57.8-58.2 / 56.5-57.0 / 55.3-56.4 / 55.2-55.4; a span
  *    of the trunk's [. x 1536] products at 128 tokens (2.9 M) is a claim alone, and larger
- *    claims of those measured the same. */
+ *    claims of those measured the same. The AVX-512 span tiles take the same rule in spans
+ *    of SPAN_ROWS (they had taken 16 rows, one span, a claim): on two Zen 4 threads the
+ *    same 64 experts measured the same either way (44.4-44.6 ms against 44.6-44.7). */
 static inline int64_t row_chunk(int path, int64_t cp, int64_t total, int64_t nt) {
     if (k3__forced()) return K3_PR;
     const int64_t most = total / ((int64_t)k3__threads() * ROWS_CLAIMS); /* rows a claim */
-    if (path == K3_PATH_SPAN256) {
-        const int64_t span = SPAN2_ROWS * cp * (nt > 1 ? nt : 1);
+    if (path == K3_PATH_SPAN256 || path == K3_PATH_SPAN) {
+        const int64_t rows = path == K3_PATH_SPAN ? SPAN_ROWS : SPAN2_ROWS; /* a span */
+        const int64_t span = rows * cp * (nt > 1 ? nt : 1);
         int64_t spans = (SPAN2_CLAIM_MACS + span - 1) / span;
-        if (spans > most / SPAN2_ROWS) spans = most / SPAN2_ROWS;
-        return (spans > 1 ? spans : 1) * SPAN2_ROWS;
+        if (spans > most / rows) spans = most / rows;
+        return (spans > 1 ? spans : 1) * rows;
     }
     if (path == K3_PATH_ROWS || path == K3_PATH_256) return most > ROW_CHUNK ? most : ROW_CHUNK;
     return path == K3_PATH_ONE && cp > ONE_WIDE ? ONE_CHUNK_TILES * ONE_TILE : ROW_CHUNK;

@@ -37,6 +37,15 @@
  * float32-copy tiles measured on Zen 4 gave the same crossing (2 tokens 10.0 against 13.5,
  * 6 tokens 15.4 against 16.0, 10 tokens 17.1 against 16.2). */
 #define SPAN_MIN_TOKENS 8
+/* The span tiles' token blocks (k3avx2_matmul.c's token_block). A span's copy stays in L2
+ * while every tile of the block's tokens passes over it, and a tile's activations are read
+ * once per span, so a block need not fit L2: blocks of L2 size (640 KiB) cut a 128-id
+ * prefill of the medium model into three ([. x 1536]: 53 + 53 + 22 tokens) or nine
+ * ([. x 7232]) blocks, each decoding every span's copy again. One Zen 4 core, bf16 x 128
+ * tokens, best of 30 interleaved, GMAC/s for 640 KiB / 4 MiB blocks: [1536 x 7232] 17.8 /
+ * 24.4; two threads: [1536 x 1536] 44.0 / 45.7, [7232 x 1536] 46.4 / 50.4, [1536 x 7232]
+ * 36.3 / 48.9, [1536 x 4096] 42.0 / 50.1 (8 MiB blocks no better than 4 MiB). */
+#define SPAN_XBLOCK_BYTES (4 << 20)
 
 /* Where column i of a row of cp columns goes in pass-major order. */
 static inline int64_t span_index(int64_t i, int64_t cp) {
