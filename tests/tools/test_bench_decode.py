@@ -189,9 +189,14 @@ def test_streamed_trunk_reports_exposed_wait_overlap_and_peak_rss(model, tmp_pat
     assert 0 <= doc["trunk_exposed_wait_per_token"] <= doc["exposed_wait_per_token"]
     assert 0.0 <= doc["trunk_overlap"] <= 1.0
     assert doc["peak_rss_bytes"] > 10_000_000 and doc["expert_readers"] == 3
+    # the disk floor: the bytes read per token over the storage's read rate on trunk.bin
+    read = doc["trunk_bytes_read_per_token"] + doc["expert_bytes_read_per_token"]
+    assert doc["disk_read_gb_s"] > 0 and "trunk.bin" in doc["disk_read_how"]
+    assert doc["io_floor_seconds_per_token"] == pytest.approx(read / (doc["disk_read_gb_s"] * 1e9))
     human = runner.invoke(app, ["bench", "decode", str(model), "--backend", "numpy", "--gen", "2",
                                 "--prefill", "0", "--repeat", "1", "--no-check",
                                 "--bandwidth-mb", "32", "--trunk", str(trunk), "--trunk-gb",
                                 "0.0006"])
     assert human.exit_code == 0, human.output
     assert "overlapped compute" in human.output and "peak RSS" in human.output
+    assert "disk floor" in human.output and "x that floor" in human.output

@@ -18,6 +18,11 @@ given) and measures, each ``repeat`` times from a fresh engine (medians reported
 * **kernel calls per token** (Python -> kernel backend calls, counted on the leaf ops);
 * **the bandwidth floor**: bytes touched per token over the memory read bandwidth measured
   in the same run with the same thread count (``k3core.tools.bench.kernels``);
+* **the disk floor** (a run that reads weights from storage as it decodes): the bytes read
+  per token over the best read rate of the run's storage backend on the file it streams
+  (the packed trunk, else the largest checkpoint shard), measured in the same run
+  (``k3core.tools.bench.io.storage_read_rate``): no decode that reads those bytes from that
+  device can be faster;
 * **the prefill's compute floor**: the multiply-adds of its weight products (counted at the
   kernel interface from the operands' shapes) over the float64 FMA peak measured in the same
   run on the same threads: under the kernel contract every product is a float64 FMA, so no
@@ -302,6 +307,11 @@ class DecodeBench:
     fma_peak_gmacs: float = 0.0
     fma_how: str = ""
     prefill_compute_floor_seconds: float = 0.0
+    #: the storage read rate (GB/s, and how it was measured) and bytes read per token over
+    #: it: the disk floor of a run that reads as it decodes (0 when nothing is read)
+    disk_read_gb_s: float = 0.0
+    disk_read_how: str = ""
+    io_floor_seconds_per_token: float = 0.0
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -354,6 +364,7 @@ def run_decode_bench(
 
     probe = open_engine(options(backend))
     cfg, kname, nthreads = probe.cfg, probe.names["kernel"], probe.kernels.threads
+    sname, shards = probe.names["storage"], list(probe.index.shards)
     readers_used = int(getattr(probe.experts, "readers", 0) or 0)
     try:
         if prompt_file is not None:
@@ -408,6 +419,10 @@ def run_decode_bench(
     bw, how = measure_read_bandwidth(nthreads, max(1 << 20, bandwidth_bytes))
     fma, fma_how = measure_fma_peak(nthreads) if prefill else (0.0, "")
     pmacs = pruns[0].macs[0] if pruns else 0
+    read_per_token = (_median([float(b) for b in pooled.expert_bytes])
+                      + _median([float(b) for b in pooled.trunk_bytes]))
+    disk, disk_how = (_disk_rate(sname, trunk_dir, shards, readers_used)
+                      if read_per_token > 0 else (0.0, ""))
     notes: list[str] = []
     match: bool | None = None
     if check:
@@ -460,10 +475,27 @@ def run_decode_bench(
         peak_rss_bytes=peak, expert_readers=readers_used,
         prefill_macs=pmacs, fma_peak_gmacs=fma, fma_how=fma_how,
         prefill_compute_floor_seconds=pmacs / (fma * 1e9) if fma > 0 else 0.0,
+        disk_read_gb_s=disk, disk_read_how=disk_how,
+        io_floor_seconds_per_token=read_per_token / (disk * 1e9) if disk > 0 else 0.0,
         kernel_seconds_per_token=_median(pooled.kernel_seconds),
         host_seconds_per_token=_median([t - kt for t, kt in
                                         zip(pooled.seconds, pooled.kernel_seconds, strict=True)]),
     )
+
+
+def _disk_rate(storage: str, trunk_dir: Path | None, shards: list[Path],
+               readers: int) -> tuple[float, str]:
+    """The read rate of the file a run streams: the packed trunk, else the largest shard."""
+    from k3core.tools.bench.io import storage_read_rate
+    from k3core.trunk.manifest import DATA_NAME
+
+    if trunk_dir is not None:
+        path = trunk_dir / DATA_NAME
+    elif shards:
+        path = max(shards, key=lambda p: p.stat().st_size)
+    else:
+        return 0.0, ""
+    return storage_read_rate(storage, path, (1, max(1, readers)))
 
 
 def _mean(xs: list[float]) -> float:
@@ -513,6 +545,12 @@ def format_report(b: DecodeBench) -> str:
         f"{b.kernel_seconds_per_token:.4f} s/token inside kernel ops, "
         f"{b.host_seconds_per_token:.4f} s/token between them (the engine's own work)",
     ]
+    if b.io_floor_seconds_per_token > 0:
+        lines.append(
+            f"disk floor  : {b.io_floor_seconds_per_token:.4f} s/token = "
+            f"{(b.expert_bytes_read_per_token + b.trunk_bytes_read_per_token) / gb:.3f} GB read "
+            f"per token / {b.disk_read_gb_s:.2f} GB/s ({b.disk_read_how}); decode is "
+            f"{b.seconds_per_token / b.io_floor_seconds_per_token:.2f}x that floor")
     if b.trunk:
         lines.append(
             f"trunk I/O   : {b.trunk_read_seconds_per_token:.4f} s/token of reads, "

@@ -257,6 +257,32 @@ def read_bandwidth(
     return BandwidthSample(f"storage {backend.name}", read_size, depth, done, nbytes, secs, note)
 
 
+def storage_read_rate(backend: str, path: Path, depths: Sequence[int],
+                      read_size: int = 8 << 20, most_reads: int = 64) -> tuple[float, str]:
+    """The best read rate (GB/s) of storage ``backend`` on ``path`` over queue ``depths``, and
+    how it was measured: the disk floor beside a run that reads that file as it decodes.
+
+    Reads of ``read_size`` (the trunk reader's 8 MiB pieces) at random aligned offsets, each
+    range once (at most ``most_reads``, so a buffered backend is not timed on its own cache),
+    the file's page cache dropped first (:func:`read_bandwidth`). The best depth is reported:
+    the engine's trunk reader and its expert readers read at once, and no decode that reads
+    the same bytes from this device can beat its best rate.
+    """
+    size = _file_size(path)
+    reads = max(1, min(most_reads, size // read_size))
+    size_used = min(read_size, size)
+    best: BandwidthSample | None = None
+    for depth in sorted(set(max(1, d) for d in depths)):
+        got = read_bandwidth(backend, path, size_used, depth, reads=reads)
+        if best is None or got.mb_per_s > best.mb_per_s:
+            best = got
+    assert best is not None
+    how = (f"storage '{backend}', {best.reads} reads of {human(best.read_size)} at queue depth "
+           f"{best.depth} (best of {', '.join(str(d) for d in sorted(set(depths)))}) "
+           f"from {path.name}")
+    return best.mb_per_s / 1e3, how
+
+
 def probe_disk(
     target: str | Path,
     *,
