@@ -22,8 +22,8 @@
  * by line, and during the last block the first block of the row ONE_TILE further on (the
  * next tile of the same job, when the job has one). The first block of a job's first tile
  * is left to the hardware prefetchers, so the pool hands these rows out in chunks of
- * ONE_CHUNK_TILES tiles at least (k3avx2_matmul.c's row_chunk). Rows that fit L1 go through rows_tokens as before (one prefetched
- * stream per row).
+ * ONE_CHUNK_TILES tiles at least (k3avx2_matmul.c's row_chunk). Rows that fit L1 go
+ * through rows_tokens as before (one prefetched stream per row).
  */
 #include "k3avx2_internal.h"
 

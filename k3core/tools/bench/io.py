@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from k3core.api.errors import StorageError, UsageError
+from k3core.api.read_priority import AHEAD_PIECE_BYTES
 from k3core.api.storage import StorageBackend, aligned_empty
 from k3core.api.units import ALIGN, align_up, human
 from k3core.model.sizes import EXPERT_BYTES
@@ -258,7 +259,8 @@ def read_bandwidth(
 
 
 def storage_read_rate(backend: str, path: Path, depths: Sequence[int],
-                      read_size: int = 8 << 20, most_reads: int = 64) -> tuple[float, str]:
+                      read_size: int = AHEAD_PIECE_BYTES,
+                      most_reads: int = 64) -> tuple[float, str]:
     """The best read rate (GB/s) of storage ``backend`` on ``path`` over queue ``depths``, and
     how it was measured: the disk floor beside a run that reads that file as it decodes.
 
@@ -271,14 +273,15 @@ def storage_read_rate(backend: str, path: Path, depths: Sequence[int],
     size = _file_size(path)
     reads = max(1, min(most_reads, size // read_size))
     size_used = min(read_size, size)
+    qd = sorted({max(1, d) for d in depths})
     best: BandwidthSample | None = None
-    for depth in sorted(set(max(1, d) for d in depths)):
+    for depth in qd:
         got = read_bandwidth(backend, path, size_used, depth, reads=reads)
         if best is None or got.mb_per_s > best.mb_per_s:
             best = got
     assert best is not None
     how = (f"storage '{backend}', {best.reads} reads of {human(best.read_size)} at queue depth "
-           f"{best.depth} (best of {', '.join(str(d) for d in sorted(set(depths)))}) "
+           f"{best.depth} (best of {', '.join(map(str, qd))}) "
            f"from {path.name}")
     return best.mb_per_s / 1e3, how
 
