@@ -17,6 +17,7 @@ void k3_set_force_parallel(int on);
 long long k3_parallel_regions(void);
 int k3_has_avx512(void);
 int k3_use_avx512(int on);
+int k3_use_span_f32(int on);
 int k3_contract_values(double *out, int cap);
 int k3_gil_rendezvous(int parties, double timeout_s);
 double k3_read_bandwidth(const uint8_t *buf, size_t nbytes, int repeat, uint64_t *checksum);

@@ -26,6 +26,8 @@ static double WV512[256][16] __attribute__((aligned(64)));
 #define MX_F32_MAX_SCALE 252
 static uint8_t FLO512[MX_F32_MAX_SCALE + 1][16] __attribute__((aligned(16)));
 static uint8_t FHI512[MX_F32_MAX_SCALE + 1][16] __attribute__((aligned(16)));
+/* ... and whole, one zmm table per byte (the span tiles' float32 copies, k3avx2_span512.c) */
+static float WF512[MX_F32_MAX_SCALE + 1][16] __attribute__((aligned(64)));
 
 __attribute__((constructor)) static void k3__wv512_table(void) {
     for (int b = 0; b < 256; ++b)
@@ -35,6 +37,7 @@ __attribute__((constructor)) static void k3__wv512_table(void) {
             const float f = (float)WV512[b][c]; /* exact: at most three significant bits */
             uint32_t u;
             memcpy(&u, &f, 4);
+            WF512[b][c] = f;
             FLO512[b][c] = (uint8_t)(u >> 16);
             FHI512[b][c] = (uint8_t)(u >> 24);
         }

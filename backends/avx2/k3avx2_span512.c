@@ -24,6 +24,10 @@
  * tile after row tile, 19-22 GMAC/s; spans over a float32 copy, 23-26; spans over a float64
  * copy, 29-30 (the FMA peak is 41). In the 128-id prefill of the medium model the bf16
  * products went from 33 to 40-45 GMAC/s on two threads.
+ *
+ * On AMD cores the span's copy is float32 (k3_use_span_f32 below): the same weights, widened
+ * as the tiles load them. A tile's sums are folded four rows at a time (fold512_4), the
+ * four results stored together; the same additions as fold512's.
  */
 #include "k3avx2_internal.h"
 
@@ -46,6 +50,28 @@
  * 24.4; two threads: [1536 x 1536] 44.0 / 45.7, [7232 x 1536] 46.4 / 50.4, [1536 x 7232]
  * 36.3 / 48.9, [1536 x 4096] 42.0 / 50.1 (8 MiB blocks no better than 4 MiB). */
 #define SPAN_XBLOCK_BYTES (4 << 20)
+
+/* Whether a span's copy is float32, each weight widened as the tiles load it, rather than
+ * float64 (k3_use_span_f32). Both are the same weights, so the bits are the same. On Zen 4
+ * the widening goes to other ports than the FMAs and costs the tiles nothing, while the copy
+ * takes half the stores and the L2 traffic: the routed experts of three MoE layers of the
+ * medium model's 128-id prefill (six grouped calls, two threads, best of 30 interleaved)
+ * took 128.6 ms against 135.7. On Intel cores the widening shares a
+ * port with the 512-bit FMAs (an Emerald Rapids core ran the tiles at 23-26 GMAC/s over a
+ * float32 copy, 29-30 over a float64 one), so the float32 copy is the AMD default only. */
+static int g_span_f32 = 0;
+
+__attribute__((constructor)) static void k3__pick_span_f32(void) {
+    __builtin_cpu_init();
+    g_span_f32 = __builtin_cpu_is("amd");
+}
+
+/* Read the span tiles' weights from float32 copies when `on`, else float64 copies; returns
+ * whether float32 copies are used now (a switch for the tests and the benchmark). */
+int k3_use_span_f32(int on) {
+    g_span_f32 = on ? 1 : 0;
+    return g_span_f32;
+}
 
 /* Where column i of a row of cp columns goes in pass-major order. */
 static inline int64_t span_index(int64_t i, int64_t cp) {
@@ -73,24 +99,115 @@ K3_INLINE512 void span_copy(enum k3_wkind kind, const void *w, const uint8_t *sc
     }
 }
 
-/* n8 eight-column steps of one quarter block: four rows of the copy (w, cp doubles apart)
- * against NT tokens (x, cp doubles apart), added to acc. */
-K3_INLINE512 void span_block(const int NT, __m512d acc[K3_PR][SPAN_T], const double *w,
-                             int64_t cp, const double *x, int64_t n8) {
+/* Chunk c of row o as float32 in natural column order, columns 0-15 in lo and 16-31 in hi
+ * (+0.0 past `cols`); the weights dec_chunk gives, each a float32 exactly (bf16 and float32
+ * always, MXFP4 for scale bytes up to MX_F32_MAX_SCALE: the caller checks). An MXFP4
+ * group's 16 bytes widen to 16 dwords; their low nibbles are the even columns and their
+ * high nibbles the odd ones, each a permute of the scale byte's table, and two unpacks and
+ * two permutes put the 32 columns back in order. */
+K3_INLINE512 void dec_chunk32(enum k3_wkind kind, __m512 *lo, __m512 *hi, const void *w,
+                              const uint8_t *sc, int64_t o, int64_t cols, int64_t c) {
+    if (kind == K3_W_MXFP4) {
+        const __m512i i01 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+        const __m512i i23 =
+            _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+        const __m512i by = _mm512_cvtepu8_epi32(
+            _mm_loadu_si128((const __m128i *)((const uint8_t *)w + o * (cols / 2) + 16 * c)));
+        const __m512 t = _mm512_load_ps(WF512[sc[o * (cols / 32) + c]]);
+        const __m512 ev = _mm512_permutexvar_ps(by, t);
+        const __m512 od = _mm512_permutexvar_ps(_mm512_srli_epi32(by, 4), t);
+        /* per 128-bit lane l: columns 8l .. 8l + 3, and 8l + 4 .. 8l + 7 */
+        const __m512 l4 = _mm512_unpacklo_ps(ev, od), h4 = _mm512_unpackhi_ps(ev, od);
+        *lo = _mm512_permutex2var_ps(l4, i01, h4);
+        *hi = _mm512_permutex2var_ps(l4, i23, h4);
+        return;
+    }
+    const int64_t left = cols - 32 * c;
+    if (kind == K3_W_BF16) {
+        const uint16_t *r = (const uint16_t *)w + o * cols + 32 * c;
+        __m512i v;
+        if (left >= 32) {
+            v = _mm512_loadu_si512((const void *)r);
+        } else {
+            uint16_t tail[32] = {0};
+            memcpy(tail, r, (size_t)left * sizeof(uint16_t));
+            v = _mm512_loadu_si512((const void *)tail);
+        }
+        *lo = _mm512_castsi512_ps(
+            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(v)), 16));
+        *hi = _mm512_castsi512_ps(
+            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(v, 1)), 16));
+        return;
+    }
+    const float *r = (const float *)w + o * cols + 32 * c;
+    if (left >= 32) {
+        *lo = _mm512_loadu_ps(r);
+        *hi = _mm512_loadu_ps(r + 16);
+    } else {
+        float tail[32] = {0};
+        memcpy(tail, r, (size_t)left * sizeof(float));
+        *lo = _mm512_loadu_ps(tail);
+        *hi = _mm512_loadu_ps(tail + 16);
+    }
+}
+
+/* span_copy's rows as float32 (wb: n4 rows of cp floats), or 0 with nothing written where an
+ * MXFP4 scale byte of the rows is past MX_F32_MAX_SCALE (span_copy's float64 copy then). */
+K3_INLINE512 int span_copy32(enum k3_wkind kind, const void *w, const uint8_t *sc, int64_t o,
+                             int64_t n, int64_t n4, int64_t cols, int64_t cp, float *wb) {
+    if (kind == K3_W_MXFP4) {
+        const uint8_t *s0 = sc + o * (cols / 32);
+        int past = 0;
+        for (int64_t i = 0; i < n * (cols / 32); ++i) past |= s0[i] > MX_F32_MAX_SCALE;
+        if (past) return 0;
+    }
+    const int64_t q = cp / 4;
+    for (int64_t r = 0; r < n4; ++r) {
+        float *out = wb + r * cp;
+        if (r >= n) {
+            memset(out, 0, (size_t)cp * sizeof(float));
+            continue;
+        }
+        for (int64_t c = 0; 32 * c < cp; ++c) {
+            __m512 lo, hi;
+            prefetch_chunk(kind, w, sc, o + r, cols, c);
+            dec_chunk32(kind, &lo, &hi, w, sc, o + r, cols, c);
+            _mm256_storeu_ps(out + 8 * c, _mm512_castps512_ps256(lo));
+            _mm256_storeu_ps(out + q + 8 * c, _mm512_extractf32x8_ps(lo, 1));
+            _mm256_storeu_ps(out + 2 * q + 8 * c, _mm512_castps512_ps256(hi));
+            _mm256_storeu_ps(out + 3 * q + 8 * c, _mm512_extractf32x8_ps(hi, 1));
+        }
+    }
+    return 1;
+}
+
+/* Eight weights of a span's copy from element i on: float64, or float32 widened (exact). */
+K3_INLINE512 __m512d span_w(const int f32, const void *wb, int64_t i) {
+    return f32 ? _mm512_cvtps_pd(_mm256_loadu_ps((const float *)wb + i))
+               : _mm512_loadu_pd((const double *)wb + i);
+}
+
+/* n8 eight-column steps of one quarter block: four rows of the copy (from element w0 of wb,
+ * cp elements apart; float32 where f32) against NT tokens (x, cp doubles apart), added to
+ * acc. */
+K3_INLINE512 void span_block(const int NT, const int f32, __m512d acc[K3_PR][SPAN_T],
+                             const void *wb, int64_t w0, int64_t cp, const double *x, int64_t n8) {
     for (int64_t s = 0; s < n8; ++s) {
         __m512d xv[SPAN_T];
         for (int j = 0; j < NT; ++j) xv[j] = _mm512_loadu_pd(x + j * cp + 8 * s);
         for (int r = 0; r < K3_PR; ++r) {
-            const __m512d q = _mm512_loadu_pd(w + r * cp + 8 * s);
+            const __m512d q = span_w(f32, wb, w0 + r * cp + 8 * s);
             for (int j = 0; j < NT; ++j) acc[r][j] = _mm512_fmadd_pd(q, xv[j], acc[r][j]);
         }
     }
 }
 
 /* NT tokens (x: the first one's pass-major activations) against the nrt four-row tiles of a
- * span's copy wb: part[rt][r][j][k] is lane register k of the (row 4rt + r, token j) sum. */
-K3_INLINE512 void span_tokens(const int NT, __m512d part[SPAN_ROWS / K3_PR][K3_PR][SPAN_T][4],
-                              const double *wb, int64_t nrt, int64_t cp, const double *x) {
+ * span's copy wb (float32 where f32): part[rt][r][j][k] is lane register k of the (row
+ * 4rt + r, token j) sum. */
+K3_INLINE512 void span_tokens(const int NT, const int f32,
+                              __m512d part[SPAN_ROWS / K3_PR][K3_PR][SPAN_T][4], const void *wb,
+                              int64_t nrt, int64_t cp, const double *x) {
     const int64_t q = cp / 4;
     for (int k = 0; k < 4; ++k)
         for (int64_t b = 0; b < q; b += SPAN_QB) {
@@ -100,11 +217,41 @@ K3_INLINE512 void span_tokens(const int NT, __m512d part[SPAN_ROWS / K3_PR][K3_P
                 for (int r = 0; r < K3_PR; ++r)
                     for (int j = 0; j < NT; ++j)
                         acc[r][j] = b ? part[rt][r][j][k] : _mm512_setzero_pd();
-                span_block(NT, acc, wb + rt * K3_PR * cp + k * q + b, cp, x + k * q + b, n8);
+                span_block(NT, f32, acc, wb, rt * K3_PR * cp + k * q + b, cp, x + k * q + b, n8);
                 for (int r = 0; r < K3_PR; ++r)
                     for (int j = 0; j < NT; ++j) part[rt][r][j][k] = acc[r][j];
             }
         }
+}
+
+/* fold512 of four sums at once (sum r's lane registers a_r[0..3]), the four results in
+ * order: the h = 16 and 8 steps on each sum's registers, then h = 4, 2 and 1 on the four
+ * sums side by side (two sums a register, then four), every addition fold512's with the
+ * same operands in the same order. For four sums the h = 4, 2 and 1 steps take 8 permutes,
+ * 4 additions and one store, where four fold512 calls take 4 extracts, 4 vector and 12
+ * scalar additions through memory and four scalar stores; the fold had been 9 % of
+ * the routed experts' span tiles on Zen 4 (the calls of k3_use_span_f32's figure: 124.0 ms
+ * against 125.4). */
+K3_INLINE512 __m256d fold512_4(const __m512d *a0, const __m512d *a1, const __m512d *a2,
+                               const __m512d *a3) {
+    const __m512d *a[4] = {a0, a1, a2, a3};
+    __m512d s[4];
+    for (int r = 0; r < 4; ++r)
+        s[r] = _mm512_add_pd(_mm512_add_pd(a[r][0], a[r][2]), _mm512_add_pd(a[r][1], a[r][3]));
+    /* h = 4: lanes 0-3 += lanes 4-7, sums 0 | 1 and 2 | 3 in one register each */
+    const __m512d t01 = _mm512_add_pd(_mm512_shuffle_f64x2(s[0], s[1], 0x44),
+                                      _mm512_shuffle_f64x2(s[0], s[1], 0xEE));
+    const __m512d t23 = _mm512_add_pd(_mm512_shuffle_f64x2(s[2], s[3], 0x44),
+                                      _mm512_shuffle_f64x2(s[2], s[3], 0xEE));
+    /* h = 2: lanes 0-1 += lanes 2-3 of each sum, the four sums' pairs in one register */
+    const __m512i lo2 = _mm512_setr_epi64(0, 1, 4, 5, 8, 9, 12, 13);
+    const __m512i hi2 = _mm512_setr_epi64(2, 3, 6, 7, 10, 11, 14, 15);
+    const __m512d u = _mm512_add_pd(_mm512_permutex2var_pd(t01, lo2, t23),
+                                    _mm512_permutex2var_pd(t01, hi2, t23));
+    /* h = 1: lane 0 += lane 1 */
+    const __m512d ev = _mm512_permutexvar_pd(_mm512_setr_epi64(0, 2, 4, 6, 0, 2, 4, 6), u);
+    const __m512d od = _mm512_permutexvar_pd(_mm512_setr_epi64(1, 3, 5, 7, 1, 3, 5, 7), u);
+    return _mm256_add_pd(_mm512_castpd512_pd256(ev), _mm512_castpd512_pd256(od));
 }
 
 /* Row o for nt tokens of pass-major xd, each weight widened on its own (a thread without
@@ -148,7 +295,7 @@ K3_INLINE512 void span_row_scalar(enum k3_wkind kind, const void *w, const uint8
 K3_INLINE512 void k3__span512(enum k3_wkind kind, const void *w, const uint8_t *sc, int64_t o,
                               int64_t nr, int64_t rows, int64_t cols, int64_t cp,
                               const double *xd, int64_t nt, float *y) {
-    double *wb = (double *)k3__scratch((size_t)(SPAN_ROWS * cp) * sizeof(double));
+    void *wb = k3__scratch((size_t)(SPAN_ROWS * cp) * sizeof(double));
     for (int64_t s0 = o; s0 < o + nr; s0 += SPAN_ROWS) {
         const int64_t n = o + nr - s0 < SPAN_ROWS ? o + nr - s0 : SPAN_ROWS;
         const int64_t nrt = (n + K3_PR - 1) / K3_PR;
@@ -157,25 +304,47 @@ K3_INLINE512 void k3__span512(enum k3_wkind kind, const void *w, const uint8_t *
                 span_row_scalar(kind, w, sc, r, rows, cols, cp, xd, nt, y);
             continue;
         }
-        span_copy(kind, w, sc, s0, n, nrt * K3_PR, cols, cp, wb);
-        for (int64_t t0 = 0; t0 < nt; t0 += SPAN_T) {
-            const int64_t m = nt - t0 < SPAN_T ? nt - t0 : SPAN_T;
+        const int f32 =
+            g_span_f32 && span_copy32(kind, w, sc, s0, n, nrt * K3_PR, cols, cp, (float *)wb);
+        if (!f32) span_copy(kind, w, sc, s0, n, nrt * K3_PR, cols, cp, (double *)wb);
+        /* ceil(nt / SPAN_T) tiles of nt / tiles tokens, the first nt % tiles one more: 16
+         * tokens go 6 + 5 + 5, not 6 + 6 + 4, and 13 go 5 + 4 + 4, not 6 + 6 + 1 (a tile of
+         * one or two tokens streams the span's copy for few multiply-adds). The same calls as
+         * above: 137.3 ms against 141.2 */
+        const int64_t tiles = (nt + SPAN_T - 1) / SPAN_T;
+        for (int64_t i = 0, t0 = 0; i < tiles; ++i) {
+            const int64_t m = nt / tiles + (i < nt % tiles);
             __m512d part[SPAN_ROWS / K3_PR][K3_PR][SPAN_T][4];
             const double *xt = xd + t0 * cp;
             _Static_assert(SPAN_T == 6, "the token counts spelled out below");
-            switch (m) {
-            case 1: span_tokens(1, part, wb, nrt, cp, xt); break;
-            case 2: span_tokens(2, part, wb, nrt, cp, xt); break;
-            case 3: span_tokens(3, part, wb, nrt, cp, xt); break;
-            case 4: span_tokens(4, part, wb, nrt, cp, xt); break;
-            case 5: span_tokens(5, part, wb, nrt, cp, xt); break;
-            default: span_tokens(6, part, wb, nrt, cp, xt); break;
+#define K3_SPAN_M(F)                                                                       \
+    switch (m) {                                                                           \
+    case 1: span_tokens(1, F, part, wb, nrt, cp, xt); break;                               \
+    case 2: span_tokens(2, F, part, wb, nrt, cp, xt); break;                               \
+    case 3: span_tokens(3, F, part, wb, nrt, cp, xt); break;                               \
+    case 4: span_tokens(4, F, part, wb, nrt, cp, xt); break;                               \
+    case 5: span_tokens(5, F, part, wb, nrt, cp, xt); break;                               \
+    default: span_tokens(6, F, part, wb, nrt, cp, xt); break;                              \
+    }
+            if (f32) {
+                K3_SPAN_M(1)
+            } else {
+                K3_SPAN_M(0)
             }
-            for (int64_t r = 0; r < n; ++r)
-                for (int64_t j = 0; j < m; ++j) {
-                    const __m512d *a = part[r / K3_PR][r % K3_PR][j];
-                    y[(t0 + j) * rows + s0 + r] = (float)fold512(a[0], a[1], a[2], a[3]);
+#undef K3_SPAN_M
+            for (int64_t j = 0; j < m; ++j) {
+                float *yj = y + (t0 + j) * rows + s0;
+                int64_t r = 0;
+                for (; r + K3_PR <= n; r += K3_PR) {
+                    __m512d(*a)[SPAN_T][4] = part[r / K3_PR];
+                    _mm_storeu_ps(yj + r, _mm256_cvtpd_ps(fold512_4(a[0][j], a[1][j], a[2][j], a[3][j])));
                 }
+                for (; r < n; ++r) {
+                    const __m512d *a = part[r / K3_PR][r % K3_PR][j];
+                    yj[r] = (float)fold512(a[0], a[1], a[2], a[3]);
+                }
+            }
+            t0 += m;
         }
     }
 }

@@ -712,11 +712,38 @@ def test_span_tiles_give_the_reference_bits(ref, isa, threads, forced):
     every kind of MXFP4 scale byte (0, 1, 2, 252, and 253..255, past float32's range: the
     AVX-512 tiles' table lookup per weight), token blocks larger than L2
     (AVX2: several blocks of a 7232-column product), a group of matrices, the SiTU MLP and
-    grouped experts; serial and split between threads."""
+    grouped experts; serial and split between threads. The AVX-512 tiles read float64 and
+    float32 copies of a span's weights alike (k3_use_span_f32; an MXFP4 span with a scale
+    byte past 252 always takes the float64 copy)."""
     from k3_backends.avx2_backend import Avx2Backend
 
     b = Avx2Backend(threads=threads, force_parallel=forced)
-    rng = np.random.default_rng(57 + threads + 4 * forced)
+    default = b._lib.k3_use_span_f32(1)
+    try:
+        for f32 in ((0, 1) if isa == "avx512" else (default,)):
+            assert b._lib.k3_use_span_f32(f32) == f32
+            _span_tiles_agree(b, ref, np.random.default_rng(57 + threads + 4 * forced))
+    finally:
+        b._lib.k3_use_span_f32(default)
+
+
+def test_span_copies_default_to_float32_on_amd_only():
+    """The span tiles' float32 copies are the default where the CPU is AMD's (its widening
+    runs beside the FMAs), float64 elsewhere (it shares their port on Intel cores)."""
+    from k3_backends.avx2_backend import Avx2Backend
+
+    try:
+        with open("/proc/cpuinfo") as f:
+            amd = "AuthenticAMD" in f.read()
+    except OSError:
+        pytest.skip("no /proc/cpuinfo to name the CPU's vendor")
+    lib = Avx2Backend(threads=1)._lib
+    before = lib.k3_use_span_f32(1)
+    lib.k3_use_span_f32(before)
+    assert before == int(amd)
+
+
+def _span_tiles_agree(b, ref, rng):
     for T in (2, 3, 4, 5, 6, 7, 8, 9, 10, 13):
         for rows, cols in ((1, 1), (4, 31), (16, 33), (17, 1003), (33, 4130)):
             w, x = bf16(rng, rows, cols), rand(rng, T, cols, scale=2.0)
