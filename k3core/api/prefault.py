@@ -24,7 +24,12 @@ import threading
 
 import numpy as np
 
+from k3core.api.storage import aligned_empty
+from k3core.api.units import ALIGN, align_up
+
 PAGE = 4096
+#: a transparent huge page (x86-64, arm64 with 4 kB base pages)
+HUGE_PAGE = 2 * 1024 * 1024
 #: madvise advice: back the range with transparent huge pages where possible
 MADV_HUGEPAGE = 14
 MADV_NOHUGEPAGE = 15
@@ -49,6 +54,27 @@ def advise_hugepages(buf: np.ndarray, on: bool = True) -> None:
     if _madvise is not None and buf.nbytes:
         _madvise(ctypes.c_void_p(buf.ctypes.data), buf.nbytes,
                  MADV_HUGEPAGE if on else MADV_NOHUGEPAGE)
+
+
+def hugepage_buffer(nbytes: int) -> np.ndarray:
+    """A ``uint8`` buffer of at least ``nbytes`` (rounded up to ALIGN, or from HUGE_PAGE on
+    to HUGE_PAGE), ALIGN-aligned; from HUGE_PAGE on, HUGE_PAGE-aligned with MADV_HUGEPAGE
+    over the whole huge pages ``nbytes`` fills (the partial last one is left to small pages,
+    so prefaulting its first ``nbytes`` maps them rounded to 4 kB, not to 2 MiB). Not faulted
+    in: ``prefault`` what will be read into before the first read.
+
+    Storage reads land in these buffers (the trunk ring's slots, the expert cache's arena).
+    An O_DIRECT read pins the destination's pages; over huge pages that is one page per
+    2 MiB instead of 512. On the 2-vCPU Zen 4 development guest (virtio disk), reads of
+    823 kB at queue depth 1 took 148-151 us of CPU and 850-870 us each into small pages,
+    53-59 us and 427-430 us into huge pages."""
+    if nbytes < HUGE_PAGE:
+        return aligned_empty(max(ALIGN, align_up(nbytes)), ALIGN)
+    buf = aligned_empty(-(-nbytes // HUGE_PAGE) * HUGE_PAGE, HUGE_PAGE)
+    whole = nbytes // HUGE_PAGE * HUGE_PAGE
+    advise_hugepages(buf[:whole])
+    advise_hugepages(buf[whole:], on=False)
+    return buf
 
 
 def _touch(buf: np.ndarray) -> None:

@@ -49,10 +49,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from k3core.api.errors import CheckpointError, K3Error, StorageError
-from k3core.api.prefault import advise_hugepages, prefault
+from k3core.api.prefault import hugepage_buffer, prefault
 from k3core.api.read_priority import AHEAD_PIECE_BYTES, DEMAND
 from k3core.api.storage import StorageBackend, StorageFile, aligned_empty
-from k3core.api.units import ALIGN, align_up, human
+from k3core.api.units import ALIGN, human
 from k3core.model import names
 from k3core.model.config import ModelConfig
 from k3core.model.layer_params import LayerParams
@@ -72,26 +72,16 @@ from k3core.trunk.windows import (
 )
 
 EMPTY, READING, READY = "empty", "reading", "ready"
-HUGE_PAGE = 2 * 1024 * 1024
 #: how long ``close`` waits for the reader thread (it is a daemon thread either way)
 JOIN_SECONDS = 5.0
 
 
 def slot_buffer(nbytes: int) -> np.ndarray:
-    """An aligned buffer of at least ``nbytes``; 2 MiB aligned with MADV_HUGEPAGE if large.
-
-    Only the huge pages that ``nbytes`` fills are advised so; the partial last one is left
-    to small pages, so the buffer holds ``nbytes`` rounded to 4 kB, not to 2 MiB.
-    Its pages are faulted in here, before any read into it is submitted, so a ring slot's
-    first fill does not pay the page faults on the reader thread (k3core/api/prefault.py)."""
-    if nbytes >= HUGE_PAGE:
-        size = -(-nbytes // HUGE_PAGE) * HUGE_PAGE
-        buf = aligned_empty(size, HUGE_PAGE)
-        whole = nbytes // HUGE_PAGE * HUGE_PAGE
-        advise_hugepages(buf[:whole])
-        advise_hugepages(buf[whole:], on=False)
-    else:
-        buf = aligned_empty(max(ALIGN, align_up(nbytes)), ALIGN)
+    """An aligned buffer of at least ``nbytes`` (``hugepage_buffer``: 2 MiB aligned with
+    MADV_HUGEPAGE if large). Its pages are faulted in here, before any read into it is
+    submitted, so a ring slot's first fill does not pay the page faults on the reader thread
+    (k3core/api/prefault.py)."""
+    buf = hugepage_buffer(nbytes)
     prefault(buf[:nbytes])  # the rounding's tail is never read into: it stays unmapped
     return buf
 

@@ -58,3 +58,21 @@ def test_close_stops_an_unfinished_prefault(tmp_path) -> None:
     rig.cache.close()
     assert rig.cache._prefaulter is None
     rig.index.close()
+
+
+def test_a_large_arena_sits_on_advised_huge_pages(tmp_path) -> None:
+    """An arena of 2 MiB or more is 2 MiB aligned with its whole huge pages advised (O_DIRECT
+    reads into huge pages pin one page per 2 MiB, k3core/api/prefault.py), and exactly its
+    slots long; the bytes read into it are the shard's."""
+    reg = get_registry()
+    made, _, _ = reg.create("storage", "direct")
+    rig = fixture_cache(tmp_path, made, "lru", 300)  # 300 slots of 8 kB: 2.3 MiB
+    try:
+        arena = rig.cache.arena
+        assert arena.size == rig.cache.capacity * rig.cache.stride >= pf.HUGE_PAGE
+        assert arena.ctypes.data % pf.HUGE_PAGE == 0
+        drive(rig, [[(0, [0, 1, 2])], [(0, [3, 1])]])
+        check_resident(rig)
+    finally:
+        rig.cache.close()
+        rig.index.close()

@@ -42,3 +42,39 @@ def test_a_stop_request_ends_it_between_chunks() -> None:
     if pf._madvise is not None:
         assert pf.prefault(buf, stop) is False
     assert not buf.any()
+
+
+def _vm_flags(addr: int) -> list[str] | None:
+    """The VmFlags of the mapping holding ``addr`` (Linux ``/proc/self/smaps``), or None."""
+    try:
+        lines = open("/proc/self/smaps").read().splitlines()
+    except OSError:
+        return None
+    inside = False
+    for line in lines:
+        head = line.split()[0] if line else ""
+        if "-" in head and all(c in "0123456789abcdef-" for c in head):
+            lo, hi = (int(v, 16) for v in head.split("-"))
+            inside = lo <= addr < hi
+        elif inside and line.startswith("VmFlags:"):
+            return line.split()[1:]
+    return None
+
+
+def test_hugepage_buffers_are_aligned_sized_and_advised() -> None:
+    """Large buffers are 2 MiB aligned and their whole huge pages advised MADV_HUGEPAGE
+    (VmFlags ``hg``), the partial last one not (``nh``); small ones are ALIGN-aligned."""
+    small = pf.hugepage_buffer(5000)
+    assert small.ctypes.data % pf.ALIGN == 0 and small.size >= 5000
+    n = 2 * pf.HUGE_PAGE + 12345
+    buf = pf.hugepage_buffer(n)
+    assert buf.ctypes.data % pf.HUGE_PAGE == 0 and buf.size >= n and buf.size % pf.HUGE_PAGE == 0
+    assert pf.prefault(buf[:n]) is True and not buf[:n].any()
+    import os
+
+    if not os.path.isdir("/sys/kernel/mm/transparent_hugepage"):
+        return  # no transparent huge pages in this kernel: the advice is ignored
+    head, tail = _vm_flags(buf.ctypes.data), _vm_flags(buf.ctypes.data + 2 * pf.HUGE_PAGE)
+    if head is None or tail is None:
+        return
+    assert "hg" in head and "nh" in tail
