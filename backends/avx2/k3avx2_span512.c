@@ -66,10 +66,11 @@ __attribute__((constructor)) static void k3__pick_span_f32(void) {
     g_span_f32 = __builtin_cpu_is("amd");
 }
 
-/* Read the span tiles' weights from float32 copies when `on`, else float64 copies; returns
- * whether float32 copies are used now (a switch for the tests and the benchmark). */
+/* Read the span tiles' weights from float32 copies when `on` is 1, float64 copies when 0,
+ * and leave the choice as it is when `on` is negative; returns whether float32 copies are
+ * used now (a switch for the tests and the benchmark). */
 int k3_use_span_f32(int on) {
-    g_span_f32 = on ? 1 : 0;
+    if (on >= 0) g_span_f32 = on ? 1 : 0;
     return g_span_f32;
 }
 
@@ -78,30 +79,9 @@ static inline int64_t span_index(int64_t i, int64_t cp) {
     return ((i & 31) >> 3) * (cp / 4) + ((i >> 5) << 3) + (i & 7);
 }
 
-/* Rows o .. o + n - 1 of a matrix as pass-major float64 rows of cp doubles (+0.0 from column
- * `cols` on) in wb, each 32-column chunk decoded by dec_chunk (the weights the lane-pass
- * tiles multiply, exact for every MXFP4 scale byte), and rows n .. n4 - 1 all +0.0. */
-K3_INLINE512 void span_copy(enum k3_wkind kind, const void *w, const uint8_t *sc, int64_t o,
-                            int64_t n, int64_t n4, int64_t cols, int64_t cp, double *wb) {
-    const int64_t q = cp / 4;
-    for (int64_t r = 0; r < n4; ++r) {
-        double *out = wb + r * cp;
-        if (r >= n) {
-            memset(out, 0, (size_t)cp * sizeof(double));
-            continue;
-        }
-        for (int64_t c = 0; 32 * c < cp; ++c) {
-            __m512d v[4];
-            prefetch_chunk(kind, w, sc, o + r, cols, c);
-            dec_chunk(kind, v, w, sc, o + r, cols, c);
-            for (int k = 0; k < 4; ++k) _mm512_storeu_pd(out + k * q + 8 * c, v[k]);
-        }
-    }
-}
-
 /* Chunk c of row o as float32 in natural column order, columns 0-15 in lo and 16-31 in hi
  * (+0.0 past `cols`); the weights dec_chunk gives, each a float32 exactly (bf16 and float32
- * always, MXFP4 for scale bytes up to MX_F32_MAX_SCALE: the caller checks). An MXFP4
+ * always, MXFP4 for scale bytes up to MX_F32_MAX_SCALE: span_f32_exact). An MXFP4
  * group's 16 bytes widen to 16 dwords; their low nibbles are the even columns and their
  * high nibbles the odd ones, each a permute of the scale byte's table, and two unpacks and
  * two permutes put the 32 columns back in order. */
@@ -151,34 +131,49 @@ K3_INLINE512 void dec_chunk32(enum k3_wkind kind, __m512 *lo, __m512 *hi, const 
     }
 }
 
-/* span_copy's rows as float32 (wb: n4 rows of cp floats), or 0 with nothing written where an
- * MXFP4 scale byte of the rows is past MX_F32_MAX_SCALE (span_copy's float64 copy then). */
-K3_INLINE512 int span_copy32(enum k3_wkind kind, const void *w, const uint8_t *sc, int64_t o,
-                             int64_t n, int64_t n4, int64_t cols, int64_t cp, float *wb) {
-    if (kind == K3_W_MXFP4) {
-        const uint8_t *s0 = sc + o * (cols / 32);
-        int past = 0;
-        for (int64_t i = 0; i < n * (cols / 32); ++i) past |= s0[i] > MX_F32_MAX_SCALE;
-        if (past) return 0;
-    }
+/* Whether every weight of rows o .. o + n - 1 is a float32 exactly: always for bf16 and
+ * float32, for MXFP4 when no scale byte of the rows is past MX_F32_MAX_SCALE. */
+K3_INLINE512 int span_f32_exact(enum k3_wkind kind, const uint8_t *sc, int64_t o, int64_t n,
+                                int64_t cols) {
+    if (kind != K3_W_MXFP4) return 1;
+    const uint8_t *s0 = sc + o * (cols / 32);
+    int past = 0;
+    for (int64_t i = 0; i < n * (cols / 32); ++i) past |= s0[i] > MX_F32_MAX_SCALE;
+    return !past;
+}
+
+/* Rows o .. o + n - 1 of a matrix as pass-major rows of cp weights (+0.0 from column `cols`
+ * on) in wb, and rows n .. n4 - 1 all +0.0: float64 (each 32-column chunk decoded by
+ * dec_chunk, the weights the lane-pass tiles multiply, exact for every MXFP4 scale byte),
+ * or where f32 the same weights as float32 (dec_chunk32; the caller checks span_f32_exact). */
+K3_INLINE512 void span_copy(enum k3_wkind kind, const int f32, const void *w, const uint8_t *sc,
+                            int64_t o, int64_t n, int64_t n4, int64_t cols, int64_t cp,
+                            void *wb) {
     const int64_t q = cp / 4;
+    const size_t es = f32 ? sizeof(float) : sizeof(double);
     for (int64_t r = 0; r < n4; ++r) {
-        float *out = wb + r * cp;
         if (r >= n) {
-            memset(out, 0, (size_t)cp * sizeof(float));
+            memset((char *)wb + (size_t)(r * cp) * es, 0, (size_t)cp * es);
             continue;
         }
         for (int64_t c = 0; 32 * c < cp; ++c) {
-            __m512 lo, hi;
             prefetch_chunk(kind, w, sc, o + r, cols, c);
-            dec_chunk32(kind, &lo, &hi, w, sc, o + r, cols, c);
-            _mm256_storeu_ps(out + 8 * c, _mm512_castps512_ps256(lo));
-            _mm256_storeu_ps(out + q + 8 * c, _mm512_extractf32x8_ps(lo, 1));
-            _mm256_storeu_ps(out + 2 * q + 8 * c, _mm512_castps512_ps256(hi));
-            _mm256_storeu_ps(out + 3 * q + 8 * c, _mm512_extractf32x8_ps(hi, 1));
+            if (f32) {
+                float *out = (float *)wb + r * cp + 8 * c;
+                __m512 lo, hi;
+                dec_chunk32(kind, &lo, &hi, w, sc, o + r, cols, c);
+                _mm256_storeu_ps(out, _mm512_castps512_ps256(lo));
+                _mm256_storeu_ps(out + q, _mm512_extractf32x8_ps(lo, 1));
+                _mm256_storeu_ps(out + 2 * q, _mm512_castps512_ps256(hi));
+                _mm256_storeu_ps(out + 3 * q, _mm512_extractf32x8_ps(hi, 1));
+            } else {
+                double *out = (double *)wb + r * cp + 8 * c;
+                __m512d v[4];
+                dec_chunk(kind, v, w, sc, o + r, cols, c);
+                for (int k = 0; k < 4; ++k) _mm512_storeu_pd(out + k * q, v[k]);
+            }
         }
     }
-    return 1;
 }
 
 /* Eight weights of a span's copy from element i on: float64, or float32 widened (exact). */
@@ -304,9 +299,11 @@ K3_INLINE512 void k3__span512(enum k3_wkind kind, const void *w, const uint8_t *
                 span_row_scalar(kind, w, sc, r, rows, cols, cp, xd, nt, y);
             continue;
         }
-        const int f32 =
-            g_span_f32 && span_copy32(kind, w, sc, s0, n, nrt * K3_PR, cols, cp, (float *)wb);
-        if (!f32) span_copy(kind, w, sc, s0, n, nrt * K3_PR, cols, cp, (double *)wb);
+        const int f32 = g_span_f32 && span_f32_exact(kind, sc, s0, n, cols);
+        if (f32)
+            span_copy(kind, 1, w, sc, s0, n, nrt * K3_PR, cols, cp, wb);
+        else
+            span_copy(kind, 0, w, sc, s0, n, nrt * K3_PR, cols, cp, wb);
         /* ceil(nt / SPAN_T) tiles of nt / tiles tokens, the first nt % tiles one more: 16
          * tokens go 6 + 5 + 5, not 6 + 6 + 4, and 13 go 5 + 4 + 4, not 6 + 6 + 1 (a tile of
          * one or two tokens streams the span's copy for few multiply-adds). The same calls as
