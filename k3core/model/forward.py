@@ -18,6 +18,7 @@ from k3core.api.experts import ExpertExecutor, ExpertSource, ExpertWeights
 from k3core.api.kernels import F32, U16, KernelBackend, Mxfp4
 from k3core.model.config import ModelConfig
 from k3core.model.layer_params import LayerParams
+from k3core.model.residuals import BlockStack
 from k3core.model.sources import ModelTables, TrunkSource
 from k3core.model.state import SequenceState
 
@@ -105,7 +106,8 @@ class Model:
         self.layers_completed = 0
         self._guess = None  # a guess a failed pass left is never submitted
         h = self.tables.embed(ids)
-        blocks: list[np.ndarray] = []
+        c = self.cfg
+        blocks = BlockStack(T, c.hidden, len(range(0, self.n_layers, c.attn_res_block)) + 1)
         for L in range(self.n_layers):
             p = self.trunk.acquire(L)
             # the last layer's MLP only for the rows whose logits are asked (unless a hook
@@ -121,7 +123,7 @@ class Model:
         if rows <= 0:
             state.pos += T
             return np.empty((0, self.cfg.vocab), dtype=np.float32)
-        h = self.k.attn_res(np.stack(blocks + [h]), self.tables.fold_out, self.cfg.rms_eps)
+        h = self.k.attn_res(blocks.sources(h), self.tables.fold_out, self.cfg.rms_eps)
         last = h[h.shape[0] - rows :]
         x = self.k.rmsnorm(last, self.tables.norm, self.cfg.rms_eps)
         out = self.tables.logits(self.k, x)
@@ -131,7 +133,7 @@ class Model:
         return out
 
     # ---- one decoder layer with block attention residuals (docs/model.md §5.2) ------------------
-    def layer(self, p: LayerParams, h: np.ndarray, blocks: list[np.ndarray], st: SequenceState,
+    def layer(self, p: LayerParams, h: np.ndarray, blocks: BlockStack, st: SequenceState,
               keep: int | None = None) -> np.ndarray:
         """One layer over every row of ``h``; with ``keep``, its attention still over every row
         (the KV cache and the KDA state take them all) and the rest only over the last ``keep``
@@ -139,7 +141,7 @@ class Model:
         those rows' bits are the full layer's. The output then has ``keep`` rows."""
         eps = self.cfg.rms_eps
         pref: np.ndarray | None = h
-        x_a = self.k.attn_res(np.stack(blocks + [h]), p["fold_attn"], eps) if blocks else h
+        x_a = self.k.attn_res(blocks.sources(h), p["fold_attn"], eps) if len(blocks) else h
         if p.layer % self.cfg.attn_res_block == 0:
             blocks.append(h)
             pref = None
@@ -150,13 +152,13 @@ class Model:
         if keep is not None and keep < T:
             a = a[a.shape[0] - keep :]  # (an MLA layer's output has only those rows already)
             pref = None if pref is None else pref[pref.shape[0] - keep :]
-            blocks[:] = [b[b.shape[0] - keep :] for b in blocks]
+            blocks.keep_last(keep)
             if keep == 0:  # no row asked (a chunk before the last): nothing reads the output
                 return a
         pref = a if pref is None else pref + a
-        x_m = self.k.attn_res(np.stack(blocks + [pref]), p["fold_mlp"], eps)
+        x_m = self.k.attn_res(blocks.sources(pref), p["fold_mlp"], eps)
         if self.lookahead == "attn":
-            self._guess = self.guess(p.layer + 1, x_m, [])
+            self._guess = self.guess(p.layer + 1, x_m)
         xn = self.k.rmsnorm(x_m, p["post_attention_layernorm.weight"], eps)
         m = self.dense_mlp(p, xn) if p.dense else self.moe(p, xn)
         self._submit_guess()  # a dense layer's (the MoE submits right after its own reads)
@@ -167,7 +169,8 @@ class Model:
         return out
 
     # ---- router lookahead (docs/expert-cache.md, "Router lookahead") ----------------------------
-    def guess(self, layer: int, x: np.ndarray, blocks: list[np.ndarray]) -> tuple[int, list[int]] | None:
+    def guess(self, layer: int, x: np.ndarray,
+              blocks: BlockStack | None = None) -> tuple[int, list[int]] | None:
         """Layer ``layer``'s router applied to ``x``, an approximation of its MLP input: its
         top-k ids, or ``None`` (a dense or missing layer, or its trunk not resident/read yet).
         With ``blocks`` the approximation first takes ``layer``'s MLP attention residual of
@@ -179,8 +182,8 @@ class Model:
             self.lookahead_unready += 1
             return None
         c, k, pre = self.cfg, self.k, "block_sparse_moe."
-        if blocks:
-            x = k.attn_res(np.stack(blocks + [x]), q["fold_mlp"], c.rms_eps)
+        if blocks is not None and len(blocks):
+            x = k.attn_res(blocks.sources(x), q["fold_mlp"], c.rms_eps)
         xn = k.rmsnorm(x, q["post_attention_layernorm.weight"], c.rms_eps)
         logits = k.matmul(q[pre + "gate.weight"], xn)
         idx, _ = k.router(logits, q[pre + "gate.e_score_correction_bias"], c.topk, c.moe_renorm,

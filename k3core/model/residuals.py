@@ -1,0 +1,56 @@
+"""The completed AttnRes blocks of one forward pass, kept where ``attn_res`` reads them.
+
+Every attention residual (docs/model.md §5.2) takes the pass's completed blocks plus the
+current partial sum as one ``[S, T, E]`` source array. Stacking ``blocks + [x]`` afresh for
+each of a layer's two residuals copied every completed block twice a layer: on the medium
+model's 128-id prefill, about 180 MB of copies into freshly allocated arrays over the 25
+layers, for residuals that read each byte once. Here the blocks live in one buffer with a
+spare row after them: a residual writes only ``x`` into that row and hands the kernel a view
+of the first rows, and a block that completes is the row it was already written to. The
+sources hold the same values in the same order, so the residuals' bits are unchanged.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+class BlockStack:
+    """Completed blocks of ``[T, E]`` float32 rows, at most ``capacity - 1`` of them."""
+
+    def __init__(self, rows: int, width: int, capacity: int):
+        self._buf = np.empty((max(1, capacity), rows, width), dtype=np.float32)
+        self._n = 0
+        self._last: np.ndarray | None = None  # the array whose values the spare row holds
+
+    def __len__(self) -> int:
+        return self._n
+
+    def sources(self, x: np.ndarray) -> np.ndarray:
+        """``stack(blocks + [x])``: a view valid until the next ``sources`` or ``append``
+        (``x`` must not change in between: the row is not written again for the same array)."""
+        self._put(x)
+        return self._buf[: self._n + 1]
+
+    def append(self, x: np.ndarray) -> None:
+        """``x`` becomes the next completed block (a spare row stays for ``sources``)."""
+        if self._n + 2 > self._buf.shape[0]:
+            raise IndexError(f"BlockStack: room for {self._buf.shape[0] - 1} blocks")
+        self._put(x)
+        self._n += 1
+        self._last = None
+
+    def keep_last(self, rows: int) -> None:
+        """Keep only the last ``rows`` rows of every block (the last layer's asked rows)."""
+        T = self._buf.shape[1]
+        if rows >= T:
+            return
+        buf = np.empty((self._buf.shape[0], rows, self._buf.shape[2]), dtype=np.float32)
+        buf[: self._n] = self._buf[: self._n, T - rows :]
+        self._buf = buf
+        self._last = None
+
+    def _put(self, x: np.ndarray) -> None:
+        if x is not self._last:
+            self._buf[self._n] = x
+            self._last = x
