@@ -289,12 +289,7 @@ class Model:
             outs = remote()  # the workers' outputs, waited for after the shared experts
         else:
             outs = np.empty((T, c.topk, c.latent), dtype=np.float32)
-            # each expert's (rows, routing slots), rows in increasing order, from one walk
-            where: dict[int, tuple[list[int], list[int]]] = {}
-            for pos, e in enumerate(requests):
-                rows, slots = where.setdefault(e, ([], []))
-                rows.append(pos // c.topk)
-                slots.append(pos % c.topk)
+            where = _expert_rows(idx, c.topk)
 
             def use_many(group: list[tuple[int, ExpertWeights]]) -> None:
                 # every expert that is ready in one kernel call, each over its own rows
@@ -307,9 +302,25 @@ class Model:
 
             self.experts.run_layer_many(p.layer, requests, use_many)
         acc = np.zeros((T, c.latent), dtype=np.float32)
-        for j in range(c.topk):
-            acc = acc + w[:, j : j + 1] * outs[:, j]
+        term = np.empty_like(acc)
+        for j in range(c.topk):  # slot by slot from +0.0, each float32 term rounded first
+            np.multiply(w[:, j : j + 1], outs[:, j], out=term)
+            acc += term
         if c.latent_norm:
             acc = k.rmsnorm(acc, p[pre + "routed_expert_norm.weight"], c.rms_eps)
         y = k.matmul(p[pre + "routed_expert_up_proj.weight"], acc)
         return y if shared is None else y + shared
+
+
+def _expert_rows(idx: np.ndarray, topk: int) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+    """Each routed expert's ``(rows, slots)`` in the router's ``[T, topk]`` ids, rows in
+    increasing order (a stable sort of the flat ids keeps each expert's positions in order)."""
+    flat = idx.reshape(-1)
+    if not flat.size:
+        return {}
+    order = np.argsort(flat, kind="stable")
+    ids = flat[order]
+    cut = np.flatnonzero(ids[1:] != ids[:-1]) + 1
+    rows, slots = np.divmod(order, topk)
+    return {int(ids[a]): (rows[a:b], slots[a:b])
+            for a, b in zip(np.r_[0, cut], np.r_[cut, flat.size], strict=True)}
