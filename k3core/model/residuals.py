@@ -40,6 +40,10 @@ class BlockStack:
         self._n += 1
         self._last = None
 
+    def completed(self) -> np.ndarray:
+        """The completed blocks, ``[len(self), T, E]`` (a view, valid until the next call)."""
+        return self._buf[: self._n]
+
     def keep_last(self, rows: int) -> None:
         """Keep only the last ``rows`` rows of every block (the last layer's asked rows)."""
         T = self._buf.shape[1]

@@ -12,6 +12,7 @@ from k3core.api.experts import ExpertWeights, InMemoryExperts
 from k3core.model.config import ModelConfig
 from k3core.model.forward import Model
 from k3core.model.layer_params import prepare_layer
+from k3core.model.residuals import BlockStack
 from k3core.model.state import SequenceState
 from k3core.testing.oracle import fixture_array as A
 from k3core.testing.oracle import layer_fixture_raw
@@ -209,8 +210,10 @@ def test_whole_layer_with_attention_residuals(fixtures, manifest, numpy_backend,
 
     m = model_for(cfg, numpy_backend, InMemoryExperts(load_expert))
     br = A(f["block_residual_in"])
-    blocks = [np.ascontiguousarray(br[:, i]) for i in range(br.shape[1])]
     x = A(f["in"])[0]
+    blocks = BlockStack(x.shape[0], x.shape[1], br.shape[1] + 2)
+    for i in range(br.shape[1]):
+        blocks.append(np.ascontiguousarray(br[:, i]))
     out = m.layer(params, x, blocks, SequenceState(cfg, x.shape[0]))
     close(out, A(f["out"])[0], manifest)
-    close(np.stack(blocks, axis=1), A(f["block_residual_out"]), manifest)
+    close(np.moveaxis(blocks.completed(), 0, 1), A(f["block_residual_out"]), manifest)
