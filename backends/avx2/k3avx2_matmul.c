@@ -67,11 +67,21 @@ enum {
 };
 
 /* The order of the widened activations a path reads: natural, MX_PERM within each group of
- * four columns (the MXFP4 rows), pass-major (the AVX-512 span tiles: span_index) or
- * eighth-major (the AVX2 span tiles: span256_index; for MXFP4 weights span256_mx_index). */
-enum { K3_X_NATURAL = 0, K3_X_MXPERM = 1, K3_X_PASS = 2, K3_X_EIGHTH = 3, K3_X_EIGHTH_MX = 4 };
+ * four columns (the MXFP4 rows), pass-major (the AVX-512 span tiles: span_index),
+ * eighth-major (the AVX2 span tiles: span256_index; for MXFP4 weights span256_mx_index) or
+ * bits 2 and 3 of the column swapped (the AVX-512 one-token bf16 rows: k3avx2_one512.c's
+ * unpacked order). */
+enum {
+    K3_X_NATURAL = 0,
+    K3_X_MXPERM = 1,
+    K3_X_PASS = 2,
+    K3_X_EIGHTH = 3,
+    K3_X_EIGHTH_MX = 4,
+    K3_X_BF16U = 5
+};
 
 static inline int x_order(enum k3_wkind kind, int path) {
+    if (path == K3_PATH_ONE && kind == K3_W_BF16) return K3_X_BF16U;
     if (path == K3_PATH_SPAN) return K3_X_PASS;
     if (path == K3_PATH_SPAN256) return kind == K3_W_MXFP4 ? K3_X_EIGHTH_MX : K3_X_EIGHTH;
     return kind == K3_W_MXFP4 && path == K3_PATH_ROWS ? K3_X_MXPERM : K3_X_NATURAL;
@@ -83,6 +93,7 @@ static inline int64_t x_index(int64_t i, int64_t cp, int order) {
     if (order == K3_X_EIGHTH) return span256_index(i, cp);
     if (order == K3_X_EIGHTH_MX) return span256_mx_index(i, cp);
     if (order == K3_X_MXPERM) return (i & ~(int64_t)3) + MX_PERM[i & 3]; /* its own inverse */
+    if (order == K3_X_BF16U) return (i & ~(int64_t)12) | ((i & 4) << 1) | ((i & 8) >> 1);
     return i;
 }
 

@@ -196,6 +196,29 @@ def test_matmul_special_weights(avx2, ref):
     same(avx2.matmul_f32(wf, x), ref.matmul_f32(wf, x))
 
 
+@pytest.mark.parametrize("cols", [40, 1000, 4200])
+def test_one_token_bf16_rows_with_special_values(avx2, ref, cols):
+    """The one-token bf16 rows (unpacked lane order, k3avx2_one512.c): infinities, NaNs,
+    subnormals and signed zeros in the weights and the activations, narrow rows and rows
+    wider than one block, a column tail, one token at a time."""
+    rng = np.random.default_rng(cols)
+    bits = bf16(rng, 6, cols)
+    bits[0, 3] = 0x7F80  # +inf
+    bits[1, cols - 1] = 0xFF80  # -inf in the tail chunk
+    bits[2, 5] = 0x7FC1  # NaN with payload
+    bits[3, 17] = 0x7F81  # signalling NaN
+    bits[4, 30] = 0x8001  # negative subnormal
+    for _ in range(3):  # the special weights against finite activations
+        x = rand(rng, 1, cols)
+        same(avx2.matmul_bf16(bits, x), ref.matmul_bf16(bits, x))
+    finite = bf16(rng, 6, cols)
+    finite[4, 30] = 0x8001
+    for i in range(EDGE.size):  # one edge activation a token: one NaN source at most
+        x = rand(rng, 1, cols)
+        x[0, (7 * i) % cols] = EDGE[i]
+        same(avx2.matmul_bf16(finite, x), ref.matmul_bf16(finite, x))
+
+
 def test_matmul_accepts_float64_x_like_the_reference(avx2, ref):
     rng = np.random.default_rng(13)
     w, x = bf16(rng, 5, 40), rng.standard_normal((2, 40))
