@@ -6,7 +6,7 @@ each of a layer's two residuals copied every completed block twice a layer: on t
 model's 128-id prefill, about 180 MB of copies into freshly allocated arrays over the 25
 layers, for residuals that read each byte once. Here the blocks live in one buffer with a
 spare row after them: a residual writes only ``x`` into that row and hands the kernel a view
-of the first rows, and a block that completes is the row it was already written to. The
+of the first rows, and a block that completes is written once, into the next row. The
 sources hold the same values in the same order, so the residuals' bits are unchanged.
 """
 
@@ -21,24 +21,21 @@ class BlockStack:
     def __init__(self, rows: int, width: int, capacity: int):
         self._buf = np.empty((max(1, capacity), rows, width), dtype=np.float32)
         self._n = 0
-        self._last: np.ndarray | None = None  # the array whose values the spare row holds
 
     def __len__(self) -> int:
         return self._n
 
     def sources(self, x: np.ndarray) -> np.ndarray:
-        """``stack(blocks + [x])``: a view valid until the next ``sources`` or ``append``
-        (``x`` must not change in between: the row is not written again for the same array)."""
-        self._put(x)
+        """``stack(blocks + [x])``: a view valid until the next ``sources`` or ``append``."""
+        self._buf[self._n] = x
         return self._buf[: self._n + 1]
 
     def append(self, x: np.ndarray) -> None:
         """``x`` becomes the next completed block (a spare row stays for ``sources``)."""
         if self._n + 2 > self._buf.shape[0]:
             raise IndexError(f"BlockStack: room for {self._buf.shape[0] - 1} blocks")
-        self._put(x)
+        self._buf[self._n] = x
         self._n += 1
-        self._last = None
 
     def completed(self) -> np.ndarray:
         """The completed blocks, ``[len(self), T, E]`` (a view, valid until the next call)."""
@@ -52,9 +49,3 @@ class BlockStack:
         buf = np.empty((self._buf.shape[0], rows, self._buf.shape[2]), dtype=np.float32)
         buf[: self._n] = self._buf[: self._n, T - rows :]
         self._buf = buf
-        self._last = None
-
-    def _put(self, x: np.ndarray) -> None:
-        if x is not self._last:
-            self._buf[self._n] = x
-            self._last = x

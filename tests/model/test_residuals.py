@@ -28,12 +28,15 @@ def test_sources_equal_a_fresh_stack_through_appends_and_trims() -> None:
     assert np.array_equal(st.sources(z), np.stack(blocks + [z]))
 
 
-def test_a_block_written_as_sources_is_not_lost_when_it_completes() -> None:
+def test_an_array_changed_in_place_between_calls_is_read_again() -> None:
     st = BlockStack(2, 3, 3)
     h = np.arange(6, dtype=np.float32).reshape(2, 3)
     st.sources(h)
-    st.append(h)  # the spare row already holds h: it becomes block 0 as it is
+    h += 1  # e.g. a layer hook that edits the hidden state in place
+    st.append(h)
     x = np.full((2, 3), 9, dtype=np.float32)
+    assert np.array_equal(st.sources(x), np.stack([h, x]))
+    x -= 4
     assert np.array_equal(st.sources(x), np.stack([h, x]))
 
 
