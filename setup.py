@@ -63,7 +63,7 @@ class OptionalBuildExt(build_ext):
     def build_extension(self, ext) -> None:
         try:
             super().build_extension(ext)
-        except Exception as exc:  # no compiler, no OpenMP, a compile or link error
+        except Exception as exc:  # no compiler, a compile or link error
             self._skip(ext, exc)
             return
         for note in self._notes(ext):
@@ -87,7 +87,7 @@ class OptionalBuildExt(build_ext):
             f"\n{bar}\nWARNING: {what} ({ext.name}) was not built:\n"
             f"  {reason}\n"
             f"{without}\n"
-            "To build it: install a C compiler (gcc; the avx2 backend also needs OpenMP), then reinstall: pip install -e .\n"
+            "To build it: install a C compiler (gcc or clang), then reinstall: pip install -e .\n"
             f"{bar}\n",
             file=sys.stderr,
         )

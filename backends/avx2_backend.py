@@ -1,4 +1,4 @@
-"""The ``avx2`` kernel backend: C kernels (AVX2, OpenMP) behind the bit-exact contract.
+"""The ``avx2`` kernel backend: C kernels (AVX2, AVX-512) behind the bit-exact contract.
 
 Every method returns the same bytes as the ``numpy`` reference backend
 (:mod:`k3_backends.numpy_backend`) at every thread count; the C sources live in
@@ -586,7 +586,7 @@ def k3_kernel_backends() -> list[KernelBackendSpec]:
         KernelBackendSpec(
             name="avx2",
             factory="k3_backends.avx2_backend:Avx2Backend",
-            description="C kernels with AVX2 and OpenMP (bit-identical to numpy)",
+            description="C kernels with AVX2 or AVX-512 (bit-identical to numpy)",
             priority=20,
             probe=avx2_probe.probe,
             install_hint=avx2_probe.BUILD_HINT,

@@ -7,10 +7,11 @@ The C sources are in ``backends/avx2/``. The contract's numeric constants are NO
 in C: this script loads ``k3core/api/contract.py`` by path (it needs nothing but ``math``) and
 emits them as C99 hex-float literals (``float.hex()``), so C and Python share one source.
 
-Flags: ``-O3 -mavx2 -mfma -ffp-contract=off -fno-fast-math -fopenmp`` (link ``-fopenmp``).
+Flags: ``-O3 -mavx2 -mfma -ffp-contract=off -fno-fast-math -pthread`` (link ``-pthread``).
 ``-ffp-contract=off`` forbids the compiler from fusing a multiply and an add; the sources
 never use FMA intrinsics; ``-ffast-math`` would break the bit-exact contract and is never
-used. Requires GCC or Clang with OpenMP (libgomp/libomp) on x86-64.
+used. Requires GCC or Clang on x86-64; the threads are the module's own (POSIX threads,
+``backends/avx2/k3avx2_pool.c``), no OpenMP runtime.
 
 Rebuild after editing the C sources with ``pip install -e .``. To compile the sources
 outside Python (a debugger, a sanitizer), write the generated header first::
@@ -32,8 +33,8 @@ HERE = Path(__file__).resolve().parent
 SRC = HERE / "avx2"
 ROOT = HERE.parent
 MODULE = "k3_backends._k3avx2"
-CFLAGS = ["-std=gnu11", "-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fno-fast-math", "-fopenmp"]
-LDFLAGS = ["-fopenmp", "-pthread"]
+CFLAGS = ["-std=gnu11", "-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fno-fast-math", "-pthread"]
+LDFLAGS = ["-pthread"]
 SOURCES = sorted(p.name for p in SRC.glob("*.[ch]"))
 
 

@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import importlib
-import os
 import platform
 import subprocess
 from pathlib import Path
@@ -98,18 +97,8 @@ def contract_values() -> list[float]:
     return [float(v) for v in (*head, *C.EXP_COEF, *C.EXPM1_COEF, *C.E2M1, *C.E8M0)]
 
 
-#: how long an idle OpenMP worker of the module spins before it sleeps (libgomp reads it when
-#: the module loads it). libgomp's default spins for milliseconds after every region; on a
-#: two-core machine that worker then holds the core the matrix products' own pool needs (a
-#: prefill profile: 7.9 % of all samples spinning, the pool's helper on 63 % of a core).
-#: Measured, quiet, three alternating pairs of a 128-id medium prefill: 4.79 / 3.94 / 4.55 s
-#: with the default, 3.54 / 3.61 / 3.49 s with this. A value in the environment wins.
-GOMP_SPINCOUNT = "10000"
-
-
 def load_module():
     """Import the compiled module (call only after :func:`check_cpu` said yes)."""
-    os.environ.setdefault("GOMP_SPINCOUNT", GOMP_SPINCOUNT)
     return importlib.import_module(COMPILED_MODULE)
 
 

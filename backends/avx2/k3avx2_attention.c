@@ -5,6 +5,41 @@
 #include "k3avx2_internal.h"
 
 /* ---- shortconv: per channel, float32 ------------------------------------------------- */
+typedef struct {
+    const float *x, *w;
+    int64_t T, C, K, c0; /* c0: the first channel of the scalar loop */
+    float *hist, *y;
+} conv_job;
+
+/* Blocks [b0, b1) of eight channels. */
+static void conv8_fn(void *ctx, int64_t b0, int64_t b1) {
+    const conv_job *j = (const conv_job *)ctx;
+    const int64_t K = j->K;
+    for (int64_t b = b0; b < b1; ++b)
+        k3__shortconv8(j->x + 8 * b, j->T, j->C, j->w + 8 * b * K, K, j->hist + 8 * b * (K - 1),
+                       j->y + 8 * b);
+}
+
+/* Channels c0 + [i0, i1), one at a time. */
+static void conv1_fn(void *ctx, int64_t i0, int64_t i1) {
+    const conv_job *j = (const conv_job *)ctx;
+    const int64_t T = j->T, C = j->C, K = j->K;
+    for (int64_t c = j->c0 + i0; c < j->c0 + i1; ++c) {
+        const float *wc = j->w + c * K;
+        float *hc = j->hist + c * (K - 1);
+        for (int64_t t = 0; t < T; ++t) {
+            float xt = j->x[t * C + c];
+            float acc = wc[K - 1] * xt;
+            for (int64_t i = 0; i < K - 1; ++i) acc = acc + wc[i] * hc[i];
+            if (K > 1) {
+                for (int64_t i = 0; i + 1 < K - 1; ++i) hc[i] = hc[i + 1];
+                hc[K - 2] = xt;
+            }
+            j->y[t * C + c] = acc;
+        }
+    }
+}
+
 void k3_shortconv(const float *x, int64_t T, int64_t C, const float *w, int64_t K, float *hist,
                   float *y) {
     /* the sums first, eight channels in the lanes (k3avx2_vexp256.c k3__shortconv8), the
@@ -13,40 +48,41 @@ void k3_shortconv(const float *x, int64_t T, int64_t C, const float *w, int64_t 
      * (several vectors' chains side by side; taken per eight channels as they came, one
      * pair of chains ran at a time and the core waited on their latency) */
     const int64_t vec = K >= 1 && K <= K3_CONV_KMAX ? C / 8 : 0;
-    K3_PARALLEL_FOR(K3_BIG(C * T * K, K3_PAR_ELEMENTS))
-    for (int64_t b = 0; b < vec; ++b)
-        k3__shortconv8(x + 8 * b, T, C, w + 8 * b * K, K, hist + 8 * b * (K - 1), y + 8 * b);
-    K3_PARALLEL_FOR(K3_BIG((C - 8 * vec) * T * K, K3_PAR_ELEMENTS))
-    for (int64_t c = 8 * vec; c < C; ++c) {
-        const float *wc = w + c * K;
-        float *hc = hist + c * (K - 1);
-        for (int64_t t = 0; t < T; ++t) {
-            float xt = x[t * C + c];
-            float acc = wc[K - 1] * xt;
-            for (int64_t j = 0; j < K - 1; ++j) acc = acc + wc[j] * hc[j];
-            if (K > 1) {
-                for (int64_t j = 0; j + 1 < K - 1; ++j) hc[j] = hc[j + 1];
-                hc[K - 2] = xt;
-            }
-            y[t * C + c] = acc;
-        }
-    }
+    conv_job j = {x, w, T, C, K, 8 * vec, hist, y};
+    k3__pool_for(K3_BIG(C * T * K, K3_PAR_ELEMENTS), conv8_fn, &j, vec, k3__even_chunk(vec));
+    k3__pool_for(K3_BIG((C - 8 * vec) * T * K, K3_PAR_ELEMENTS), conv1_fn, &j, C - 8 * vec,
+                 k3__even_chunk(C - 8 * vec));
     k3_silu(y, T * C, y);
 }
 
 /* ---- kda_gate: alpha = f32(exp_d(lb * sig_d(exp_d(A_log[h]) * (d(z) + d(dt))))) -------- */
+typedef struct {
+    const float *z, *dt_bias, *a_log;
+    int64_t H, D;
+    double lower_bound;
+    float *y;
+} gate_job;
+
+/* (token, head) pairs [p0, p1). */
+static void kda_gate_fn(void *ctx, int64_t p0, int64_t p1) {
+    const gate_job *j = (const gate_job *)ctx;
+    const int64_t H = j->H, D = j->D, P = H * D;
+    for (int64_t tp = p0; tp < p1; ++tp) {
+        int64_t t = tp / H, h = tp % H;
+        double a = k3_exp_d((double)j->a_log[h]);
+        const float *z = j->z + t * P + h * D, *dt = j->dt_bias + h * D;
+        float *y = j->y + t * P + h * D;
+        if (g_avx512)
+            k3__kda_gate512(z, dt, a, j->lower_bound, D, y);
+        else
+            k3__kda_gate256(z, dt, a, j->lower_bound, D, y);
+    }
+}
+
 void k3_kda_gate(const float *z, int64_t T, int64_t H, int64_t D, const float *dt_bias,
                  const float *a_log, double lower_bound, float *y) {
-    const int64_t P = H * D;
-    K3_PARALLEL_FOR(K3_BIG(T * P, K3_PAR_ELEMENTS))
-    for (int64_t tp = 0; tp < T * H; ++tp) {
-        int64_t t = tp / H, h = tp % H;
-        double a = k3_exp_d((double)a_log[h]);
-        if (g_avx512)
-            k3__kda_gate512(z + t * P + h * D, dt_bias + h * D, a, lower_bound, D, y + t * P + h * D);
-        else
-            k3__kda_gate256(z + t * P + h * D, dt_bias + h * D, a, lower_bound, D, y + t * P + h * D);
-    }
+    gate_job j = {z, dt_bias, a_log, H, D, lower_bound, y};
+    k3__pool_for(K3_BIG(T * H * D, K3_PAR_ELEMENTS), kda_gate_fn, &j, T * H, k3__even_chunk(T * H));
 }
 
 /* Column lane sums: out[j] = f32(lsum_i d(a_i) * d(M[i, j])) for every column j, lanes
@@ -313,42 +349,54 @@ static void softmax_f32(const float *score, int64_t n, double *e, float *p) {
 }
 
 /* ---- mla_attention: queries at pos0 + t attend to positions s <= pos0 + t ------------ */
+typedef struct {
+    const float *q, *k_nope, *k_rope, *v;
+    int64_t H, n, r, dv, pos0;
+    double scale;
+    float *out;
+    atomic_int err;
+} mla_job;
+
+/* (token, head) pairs [i0, i1), with scratch of their own (a claim is one pair: later
+ * tokens attend to more positions, so claims of one balance the threads). */
+static void mla_fn(void *ctx, int64_t i0, int64_t i1) {
+    mla_job *j = (mla_job *)ctx;
+    const int64_t H = j->H, n = j->n, r = j->r, dv = j->dv, qh = n + r;
+    const int64_t npos = j->pos0 + (i1 - 1) / H + 1; /* the claim's longest row */
+    float *score = (float *)k3__alloc((size_t)npos * sizeof(float) * 2);
+    double *e = (double *)k3__alloc((size_t)npos * sizeof(double));
+    double *acc = (double *)k3__alloc((size_t)(32 * dv) * sizeof(double));
+    double *qd = (double *)k3__alloc((size_t)((qh + 31) & ~(int64_t)31) * sizeof(double));
+    if (score && e && acc && qd) {
+        for (int64_t th = i0; th < i1; ++th) {
+            int64_t t = th / H, h = th % H, len = j->pos0 + t + 1;
+            float *p = score + npos;
+            const float *qv = j->q + (t * H + h) * qh;
+            for (int64_t i = 0; i < ((qh + 31) & ~(int64_t)31); ++i)
+                qd[i] = i < qh ? (double)qv[i] : 0.0;
+            for (int64_t s = 0; s < len; ++s)
+                score[s] = (float)(dot_split(qd, j->k_nope + (s * H + h) * n, n,
+                                             j->k_rope + s * r, r) * j->scale);
+            softmax_f32(score, len, e, p);
+            lane_colsum(p, j->v + h * dv, len, dv, H * dv, acc, j->out + (t * H + h) * dv);
+        }
+    } else {
+        atomic_store(&j->err, 1);
+    }
+    k3__free(score);
+    k3__free(e);
+    k3__free(acc);
+    k3__free(qd);
+}
+
 int k3_mla_attention(const float *q, const float *k_nope, const float *k_rope, const float *v,
                      int64_t T, int64_t H, int64_t n, int64_t r, int64_t dv, int64_t S,
                      int64_t pos0, double scale, float *out) {
     (void)S; /* the caller checked pos0 + T <= S */
     const int64_t npos = pos0 + T, qh = n + r;
-    int err = 0;
-#pragma omp parallel num_threads(k3__threads()) if (K3_BIG(T * H * npos * qh, K3_PAR_ATTENTION))
-    {
-        float *score = (float *)k3__alloc((size_t)npos * sizeof(float) * 2);
-        double *e = (double *)k3__alloc((size_t)npos * sizeof(double));
-        double *acc = (double *)k3__alloc((size_t)(32 * dv) * sizeof(double));
-        double *qd = (double *)k3__alloc((size_t)((qh + 31) & ~(int64_t)31) * sizeof(double));
-        if (!score || !e || !acc || !qd) {
-#pragma omp atomic write
-            err = 1;
-        }
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t th = 0; th < T * H; ++th) {
-            if (!score || !e || !acc || !qd) continue;
-            int64_t t = th / H, h = th % H, len = pos0 + t + 1;
-            float *p = score + npos;
-            const float *qv = q + (t * H + h) * qh;
-            for (int64_t i = 0; i < ((qh + 31) & ~(int64_t)31); ++i)
-                qd[i] = i < qh ? (double)qv[i] : 0.0;
-            for (int64_t s = 0; s < len; ++s)
-                score[s] = (float)(dot_split(qd, k_nope + (s * H + h) * n, n, k_rope + s * r, r) *
-                                   scale);
-            softmax_f32(score, len, e, p);
-            lane_colsum(p, v + h * dv, len, dv, H * dv, acc, out + (t * H + h) * dv);
-        }
-        k3__free(score);
-        k3__free(e);
-        k3__free(acc);
-        k3__free(qd);
-    }
-    return err ? K3_ENOMEM : 0;
+    mla_job j = {q, k_nope, k_rope, v, H, n, r, dv, pos0, scale, out, 0};
+    k3__pool_for(K3_BIG(T * H * npos * qh, K3_PAR_ATTENTION), mla_fn, &j, T * H, 1);
+    return atomic_load(&j.err) ? K3_ENOMEM : 0;
 }
 
 /* ---- mla_latent_attention: absorbed MLA over the latent cache ------------------------
@@ -448,106 +496,129 @@ K3_AVX512 static void lane_colsum512(const float *a, const float *M, int64_t row
     colsum_end512(acc, m, out, rows);
 }
 
-int k3_mla_latent_attention(const float *q, const float *cache, const void *w, int kind,
-                            int64_t T, int64_t H, int64_t n, int64_t C, int64_t r, int64_t dv,
-                            int64_t pos0, double scale, float *out) {
-    const int64_t npos = pos0 + T, cr = C + r, qh = n + r, hw = n + dv;
+typedef struct {
+    const float *q, *cache;
+    const void *w;
+    int kind;
+    int64_t H, n, C, r, dv, pos0;
+    double scale;
+    float *out;
+    atomic_int err;
+} latent_job;
+
+/* (token, head) pairs [i0, i1), with scratch of their own (one pair a claim, as mla_fn). */
+static void latent_fn(void *ctx, int64_t i0, int64_t i1) {
+    latent_job *j = (latent_job *)ctx;
+    const int64_t H = j->H, n = j->n, C = j->C, r = j->r, dv = j->dv;
+    const int64_t cr = C + r, qh = n + r, hw = n + dv, kind = j->kind;
     const int64_t cpad = (C + 31) & ~(int64_t)31;
     const size_t esz = kind == K3_W_BF16 ? sizeof(uint16_t) : sizeof(float);
     const int wide = g_avx512; /* k3_use_avx512: the AVX-512 lane updates and score dot */
-    int err = 0;
-#pragma omp parallel num_threads(k3__threads()) \
-    if (K3_BIG(T * H * (npos * (2 * C + r) + hw * C), K3_PAR_ATTENTION))
-    {
-        float *score = (float *)k3__alloc((size_t)npos * sizeof(float) * 2);
-        double *e = (double *)k3__alloc((size_t)npos * sizeof(double));
-        double *acc = (double *)k3__alloc((size_t)(32 * C) * sizeof(double));
-        float *qq = (float *)k3__alloc((size_t)(cr + C) * sizeof(float));
-        double *od = (double *)k3__alloc((size_t)cpad * sizeof(double));
-        int ok = score && e && acc && qq && od;
-        if (!ok) {
-#pragma omp atomic write
-            err = 1;
-        }
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t th = 0; th < T * H; ++th) {
-            if (!ok) continue;
-            int64_t t = th / H, h = th % H, len = pos0 + t + 1;
+    const int64_t npos = j->pos0 + (i1 - 1) / H + 1; /* the claim's longest row */
+    float *score = (float *)k3__alloc((size_t)npos * sizeof(float) * 2);
+    double *e = (double *)k3__alloc((size_t)npos * sizeof(double));
+    double *acc = (double *)k3__alloc((size_t)(32 * C) * sizeof(double));
+    float *qq = (float *)k3__alloc((size_t)(cr + C) * sizeof(float));
+    double *od = (double *)k3__alloc((size_t)cpad * sizeof(double));
+    if (score && e && acc && qq && od) {
+        for (int64_t th = i0; th < i1; ++th) {
+            int64_t t = th / H, h = th % H, len = j->pos0 + t + 1;
             float *p = score + npos, *olat = qq + cr;
-            const float *qv = q + (t * H + h) * qh;
-            const char *wh = (const char *)w + (size_t)(h * hw) * (size_t)C * esz;
+            const float *qv = j->q + (t * H + h) * qh;
+            const char *wh = (const char *)j->w + (size_t)(h * hw) * (size_t)C * esz;
             colsum_begin(acc, C, n);
             if (wide) {
                 for (int64_t i = 0; i < n; ++i)
-                    colsum_add512(acc, C, i, qv[i], wh + (size_t)(i * C) * esz, kind);
+                    colsum_add512(acc, C, i, qv[i], wh + (size_t)(i * C) * esz, (int)kind);
                 colsum_end512(acc, C, qq, n);
             } else {
                 for (int64_t i = 0; i < n; ++i)
-                    colsum_add_w(acc, C, i, qv[i], wh + (size_t)(i * C) * esz, kind);
+                    colsum_add_w(acc, C, i, qv[i], wh + (size_t)(i * C) * esz, (int)kind);
                 colsum_end(acc, C, qq, n);
             }
-            for (int64_t j = 0; j < r; ++j) qq[C + j] = qv[n + j];
+            for (int64_t i = 0; i < r; ++i) qq[C + i] = qv[n + i];
             for (int64_t s = 0; s < len; ++s)
-                score[s] = (float)((wide ? dot512_f32(qq, cache + s * cr, cr)
-                                         : k3_dot_f32(qq, cache + s * cr, cr)) * scale);
+                score[s] = (float)((wide ? dot512_f32(qq, j->cache + s * cr, cr)
+                                         : k3_dot_f32(qq, j->cache + s * cr, cr)) * j->scale);
             softmax_f32(score, len, e, p);
             if (wide)
-                lane_colsum512(p, cache, len, C, cr, acc, olat);
+                lane_colsum512(p, j->cache, len, C, cr, acc, olat);
             else
-                lane_colsum(p, cache, len, C, cr, acc, olat);
+                lane_colsum(p, j->cache, len, C, cr, acc, olat);
             for (int64_t c = 0; c < cpad; ++c) od[c] = c < C ? (double)olat[c] : 0.0;
-            float *o = out + (t * H + h) * dv;
-            for (int64_t j = 0; j < dv; ++j) {
-                const char *row = wh + (size_t)((n + j) * C) * esz;
-                o[j] = kind == K3_W_BF16 ? row_bf16((const uint16_t *)row, C, od)
+            float *o = j->out + (t * H + h) * dv;
+            for (int64_t i = 0; i < dv; ++i) {
+                const char *row = wh + (size_t)((n + i) * C) * esz;
+                o[i] = kind == K3_W_BF16 ? row_bf16((const uint16_t *)row, C, od)
                                          : row_f32((const float *)row, C, od);
             }
         }
-        k3__free(score);
-        k3__free(e);
-        k3__free(acc);
-        k3__free(qq);
-        k3__free(od);
+    } else {
+        atomic_store(&j->err, 1);
     }
-    return err ? K3_ENOMEM : 0;
+    k3__free(score);
+    k3__free(e);
+    k3__free(acc);
+    k3__free(qq);
+    k3__free(od);
+}
+
+int k3_mla_latent_attention(const float *q, const float *cache, const void *w, int kind,
+                            int64_t T, int64_t H, int64_t n, int64_t C, int64_t r, int64_t dv,
+                            int64_t pos0, double scale, float *out) {
+    const int64_t npos = pos0 + T, hw = n + dv;
+    latent_job j = {q, cache, w, kind, H, n, C, r, dv, pos0, scale, out, 0};
+    k3__pool_for(K3_BIG(T * H * (npos * (2 * C + r) + hw * C), K3_PAR_ATTENTION), latent_fn, &j,
+                 T * H, 1);
+    return atomic_load(&j.err) ? K3_ENOMEM : 0;
 }
 
 /* ---- attn_res: softmax over sources of f32(dot(rmsnorm(src_s), fold)) ------------------ */
 #define AR_COLS 256 /* output columns accumulated at a time (32 x 256 doubles of lanes) */
 
-int k3_attn_res(const float *src, int64_t S, int64_t T, int64_t E, const float *fold, double eps,
-                float *out) {
-    int err = 0;
-#pragma omp parallel num_threads(k3__threads()) if (K3_BIG(S * T * E, K3_PAR_ATTENTION))
-    {
-        float *key = (float *)k3__alloc((size_t)E * sizeof(float));
-        float *score = (float *)k3__alloc((size_t)S * sizeof(float) * 2);
-        double *e = (double *)k3__alloc((size_t)S * sizeof(double));
-        double *acc = (double *)k3__alloc((size_t)(32 * AR_COLS) * sizeof(double));
-        if (!key || !score || !e || !acc) {
-#pragma omp atomic write
-            err = 1;
-        }
-#pragma omp for schedule(static)
-        for (int64_t t = 0; t < T; ++t) {
-            if (!key || !score || !e || !acc) continue;
+typedef struct {
+    const float *src, *fold;
+    int64_t S, T, E;
+    double eps;
+    float *out;
+    atomic_int err;
+} attn_res_job;
+
+/* Tokens [t0, t1), with scratch of their own. */
+static void attn_res_fn(void *ctx, int64_t t0, int64_t t1) {
+    attn_res_job *j = (attn_res_job *)ctx;
+    const int64_t S = j->S, T = j->T, E = j->E;
+    float *key = (float *)k3__alloc((size_t)E * sizeof(float));
+    float *score = (float *)k3__alloc((size_t)S * sizeof(float) * 2);
+    double *e = (double *)k3__alloc((size_t)S * sizeof(double));
+    double *acc = (double *)k3__alloc((size_t)(32 * AR_COLS) * sizeof(double));
+    if (key && score && e && acc) {
+        for (int64_t t = t0; t < t1; ++t) {
             float *p = score + S;
             for (int64_t s = 0; s < S; ++s) {
-                const float *xs = src + (s * T + t) * E;
-                float inv = (float)(1.0 / sqrt(k3_sumsq_f32(xs, E) / (double)E + eps));
+                const float *xs = j->src + (s * T + t) * E;
+                float inv = (float)(1.0 / sqrt(k3_sumsq_f32(xs, E) / (double)E + j->eps));
                 for (int64_t i = 0; i < E; ++i) key[i] = xs[i] * inv;
-                score[s] = (float)k3_dot_f32(key, fold, E);
+                score[s] = (float)k3_dot_f32(key, j->fold, E);
             }
             softmax_f32(score, S, e, p);
             for (int64_t c0 = 0; c0 < E; c0 += AR_COLS) {
                 int64_t m = E - c0 < AR_COLS ? E - c0 : AR_COLS;
-                lane_colsum(p, src + t * E + c0, S, m, T * E, acc, out + t * E + c0);
+                lane_colsum(p, j->src + t * E + c0, S, m, T * E, acc, j->out + t * E + c0);
             }
         }
-        k3__free(key);
-        k3__free(score);
-        k3__free(e);
-        k3__free(acc);
+    } else {
+        atomic_store(&j->err, 1);
     }
-    return err ? K3_ENOMEM : 0;
+    k3__free(key);
+    k3__free(score);
+    k3__free(e);
+    k3__free(acc);
+}
+
+int k3_attn_res(const float *src, int64_t S, int64_t T, int64_t E, const float *fold, double eps,
+                float *out) {
+    attn_res_job j = {src, fold, S, T, E, eps, out, 0};
+    k3__pool_for(K3_BIG(S * T * E, K3_PAR_ATTENTION), attn_res_fn, &j, T, k3__even_chunk(T));
+    return atomic_load(&j.err) ? K3_ENOMEM : 0;
 }

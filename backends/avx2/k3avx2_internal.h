@@ -18,9 +18,6 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#ifdef _OPENMP
-#include <omp.h>
-#endif
 
 _Static_assert(K3C_LANES == 32, "the SIMD kernels are written for 32 float64 lanes (8 x 4)");
 _Static_assert(K3C_MXFP4_GROUP == 32, "the MXFP4 kernel assumes one scale per 32 columns");
@@ -34,12 +31,13 @@ int k3__threads(void);
  * below (k3_set_force_parallel: the conformance tests use it so that the small test models
  * really run the multi-threaded code). */
 int k3__forced(void);
-/* Parallel-for over independent outputs; `work` says whether spawning threads pays off.
- * Results never depend on the thread count: each output is computed by one thread. */
+/* Parallel loops run over independent outputs on the backend's pool (k3avx2_pool.c,
+ * k3__pool_for); `work` says whether handing a loop to the pool pays off. Results never
+ * depend on the thread count: each output is computed by one thread. */
 /* Work (multiply-adds or elements times ~their cost) below which an op runs on the calling
- * thread: a parallel region costs microseconds on an idle machine, and far more on a busy
- * one, where every team member must be scheduled before the region can end. Every big
- * op of the real model is far above these; the tiny test models stay serial. */
+ * thread: a hand-off costs microseconds on an idle machine, and more on a busy one, where
+ * the helper must be scheduled before it takes a share. Every big op of the real model is
+ * far above these; the tiny test models stay serial. */
 #define K3_PAR_MATMUL (INT64_C(1) << 17)    /* rows * cols * tokens (on the pool: cheap) */
 #define K3_PAR_ELEMENTS (INT64_C(1) << 15)  /* transcendental elements */
 #define K3_PAR_ROWS (INT64_C(1) << 17)      /* norm elements */
@@ -48,9 +46,6 @@ int k3__forced(void);
  * counts the regions that will run on more than one thread (k3_parallel_regions). */
 int k3__par(int big);
 #define K3_BIG(work, threshold) k3__par((work) >= (threshold) || k3__forced())
-#define K3_PRAGMA(x) _Pragma(#x)
-#define K3_PARALLEL_FOR(cond) \
-    K3_PRAGMA(omp parallel for num_threads(k3__threads()) schedule(static) if(cond))
 
 /* The storage kinds of a matrix product's weights. */
 enum k3_wkind { K3_W_BF16, K3_W_F32, K3_W_MXFP4 };

@@ -14,6 +14,12 @@
  * parameters after loading the claim word and commits a chunk with a compare-and-swap of
  * that same word, so it can only ever run a chunk of the job whose parameters it read. One
  * job runs at a time (a second caller, from another OS thread, runs its job serially).
+ *
+ * Every parallel loop of the backend runs here (k3__pool_for), the elementwise ops and the
+ * attention as well as the products: one team of threads, no OpenMP runtime. A second team
+ * (libgomp's) had to be woken for every small op and, idle, spun on the core the pool's
+ * helper needed, and how long it spun was libgomp's choice, fixed by the environment of
+ * whichever library loaded libgomp first in the process.
  */
 #include "k3avx2_internal.h"
 
@@ -134,4 +140,23 @@ static void k3__pool_run(k3_job_fn fn, void *ctx, int64_t n, int64_t chunk, int 
         }
     }
     pthread_mutex_unlock(&g_pool_lock);
+}
+
+/* A loop over the independent items [0, n): on the pool in claims of `chunk` items when
+ * `par` (a K3_BIG verdict) and more than one thread is set, else on the calling thread. */
+static void k3__pool_for(int par, k3_job_fn fn, void *ctx, int64_t n, int64_t chunk) {
+    if (par && k3__threads() > 1)
+        k3__pool_run(fn, ctx, n, chunk, k3__threads());
+    else if (n > 0)
+        fn(ctx, 0, n);
+}
+
+/* Claims for n items of about equal cost: four a thread, so a late helper's share is taken
+ * by the other thread in small pieces; one item a claim when the parallel paths are forced
+ * (the tests' small inputs must reach every thread). */
+static int64_t k3__even_chunk(int64_t n) {
+    if (k3__forced()) return 1;
+    const int64_t parts = 4 * (int64_t)k3__threads();
+    const int64_t c = (n + parts - 1) / parts;
+    return c > 0 ? c : 1;
 }

@@ -1,5 +1,5 @@
-/* k3avx2_runtime.c - thread count, aligned scratch, the memory read
- * bandwidth probe used by the kernel benchmark, and the GIL rendezvous diagnostic. */
+/* k3avx2_runtime.c - thread count, aligned scratch, the memory read bandwidth and FMA
+ * probes used by the kernel benchmark, and the GIL rendezvous diagnostic. */
 #include "k3avx2_internal.h"
 
 #include <pthread.h>
@@ -82,37 +82,110 @@ static double now_s(void) {
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
+/* ---- the machine's ceilings, every thread at once ------------------------------------
+ * The two probes below must run on all `threads` threads at the same time, which the pool
+ * does not promise (a caller takes a late helper's share), so they start a team of their own
+ * threads. Thread 0 is the caller; each pass starts after a barrier that every member has
+ * reached and ends after another, so the thread starts are never timed. */
+#define TEAM_MAX 64
+
+typedef struct k3_team k3_team;
+typedef void (*k3_team_fn)(k3_team *t, int idx);
+struct k3_team {
+    k3_team_fn fn;
+    int threads, repeat;
+    atomic_int go; /* the member count is final: start */
+    pthread_barrier_t bar;
+    double best;
+    /* the read probe */
+    const uint8_t *buf;
+    int64_t blocks;
+    uint64_t part[TEAM_MAX];
+    uint64_t sum;
+    /* the FMA probe */
+    int64_t iters;
+    double fsum[TEAM_MAX];
+    double total;
+};
+
+typedef struct {
+    k3_team *t;
+    int idx;
+} k3_member;
+
+static void *team_member(void *arg) {
+    const k3_member *m = (const k3_member *)arg;
+    while (!atomic_load_explicit(&m->t->go, memory_order_acquire)) {
+        struct timespec ts = {0, 10000};
+        nanosleep(&ts, NULL);
+    }
+    m->t->fn(m->t, m->idx);
+    return NULL;
+}
+
+/* Run t->fn on `threads` threads (fewer if a thread cannot be started: the members wait
+ * until the caller knows how many there are) and wait for all of them. */
+static void team_run(k3_team *t, int threads) {
+    pthread_t th[TEAM_MAX];
+    k3_member mem[TEAM_MAX];
+    if (threads < 1) threads = 1;
+    if (threads > TEAM_MAX) threads = TEAM_MAX;
+    t->best = 1e300;
+    atomic_store(&t->go, 0);
+    int started = 1;
+    for (int i = 1; i < threads; ++i) {
+        mem[i] = (k3_member){t, i};
+        if (pthread_create(&th[i], NULL, team_member, &mem[i]) != 0) break;
+        ++started;
+    }
+    t->threads = started;
+    pthread_barrier_init(&t->bar, NULL, (unsigned)started);
+    atomic_store_explicit(&t->go, 1, memory_order_release);
+    t->fn(t, 0);
+    for (int i = 1; i < started; ++i) pthread_join(th[i], NULL);
+    pthread_barrier_destroy(&t->bar);
+}
+
+/* Each pass: barrier, work, barrier; thread 0 times the span between its two barriers. */
+static void read_member(k3_team *t, int idx) {
+    const int64_t b0 = t->blocks * idx / t->threads, b1 = t->blocks * (idx + 1) / t->threads;
+    for (int rep = 0; rep < t->repeat; ++rep) {
+        pthread_barrier_wait(&t->bar);
+        const double t0 = now_s();
+        __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
+        for (int64_t b = b0; b < b1; ++b) {
+            const __m256i *p = (const __m256i *)(t->buf + (size_t)b * 128);
+            a0 = _mm256_xor_si256(a0, _mm256_load_si256(p));
+            a1 = _mm256_xor_si256(a1, _mm256_load_si256(p + 1));
+            a2 = _mm256_xor_si256(a2, _mm256_load_si256(p + 2));
+            a3 = _mm256_xor_si256(a3, _mm256_load_si256(p + 3));
+        }
+        a0 = _mm256_xor_si256(_mm256_xor_si256(a0, a1), _mm256_xor_si256(a2, a3));
+        t->part[idx] ^= (uint64_t)_mm256_extract_epi64(a0, 0) ^ (uint64_t)_mm256_extract_epi64(a0, 1) ^
+                        (uint64_t)_mm256_extract_epi64(a0, 2) ^ (uint64_t)_mm256_extract_epi64(a0, 3);
+        pthread_barrier_wait(&t->bar);
+        if (idx == 0) {
+            const double dt = now_s() - t0;
+            if (dt < t->best) t->best = dt;
+        }
+    }
+}
+
 /* Read `nbytes` of `buf` (64-byte aligned, a multiple of 128) `repeat` times with the
  * current thread count, each thread streaming its own contiguous slice with 256-bit loads
  * (an XOR reduction the compiler cannot drop). Returns the best seconds per pass. */
 double k3_read_bandwidth(const uint8_t *buf, size_t nbytes, int repeat, uint64_t *checksum) {
-    double best = 1e300;
+    k3_team t;
+    memset(&t, 0, sizeof t);
+    t.fn = read_member;
+    t.repeat = repeat < 1 ? 1 : repeat;
+    t.buf = buf;
+    t.blocks = (int64_t)(nbytes / 128);
+    team_run(&t, k3__threads());
     uint64_t sum = 0;
-    int64_t blocks = (int64_t)(nbytes / 128);
-    for (int rep = 0; rep < (repeat < 1 ? 1 : repeat); ++rep) {
-        double t0 = now_s();
-        uint64_t total = 0;
-#pragma omp parallel num_threads(k3__threads()) reduction(^ : total)
-        {
-            __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
-#pragma omp for schedule(static)
-            for (int64_t b = 0; b < blocks; ++b) {
-                const __m256i *p = (const __m256i *)(buf + (size_t)b * 128);
-                a0 = _mm256_xor_si256(a0, _mm256_load_si256(p));
-                a1 = _mm256_xor_si256(a1, _mm256_load_si256(p + 1));
-                a2 = _mm256_xor_si256(a2, _mm256_load_si256(p + 2));
-                a3 = _mm256_xor_si256(a3, _mm256_load_si256(p + 3));
-            }
-            a0 = _mm256_xor_si256(_mm256_xor_si256(a0, a1), _mm256_xor_si256(a2, a3));
-            total ^= (uint64_t)_mm256_extract_epi64(a0, 0) ^ (uint64_t)_mm256_extract_epi64(a0, 1) ^
-                     (uint64_t)_mm256_extract_epi64(a0, 2) ^ (uint64_t)_mm256_extract_epi64(a0, 3);
-        }
-        double dt = now_s() - t0;
-        if (dt < best) best = dt;
-        sum ^= total;
-    }
+    for (int i = 0; i < t.threads; ++i) sum ^= t.part[i];
     if (checksum) *checksum = sum;
-    return best;
+    return t.best;
 }
 
 /* The float64 FMA ceiling of the matrix products: every thread runs twelve independent
@@ -141,19 +214,31 @@ K3_FMA_CHAINS(fma_chains256, "avx2,fma", __m256d, _mm256_set1_pd, _mm256_fmadd_p
               _mm256_storeu_pd, 4)
 #undef K3_FMA_CHAINS
 
-double k3_fma_peak(int64_t iters, int repeat, double *sink) {
-    double best = 1e300, total = 0.0;
+static void fma_member(k3_team *t, int idx) {
     const int wide = k3_has_avx512();
-    for (int rep = 0; rep < (repeat < 1 ? 1 : repeat); ++rep) {
-        double t0 = now_s(), s = 0.0;
-#pragma omp parallel num_threads(k3__threads()) reduction(+ : s)
-        s += wide ? fma_chains512(iters) : fma_chains256(iters);
-        double dt = now_s() - t0;
-        if (dt < best) best = dt;
-        total += s;
+    for (int rep = 0; rep < t->repeat; ++rep) {
+        pthread_barrier_wait(&t->bar);
+        const double t0 = now_s();
+        t->fsum[idx] += wide ? fma_chains512(t->iters) : fma_chains256(t->iters);
+        pthread_barrier_wait(&t->bar);
+        if (idx == 0) {
+            const double dt = now_s() - t0;
+            if (dt < t->best) t->best = dt;
+        }
     }
+}
+
+double k3_fma_peak(int64_t iters, int repeat, double *sink) {
+    k3_team t;
+    memset(&t, 0, sizeof t);
+    t.fn = fma_member;
+    t.repeat = repeat < 1 ? 1 : repeat;
+    t.iters = iters;
+    team_run(&t, k3__threads());
+    double total = 0.0;
+    for (int i = 0; i < t.threads; ++i) total += t.fsum[i];
     if (sink) *sink = total;
-    return best;
+    return t.best;
 }
 
 /* Diagnostic for the GIL: each of `parties` Python threads calls this; each call checks in

@@ -13,8 +13,11 @@ with at most one NaN source per output is compared byte for byte.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -446,6 +449,54 @@ def test_gil_is_released():
     for t in threads:
         t.join()
     assert results == [1, 1]
+
+
+def test_the_module_brings_no_openmp_runtime(tmp_path):
+    """Every parallel loop runs on the module's own pool: loading it, first in a fresh
+    process, maps no OpenMP runtime (whose idle workers would spin on the pool's cores, for
+    as long as whichever library loaded it first had set)."""
+    if not Path("/proc/self/maps").exists():
+        pytest.skip("needs /proc/self/maps")
+    code = (
+        "import k3_backends._k3avx2 as m\n"
+        "m.lib.k3_set_threads(2); m.lib.k3_set_force_parallel(1)\n"
+        "x = m.ffi.new('float[]', [0.5] * 4096); y = m.ffi.new('float[]', 4096)\n"
+        "m.lib.k3_sigmoid(x, 4096, y); m.lib.k3_rmsnorm(x, 8, 512, m.ffi.NULL, 1e-5, y)\n"
+        "assert m.lib.k3_parallel_regions() >= 2\n"
+        "maps = open('/proc/self/maps').read()\n"
+        "print([ln.split()[-1] for ln in maps.splitlines() if 'gomp' in ln or 'libomp' in ln])\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_ceiling_probes_run_on_every_thread(threads):
+    """The read and FMA probes of the benchmarks start all their threads at once: every
+    thread reads its slice (the checksum is the XOR of every word) and runs its chains (the
+    sink counts each thread's)."""
+    mod = avx2_probe.load_module()
+    mod.lib.k3_set_threads(threads)
+    try:
+        words = np.random.default_rng(3).integers(0, 2**63, 1 << 14, dtype=np.uint64)
+        buf = np.empty(words.nbytes + 64, dtype=np.uint8)
+        off = (-buf.ctypes.data) % 64
+        view = buf[off : off + words.nbytes]
+        view[:] = words.view(np.uint8)
+        check = mod.ffi.new("uint64_t *")
+        for repeat in (1, 3):
+            secs = mod.lib.k3_read_bandwidth(mod.ffi.from_buffer(view), view.size, repeat, check)
+            assert secs > 0
+            assert int(check[0]) == int(np.bitwise_xor.reduce(words))
+        sink = mod.ffi.new("double *")
+        assert mod.lib.k3_fma_peak(1000, 2, sink) > 0
+        one = mod.ffi.new("double *")
+        mod.lib.k3_set_threads(1)
+        mod.lib.k3_fma_peak(1000, 1, one)
+        assert sink[0] == pytest.approx(2 * threads * one[0], rel=1e-12)
+    finally:
+        mod.lib.k3_set_threads(1)
 
 
 def test_default_threads_from_environment(monkeypatch):
