@@ -8,11 +8,16 @@ identically everywhere, so the logits are a function of the weights and the ids 
 
 from __future__ import annotations
 
+import concurrent.futures
 import math
+import sys
+import weakref
 from collections.abc import Callable
+from concurrent.futures import Future
 
 import numpy as np
 
+from k3core.api.daemon_executor import DaemonExecutor
 from k3core.api.errors import K3Error, UsageError
 from k3core.api.experts import ExpertExecutor, ExpertSource, ExpertWeights
 from k3core.api.kernels import F32, U16, KernelBackend, Mxfp4
@@ -27,6 +32,15 @@ LayerHook = Callable[[int, np.ndarray], None]
 #: what ``--lookahead on`` means: the approximation that measured best (docs/expert-cache.md)
 LOOKAHEAD_ON = "out"
 LOOKAHEAD_MODES = ("off", "attn", "out")
+#: From this many tokens in a pass, a MoE layer schedules its routed experts' reads (the cache
+#: walk, the reads submitted, the next layer's guessed reads) on a side thread while the
+#: calling thread runs the shared experts, and waits for the scheduling before it serves an
+#: expert. The walk is Python and the shared experts release the GIL, so the two overlap; in
+#: a fresh engine's first 128-id medium prefill the walk is every expert a miss, about 4 ms a
+#: layer that the kernels' helper thread otherwise spent idle. The reads, their order and
+#: every sum are the same either way. A one-token step's walk is a few microseconds, less
+#: than the hand-off, so it stays on the calling thread.
+SIDE_SCHEDULE_TOKENS = 16
 
 
 def lookahead_mode(value: str) -> str:
@@ -74,6 +88,7 @@ class Model:
         self.prefill_chunk: int | None = None
         #: the number of passes the last forward took (1 unless it was chunked)
         self.chunks_last = 0
+        self._side: DaemonExecutor | None = None  # see SIDE_SCHEDULE_TOKENS
 
     # ---- top level ------------------------------------------------------------------------
     def forward(self, ids: np.ndarray, state: SequenceState, all_logits: bool = False,
@@ -190,6 +205,21 @@ class Model:
                           c.routed_scale)
         return layer, [int(e) for e in idx.reshape(-1)]
 
+    def _side_thread(self) -> DaemonExecutor:
+        """The thread that schedules a MoE layer's expert reads beside its shared experts
+        (started on first use, stopped by :meth:`close` or when the model is collected)."""
+        if self._side is None:
+            self._side = DaemonExecutor("k3-moe-schedule")
+            weakref.finalize(self, self._side.shutdown, False)
+        return self._side
+
+    def close(self) -> None:
+        """Stop the side thread, if one was started (the model stays usable: a later pass
+        starts another)."""
+        side, self._side = self._side, None
+        if side is not None:
+            side.shutdown(wait=True)
+
     def _submit_guess(self) -> None:
         g, self._guess = self._guess, None
         if g is not None:
@@ -273,18 +303,32 @@ class Model:
         idx, w = k.router(logits, p[pre + "gate.e_score_correction_bias"], c.topk, c.moe_renorm, c.routed_scale)
         requests = [int(e) for e in idx.reshape(-1)]
         remote = self.executor.submit(p.layer, idx, z) if self.executor is not None else None
-        if remote is None:
-            self.experts.prefetch(p.layer, requests)
-            self._submit_guess()  # queued behind this layer's own reads
-        shared = None
-        if c.n_shared > 0:
-            shared = self.situ_mlp(
-                p[pre + "shared_experts.gate_proj.weight"],
-                p[pre + "shared_experts.up_proj.weight"],
-                p[pre + "shared_experts.down_proj.weight"],
-                x,
-            )
         T = x.shape[0]
+        side: Future[None] | None = None
+        if remote is None:
+            def schedule() -> None:
+                self.experts.prefetch(p.layer, requests)
+                self._submit_guess()  # queued behind this layer's own reads
+
+            if c.n_shared > 0 and T >= SIDE_SCHEDULE_TOKENS:
+                side = self._side_thread().submit(schedule)
+            else:
+                schedule()
+        shared = None
+        try:
+            if c.n_shared > 0:
+                shared = self.situ_mlp(
+                    p[pre + "shared_experts.gate_proj.weight"],
+                    p[pre + "shared_experts.up_proj.weight"],
+                    p[pre + "shared_experts.down_proj.weight"],
+                    x,
+                )
+        finally:
+            if side is not None:  # the reads are scheduled before anything else touches the cache
+                if sys.exc_info()[0] is None:
+                    side.result()
+                else:  # already failing: wait for the scheduling, keep the first error
+                    concurrent.futures.wait([side])
         if remote is not None:
             outs = remote()  # the workers' outputs, waited for after the shared experts
         else:

@@ -99,6 +99,7 @@ class Bound:
         if self.closed:
             return
         self.closed = True
+        self.model.close()
         self.experts.close()
         self.model.trunk.close()
         self.index.close()

@@ -28,7 +28,8 @@ Invariants, all under one condition variable:
   go first (k3core/api/read_priority.py);
 * a trunk packed with a codec is read as encoded windows in aligned chunks, decoded into
   the slot (or pinned buffer) by the thread that reads it, with a daemon prefetch thread
-  reading the next chunk meanwhile (:mod:`k3core.trunk.windows`); the reader thread's chunks,
+  (k3core/api/daemon_executor.py) reading the next chunk meanwhile
+  (:mod:`k3core.trunk.windows`); the reader thread's chunks,
   like its raw pieces, go after the routed experts' reads in flight; the checksum is that of
   the decoded bytes, checked as above, and a window that does not decode fails the read
   the same way (``CheckpointError`` naming layer and window, never served).
@@ -48,6 +49,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from k3core.api.daemon_executor import DaemonExecutor
 from k3core.api.errors import CheckpointError, K3Error, StorageError
 from k3core.api.prefault import hugepage_buffer, prefault
 from k3core.api.read_priority import AHEAD_PIECE_BYTES, DEMAND
@@ -64,7 +66,6 @@ from k3core.trunk.manifest import TrunkLayer, TrunkManifest
 from k3core.trunk.parts import LayerPart, LayerSplit, split_layer
 from k3core.trunk.plan import DEFAULT_RING, TrunkPlan, plan_trunk
 from k3core.trunk.windows import (
-    Prefetcher,
     Window,
     decoded_windows,
     in_place_offset,
@@ -234,7 +235,7 @@ class StreamedTrunk(TrunkSource):
         self._slack = (max((w.nbytes for L in range(n) for w in manifest.layers[L].windows),
                            default=0) + 3 * ALIGN) if manifest.compressed else 0
         #: reads the next chunk of encoded windows while the current one decodes
-        self._prefetch = Prefetcher() if manifest.compressed else None
+        self._prefetch = DaemonExecutor("k3-trunk-prefetch") if manifest.compressed else None
         self._file: StorageFile | None = _open(storage, manifest)
         self._cond = threading.Condition()
         self._stop = threading.Event()

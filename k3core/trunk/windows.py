@@ -22,14 +22,10 @@ the caller checks exactly as for an uncompressed trunk.
 from __future__ import annotations
 
 import contextlib
-import functools
-import queue
-import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
@@ -163,44 +159,6 @@ def in_place_offset(windows: tuple[Window, ...], start: int, size: int) -> int |
         if w.raw_off + w.raw_len - start > at + w.off - base:
             return None
     return at
-
-
-class Prefetcher(Executor):
-    """A one-thread executor on a daemon thread: a read stuck in the kernel can never keep
-    the process from exiting (``ThreadPoolExecutor`` joins its threads at exit)."""
-
-    def __init__(self, name: str = "k3-trunk-prefetch"):
-        self._jobs: queue.SimpleQueue[tuple[Future[Any], Callable[..., Any], tuple[Any, ...]]
-                                      | None] = queue.SimpleQueue()
-        self._name = name
-        self._thread: threading.Thread | None = None
-        self._closed = False
-
-    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:
-        if self._closed:
-            raise RuntimeError("prefetcher is shut down")
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
-            self._thread.start()
-        fut: Future[Any] = Future()
-        self._jobs.put((fut, functools.partial(fn, **kwargs) if kwargs else fn, args))
-        return fut
-
-    def _run(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            fut, fn, args = job
-            if fut.set_running_or_notify_cancel():
-                try:
-                    fut.set_result(fn(*args))
-                except BaseException as exc:  # noqa: BLE001 - handed to the waiting caller
-                    fut.set_exception(exc)
-
-    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
-        self._closed = True
-        self._jobs.put(None)
-        t = self._thread
-        if wait and t is not None and t is not threading.current_thread():
-            t.join(5.0)
 
 
 def decoded_windows(

@@ -366,9 +366,9 @@ def test_a_failed_window_read_is_raised_and_never_served(coded, sizes, ring) -> 
 def test_the_prefetcher_hands_back_results_and_errors_and_stops() -> None:
     import threading
 
-    from k3core.trunk.windows import Prefetcher
+    from k3core.api.daemon_executor import DaemonExecutor
 
-    p = Prefetcher()
+    p = DaemonExecutor("k3-trunk-prefetch")
     assert p.submit(lambda a, b: a + b, 2, 3).result(5) == 5
     boom = p.submit(lambda: 1 / 0)
     with pytest.raises(ZeroDivisionError):

@@ -1,0 +1,93 @@
+"""A MoE layer of many tokens schedules its expert reads on a side thread while the shared
+experts run (``SIDE_SCHEDULE_TOKENS`` in k3core/model/forward.py): the same ids and logit
+bytes as scheduling them inline, on every kernel backend that runs here, under a small
+cache (misses, evictions, reuse) with and without router lookahead; the thread really takes
+the work and is gone when the run ends; an error on it is the run's error, never a hang."""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+from typer.testing import CliRunner
+
+from k3core.api.daemon_executor import DaemonExecutor
+from k3core.cli.app import app
+from k3core.model import forward
+from k3core.model.config import ModelConfig
+from k3core.model.shapes import size_config
+from k3core.model.sizes import slot_bytes
+from k3core.plugins.registry import get_registry
+from k3core.testing.disk import disk_tmpdir
+from k3core.tools.synth.writer import synthesize
+
+runner = CliRunner()
+PROMPT = ",".join(str((7 * i + 3) % 97) for i in range(24))  # 24 ids: the side path at 16
+BACKENDS = sorted(n for n in get_registry().names("kernel") if get_registry().probe("kernel", n).ok)
+CACHE_GB = f"{(10 * slot_bytes(6528) + 1) / 1e9:.9f}"  # 10 slots of a 6,528-byte expert
+
+
+@pytest.fixture(scope="module")
+def work():
+    with disk_tmpdir("k3-side-schedule-") as d:
+        yield d
+
+
+@pytest.fixture(scope="module")
+def model(work: Path) -> Path:
+    cfg = ModelConfig.from_json_dict(size_config("tiny", {"num_experts": 32, "num_experts_per_token": 4}))
+    assert cfg.n_shared > 0  # the side thread runs beside the shared experts
+    return synthesize(work / "tiny32", cfg, 5)
+
+
+class CountingExecutor(DaemonExecutor):
+    submitted = 0
+
+    def submit(self, fn: Any, /, *args: Any, **kwargs: Any) -> Any:
+        CountingExecutor.submitted += 1
+        return super().submit(fn, *args, **kwargs)
+
+
+def run(model: Path, work: Path, tag: str, *extra: str) -> dict[str, Any]:
+    out, logits = work / f"{tag}.json", work / f"{tag}.logits"
+    res = runner.invoke(app, ["run", str(model), "--ids", PROMPT, "--gen", "4", "--cache-gb", CACHE_GB,
+                              "--out", str(out), "--dump-logits", str(logits), *extra])
+    assert res.exit_code == 0, res.output
+    rec = json.loads(out.read_text())
+    rec["logits"] = logits.read_bytes()
+    return rec
+
+
+@pytest.mark.parametrize("lookahead", ["off", "out"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_side_scheduling_gives_the_inline_bits(model, work, monkeypatch, backend, lookahead):
+    args = ("--backend", backend, "--lookahead", lookahead)
+    monkeypatch.setattr(forward, "SIDE_SCHEDULE_TOKENS", 10**9)
+    inline = run(model, work, f"inline-{backend}-{lookahead}", *args)
+    monkeypatch.setattr(forward, "SIDE_SCHEDULE_TOKENS", 1)  # every pass, decode steps too
+    monkeypatch.setattr(forward, "DaemonExecutor", CountingExecutor)
+    before = CountingExecutor.submitted
+    side = run(model, work, f"side-{backend}-{lookahead}", *args)
+    assert CountingExecutor.submitted - before >= 4 * (ModelConfig.from_json_dict(
+        json.loads((model / "config.json").read_text())).n_layers - 1)
+    assert side["generated_ids"] == inline["generated_ids"]
+    assert side["logits"] == inline["logits"]
+    assert not [t for t in threading.enumerate() if t.name == "k3-moe-schedule"]
+
+
+def test_an_error_on_the_side_thread_is_the_runs_error(model, work, monkeypatch):
+    from k3core.api.errors import CheckpointError
+    from k3core.experts.cache import ExpertCache
+
+    def broken(self, layer, requests):  # what the walk raises for a bad expert entry
+        raise CheckpointError(f"routed expert {layer}/{requests[0]}: bad entry (injected)")
+
+    monkeypatch.setattr(forward, "SIDE_SCHEDULE_TOKENS", 1)
+    monkeypatch.setattr(ExpertCache, "prefetch", broken)
+    res = runner.invoke(app, ["run", str(model), "--ids", PROMPT, "--gen", "2", "--cache-gb", CACHE_GB])
+    assert res.exit_code == 1, res.output
+    assert "k3: error: routed expert 1/" in res.output and "(injected)" in res.output
+    assert not [t for t in threading.enumerate() if t.name == "k3-moe-schedule"]
