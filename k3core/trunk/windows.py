@@ -22,6 +22,7 @@ the caller checks exactly as for an uncompressed trunk.
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass
@@ -185,7 +186,14 @@ def decoded_windows(
     With ``linear`` the staging holds all of the windows' aligned bytes at once
     (:func:`linear_bytes`), each chunk read where it lies and never reread, so the staging
     may be the tail of the destination itself when every window decodes below its own
-    input (:func:`in_place_offset`).
+    input (:func:`in_place_offset`). Every chunk then has a place of its own, so with a
+    ``prefetch`` executor one job reads all chunks after the first back to back
+    (:class:`_Landing`) while this thread decodes the ones that have landed: the disk never
+    waits for a decode or for a hand-off between two threads. (Asked for chunk by chunk,
+    the next read was issued only after this thread had woken for the last one's result
+    and the executor's thread had woken for the new job; on the medium model's ``bp-nib``
+    trunk, a walk of the ring read 1.5-1.65 GB/s of encoded bytes where the raw trunk's
+    reads took 1.9-2.5.)
 
     ``gate``, when given, is called before each chunk's read (the ring's reader thread
     passes the demand gate, :meth:`k3core.api.read_priority.ReadPriority.wait_for_demand`,
@@ -209,15 +217,22 @@ def decoded_windows(
         f.read_into(file_off + start, bufs[k % len(bufs)][:length])
 
     pending: Future[None] | None = None
+    landing: _Landing | None = None
     try:
         read(0)  # the first chunk here: a one-chunk layer never waits on another thread
+        if linear and prefetch is not None and len(parts) > 1:
+            landing = _Landing()
+            pending = prefetch.submit(landing.read_all, read, len(parts))
         for k, (a, b) in enumerate(parts):
-            if pending is not None:
+            if landing is not None:
+                if k:
+                    landing.wait_for(k)
+            elif pending is not None:
                 done, pending = pending, None
                 done.result()
             elif k:
                 read(k)
-            if prefetch is not None and k + 1 < len(parts):
+            if landing is None and prefetch is not None and k + 1 < len(parts):
                 pending = prefetch.submit(read, k + 1)
             start = base if linear else _aligned_range(windows, a, b)[0]
             buf = bufs[k % len(bufs)]
@@ -237,6 +252,50 @@ def decoded_windows(
                             "damaged, repack the trunk") from None
                 yield w
     finally:
+        if landing is not None:  # no further chunk is started once we stop early
+            landing.stop()
         if pending is not None:  # never leave a read running into a buffer we hand back
             with contextlib.suppress(BaseException):
                 pending.result()
+
+
+class _Landing:
+    """The chunks of a linear read that have landed, read in order by one job
+    (:meth:`read_all`) while the decoding thread waits for each (:meth:`wait_for`). A read
+    that fails ends the job; the error is raised to the decoding thread when it waits for
+    that chunk. :meth:`stop` ends the job before its next chunk (the decoder stopped early)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._landed = 1  # chunk 0 is read by the decoding thread itself
+        self._error: BaseException | None = None
+        self._stopped = False
+
+    def read_all(self, read: Callable[[int], None], n: int) -> None:
+        for k in range(1, n):
+            with self._cond:
+                if self._stopped:
+                    return
+            try:
+                read(k)
+            except BaseException as exc:  # noqa: BLE001 - raised where chunk k is awaited
+                with self._cond:
+                    self._error = exc
+                    self._cond.notify_all()
+                return
+            with self._cond:
+                self._landed = k + 1
+                self._cond.notify_all()
+
+    def wait_for(self, k: int) -> None:
+        """Return once chunk ``k`` has landed; raise the error of the read that failed."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._landed > k or self._error is not None)
+            if self._landed > k:
+                return
+            assert self._error is not None
+            raise self._error
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopped = True

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -379,3 +380,51 @@ def test_the_prefetcher_hands_back_results_and_errors_and_stops() -> None:
     assert not t.is_alive()
     with pytest.raises(RuntimeError):
         p.submit(lambda: None)
+
+
+# ---- a layer read in many chunks --------------------------------------------------------------
+def _small_chunks(monkeypatch, limit: int = 96 << 10) -> None:
+    """Chunks of ``limit`` stored bytes: every layer of the demo is several chunks, so the
+    ring's in-place reads take the one-job chunk reader (``_Landing``) and the pinned
+    layers the two-halves staging."""
+    from k3core.trunk import windows
+
+    whole = windows.chunks
+    monkeypatch.setattr(windows, "chunks", lambda wins, limit_=limit: whole(wins, limit_))
+
+
+@pytest.mark.parametrize("codec", ["bp-nib", "bp-zstd"])
+def test_layers_read_in_many_chunks_give_the_same_bits(work, sizes, resident, codec, monkeypatch):
+    _small_chunks(monkeypatch)
+    trunk = _pack(work, codec)
+    for name, (gb, ring) in _budgets(sizes).items():
+        got = _run(work, f"chunks-{codec}-{name}", "--trunk", str(trunk), "--trunk-gb", f"{gb:.9f}",
+                   "--trunk-ring", str(ring))
+        assert got == resident, (codec, name)
+
+
+@pytest.mark.parametrize("nth", [2, 5, 9])
+def test_a_read_failing_mid_layer_is_refused_not_served(coded, work, sizes, monkeypatch, nth):
+    """A chunk read that fails after a layer's first chunk (on the chunk reader's thread) is
+    the run's error: exit 1, one message naming the trunk layer, no hang, nothing served."""
+    from k3_storage.plain import PlainFile
+
+    from k3core.api.errors import StorageError
+
+    _small_chunks(monkeypatch)
+    calls = {"n": 0}
+    real = PlainFile.read_into
+
+    def flaky(self, offset, out):  # the nth chunk read on the chunk reader's thread fails
+        if self.path.name == "trunk.bin" and threading.current_thread().name == "k3-trunk-prefetch":
+            calls["n"] += 1
+            if calls["n"] == nth:
+                raise StorageError(f"{self.path}: injected read failure")
+        return real(self, offset, out)
+
+    monkeypatch.setattr(PlainFile, "read_into", flaky)
+    msg = _refused(coded, "--storage", "plain", "--trunk-gb", f"{2 * max(sizes) / 1e9:.9f}",
+                   "--trunk-ring", "2")
+    assert calls["n"] >= nth
+    assert "trunk layer" in msg and "injected read failure" in msg, msg
+    assert not [t for t in threading.enumerate() if t.name == "k3-trunk-prefetch"]
