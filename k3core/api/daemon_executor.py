@@ -3,9 +3,11 @@
 ``concurrent.futures.ThreadPoolExecutor`` joins its threads when the interpreter exits, so a
 job stuck in the kernel (a read of a hung disk) would keep the process from exiting after
 Ctrl-C. :class:`DaemonExecutor` runs its jobs in submission order on one daemon thread,
-started on the first submit; ``shutdown`` stops it with a bounded join. The trunk's chunk
-reads ahead (k3core/trunk/windows.py) and the MoE's read scheduling beside the shared
-experts (k3core/model/forward.py) use it.
+started on the first submit; ``shutdown`` stops it with a bounded join. While it waits for
+the next job it holds no reference to the last one, so an owner dropped without
+``shutdown`` can be collected (and a finalizer of the owner's may then stop the thread).
+The trunk's chunk reads ahead (k3core/trunk/windows.py) and the MoE's read scheduling beside
+the shared experts (k3core/model/forward.py) use it.
 """
 
 from __future__ import annotations
@@ -42,13 +44,19 @@ class DaemonExecutor(Executor):
         return fut
 
     def _run(self) -> None:
-        while (job := self._jobs.get()) is not None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
             fut, fn, args = job
+            del job  # an idle thread holds nothing of its last job (nor what the job held)
             if fut.set_running_or_notify_cancel():
                 try:
                     fut.set_result(fn(*args))
                 except BaseException as exc:  # noqa: BLE001 - handed to the waiting caller
                     fut.set_exception(exc)
+                    del exc
+            del fut, fn, args
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         self._closed = True

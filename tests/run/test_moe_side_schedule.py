@@ -69,13 +69,13 @@ def test_side_scheduling_gives_the_inline_bits(model, work, monkeypatch, backend
     inline = run(model, work, f"inline-{backend}-{lookahead}", *args)
     monkeypatch.setattr(forward, "SIDE_SCHEDULE_TOKENS", 1)  # every pass, decode steps too
     monkeypatch.setattr(forward, "DaemonExecutor", CountingExecutor)
-    before = CountingExecutor.submitted
+    before, threads = CountingExecutor.submitted, _side_threads()
     side = run(model, work, f"side-{backend}-{lookahead}", *args)
     assert CountingExecutor.submitted - before >= 4 * (ModelConfig.from_json_dict(
         json.loads((model / "config.json").read_text())).n_layers - 1)
     assert side["generated_ids"] == inline["generated_ids"]
     assert side["logits"] == inline["logits"]
-    assert not [t for t in threading.enumerate() if t.name == "k3-moe-schedule"]
+    assert _side_threads() <= threads  # the run's side thread stopped with the run
 
 
 def test_an_error_on_the_side_thread_is_the_runs_error(model, work, monkeypatch):
@@ -87,7 +87,40 @@ def test_an_error_on_the_side_thread_is_the_runs_error(model, work, monkeypatch)
 
     monkeypatch.setattr(forward, "SIDE_SCHEDULE_TOKENS", 1)
     monkeypatch.setattr(ExpertCache, "prefetch", broken)
+    threads = _side_threads()
     res = runner.invoke(app, ["run", str(model), "--ids", PROMPT, "--gen", "2", "--cache-gb", CACHE_GB])
     assert res.exit_code == 1, res.output
     assert "k3: error: routed expert 1/" in res.output and "(injected)" in res.output
-    assert not [t for t in threading.enumerate() if t.name == "k3-moe-schedule"]
+    assert _side_threads() <= threads
+
+
+def _side_threads() -> set[int]:
+    return {t.ident or 0 for t in threading.enumerate() if t.name == "k3-moe-schedule"}
+
+
+def test_a_dropped_model_lets_its_side_thread_go(model):
+    """An engine dropped without close: the idle side thread holds nothing of its jobs, so
+    the model is collected and its finalizer stops the thread."""
+    import gc
+    import weakref
+
+    import numpy as np
+
+    from k3core.model.generate import generate
+    from k3core.run.binding import EngineOptions
+    from k3core.run.engine import open_engine
+
+    before = _side_threads()
+    eng = open_engine(EngineOptions(model, backend="numpy"))
+    generate(eng.model, [int(i) for i in np.arange(20) % 50], 1, incremental=True)
+    assert _side_threads() - before  # the 20-id pass used a side thread
+    ref = weakref.ref(eng.model)
+    eng.experts.close()
+    del eng
+    gc.collect()
+    assert ref() is None
+    for _ in range(100):  # the stop reaches the thread through its queue
+        if not _side_threads() - before:
+            break
+        threading.Event().wait(0.05)
+    assert not _side_threads() - before
