@@ -100,12 +100,10 @@ struct k3_team {
     /* the read probe */
     const uint8_t *buf;
     int64_t blocks;
-    uint64_t part[TEAM_MAX];
-    uint64_t sum;
+    uint64_t part[TEAM_MAX]; /* each member's XOR */
     /* the FMA probe */
     int64_t iters;
-    double fsum[TEAM_MAX];
-    double total;
+    double fsum[TEAM_MAX]; /* each member's chain sums */
 };
 
 typedef struct {

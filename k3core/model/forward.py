@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import math
-import sys
 import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -323,12 +322,12 @@ class Model:
                     p[pre + "shared_experts.down_proj.weight"],
                     x,
                 )
-        finally:
-            if side is not None:  # the reads are scheduled before anything else touches the cache
-                if sys.exc_info()[0] is None:
-                    side.result()
-                else:  # already failing: wait for the scheduling, keep the first error
-                    concurrent.futures.wait([side])
+        except BaseException:
+            if side is not None:  # already failing: let the scheduling end, keep this error
+                concurrent.futures.wait([side])
+            raise
+        if side is not None:  # the reads are scheduled before anything else touches the cache
+            side.result()
         if remote is not None:
             outs = remote()  # the workers' outputs, waited for after the shared experts
         else:

@@ -124,3 +124,34 @@ def test_a_dropped_model_lets_its_side_thread_go(model):
             break
         threading.Event().wait(0.05)
     assert not _side_threads() - before
+
+
+def test_a_side_error_inside_an_outer_handler_is_raised_once(model, monkeypatch):
+    """Called while the caller is handling another exception, the MoE still takes the side
+    thread's error as its own, at once: the walk is not run a second time inline."""
+    import numpy as np
+
+    from k3core.api.errors import CheckpointError
+    from k3core.experts.cache import ExpertCache
+    from k3core.model.generate import generate
+    from k3core.run.binding import EngineOptions
+    from k3core.run.engine import open_engine
+
+    calls = {"n": 0}
+
+    def broken(self, layer, requests):
+        calls["n"] += 1
+        raise CheckpointError(f"routed expert {layer}/{requests[0]}: bad entry (injected)")
+
+    monkeypatch.setattr(forward, "SIDE_SCHEDULE_TOKENS", 1)
+    monkeypatch.setattr(ExpertCache, "prefetch", broken)
+    eng = open_engine(EngineOptions(model, backend="numpy"))
+    try:
+        try:
+            raise ValueError("the caller's own error, being handled")
+        except ValueError:
+            with pytest.raises(CheckpointError, match="injected"):
+                generate(eng.model, [int(i) for i in np.arange(20) % 50], 1, incremental=True)
+    finally:
+        eng.close()
+    assert calls["n"] == 1
