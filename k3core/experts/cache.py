@@ -77,6 +77,9 @@ class _Member:
     buf: np.ndarray
     slot: int | None  # None: transient (not retained)
     future: Future[float] | None = None  # a read in flight for this batch
+    #: a transient expert's buffer (``buf`` lies in it at the expert's offset modulo ALIGN),
+    #: large enough for the whole blocks around it: one read, as into a slot
+    blocks: np.ndarray | None = None
 
 
 @dataclass
@@ -249,7 +252,7 @@ class ExpertCache(ExpertSource):
         if misses:
             self.await_arena()  # no read may land in the arena while it is being faulted in
         for m in sorted(misses, key=lambda m: (str(m.ref.path), m.ref.offset)):
-            m.future = _submit_demand(self._pool, self._read, m.ref, m.buf)
+            m.future = _submit_demand(self._pool, self._read, m.ref, m.buf, m.blocks)
 
     def _walk(self, v: _Visit, misses: list[_Member]) -> None:
         batch = v.batch
@@ -300,10 +303,13 @@ class ExpertCache(ExpertSource):
             if slot is None:
                 self.stats.extra["transient"] += 1
                 skew = _skew(ref)
-                buf = aligned_empty(ref.nbytes + skew, ALIGN)[skew:]
+                blocks: np.ndarray | None = aligned_empty(self.stride, ALIGN)
+                assert blocks is not None
+                buf = blocks[skew : skew + ref.nbytes]
             else:
+                blocks = None
                 buf = self._slot_buf(slot, ref)
-            m = _Member(e, ref, buf, slot)
+            m = _Member(e, ref, buf, slot, blocks=blocks)
             batch[key] = m
             protected.add(key)
             misses.append(m)
@@ -340,12 +346,12 @@ class ExpertCache(ExpertSource):
         start = slot * self.stride + _skew(ref)
         return self.arena[start : start + ref.nbytes]
 
-    def _read(self, ref: ExpertRef, buf: np.ndarray) -> float:
+    def _read(self, ref: ExpertRef, buf: np.ndarray, blocks: np.ndarray | None = None) -> float:
         """Reader thread: fill ``buf`` completely or raise. Returns the seconds spent."""
         t0 = time.perf_counter()
         what = f"routed expert {ref.layer}/{ref.expert}"
         if ref.contiguous:
-            self.index.read_at(ref.path, *self._window(ref, buf), what)
+            self.index.read_at(ref.path, *self._window(ref, buf, blocks), what)
         else:
             for p in ref.parts:
                 self.index.read_at(p.path, p.file_off, buf[p.slot_off : p.slot_off + p.nbytes], what)
@@ -355,25 +361,35 @@ class ExpertCache(ExpertSource):
             self.stats.read_seconds += dt
         return dt
 
-    def _window(self, ref: ExpertRef, buf: np.ndarray) -> tuple[int, np.ndarray]:
+    def _window(self, ref: ExpertRef, buf: np.ndarray, blocks: np.ndarray | None = None
+                ) -> tuple[int, np.ndarray]:
         """Where to read a contiguous expert from and into what: its bytes exactly, or, on a
-        shard read in aligned blocks (O_DIRECT) with ``buf`` in a slot, the slot's whole
-        blocks around them: one request where the exact read is three (its middle, then each
-        unaligned end through a bounce buffer; on the medium model 84 us of CPU per expert, a
-        128-id first prefill reads 1,480). The blocks fit the slot (its stride is a whole
-        ALIGN past the largest expert); the bytes on either side of the expert's are the
-        shard's neighbours, never served."""
+        shard read in aligned blocks (O_DIRECT) with ``buf`` in a slot (or in the ``blocks``
+        of a transient expert), the whole blocks around them: one request where the exact
+        read is three (its middle, then each unaligned end through a bounce buffer; on the
+        medium model 84 us of CPU per expert, a 128-id first prefill reads 1,480; streamed
+        at ``--cache-gb 0.2`` half the misses are transient). The blocks fit the slot (its
+        stride is a whole ALIGN past the largest expert); the bytes on either side of the
+        expert's are the shard's neighbours, never served."""
         align = self.index.read_alignment(ref.path)
-        pos = buf.ctypes.data - self._arena_at
-        if align <= 1 or ALIGN % align or not 0 <= pos < self.arena.size:
+        if align <= 1 or ALIGN % align:
             return ref.offset, buf
+        if blocks is not None:  # buf is blocks[_skew(ref):]
+            home, pos, room = blocks, _skew(ref), (0, blocks.size)
+        else:
+            pos = buf.ctypes.data - self._arena_at
+            if not 0 <= pos < self.arena.size:
+                return ref.offset, buf
+            home = self.arena
+            first = pos // self.stride * self.stride
+            room = (first, first + self.stride)
         head = ref.offset % align
         lo = ref.offset - head
         hi = min(-(-(ref.offset + ref.nbytes) // align) * align, self.index.shard_size(ref.path))
         start = pos - head
-        if start < 0 or start // self.stride != (start + hi - lo - 1) // self.stride:
-            return ref.offset, buf  # not inside one slot: the exact read
-        return lo, self.arena[start : start + hi - lo]
+        if start < room[0] or start + hi - lo > room[1]:
+            return ref.offset, buf  # not inside its slot: the exact read
+        return lo, home[start : start + hi - lo]
 
     def _serve(self, v: _Visit,
                use_many: Callable[[list[tuple[int, ExpertWeights]]], None]) -> None:
@@ -603,14 +619,16 @@ class ExpertCache(ExpertSource):
         return len(self.slot_of)
 
 
-def _submit_demand(pool: ThreadPoolExecutor, read: Callable[[ExpertRef, np.ndarray], float],
-                   ref: ExpertRef, buf: np.ndarray) -> Future[float]:
+def _submit_demand(pool: ThreadPoolExecutor,
+                   read: Callable[[ExpertRef, np.ndarray, np.ndarray | None], float],
+                   ref: ExpertRef, buf: np.ndarray, blocks: np.ndarray | None = None
+                   ) -> Future[float]:
     """Submit a miss's read as a demand read (k3core/api/read_priority.py): counted from
     submission until its future is done, failed or cancelled, so the trunk's read-ahead
     yields to it while it waits for a reader thread too."""
     DEMAND.begin()
     try:
-        fut = pool.submit(read, ref, buf)
+        fut = pool.submit(read, ref, buf, blocks)
     except BaseException:
         DEMAND.end()
         raise

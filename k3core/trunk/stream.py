@@ -26,13 +26,23 @@ Invariants, all under one condition variable:
   the open or by the ``acquire`` of that layer, and the bytes are never served;
 * the reader thread reads a raw part in pieces and lets the routed experts' reads in flight
   go first (k3core/api/read_priority.py);
-* a trunk packed with a codec is read as encoded windows in aligned chunks, decoded into
-  the slot (or pinned buffer) by the thread that reads it, with a daemon prefetch thread
-  (k3core/api/daemon_executor.py) reading the next chunk meanwhile
-  (:mod:`k3core.trunk.windows`); the reader thread's chunks,
-  like its raw pieces, go after the routed experts' reads in flight; the checksum is that of
-  the decoded bytes, checked as above, and a window that does not decode fails the read
-  the same way (``CheckpointError`` naming layer and window, never served).
+* a trunk packed with a codec is read as encoded windows in aligned chunks
+  (:mod:`k3core.trunk.windows`) and decoded into the slot (or pinned buffer); the checksum
+  is that of the decoded bytes, checked as above, and a window that does not decode fails
+  the read the same way (``CheckpointError`` naming layer and window, never served). With
+  two or more slots the ring is read by two threads: the I/O thread (``k3-trunk-io``)
+  takes the next part as soon as a slot is free and reads its chunks back to back into the
+  slot's tail, and the reader thread decodes each chunk in place once it has landed and
+  publishes the part. So the disk goes from one part to the next without waiting for the
+  last chunk's decode, the hand-off between threads, or the publishing (measured on the
+  medium model's ``bp-nib`` trunk, streamed at ``--trunk-gb 0.2 --cache-gb 0.2``: the disk
+  had nothing in flight 12 % of the time with one thread reading and decoding a part, 5 %
+  now). A layer's first read (its checksum covers all its parts) is read and decoded whole
+  on the I/O thread, a daemon prefetch thread (k3core/api/daemon_executor.py) reading its
+  next chunk meanwhile. A part is READING from the moment the I/O thread takes its slot
+  until the reader thread publishes it (or empties the slot on an error, once the I/O
+  thread no longer writes into it); the chunks, like the raw reader's pieces, go after the
+  routed experts' reads in flight.
 
 ``acquire`` returns :class:`~k3core.model.layer_params.LayerParams` built by ``prepare_layer`` over
 read-only zero-copy views into the slot (bf16 matrices stay views, small vectors are
@@ -42,6 +52,7 @@ thread with a stop event and a bounded join, so an exception or Ctrl-C never han
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
 from collections.abc import Callable
@@ -54,21 +65,27 @@ from k3core.api.errors import CheckpointError, K3Error, StorageError
 from k3core.api.prefault import hugepage_buffer, prefault
 from k3core.api.read_priority import AHEAD_PIECE_BYTES, DEMAND
 from k3core.api.storage import StorageBackend, StorageFile, aligned_empty
-from k3core.api.units import ALIGN, human
+from k3core.api.units import ALIGN
 from k3core.model import names
 from k3core.model.config import ModelConfig
 from k3core.model.layer_params import LayerParams
 from k3core.model.sources import TrunkSource
+from k3core.trunk import windows as window_table
 from k3core.trunk.assembly import LayerAssembly
 from k3core.trunk.bind import bind_matrices, bind_small
 from k3core.trunk.codec import codec_for_manifest
 from k3core.trunk.manifest import TrunkLayer, TrunkManifest
 from k3core.trunk.parts import LayerPart, LayerSplit, split_layer
 from k3core.trunk.plan import DEFAULT_RING, TrunkPlan, plan_trunk
+from k3core.trunk.stats import TrunkStats
 from k3core.trunk.windows import (
+    Landing,
     Window,
+    decode_chunk,
     decoded_windows,
     in_place_offset,
+    linear_base,
+    linear_reader,
     staging_bytes,
 )
 
@@ -87,107 +104,26 @@ def slot_buffer(nbytes: int) -> np.ndarray:
     return buf
 
 
-@dataclass
-class TrunkStats:
-    """Whole-run trunk counters (docs/engine-behaviours.md §3)."""
-
-    n_layers: int
-    pinned: int
-    ring: int
-    slot_bytes: int
-    pinned_bytes: int
-    binds: int = 0
-    hits: int = 0  # binds served by a pinned layer
-    reads: int = 0  # completed ring reads
-    bytes_read: int = 0  # ring bytes
-    read_seconds: float = 0.0  # device time inside ring reads
-    exposed_wait_seconds: float = 0.0  # acquire blocked on a read
-    failed_reads: int = 0
-    pin_bytes: int = 0  # read once at open
-    pin_seconds: float = 0.0
-    verified: int = 0  # checksum checks passed (pinned at open, ring reads)
-    verify_seconds: float = 0.0  # CPU time inside those checks
-    verify_every: bool = False
-    codec: str = "none"
-    decoded_bytes: int = 0  # raw bytes decoded from a compressed trunk (ring and pinned)
-    decode_seconds: float = 0.0  # time inside those reads and decodes, on their threads
-    n_units: int = 0  # streaming units (a layer's parts, or whole layers)
-    pinned_units: int = 0
-    small_slot_bytes: int = 0  # the second, smaller slot of an unequal ring (0: none)
-
-    @property
-    def overlapped_seconds(self) -> float:
-        return max(0.0, self.read_seconds - self.exposed_wait_seconds)
-
-    def report_lines(self) -> list[str]:
-        binds = max(self.binds, 1)
-        rate = self.bytes_read / self.read_seconds / 1e6 if self.read_seconds > 0 else 0.0
-        lines = [
-            f"trunk [final]: pinned {self.pinned}/{self.n_layers} layers"
-            + (f" ({self.pinned_units}/{self.n_units} parts)" if self.n_units > self.n_layers
-               else "")
-            + (f", ring 2 slots ({human(self.slot_bytes)} + {human(self.small_slot_bytes)})"
-               if self.small_slot_bytes else
-               f", ring {self.ring} slots x {human(self.slot_bytes)}"),
-            f"  binds {self.binds}, hits {self.hits} ({100 * self.hits / binds:.1f} %), "
-            f"reads {self.reads}" + (f", FAILED reads {self.failed_reads}"
-                                     if self.failed_reads else ""),
-            f"  read {human(self.bytes_read)} in {self.read_seconds:.2f} s "
-            f"({rate:.0f} MB/s); pinned load {human(self.pin_bytes)} in "
-            f"{self.pin_seconds:.2f} s",
-        ]
-        if self.codec != "none":
-            rate = self.decoded_bytes / self.decode_seconds / 1e9 if self.decode_seconds else 0.0
-            lines.append(f"  codec {self.codec}: decoded {human(self.decoded_bytes)} from "
-                         f"{human(self.bytes_read + self.pin_bytes)} read, "
-                         f"{self.decode_seconds:.2f} s reading and decoding "
-                         f"({rate:.2f} GB/s of raw bytes)")
-        when = "on every read" if self.verify_every else "before first use"
-        lines.append(f"  checksums: {self.verified} layer checks passed ({when}) in "
-                     f"{self.verify_seconds:.2f} s")
-        if self.read_seconds > 0:
-            share = 100 * self.overlapped_seconds / self.read_seconds
-            lines.append(f"  read = {self.read_seconds:.2f} s of device work, of which "
-                         f"{self.overlapped_seconds:.2f} s ({share:.0f} %) overlapped compute "
-                         f"on the reader thread; {self.exposed_wait_seconds:.2f} s exposed "
-                         "waiting in acquire")
-        return lines
-
-    def to_json(self) -> dict[str, float | int | str]:
-        return {
-            "trunk_bytes_read": self.bytes_read + self.pin_bytes,
-            "trunk_ring_bytes_read": self.bytes_read,
-            "trunk_pin_bytes_read": self.pin_bytes,
-            "trunk_pinned_layers": self.pinned,
-            "trunk_layers": self.n_layers,
-            "trunk_units": self.n_units,
-            "trunk_pinned_units": self.pinned_units,
-            "trunk_ring_slots": self.ring,
-            "trunk_slot_bytes": self.slot_bytes,
-            "trunk_small_slot_bytes": self.small_slot_bytes,
-            "trunk_pinned_bytes": self.pinned_bytes,
-            "trunk_binds": self.binds,
-            "trunk_hits": self.hits,
-            "trunk_reads": self.reads,
-            "trunk_read_seconds": self.read_seconds,
-            "trunk_exposed_wait_seconds": self.exposed_wait_seconds,
-            "trunk_overlapped_seconds": self.overlapped_seconds,
-            "trunk_pin_seconds": self.pin_seconds,
-            "trunk_checksums_verified": self.verified,
-            "trunk_verify_seconds": self.verify_seconds,
-            "trunk_verify_every_read": self.verify_every,
-            "trunk_codec": self.codec,
-            "trunk_decoded_bytes": self.decoded_bytes,
-            "trunk_decode_seconds": self.decode_seconds,
-        }
-
-
 class _Slot:
     def __init__(self, index: int, buf: np.ndarray):
         self.index = index
         self.buf = buf
         self.unit: int | None = None
         self.state = EMPTY
+
+
+@dataclass
+class _RingJob:
+    """A coded ring part in flight: its encoded chunks read into the tail of ``slot`` by the
+    I/O thread (``landing``), decoded in place by the reader thread."""
+
+    slot: _Slot
+    unit: int
+    windows: tuple[Window, ...]
+    chunks: list[tuple[int, int]]  # the windows' read chunks, the same for both threads
+    at: int  # where in the slot the encoded bytes land (``in_place_offset``)
+    disk: int  # encoded bytes it reads
+    landing: Landing
 
 
 class StreamedTrunk(TrunkSource):
@@ -240,6 +176,10 @@ class StreamedTrunk(TrunkSource):
         self._cond = threading.Condition()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        #: a coded ring's I/O thread and the parts it has started, oldest first
+        self._io: threading.Thread | None = None
+        self._jobs: queue.SimpleQueue[_RingJob | None] = queue.SimpleQueue()
+        self._in_flight: list[_RingJob] = []
         self._errors: dict[int, K3Error] = {}
         self._held: dict[int, _Slot] = {}
         self._live: dict[int, tuple[LayerParams, int]] = {}
@@ -260,9 +200,14 @@ class StreamedTrunk(TrunkSource):
             self.close()
             raise
         if self.plan.ring >= 2:
-            self._thread = threading.Thread(target=self._reader, name="k3-trunk-reader",
-                                            daemon=True)
+            coded = self._codec is not None
+            self._thread = threading.Thread(target=self._decoder if coded else self._reader,
+                                            name="k3-trunk-reader", daemon=True)
             self._thread.start()
+            if coded:
+                self._io = threading.Thread(target=self._io_loop, name="k3-trunk-io",
+                                            daemon=True)
+                self._io.start()
 
     # ---- the TrunkSource interface ------------------------------------------------------
     def acquire(self, layer: int) -> LayerParams:
@@ -319,12 +264,15 @@ class StreamedTrunk(TrunkSource):
     def close(self) -> None:
         self._stop.set()
         with self._cond:
+            for job in self._in_flight:
+                job.landing.stop()
             self._cond.notify_all()
-        t = self._thread
-        if t is not None and t is not threading.current_thread():
-            t.join(JOIN_SECONDS)
-            if t.is_alive():  # a read is stuck in the kernel: leave the file to the daemon
-                return
+        self._jobs.put(None)
+        for t in (self._io, self._thread):
+            if t is not None and t is not threading.current_thread():
+                t.join(JOIN_SECONDS)
+                if t.is_alive():  # a read is stuck in the kernel: leave the file to the daemon
+                    return
         if self._prefetch is not None:
             self._prefetch.shutdown()
         f, self._file = self._file, None
@@ -484,16 +432,12 @@ class StreamedTrunk(TrunkSource):
         try:
             if self._codec is not None:
                 self._read_coded(f, lay, buf, start, nbytes)
-            elif threading.current_thread() is self._thread:
+            elif self._reading_ahead():
                 _read_ahead(f, lay.file_off + start, buf[:nbytes])
             else:
                 f.read_into(lay.file_off + start, buf[:nbytes])
-        except CheckpointError:
-            raise  # a window that does not decode: named by decoded_windows
-        except K3Error as exc:
-            raise StorageError(f"trunk layer {lay.layer}: {exc.message}") from None
-        except (OSError, ValueError, BufferError) as exc:
-            raise StorageError(f"trunk layer {lay.layer}: read failed: {exc}") from None
+        except (K3Error, OSError, ValueError, BufferError) as exc:
+            raise _read_error(lay.layer, exc) from None
 
     def _disk_bytes(self, lay: TrunkLayer, start: int, nbytes: int) -> int:
         """Bytes a read of raw ``[start, start + nbytes)`` of ``lay`` takes from the file."""
@@ -515,13 +459,31 @@ class StreamedTrunk(TrunkSource):
         else:
             held = getattr(self._local, "staging", None)
             staging = held if held is not None else self._new_staging()
+        dest, land = self._sink(buf, start, nbytes, wins)
+        # the reader threads' chunks go after the demand reads in flight, as _read_ahead's
+        gate = DEMAND.wait_for_demand if self._reading_ahead() else None
+        t0 = time.perf_counter()
+        for w in decoded_windows(f, self.manifest.bin_path, lay.layer, lay.file_off, wins,
+                                 self._codec, staging, dest, self._prefetch,
+                                 linear=at is not None, gate=gate):
+            land(w)
+        _pad(buf, start, nbytes, wins)
+        with self._cond:
+            self.stats.decoded_bytes += nbytes
+            self.stats.decode_seconds += time.perf_counter() - t0
+
+    def _sink(self, buf: np.ndarray, start: int, nbytes: int, wins: tuple[Window, ...]
+              ) -> tuple[Callable[[Window], np.ndarray], Callable[[Window], None]]:
+        """Where each window of raw ``[start, start + nbytes)`` of a layer decodes (``dest``),
+        and what follows its decode (``land``): a window inside the range decodes straight
+        into ``buf``; one that straddles its edge decodes into this thread's scratch (one
+        window at a time: the windows are yielded one by one) and ``land`` copies its share."""
         end = start + nbytes
-        # a straddling window decodes into this thread's scratch (one window at a time:
-        # decoded_windows yields each window before it decodes the next)
         aside = getattr(self._local, "aside", None)
         widest = max((w.raw_len for w in wins), default=0)
         if aside is None or aside.size < widest:
             aside = self._local.aside = np.empty(widest, dtype=np.uint8)
+        scratch = aside
 
         def inside(w: Window) -> bool:
             return w.raw_off >= start and w.raw_off + w.raw_len <= end
@@ -529,23 +491,14 @@ class StreamedTrunk(TrunkSource):
         def dest(w: Window) -> np.ndarray:
             if inside(w):
                 return buf[w.raw_off - start : w.raw_off - start + w.raw_len]
-            return aside[: w.raw_len]
+            return scratch[: w.raw_len]
 
-        # the reader thread's chunks go after the demand reads in flight, as _read_ahead's
-        gate = DEMAND.wait_for_demand if threading.current_thread() is self._thread else None
-        t0 = time.perf_counter()
-        for w in decoded_windows(f, self.manifest.bin_path, lay.layer, lay.file_off, wins,
-                                 self._codec, staging, dest, self._prefetch,
-                                 linear=at is not None, gate=gate):
+        def land(w: Window) -> None:
             if not inside(w):
                 a, b = max(start, w.raw_off), min(end, w.raw_off + w.raw_len)
-                buf[a - start : b - start] = aside[a - w.raw_off : b - w.raw_off]
-        covered = sum(min(end, w.raw_off + w.raw_len) - max(start, w.raw_off) for w in wins)
-        if covered < nbytes:  # bytes no window holds (the alignment padding) read as zeros
-            _zero_gaps(buf, start, end, wins)
-        with self._cond:
-            self.stats.decoded_bytes += nbytes
-            self.stats.decode_seconds += time.perf_counter() - t0
+                buf[a - start : b - start] = scratch[a - w.raw_off : b - w.raw_off]
+
+        return dest, land
 
     def _new_staging(self) -> np.ndarray:
         """This thread's staging for reads that cannot decode in place (two chunks)."""
@@ -699,6 +652,127 @@ class StreamedTrunk(TrunkSource):
                     continue
             self._fill(*job)
 
+    def _reading_ahead(self) -> bool:
+        """Whether this is a thread that reads ahead of the walk (its reads yield to the
+        routed experts' demand reads)."""
+        me = threading.current_thread()
+        return me is self._thread or me is self._io
+
+    # ---- a coded ring: one thread reads, one decodes --------------------------------------
+    def _io_loop(self) -> None:
+        """The coded ring's reads, part after part: a part's encoded chunks are read back to
+        back into the tail of its slot while the reader thread decodes the chunks that have
+        landed, and the next part's reads start as soon as a slot is free, whatever the
+        decoder is doing (see the module docstring). A layer's first read (its checksum is
+        taken over all its parts) is read and decoded here, whole, as ``_fill`` does it."""
+        while not self._stop.is_set():
+            with self._cond:
+                picked = self._next_job()
+                if picked is None:
+                    self._cond.wait(0.25)
+                    continue
+                job = self._ring_job(*picked)
+                if job is not None:
+                    if self._stop.is_set():
+                        return
+                    self._in_flight.append(job)
+            if job is None:
+                self._fill(*picked)
+                continue
+            self._jobs.put(job)
+            job.landing.read_all(self._chunk_read(job), len(job.chunks))
+
+    def _ring_job(self, slot: _Slot, u: int) -> _RingJob | None:
+        """``u`` as a part the two threads share, or ``None`` when the I/O thread fills it
+        alone (its layer's first read, or a part that cannot decode in place)."""
+        part = self.units[u]
+        if part.layer not in self._small:
+            return None
+        lay = self.manifest.layers[part.layer]
+        wins = _windows_in(lay, part.start, part.nbytes)
+        at = in_place_offset(wins, part.start, slot.buf.size)
+        if at is None:
+            return None
+        return _RingJob(slot, u, wins, window_table.chunks(wins), at,
+                        self._disk_bytes(lay, part.start, part.nbytes), Landing())
+
+    def _chunk_read(self, job: _RingJob) -> Callable[[int], None]:
+        """The read of chunk ``k`` of ``job`` into its slot's tail, after the demand reads in
+        flight (a closed trunk's read fails, on the I/O thread, like any other)."""
+        lay = self.manifest.layers[self.units[job.unit].layer]
+        f = self._file
+        if f is None:
+            def closed(k: int) -> None:
+                raise StorageError(f"trunk layer {lay.layer}: the trunk is closed")
+            return closed
+        return linear_reader(f, lay.file_off, job.windows, job.slot.buf[job.at :],
+                             DEMAND.wait_for_demand, job.chunks)
+
+    def _decoder(self) -> None:
+        """The coded ring's reader thread: decode the parts the I/O thread started, in
+        order, and publish each (or its error)."""
+        while not self._stop.is_set():
+            try:
+                job = self._jobs.get(timeout=0.25)
+            except queue.Empty:
+                continue
+            if job is None:
+                return
+            self._decode_job(job)
+
+    def _decode_job(self, job: _RingJob) -> None:
+        part = self.units[job.unit]
+        L = part.layer
+        buf = job.slot.buf
+        assert self._codec is not None
+        t0 = time.perf_counter()
+        waited = 0.0
+        try:
+            staging = buf[job.at :]
+            base = linear_base(job.windows)
+            dest, land = self._sink(buf, part.start, part.nbytes, job.windows)
+            for k, (a, b) in enumerate(job.chunks):
+                w0 = time.perf_counter()
+                job.landing.wait_for(k)
+                waited += time.perf_counter() - w0
+                for w in decode_chunk(staging, base, job.windows, a, b, self._codec, dest,
+                                      self.manifest.bin_path, L):
+                    land(w)
+            _pad(buf, part.start, part.nbytes, job.windows)
+            if self.verify_every:
+                c0 = time.perf_counter()
+                problem = self._asm[L].part_problem(self.manifest, job.unit - self._first[L], buf)
+                with self._cond:
+                    self.stats.verify_seconds += time.perf_counter() - c0
+                if problem is not None:
+                    raise CheckpointError(problem)
+                with self._cond:
+                    self.stats.verified += 1
+        except BaseException as exc:  # anything: the slot must never stay READING
+            job.landing.stop()
+            done = job.landing.wait_done(JOIN_SECONDS)
+            err = _read_error(L, exc)
+            with self._cond:
+                self._in_flight.remove(job)
+                if done:  # else a read still lands in the slot: it stays READING, unused
+                    job.slot.unit, job.slot.state = None, EMPTY
+                self._errors[job.unit] = err
+                self.stats.failed_reads += 1
+                self._cond.notify_all()
+            if not isinstance(exc, Exception):
+                raise
+            return
+        job.landing.wait_done()
+        with self._cond:
+            self._in_flight.remove(job)
+            job.slot.state = READY
+            self.stats.reads += 1
+            self.stats.bytes_read += job.disk
+            self.stats.read_seconds += job.landing.seconds
+            self.stats.decoded_bytes += part.nbytes
+            self.stats.decode_seconds += time.perf_counter() - t0 - waited
+            self._cond.notify_all()
+
 
 def _open(storage: StorageBackend, man: TrunkManifest) -> StorageFile:
     try:
@@ -723,6 +797,27 @@ def _read_ahead(f: StorageFile, offset: int, out: np.ndarray) -> None:
     for a in range(0, out.size, AHEAD_PIECE_BYTES):
         DEMAND.wait_for_demand()
         f.read_into(offset + a, out[a : a + AHEAD_PIECE_BYTES])
+
+
+def _read_error(layer: int, exc: BaseException) -> K3Error:
+    """A failed trunk read as the run's error, naming the layer (a window that does not
+    decode is already a ``CheckpointError`` naming it)."""
+    if isinstance(exc, CheckpointError):
+        return exc
+    if isinstance(exc, K3Error):
+        return StorageError(f"trunk layer {layer}: {exc.message}")
+    if isinstance(exc, (OSError, ValueError, BufferError)):
+        return StorageError(f"trunk layer {layer}: read failed: {exc}")
+    return StorageError(f"trunk layer {layer}: read failed: {exc!r}")
+
+
+def _pad(buf: np.ndarray, start: int, nbytes: int, wins: tuple[Window, ...]) -> None:
+    """Zero the bytes of raw ``[start, start + nbytes)`` in ``buf`` that no window holds
+    (the alignment padding between tensors)."""
+    end = start + nbytes
+    covered = sum(min(end, w.raw_off + w.raw_len) - max(start, w.raw_off) for w in wins)
+    if covered < nbytes:
+        _zero_gaps(buf, start, end, wins)
 
 
 def _windows_in(lay: TrunkLayer, start: int, nbytes: int) -> tuple[Window, ...]:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass
@@ -188,7 +189,7 @@ def decoded_windows(
     may be the tail of the destination itself when every window decodes below its own
     input (:func:`in_place_offset`). Every chunk then has a place of its own, so with a
     ``prefetch`` executor one job reads all chunks after the first back to back
-    (:class:`_Landing`) while this thread decodes the ones that have landed: the disk never
+    (:class:`Landing`) while this thread decodes the ones that have landed: the disk never
     waits for a decode or for a hand-off between two threads. (Asked for chunk by chunk,
     the next read was issued only after this thread had woken for the last one's result
     and the executor's thread had woken for the new job; on the medium model's ``bp-nib``
@@ -205,23 +206,23 @@ def decoded_windows(
         bufs: tuple[np.ndarray, ...] = (staging[:half], staging[half : 2 * half])
     else:
         bufs = (staging,)
+    read_linear = linear_reader(f, file_off, windows, staging, gate, parts) if linear else None
 
     def read(k: int) -> None:
+        if read_linear is not None:
+            read_linear(k)
+            return
         if gate is not None:
             gate()
         start, length = _aligned_range(windows, *parts[k])
-        if linear:  # from where the previous chunk's read ended: no page is read twice
-            lo = max(start, sum(_aligned_range(windows, *parts[k - 1]))) if k else start
-            f.read_into(file_off + lo, staging[lo - base : start + length - base])
-            return
         f.read_into(file_off + start, bufs[k % len(bufs)][:length])
 
     pending: Future[None] | None = None
-    landing: _Landing | None = None
+    landing: Landing | None = None
     try:
         read(0)  # the first chunk here: a one-chunk layer never waits on another thread
         if linear and prefetch is not None and len(parts) > 1:
-            landing = _Landing()
+            landing = Landing(first=1)
             pending = prefetch.submit(landing.read_all, read, len(parts))
         for k, (a, b) in enumerate(parts):
             if landing is not None:
@@ -235,22 +236,8 @@ def decoded_windows(
             if landing is None and prefetch is not None and k + 1 < len(parts):
                 pending = prefetch.submit(read, k + 1)
             start = base if linear else _aligned_range(windows, a, b)[0]
-            buf = bufs[k % len(bufs)]
-            for i in range(a, b):
-                w = windows[i]
-                src = buf[w.off - start : w.off - start + w.nbytes]
-                out = dest(w)
-                if w.stored_raw:
-                    out[:] = src
-                else:
-                    try:
-                        codec.decode_into(src, out, w.itemsize)
-                    except CodecError as exc:
-                        raise CheckpointError(
-                            f"{bin_path}: layer {layer} window {i} (raw bytes [{w.raw_off}, "
-                            f"{w.raw_off + w.raw_len})) does not decode: {exc}; the file is "
-                            "damaged, repack the trunk") from None
-                yield w
+            yield from decode_chunk(bufs[k % len(bufs)], start, windows, a, b, codec, dest,
+                                    bin_path, layer)
     finally:
         if landing is not None:  # no further chunk is started once we stop early
             landing.stop()
@@ -259,43 +246,117 @@ def decoded_windows(
                 pending.result()
 
 
-class _Landing:
+def linear_reader(f: StorageFile, file_off: int, windows: tuple[Window, ...],
+                  staging: np.ndarray, gate: Callable[[], object] | None = None,
+                  parts: list[tuple[int, int]] | None = None) -> Callable[[int], None]:
+    """The read of chunk ``k`` of a *linear* read (``parts``, :func:`chunks` of the windows
+    when not given; the decoder must cut the same chunks): ``staging`` holds all of the
+    windows' aligned bytes (:func:`linear_bytes`), each chunk is read where it lies, from
+    where the previous chunk's read ended (no page is read twice). ``gate`` is called before
+    each read."""
+    if parts is None:
+        parts = chunks(windows)
+    base = _aligned_range(windows, 0, len(windows))[0] if windows else 0
+
+    def read(k: int) -> None:
+        if gate is not None:
+            gate()
+        start, length = _aligned_range(windows, *parts[k])
+        lo = max(start, sum(_aligned_range(windows, *parts[k - 1]))) if k else start
+        f.read_into(file_off + lo, staging[lo - base : start + length - base])
+
+    return read
+
+
+def decode_chunk(buf: np.ndarray, start: int, windows: tuple[Window, ...], a: int, b: int,
+                 codec: Codec, dest: Callable[[Window], np.ndarray], bin_path: Path,
+                 layer: int) -> Iterator[Window]:
+    """Decode ``windows[a:b]``, whose encoded bytes lie in ``buf`` from the layer's stored
+    offset ``start``, each into ``dest(window)``, yielding each once it is decoded; a
+    window that does not decode is a ``CheckpointError`` naming the layer and window."""
+    for i in range(a, b):
+        w = windows[i]
+        src = buf[w.off - start : w.off - start + w.nbytes]
+        out = dest(w)
+        if w.stored_raw:
+            out[:] = src
+        else:
+            try:
+                codec.decode_into(src, out, w.itemsize)
+            except CodecError as exc:
+                raise CheckpointError(
+                    f"{bin_path}: layer {layer} window {i} (raw bytes [{w.raw_off}, "
+                    f"{w.raw_off + w.raw_len})) does not decode: {exc}; the file is "
+                    "damaged, repack the trunk") from None
+        yield w
+
+
+def linear_base(windows: tuple[Window, ...]) -> int:
+    """The stored offset the staging of a linear read of ``windows`` starts at."""
+    return _aligned_range(windows, 0, len(windows))[0] if windows else 0
+
+
+class LandingStopped(Exception):
+    """A chunk waited for that will never land: its read job was stopped first."""
+
+
+class Landing:
     """The chunks of a linear read that have landed, read in order by one job
     (:meth:`read_all`) while the decoding thread waits for each (:meth:`wait_for`). A read
     that fails ends the job; the error is raised to the decoding thread when it waits for
-    that chunk. :meth:`stop` ends the job before its next chunk (the decoder stopped early)."""
+    that chunk. :meth:`stop` ends the job before its next chunk (the decoder stopped early,
+    or the trunk closes): a wait for a chunk that has not landed then raises
+    :class:`LandingStopped`, and :meth:`wait_done` returns once the job no longer writes.
+    ``first`` chunks are already in (read by the decoding thread itself)."""
 
-    def __init__(self) -> None:
+    def __init__(self, first: int = 0) -> None:
         self._cond = threading.Condition()
-        self._landed = 1  # chunk 0 is read by the decoding thread itself
+        self._landed = first
         self._error: BaseException | None = None
         self._stopped = False
+        self._running = True
+        self.seconds = 0.0  # the job's time, its reads and the gate before each
 
     def read_all(self, read: Callable[[int], None], n: int) -> None:
-        for k in range(1, n):
-            with self._cond:
-                if self._stopped:
-                    return
-            try:
-                read(k)
-            except BaseException as exc:  # noqa: BLE001 - raised where chunk k is awaited
+        t0 = time.perf_counter()
+        try:
+            for k in range(self._landed, n):
                 with self._cond:
-                    self._error = exc
+                    if self._stopped:
+                        return
+                try:
+                    read(k)
+                except BaseException as exc:  # noqa: BLE001 - raised where chunk k is awaited
+                    with self._cond:
+                        self._error = exc
+                    return
+                with self._cond:
+                    self._landed = k + 1
                     self._cond.notify_all()
-                return
+        finally:
             with self._cond:
-                self._landed = k + 1
+                self.seconds = time.perf_counter() - t0
+                self._running = False
                 self._cond.notify_all()
 
     def wait_for(self, k: int) -> None:
         """Return once chunk ``k`` has landed; raise the error of the read that failed."""
         with self._cond:
-            self._cond.wait_for(lambda: self._landed > k or self._error is not None)
+            self._cond.wait_for(lambda: self._landed > k or self._error is not None
+                                or self._stopped)
             if self._landed > k:
                 return
-            assert self._error is not None
-            raise self._error
+            if self._error is not None:
+                raise self._error
+            raise LandingStopped(f"chunk {k} was never read: the read job was stopped")
 
     def stop(self) -> None:
         with self._cond:
             self._stopped = True
+            self._cond.notify_all()
+
+    def wait_done(self, timeout: float | None = None) -> bool:
+        """Wait until :meth:`read_all` has returned (or never started: call :meth:`stop`
+        first); whether it has."""
+        with self._cond:
+            return self._cond.wait_for(lambda: not self._running, timeout)

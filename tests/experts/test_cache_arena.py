@@ -31,9 +31,9 @@ def test_the_first_read_waits_for_the_arena_and_bytes_stay_right(tmp_path, monke
         assert started.wait(10)
         reader = rig.cache._read
 
-        def read(ref, buf):
+        def read(ref, buf, blocks=None):
             order.append("read")
-            return reader(ref, buf)
+            return reader(ref, buf, blocks)
 
         monkeypatch.setattr(rig.cache, "_read", read)
         t = threading.Thread(target=drive, args=(rig, [[(0, [0, 1, 2])], [(0, [3, 1])]]))

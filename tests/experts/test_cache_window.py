@@ -87,6 +87,37 @@ def test_plain_storage_reads_exactly_the_expert(work: Path, monkeypatch) -> None
         rig.close()
 
 
+def test_a_declined_expert_is_one_aligned_request_too(monkeypatch) -> None:
+    """An expert the policy does not keep is read into a transient buffer of whole blocks:
+    one aligned request, as into a slot (not its middle and a bounce read at each unaligned
+    end), and the bytes served are the shard's. The demo model's experts span several blocks."""
+    from k3core.api.cache_policy import make_key
+    from k3core.model.config import load_config
+    from k3core.testing.expert_cache_conformance import ScriptedPolicy, make_policy, model_cache
+
+    demo = Path(__file__).resolve().parents[2] / "demo-model"
+    cfg = load_config(demo)
+    inner = make_policy("lru", 4, n_layers=cfg.n_layers, n_experts=cfg.n_experts, topk=cfg.topk)
+    declined = {make_key(1, e) for e in range(cfg.n_experts)}
+    rig = model_cache(demo, make_storage("direct"), ScriptedPolicy(inner, decline=declined), 4)
+    c = rig.cache
+    try:
+        refs = {e: c.locator.ref(1, e) for e in range(cfg.n_experts)}
+        assert all(r.contiguous for r in refs.values())
+        last = max(refs, key=lambda e: refs[e].offset)
+        picked = [e for e, r in refs.items() if e != last and r.offset % 4096
+                  and (r.offset + r.nbytes) % 4096  # unaligned at both ends, a whole block inside
+                  and -(-r.offset // 4096) * 4096 + 4096 <= r.offset + r.nbytes][:3]
+        assert len(picked) == 3
+        seen = _counting(monkeypatch)
+        drive(rig, [[(1, picked)]])  # every served byte checked against the shard
+        assert c.stats.extra["transient"] == 3 and not c.slot_of
+        assert len(seen) == 3, seen
+        assert all(off % 4096 == 0 and addr % 4096 == 0 for off, _, addr in seen)
+    finally:
+        rig.close()
+
+
 def test_a_buffer_outside_the_arena_is_read_exactly(work: Path) -> None:
     rig = fixture_cache(work / "fx", make_storage("direct"), "lru", 4)
     try:
