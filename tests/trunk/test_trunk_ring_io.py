@@ -82,39 +82,41 @@ def _trunk_threads() -> list[threading.Thread]:
 
 
 def test_the_next_part_is_read_while_the_last_one_decodes(packed, monkeypatch) -> None:
-    """Layer 2's decode is held; the I/O thread meanwhile reads layer 3 into the free slot."""
+    """Layer 3's decode is held; the I/O thread meanwhile reads layer 4 into a free slot."""
     faulty = FaultyStorage(PlainStorage())
     tr, idx, man = _open(packed, faulty)
     try:
         assert tr.plan.ring == 3 and tr.has_reader
-        n = tr.stats.n_layers
-        _walk(tr, range(n))  # every layer read once (its checksum taken): now the ring path
+        _walk(tr, range(tr.stats.n_layers))  # every layer read once (its checksum taken)
+        # the walk is past layer 7 (released): the ring holds 0, 1 and 2
+        assert sorted(L for L, _ in tr.slot_states()) == [0, 1, 2]
         held, release = threading.Event(), threading.Event()
         real = stream.decode_chunk
 
         def slow(buf, start, wins, a, b, codec, dest, bin_path, layer):
-            if layer == 2 and threading.current_thread().name == "k3-trunk-reader":
+            if layer == 3 and threading.current_thread().name == "k3-trunk-reader":
                 held.set()
                 assert release.wait(20)
             yield from real(buf, start, wins, a, b, codec, dest, bin_path, layer)
 
         monkeypatch.setattr(stream, "decode_chunk", slow)
-        lay3 = man.layers[3]
+        lay4 = man.layers[4]
         before = len(faulty.log)
-        tr.acquire(1)  # wanted: 1, 2, 3 -> 2 decodes (held) while 3 is read
+        tr.acquire(1)  # wanted 1, 2, 3: layer 3 is read and its decode held
         assert held.wait(20)
+        tr.release(1)  # wanted 2, 3, 4: layer 4 is read while layer 3 still decodes
         deadline = time.monotonic() + 20
+        read4 = 0
         while time.monotonic() < deadline:
-            read3 = sum(nb for _, off, nb in faulty.log[before:]
-                        if lay3.file_off <= off < lay3.file_off + lay3.file_nbytes)
-            if read3 >= lay3.file_nbytes - 4096:
+            read4 = sum(nb for _, off, nb in faulty.log[before:]
+                        if lay4.file_off <= off < lay4.file_off + lay4.file_nbytes)
+            if read4 >= lay4.file_nbytes - 4096:
                 break
             time.sleep(0.01)
-        assert read3 >= lay3.file_nbytes - 4096, "layer 3 was not read while layer 2 decoded"
-        assert dict(tr.slot_states()).get(2) == "reading"
+        assert read4 >= lay4.file_nbytes - 4096, "layer 4 was not read while layer 3 decoded"
+        assert dict(tr.slot_states()).get(3) == "reading"
         release.set()
-        tr.release(1)
-        for L in (2, 3, 0, 1):
+        for L in (2, 3, 4, 0, 1):
             _right(tr, idx, L)
     finally:
         tr.close()
@@ -182,13 +184,14 @@ def test_close_with_a_part_in_flight_leaves_no_thread(packed) -> None:
     gate = threading.Event()
     try:
         _walk(tr, range(tr.stats.n_layers))
-        lay = man.layers[2]
-        faulty.gates[lay.file_off] = gate  # layer 2's first chunk waits in the device
-        tr.acquire(0)
+        lay = man.layers[3]
+        faulty.gates[lay.file_off] = gate  # layer 3's first chunk waits in the device
+        tr.acquire(1)  # wanted 1, 2, 3: the ring holds 0, 1, 2, so layer 3 is read
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline and not any(
                 off == lay.file_off for _, off, _ in faulty.log[-8:]):
             time.sleep(0.01)
+        assert any(off == lay.file_off for _, off, _ in faulty.log), "layer 3 was never read"
     finally:
         t0 = time.monotonic()
         closer = threading.Thread(target=tr.close)
