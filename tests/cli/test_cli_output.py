@@ -248,6 +248,30 @@ def test_quiet_handler_before_the_command_exits_130_at_once():
     assert p.returncode == 130 and p.stderr == "k3: error: interrupted\n" and p.stdout == ""
 
 
+@pytest.mark.parametrize("how", ["-m", "script"])
+def test_ctrl_c_inside_exec_of_a_string_is_still_exit_130(tmp_path, how):
+    """A KeyboardInterrupt that leaves code run by ``exec`` of a string (as it can while a
+    dataclass is defined during the command's imports) makes CPython end a ``python -m``
+    process that handled it by SIGINT (-2); the command line still exits 130 with its one
+    line. Without relying on timing: the stand-in command raises it from inside ``exec``,
+    through the guard, run as a module (``python -m k3core``) and as a script (``k3``)."""
+    body = ("import sys\nimport k3core.cli.app as app\nfrom k3core.cli.guard import guarded\n"
+            "from k3core.cli.__main__ import main\n"
+            "@guarded\ndef cmd():\n    print('working', flush=True)\n"
+            "    exec('raise KeyboardInterrupt')\n"
+            "def fake():\n    try:\n        cmd()\n    except SystemExit as e:\n"
+            "        sys.exit(e.code)\n    except BaseException as e:\n"
+            "        sys.exit(getattr(e, 'exit_code', 1))\n"
+            "app.main = fake\nmain()\nprint('not reached')\n")
+    script = tmp_path / "stand_in.py"
+    script.write_text(body)
+    argv = [sys.executable, str(script)] if how == "script" else [sys.executable, "-m", "stand_in"]
+    p = subprocess.run(argv, capture_output=True, text=True, timeout=30, cwd=tmp_path,
+                       preexec_fn=_default_sigint)
+    assert p.returncode == 130, (p.returncode, p.stderr)
+    assert p.stderr == "k3: error: interrupted\n" and p.stdout == "working\n"
+
+
 def test_ctrl_c_after_the_command_returned_is_one_line():
     """Once the command line's command has returned (its files closed), SIGINT is the quiet
     handler's again, so Ctrl-C while the interpreter shuts down is one line and exit 130, not
