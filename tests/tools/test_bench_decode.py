@@ -193,6 +193,13 @@ def test_streamed_trunk_reports_exposed_wait_overlap_and_peak_rss(model, tmp_pat
     read = doc["trunk_bytes_read_per_token"] + doc["expert_bytes_read_per_token"]
     assert doc["disk_read_gb_s"] > 0 and "trunk.bin" in doc["disk_read_how"]
     assert doc["io_floor_seconds_per_token"] == pytest.approx(read / (doc["disk_read_gb_s"] * 1e9))
+    # the device's own counters, where it has them (a page-cache hit reads nothing from it)
+    assert 0.0 <= doc["disk_busy_share"] <= 1.1
+    if doc["disk_gb_s_while_busy"] > 0:
+        assert doc["disk_device"] and doc["device_floor_seconds_per_token"] == pytest.approx(
+            read / (doc["disk_gb_s_while_busy"] * 1e9))
+    else:
+        assert doc["device_floor_seconds_per_token"] == 0.0
     human = runner.invoke(app, ["bench", "decode", str(model), "--backend", "numpy", "--gen", "2",
                                 "--prefill", "0", "--repeat", "1", "--no-check",
                                 "--bandwidth-mb", "32", "--trunk", str(trunk), "--trunk-gb",

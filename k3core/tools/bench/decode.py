@@ -23,6 +23,11 @@ given) and measures, each ``repeat`` times from a fresh engine (medians reported
   (the packed trunk, else the largest checkpoint shard), measured in the same run
   (``k3core.tools.bench.io.storage_read_rate``): no decode that reads those bytes from that
   device can be faster;
+* **the device's own view** of the same steady tokens (Linux): the share of the time the
+  disk the run streams from had reads in flight, the rate it read at while busy, and the
+  bytes per token over that rate (``k3core.tools.bench.device_counters``): the floor at the
+  rate this run actually got, where the probe above measures another minute of a disk whose
+  rate may move by 2x;
 * **the prefill's compute floor**: the multiply-adds of its weight products (counted at the
   kernel interface from the operands' shapes) over the float64 FMA peak measured in the same
   run on the same threads: under the kernel contract every product is a float64 FMA, so no
@@ -64,6 +69,7 @@ from k3core.model.sizes import sizes_from_config
 from k3core.model.speculative import SpecOptions
 from k3core.run.engine import Engine, EngineOptions, open_engine
 from k3core.run.memory_plan import peak_rss_bytes
+from k3core.tools.bench import device_counters
 
 DEFAULT_IDS = (3, 7, 11, 5, 9)
 #: Interface members that are not kernel calls (counted ops are every other public method).
@@ -161,6 +167,9 @@ class RunFigures:
     trunk_read: list[float] = field(default_factory=list)
     kernel_seconds: list[float] = field(default_factory=list)  # inside the kernel ops
     macs: list[int] = field(default_factory=list)  # the weight products' multiply-adds
+    #: the streamed-from device's bytes read and seconds busy per step (device_counters.py)
+    disk_bytes: list[int] = field(default_factory=list)
+    disk_busy: list[float] = field(default_factory=list)
 
 
 def _counters(eng: Engine, counter: CallCounter) -> tuple[int, int, int, int, float, int, float, float]:
@@ -175,7 +184,8 @@ def _counters(eng: Engine, counter: CallCounter) -> tuple[int, int, int, int, fl
 
 
 def _decode_run(opts: EngineOptions, ids: list[int], gen: int, incremental: bool,
-                spec: SpecOptions | None = None, count_macs: bool = False) -> RunFigures:
+                spec: SpecOptions | None = None, count_macs: bool = False,
+                disk: Path | None = None) -> RunFigures:
     eng = open_engine(opts)
     fig = RunFigures()
     try:
@@ -183,8 +193,13 @@ def _decode_run(opts: EngineOptions, ids: list[int], gen: int, incremental: bool
         last = [_counters(eng, counter)]
         kernel_at = [counter.seconds]
         macs_at = [counter.macs]
+        dev_at = [device_counters.sample(disk)]
 
         def on_step(st: Step) -> None:
+            dev = device_counters.sample(disk)
+            was, dev_at[0] = dev_at[0], dev
+            fig.disk_bytes.append(dev.bytes_read - was.bytes_read if dev and was else 0)
+            fig.disk_busy.append(dev.busy_seconds - was.busy_seconds if dev and was else 0.0)
             now = _counters(eng, counter)
             prev = last[0]
             last[0] = now
@@ -312,6 +327,14 @@ class DecodeBench:
     disk_read_gb_s: float = 0.0
     disk_read_how: str = ""
     io_floor_seconds_per_token: float = 0.0
+    #: the device the run streams from, by its own counters over the steady tokens of the
+    #: timed runs (k3core/tools/bench/device_counters.py; empty and 0 where there are none):
+    #: the share of the wall time it had reads in flight, the rate it read at while busy,
+    #: and the bytes it read per token over that rate (the floor at the rate this run got)
+    disk_device: str = ""
+    disk_busy_share: float = 0.0
+    disk_gb_s_while_busy: float = 0.0
+    device_floor_seconds_per_token: float = 0.0
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -379,11 +402,12 @@ def run_decode_bench(
     spec = spec if spec is not None and spec.on else None
     if any(not 0 <= i < cfg.vocab for i in ids):
         raise UsageError(f"bench decode: prompt ids must be in 0..{cfg.vocab - 1}")
+    stat = device_counters.stat_file_of(_streamed_file(trunk_dir, shards))
     runs, peak = [], 0
     for _ in range(repeat):  # the peak of each timed run alone (the probe's is forgotten)
         gc.collect()  # the last run's engine, freed before the peak is reset
         reset = _reset_peak_rss()
-        runs.append(_decode_run(options(backend), ids, gen, incremental, spec))
+        runs.append(_decode_run(options(backend), ids, gen, incremental, spec, disk=stat))
         peak = max(peak, _hwm_bytes() if reset else peak_rss_bytes())
     k = [r.first_pass for r in runs]
     steady = [RunFigures(r.seconds[f:], r.calls[f:], r.expert_bytes[f:], r.expert_requests[f:],
@@ -391,6 +415,8 @@ def run_decode_bench(
                          r.expert_distinct[f:], 0, r.trunk_wait[f:], r.trunk_read[f:],
                          r.kernel_seconds[f:])
               for r, f in zip(runs, k, strict=True)]
+    for s, r, f in zip(steady, runs, k, strict=True):
+        s.disk_bytes, s.disk_busy = r.disk_bytes[f:], r.disk_busy[f:]
     means = [_mean(s.seconds) for s in steady]
     mid = sorted(range(len(steady)), key=lambda i: means[i])[len(steady) // 2]
     per_run = [_median(s.seconds) for s in steady]
@@ -405,6 +431,8 @@ def run_decode_bench(
         pooled.trunk_read += s.trunk_read
         pooled.kernel_seconds += s.kernel_seconds
         pooled.seconds += s.seconds
+        pooled.disk_bytes += s.disk_bytes
+        pooled.disk_busy += s.disk_busy
     rng = np.random.default_rng(seed)
     pids = [int(i) for i in rng.integers(0, cfg.vocab, prefill)] if prefill else []
     pruns = ([_decode_run(options(backend, prefill_chunk), pids, 1, True, count_macs=True)
@@ -423,6 +451,8 @@ def run_decode_bench(
                       + _median([float(b) for b in pooled.trunk_bytes]))
     disk, disk_how = (_disk_rate(sname, trunk_dir, shards, readers_used)
                       if read_per_token > 0 else (0.0, ""))
+    busy, dev_bytes = sum(pooled.disk_busy), sum(pooled.disk_bytes)
+    while_busy = dev_bytes / busy / 1e9 if busy > 0 else 0.0
     notes: list[str] = []
     match: bool | None = None
     if check:
@@ -477,23 +507,33 @@ def run_decode_bench(
         prefill_compute_floor_seconds=pmacs / (fma * 1e9) if fma > 0 else 0.0,
         disk_read_gb_s=disk, disk_read_how=disk_how,
         io_floor_seconds_per_token=read_per_token / (disk * 1e9) if disk > 0 else 0.0,
+        disk_device=device_counters.device_name(stat) if busy > 0 else "",
+        disk_busy_share=busy / sum(pooled.seconds) if busy > 0 and pooled.seconds else 0.0,
+        disk_gb_s_while_busy=while_busy,
+        device_floor_seconds_per_token=(read_per_token / (while_busy * 1e9)
+                                        if while_busy > 0 else 0.0),
         kernel_seconds_per_token=_median(pooled.kernel_seconds),
         host_seconds_per_token=_median([t - kt for t, kt in
                                         zip(pooled.seconds, pooled.kernel_seconds, strict=True)]),
     )
 
 
+def _streamed_file(trunk_dir: Path | None, shards: list[Path]) -> Path | None:
+    """The file a run streams from: the packed trunk, else the largest shard."""
+    from k3core.trunk.manifest import DATA_NAME
+
+    if trunk_dir is not None:
+        return trunk_dir / DATA_NAME
+    return max(shards, key=lambda p: p.stat().st_size) if shards else None
+
+
 def _disk_rate(storage: str, trunk_dir: Path | None, shards: list[Path],
                readers: int) -> tuple[float, str]:
     """The read rate of the file a run streams: the packed trunk, else the largest shard."""
     from k3core.tools.bench.io import storage_read_rate
-    from k3core.trunk.manifest import DATA_NAME
 
-    if trunk_dir is not None:
-        path = trunk_dir / DATA_NAME
-    elif shards:
-        path = max(shards, key=lambda p: p.stat().st_size)
-    else:
+    path = _streamed_file(trunk_dir, shards)
+    if path is None:
         return 0.0, ""
     return storage_read_rate(storage, path, (1, max(1, readers)))
 
@@ -551,6 +591,13 @@ def format_report(b: DecodeBench) -> str:
             f"{(b.expert_bytes_read_per_token + b.trunk_bytes_read_per_token) / gb:.3f} GB read "
             f"per token / {b.disk_read_gb_s:.2f} GB/s ({b.disk_read_how}); decode is "
             f"{b.seconds_per_token / b.io_floor_seconds_per_token:.2f}x that floor")
+    if b.disk_busy_share > 0 and b.device_floor_seconds_per_token > 0:
+        lines.append(
+            f"device      : {b.disk_device} had reads in flight {100 * b.disk_busy_share:.0f} % "
+            f"of the steady tokens' time and read {b.disk_gb_s_while_busy:.2f} GB/s while busy "
+            f"(its own counters); at that rate the bytes read take "
+            f"{b.device_floor_seconds_per_token:.4f} s/token, decode is "
+            f"{b.seconds_per_token / b.device_floor_seconds_per_token:.2f}x that")
     if b.trunk:
         lines.append(
             f"trunk I/O   : {b.trunk_read_seconds_per_token:.4f} s/token of reads, "
