@@ -388,20 +388,23 @@ def coded_trunk(model, work) -> Path:
 def test_ring_reads_yield_to_demand_reads_and_serve_the_same_bytes(model, trunk, coded_trunk,
                                                                    packed) -> None:
     """The ring's reader reads a raw part's pieces, or a coded part's chunks, after the
-    expert reads in flight, and still serves every layer byte for byte."""
+    expert reads in flight (beside the last one only), and still serves every layer byte
+    for byte."""
     cfg = load_config(model / "config.json")
     with CheckpointIndex.open(model, PlainStorage()) as idx:
         man = open_trunk(trunk if packed == "raw" else coded_trunk, idx, cfg)
         ring = 2 * max(lay.nbytes for lay in man.layers)
         faulty = FaultyStorage(PlainStorage())
         before = DEMAND.waited_seconds
-        DEMAND.begin()  # an expert read in flight while the reader starts filling the ring
+        DEMAND.begin()  # expert reads in flight while the reader starts filling the ring
+        DEMAND.begin()
         try:
             tr = StreamedTrunk(cfg, man, faulty, ring, ring=2)
             try:
                 time.sleep(3 * AHEAD_MAX_WAIT_S)
                 assert DEMAND.waited_seconds - before >= 0.9 * AHEAD_MAX_WAIT_S
             finally:
+                DEMAND.end()
                 DEMAND.end()
             for layer in range(cfg.n_layers):  # the walk still gets every layer, byte for byte
                 p = tr.acquire(layer)
