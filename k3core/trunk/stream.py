@@ -62,8 +62,7 @@ import numpy as np
 
 from k3core.api.daemon_executor import DaemonExecutor
 from k3core.api.errors import CheckpointError, K3Error, StorageError
-from k3core.api.prefault import hugepage_buffer, prefault
-from k3core.api.read_priority import AHEAD_PIECE_BYTES, DEMAND
+from k3core.api.read_priority import DEMAND
 from k3core.api.storage import StorageBackend, StorageFile, aligned_empty
 from k3core.api.units import ALIGN
 from k3core.model import names
@@ -75,6 +74,14 @@ from k3core.trunk.assembly import LayerAssembly
 from k3core.trunk.bind import bind_matrices, bind_small
 from k3core.trunk.codec import codec_for_manifest
 from k3core.trunk.manifest import TrunkLayer, TrunkManifest
+from k3core.trunk.part_io import (
+    open_trunk_file,
+    read_ahead,
+    read_error,
+    slot_buffer,
+    windows_in,
+    zero_padding,
+)
 from k3core.trunk.parts import LayerPart, LayerSplit, split_layer
 from k3core.trunk.plan import DEFAULT_RING, TrunkPlan, plan_trunk
 from k3core.trunk.stats import TrunkStats
@@ -92,16 +99,6 @@ from k3core.trunk.windows import (
 EMPTY, READING, READY = "empty", "reading", "ready"
 #: how long ``close`` waits for the reader thread (it is a daemon thread either way)
 JOIN_SECONDS = 5.0
-
-
-def slot_buffer(nbytes: int) -> np.ndarray:
-    """An aligned buffer of at least ``nbytes`` (``hugepage_buffer``: 2 MiB aligned with
-    MADV_HUGEPAGE if large). Its pages are faulted in here, before any read into it is
-    submitted, so a ring slot's first fill does not pay the page faults on the reader thread
-    (k3core/api/prefault.py)."""
-    buf = hugepage_buffer(nbytes)
-    prefault(buf[:nbytes])  # the rounding's tail is never read into: it stays unmapped
-    return buf
 
 
 class _Slot:
@@ -172,7 +169,7 @@ class StreamedTrunk(TrunkSource):
                            default=0) + 3 * ALIGN) if manifest.compressed else 0
         #: reads the next chunk of encoded windows while the current one decodes
         self._prefetch = DaemonExecutor("k3-trunk-prefetch") if manifest.compressed else None
-        self._file: StorageFile | None = _open(storage, manifest)
+        self._file: StorageFile | None = open_trunk_file(storage, manifest)
         self._cond = threading.Condition()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -436,17 +433,17 @@ class StreamedTrunk(TrunkSource):
             if self._codec is not None:
                 self._read_coded(f, lay, buf, start, nbytes)
             elif self._reading_ahead():
-                _read_ahead(f, lay.file_off + start, buf[:nbytes])
+                read_ahead(f, lay.file_off + start, buf[:nbytes])
             else:
                 f.read_into(lay.file_off + start, buf[:nbytes])
         except (K3Error, OSError, ValueError, BufferError) as exc:
-            raise _read_error(lay.layer, exc) from None
+            raise read_error(lay.layer, exc) from None
 
     def _disk_bytes(self, lay: TrunkLayer, start: int, nbytes: int) -> int:
         """Bytes a read of raw ``[start, start + nbytes)`` of ``lay`` takes from the file."""
         if self._codec is None:
             return nbytes
-        return sum(w.nbytes for w in _windows_in(lay, start, nbytes))
+        return sum(w.nbytes for w in windows_in(lay, start, nbytes))
 
     def _read_coded(self, f: StorageFile, lay: TrunkLayer, buf: np.ndarray, start: int,
                     nbytes: int) -> None:
@@ -454,7 +451,7 @@ class StreamedTrunk(TrunkSource):
         aligned chunks and decode them into ``buf[:nbytes]`` (a window that straddles the
         range is decoded aside and its share copied)."""
         assert self._codec is not None
-        wins = _windows_in(lay, start, nbytes)
+        wins = windows_in(lay, start, nbytes)
         at = in_place_offset(wins, start, buf.size)
         staging: np.ndarray
         if at is not None:  # a ring slot (it has the room): the encoded bytes read into its tail
@@ -470,7 +467,7 @@ class StreamedTrunk(TrunkSource):
                                  self._codec, staging, dest, self._prefetch,
                                  linear=at is not None, gate=gate):
             land(w)
-        _pad(buf, start, nbytes, wins)
+        zero_padding(buf, start, nbytes, wins)
         with self._cond:
             self.stats.decoded_bytes += nbytes
             self.stats.decode_seconds += time.perf_counter() - t0
@@ -699,7 +696,7 @@ class StreamedTrunk(TrunkSource):
         if part.layer not in self._small:
             return None
         lay = self.manifest.layers[part.layer]
-        wins = _windows_in(lay, part.start, part.nbytes)
+        wins = windows_in(lay, part.start, part.nbytes)
         at = in_place_offset(wins, part.start, slot.buf.size)
         if at is None:
             return None
@@ -748,7 +745,7 @@ class StreamedTrunk(TrunkSource):
                 for w in decode_chunk(staging, base, job.windows, a, b, self._codec, dest,
                                       self.manifest.bin_path, L):
                     land(w)
-            _pad(buf, part.start, part.nbytes, job.windows)
+            zero_padding(buf, part.start, part.nbytes, job.windows)
             if self.verify_every:
                 c0 = time.perf_counter()
                 problem = self._asm[L].part_problem(self.manifest, job.unit - self._first[L], buf)
@@ -761,7 +758,7 @@ class StreamedTrunk(TrunkSource):
         except BaseException as exc:  # anything: the slot must never stay READING
             job.landing.stop()
             done = job.landing.wait_done(JOIN_SECONDS)
-            err = _read_error(L, exc)
+            err = read_error(L, exc)
             with self._cond:
                 self._in_flight.remove(job)
                 if done:  # else a read still lands in the slot: it stays READING, unused
@@ -782,66 +779,3 @@ class StreamedTrunk(TrunkSource):
             self.stats.decoded_bytes += part.nbytes
             self.stats.decode_seconds += time.perf_counter() - t0 - waited
             self._cond.notify_all()
-
-
-def _open(storage: StorageBackend, man: TrunkManifest) -> StorageFile:
-    try:
-        f = storage.open(man.bin_path)
-    except K3Error as exc:
-        raise CheckpointError(f"{man.bin_path}: cannot open the packed trunk: "
-                              f"{exc.message}") from None
-    except OSError as exc:
-        raise CheckpointError(f"{man.bin_path}: cannot open the packed trunk: "
-                              f"{exc.strerror or exc}") from None
-    if f.size != man.total_bytes:
-        f.close()
-        raise CheckpointError(f"{man.bin_path} is {f.size} bytes but the manifest says "
-                              f"{man.total_bytes}; truncated or replaced, repack the trunk")
-    return f
-
-
-def _read_ahead(f: StorageFile, offset: int, out: np.ndarray) -> None:
-    """The reader thread's read of a ring part: in pieces, each after the expert reads in
-    flight (demand reads, k3core/api/read_priority.py) have gone, so that a routed expert
-    the MoE waits for is not queued behind a part needed only later."""
-    for a in range(0, out.size, AHEAD_PIECE_BYTES):
-        DEMAND.wait_for_demand()
-        f.read_into(offset + a, out[a : a + AHEAD_PIECE_BYTES])
-
-
-def _read_error(layer: int, exc: BaseException) -> K3Error:
-    """A failed trunk read as the run's error, naming the layer (a window that does not
-    decode is already a ``CheckpointError`` naming it)."""
-    if isinstance(exc, CheckpointError):
-        return exc
-    if isinstance(exc, K3Error):
-        return StorageError(f"trunk layer {layer}: {exc.message}")
-    if isinstance(exc, (OSError, ValueError, BufferError)):
-        return StorageError(f"trunk layer {layer}: read failed: {exc}")
-    return StorageError(f"trunk layer {layer}: read failed: {exc!r}")
-
-
-def _pad(buf: np.ndarray, start: int, nbytes: int, wins: tuple[Window, ...]) -> None:
-    """Zero the bytes of raw ``[start, start + nbytes)`` in ``buf`` that no window holds
-    (the alignment padding between tensors)."""
-    end = start + nbytes
-    covered = sum(min(end, w.raw_off + w.raw_len) - max(start, w.raw_off) for w in wins)
-    if covered < nbytes:
-        _zero_gaps(buf, start, end, wins)
-
-
-def _windows_in(lay: TrunkLayer, start: int, nbytes: int) -> tuple[Window, ...]:
-    """The windows of ``lay`` whose raw bytes meet ``[start, start + nbytes)``."""
-    end = start + nbytes
-    return tuple(w for w in lay.windows if w.raw_off < end and w.raw_off + w.raw_len > start)
-
-
-def _zero_gaps(buf: np.ndarray, start: int, end: int, wins: tuple[Window, ...]) -> None:
-    """Zero the bytes of ``buf`` (raw ``[start, end)``) that no window covers."""
-    pos = start
-    for w in sorted(wins, key=lambda w: w.raw_off):
-        if w.raw_off > pos:
-            buf[pos - start : w.raw_off - start] = 0
-        pos = max(pos, w.raw_off + w.raw_len)
-    if pos < end:
-        buf[pos - start : end - start] = 0
