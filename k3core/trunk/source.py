@@ -72,11 +72,13 @@ def open_streamed_trunk(
     if trunk_gb is None:
         lines.append("note: no --trunk-gb, so every layer is pinned (read once from trunk.bin)")
     lines += plan_lines(trunk.plan, walked, n_layers, trunk.unit_labels)
-    mode = "reader thread reads ahead" if trunk.has_reader else (
-        "read on demand" if trunk.plan.ring else "nothing streams")
-    how = (f"{man.codec}-coded windows read in 4096-aligned chunks and decoded into the slot "
-           "(on the reader thread when there is one)" if man.compressed
-           else "one 4096-aligned read per part")
+    if trunk.has_reader:
+        mode = ("an I/O thread reads ahead, the reader thread decodes" if man.compressed
+                else "reader thread reads ahead")
+    else:
+        mode = "read on demand" if trunk.plan.ring else "nothing streams"
+    how = (f"{man.codec}-coded windows read in 4096-aligned chunks and decoded into the slot"
+           if man.compressed else "one 4096-aligned read per part")
     lines.append(f"read mode     : storage '{storage_name or storage.name}', {how}, "
                  f"{mode}; " + ("whole file checksummed at open, every read "
                                                 "checked" if verify else

@@ -205,3 +205,15 @@ def test_close_with_a_part_in_flight_leaves_no_thread(packed) -> None:
     while _trunk_threads() and time.monotonic() < deadline:
         time.sleep(0.02)
     assert not _trunk_threads()
+
+
+def test_the_run_says_which_thread_reads_and_which_decodes(packed) -> None:
+    cfg = load_config(DEMO / "config.json")
+    with CheckpointIndex.open(DEMO, PlainStorage()) as idx:
+        floor = max(lay.nbytes for lay in open_trunk(packed, idx, cfg).layers)
+    res = CliRunner().invoke(app, ["run", str(DEMO), "--ids", "3,7,11", "--gen", "2",
+                                   "--trunk", str(packed), "--trunk-gb", f"{2 * floor / 1e9:.9f}",
+                                   "--trunk-ring", "2", "--storage", "plain"])
+    assert res.exit_code == 0, res.output
+    mode = next(line for line in res.output.splitlines() if line.startswith("read mode"))
+    assert "coded windows" in mode and "an I/O thread reads ahead, the reader thread decodes" in mode
