@@ -80,8 +80,9 @@ bench: setup
 	@$(PY) -c "import json,statistics as s; L=lambda k,f: [json.loads(open(f'build/bench/{k}-{r}.json').read().splitlines()[-1])[f] for r in (1,2,3)]; \
 	print('resident s/token', round(s.median(L('resident','seconds_per_token')),4), \
 	'(host', round(s.median(L('resident','host_seconds_per_token')),4), 'of it) | streamed s/token', round(s.median(L('streamed','seconds_per_token')),4), \
-	'peak RSS MB', round(max(L('streamed','peak_rss_bytes'))/1e6), 'disk floor', round(s.median(L('streamed','io_floor_seconds_per_token')),4), '| streamed bp-nib s/token', round(s.median(L('streamed-nib','seconds_per_token')),4), \
-	'peak RSS MB', round(max(L('streamed-nib','peak_rss_bytes'))/1e6), '| prefill s', round(s.median(L('prefill','prefill_seconds')),3), \
+	'peak RSS MB', round(max(L('streamed','peak_rss_bytes'))/1e6), 'disk floor', round(s.median(L('streamed','io_floor_seconds_per_token')),4), \
+	'device floor', round(s.median(L('streamed','device_floor_seconds_per_token')),4), '| streamed bp-nib s/token', round(s.median(L('streamed-nib','seconds_per_token')),4), \
+	'peak RSS MB', round(max(L('streamed-nib','peak_rss_bytes'))/1e6), 'device floor', round(s.median(L('streamed-nib','device_floor_seconds_per_token')),4), '| prefill s', round(s.median(L('prefill','prefill_seconds')),3), \
 	'| ids match numpy:', L('resident','ids_match')[0], L('streamed','ids_match')[0], L('streamed-nib','ids_match')[0], L('prefill','ids_match')[0])"
 
 ## bench-ladder: the memory ladder (trunk budgets from nothing pinned to all pinned) on a
