@@ -302,14 +302,11 @@ class ExpertCache(ExpertSource):
             slot = self._reserve(key, protected)
             if slot is None:
                 self.stats.extra["transient"] += 1
-                skew = _skew(ref)
-                blocks: np.ndarray | None = aligned_empty(self.stride, ALIGN)
-                assert blocks is not None
-                buf = blocks[skew : skew + ref.nbytes]
+                blocks = aligned_empty(self.stride, ALIGN)
+                m = _Member(e, ref, blocks[_skew(ref) : _skew(ref) + ref.nbytes], slot,
+                            blocks=blocks)
             else:
-                blocks = None
-                buf = self._slot_buf(slot, ref)
-            m = _Member(e, ref, buf, slot, blocks=blocks)
+                m = _Member(e, ref, self._slot_buf(slot, ref), slot)
             batch[key] = m
             protected.add(key)
             misses.append(m)

@@ -591,14 +591,7 @@ class StreamedTrunk(TrunkSource):
                 self._asm[L].feed(k, slot.buf[: part.nbytes], part.start)
                 self._finish(L)
             elif self.verify_every:
-                c0 = time.perf_counter()
-                problem = self._asm[L].part_problem(self.manifest, k, slot.buf)
-                with self._cond:
-                    self.stats.verify_seconds += time.perf_counter() - c0
-                if problem is not None:
-                    raise CheckpointError(problem)
-                with self._cond:
-                    self.stats.verified += 1
+                self._verify_part(L, k, slot.buf)
         except BaseException as exc:  # anything: the slot must never stay READING
             err = exc if isinstance(exc, K3Error) else StorageError(
                 f"trunk layer {L}: read failed: {exc!r}")
@@ -617,6 +610,18 @@ class StreamedTrunk(TrunkSource):
             self.stats.bytes_read += disk
             self.stats.read_seconds += dt
             self._cond.notify_all()
+
+    def _verify_part(self, layer: int, k: int, buf: np.ndarray) -> None:
+        """``--verify-trunk`` on a ring read: part ``k`` of ``layer`` in ``buf`` against its
+        checksum segments, or ``CheckpointError``."""
+        c0 = time.perf_counter()
+        problem = self._asm[layer].part_problem(self.manifest, k, buf)
+        with self._cond:
+            self.stats.verify_seconds += time.perf_counter() - c0
+        if problem is not None:
+            raise CheckpointError(problem)
+        with self._cond:
+            self.stats.verified += 1
 
     def _wait_ready(self, u: int) -> _Slot:
         with self._cond:
@@ -747,14 +752,7 @@ class StreamedTrunk(TrunkSource):
                     land(w)
             zero_padding(buf, part.start, part.nbytes, job.windows)
             if self.verify_every:
-                c0 = time.perf_counter()
-                problem = self._asm[L].part_problem(self.manifest, job.unit - self._first[L], buf)
-                with self._cond:
-                    self.stats.verify_seconds += time.perf_counter() - c0
-                if problem is not None:
-                    raise CheckpointError(problem)
-                with self._cond:
-                    self.stats.verified += 1
+                self._verify_part(L, job.unit - self._first[L], buf)
         except BaseException as exc:  # anything: the slot must never stay READING
             job.landing.stop()
             done = job.landing.wait_done(JOIN_SECONDS)

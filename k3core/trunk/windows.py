@@ -200,7 +200,7 @@ def decoded_windows(
     passes the demand gate, :meth:`k3core.api.read_priority.ReadPriority.wait_for_demand`,
     so a routed expert the MoE waits for is not queued behind a chunk read ahead)."""
     parts = chunks(windows)
-    base = _aligned_range(windows, 0, len(windows))[0] if windows else 0
+    base = linear_base(windows)
     if prefetch is not None and not linear:
         half = staging.size // 2
         bufs: tuple[np.ndarray, ...] = (staging[:half], staging[half : 2 * half])
@@ -256,7 +256,7 @@ def linear_reader(f: StorageFile, file_off: int, windows: tuple[Window, ...],
     each read."""
     if parts is None:
         parts = chunks(windows)
-    base = _aligned_range(windows, 0, len(windows))[0] if windows else 0
+    base = linear_base(windows)
 
     def read(k: int) -> None:
         if gate is not None:
@@ -356,7 +356,7 @@ class Landing:
             self._cond.notify_all()
 
     def wait_done(self, timeout: float | None = None) -> bool:
-        """Wait until :meth:`read_all` has returned (or never started: call :meth:`stop`
-        first); whether it has."""
+        """Wait until :meth:`read_all` has returned (after :meth:`stop`, a job not started
+        yet returns at once when it starts); whether it has within ``timeout``."""
         with self._cond:
             return self._cond.wait_for(lambda: not self._running, timeout)
