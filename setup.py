@@ -1,6 +1,6 @@
 """Build hook: setuptools reads pyproject.toml; compiled extensions are declared here.
 
-Two cffi modules, both optional: when there is no C compiler, or a compile fails, the install
+Three cffi modules, all optional: when there is no C compiler, or a compile fails, the install
 still succeeds and prints a warning.
 
 * the avx2 kernel backend, built from ``backends/avx2_build.py``; ``--backend avx2`` then
@@ -8,7 +8,9 @@ still succeeds and prints a warning.
   again). The reason is written next to where the module would have been
   (``k3_backends/_k3avx2.build-error.txt``) so the backend can say why;
 * the ``bp-nib`` trunk codec's decoder, built from ``k3core/trunk/nibble_build.py``; without
-  it a ``bp-nib`` trunk decodes through NumPy, to the same bytes, more slowly.
+  it a ``bp-nib`` trunk decodes through NumPy, to the same bytes, more slowly;
+* the ``bp-bits`` trunk codec's decoder, built from ``k3core/trunk/bitcode_build.py``; the
+  same holds for it.
 """
 
 from __future__ import annotations
@@ -120,5 +122,6 @@ setup(
     packages=_packages(),
     package_dir=PACKAGE_DIRS,
     cmdclass={"build_ext": OptionalBuildExt},
-    cffi_modules=["backends/avx2_build.py:ffibuilder", "k3core/trunk/nibble_build.py:ffibuilder"],
+    cffi_modules=["backends/avx2_build.py:ffibuilder", "k3core/trunk/nibble_build.py:ffibuilder",
+                   "k3core/trunk/bitcode_build.py:ffibuilder"],
 )

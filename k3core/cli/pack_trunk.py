@@ -34,8 +34,9 @@ def pack_trunk(
     config: Path = typer.Option(None, "--config", help="Model config (default MODEL_DIR/config.json)."),
     force: bool = typer.Option(False, "--force", help="Replace a packed trunk already in TRUNK_DIR."),
     codec: str = typer.Option("none", "--codec", help="Lossless codec NAME[:LEVEL]: none, zstd, "
-                              "lz4, bp-zstd, bp-lz4, bp-nib (bp-: bf16 byte planes first; "
-                              "bp-nib decodes fastest; docs/trunk.md has the measurements)."),
+                              "lz4, bp-zstd, bp-lz4, bp-nib, bp-bits (bp-: bf16 byte planes "
+                              "first; bp-bits stores bell-shaped weights smallest of the fast "
+                              "ones; docs/trunk.md has the measurements)."),
 ) -> None:
     """Copy every layer's non-expert tensors into TRUNK_DIR/trunk.bin (4096-aligned runs)."""
     chosen = parse_codec(codec)

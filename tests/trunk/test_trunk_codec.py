@@ -34,7 +34,7 @@ runner = CliRunner()
 DEMO = Path(__file__).resolve().parents[2] / "demo-model"
 PROMPT = "3,7,11,5"
 GEN = "3"
-CODECS = ["bp-zstd", "zstd:3", "lz4", "bp-lz4", "bp-nib"]
+CODECS = ["bp-zstd", "zstd:3", "lz4", "bp-lz4", "bp-nib", "bp-bits"]
 
 
 @pytest.fixture(scope="module")
@@ -393,7 +393,7 @@ def _small_chunks(monkeypatch, limit: int = 96 << 10) -> None:
     monkeypatch.setattr(windows, "chunks", lambda wins, limit_=limit: whole(wins, limit_))
 
 
-@pytest.mark.parametrize("codec", ["bp-nib", "bp-zstd"])
+@pytest.mark.parametrize("codec", ["bp-nib", "bp-bits", "bp-zstd"])
 def test_layers_read_in_many_chunks_give_the_same_bits(work, sizes, resident, codec, monkeypatch):
     _small_chunks(monkeypatch)
     trunk = _pack(work, codec)

@@ -4,7 +4,7 @@ With a codec and two or more ring slots, the I/O thread (``k3-trunk-io``) reads 
 part into the slots' tails and the reader thread (``k3-trunk-reader``) decodes them in
 place: the next part's reads start as soon as a slot is free, while the last one still
 decodes. These tests drive :class:`~k3core.trunk.stream.StreamedTrunk` directly over the
-trained demo model's trunk packed with ``bp-nib`` and ``bp-zstd``, in chunks of 96 kB so
+trained demo model's trunk packed with ``bp-nib``, ``bp-bits`` and ``bp-zstd``, in chunks of 96 kB so
 that every layer is several chunks: the reads really overlap a decode, every served matrix
 is the checkpoint's bytes, a read or a decode failing mid-part is that layer's error (the
 slot is emptied, the threads live on, a later acquire reads it again), and ``close`` leaves
@@ -36,7 +36,7 @@ NAME = "language_model.model.layers.{L}.self_attn.o_proj.weight"
 CHUNK = 96 << 10
 
 
-@pytest.fixture(scope="module", params=["bp-nib", "bp-zstd"])
+@pytest.fixture(scope="module", params=["bp-nib", "bp-bits", "bp-zstd"])
 def packed(request, tmp_path_factory) -> Path:
     out = disk_backed_dir(tmp_path_factory.mktemp("ringio")) / request.param
     res = CliRunner().invoke(app, ["pack-trunk", str(DEMO), str(out), "--codec", request.param])
