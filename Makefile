@@ -60,30 +60,30 @@ fuzz: setup
 	done
 
 ## bench: the speed table on a synthetic medium model (resident, streamed from the raw trunk
-## and from a bp-nib trunk, prefill of 128 ids), three alternating rounds, the ids checked
+## and from a bp-bits trunk, prefill of 128 ids), three alternating rounds, the ids checked
 ## against --backend numpy in the first; one JSON per run under build/bench/ and a line of medians
 BENCH_MODEL ?= build/medium
 BENCH_ARGS := --backend avx2 --threads 2 --repeat 1 --json
 bench: setup
 	test -f $(BENCH_MODEL)/config.json || $(K3) synth $(BENCH_MODEL) --size medium --seed 0
 	test -f $(BENCH_MODEL)-trunk/trunk.json || $(K3) pack-trunk $(BENCH_MODEL) $(BENCH_MODEL)-trunk
-	test -f $(BENCH_MODEL)-nib/trunk.json || $(K3) pack-trunk $(BENCH_MODEL) $(BENCH_MODEL)-nib --codec bp-nib
+	test -f $(BENCH_MODEL)-bits/trunk.json || $(K3) pack-trunk $(BENCH_MODEL) $(BENCH_MODEL)-bits --codec bp-bits
 	@mkdir -p build/bench
 	@set -e; for r in 1 2 3; do c=--no-check; [ $$r = 1 ] && c=--check; \
 	  $(K3) bench decode $(BENCH_MODEL) $(BENCH_ARGS) $$c --cache-gb 1.2 --prefill 0 > build/bench/resident-$$r.json; \
 	  $(K3) bench decode $(BENCH_MODEL) $(BENCH_ARGS) $$c --trunk $(BENCH_MODEL)-trunk --trunk-gb 0.2 \
 	    --cache-gb 0.2 --storage direct --prefill 0 > build/bench/streamed-$$r.json; \
-	  $(K3) bench decode $(BENCH_MODEL) $(BENCH_ARGS) $$c --trunk $(BENCH_MODEL)-nib --trunk-gb 0.2 \
-	    --cache-gb 0.2 --storage direct --prefill 0 > build/bench/streamed-nib-$$r.json; \
+	  $(K3) bench decode $(BENCH_MODEL) $(BENCH_ARGS) $$c --trunk $(BENCH_MODEL)-bits --trunk-gb 0.2 \
+	    --cache-gb 0.2 --storage direct --prefill 0 > build/bench/streamed-bits-$$r.json; \
 	  $(K3) bench decode $(BENCH_MODEL) $(BENCH_ARGS) $$c --cache-gb 1.2 --gen 2 --prefill 128 > build/bench/prefill-$$r.json; \
 	done
 	@$(PY) -c "import json,statistics as s; L=lambda k,f: [json.loads(open(f'build/bench/{k}-{r}.json').read().splitlines()[-1])[f] for r in (1,2,3)]; \
 	print('resident s/token', round(s.median(L('resident','seconds_per_token')),4), \
 	'(host', round(s.median(L('resident','host_seconds_per_token')),4), 'of it) | streamed s/token', round(s.median(L('streamed','seconds_per_token')),4), \
 	'peak RSS MB', round(max(L('streamed','peak_rss_bytes'))/1e6), 'disk floor', round(s.median(L('streamed','io_floor_seconds_per_token')),4), \
-	'device floor', round(s.median(L('streamed','device_floor_seconds_per_token')),4), '| streamed bp-nib s/token', round(s.median(L('streamed-nib','seconds_per_token')),4), \
-	'peak RSS MB', round(max(L('streamed-nib','peak_rss_bytes'))/1e6), 'device floor', round(s.median(L('streamed-nib','device_floor_seconds_per_token')),4), '| prefill s', round(s.median(L('prefill','prefill_seconds')),3), \
-	'| ids match numpy:', L('resident','ids_match')[0], L('streamed','ids_match')[0], L('streamed-nib','ids_match')[0], L('prefill','ids_match')[0])"
+	'device floor', round(s.median(L('streamed','device_floor_seconds_per_token')),4), '| streamed bp-bits s/token', round(s.median(L('streamed-bits','seconds_per_token')),4), \
+	'peak RSS MB', round(max(L('streamed-bits','peak_rss_bytes'))/1e6), 'device floor', round(s.median(L('streamed-bits','device_floor_seconds_per_token')),4), '| prefill s', round(s.median(L('prefill','prefill_seconds')),3), \
+	'| ids match numpy:', L('resident','ids_match')[0], L('streamed','ids_match')[0], L('streamed-bits','ids_match')[0], L('prefill','ids_match')[0])"
 
 ## bench-ladder: the memory ladder (trunk budgets from nothing pinned to all pinned) on a
 ## synthetic medium model, about 2.4 GB written under build/ (git-ignored)

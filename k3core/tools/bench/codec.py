@@ -35,7 +35,7 @@ from k3core.model import names
 from k3core.trunk.codec import Codec, parse_codec
 from k3core.trunk.windows import WINDOW_BYTES, plan_windows
 
-DEFAULT_CODECS = ("bp-nib", "lz4", "zstd:0", "zstd:1", "zstd:3", "zstd:9", "bp-lz4", "bp-zstd:0",
+DEFAULT_CODECS = ("bp-bits", "bp-nib", "lz4", "zstd:0", "zstd:1", "zstd:3", "zstd:9", "bp-lz4", "bp-zstd:0",
                   "bp-zstd:1", "bp-zstd:3", "bp-zstd:9", "bp-zstd:19")
 DEFAULT_MAX_BYTES = 256 * 10**6
 DEFAULT_DISKS = (0.5, 2.0, 6.0)
