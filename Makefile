@@ -46,7 +46,7 @@ test-long: setup
 ## fuzz: coverage-guided fuzzing (atheris/libFuzzer) of every reader of untrusted bytes,
 ## FUZZ_SECONDS each; a crash stops with its log (inputs kept in build/fuzz/crashes/)
 FUZZ_SECONDS ?= 60
-FUZZ_TARGETS ?= safetensors config tiktoken tokenizer_config manifest trace preset
+FUZZ_TARGETS ?= safetensors config tiktoken tokenizer_config manifest trace preset window_codec
 fuzz: setup
 	@$(PY) -c "import atheris" 2>/dev/null || $(PY) -m pip install -q 'atheris>=2.3'
 	@mkdir -p build/fuzz

@@ -48,7 +48,8 @@ def _mutate(rng: random.Random, data: bytes) -> bytes:
 
 def test_every_target_has_a_harness() -> None:
     assert {t.removeprefix("fuzz_") for t in TARGETS} >= {
-        "safetensors", "config", "tiktoken", "tokenizer_config", "manifest", "trace", "preset"}
+        "safetensors", "config", "tiktoken", "tokenizer_config", "manifest", "trace", "preset",
+        "window_codec"}
 
 
 @pytest.mark.parametrize("target", TARGETS)
