@@ -168,10 +168,15 @@ int k3bits_vector(void) {
     return 0;
 }
 
+/* The widest join this CPU runs, found once when the module loads (before any thread can
+ * decode), so that a join the CPU lacks is never run, whatever the caller asks. */
+static int g_best = 0;
+#ifdef K3BITS_X86
+__attribute__((constructor)) static void k3bits__pick(void) { g_best = k3bits_vector(); }
+#endif
+
 int k3bits_decode(const uint8_t *src, size_t src_len, uint8_t *out, size_t out_len, int vector) {
-    static int best = -1; /* a join the CPU lacks is never run, whatever the caller asks */
-    if (best < 0) best = k3bits_vector();
-    if (vector > best) vector = best;
+    if (vector > g_best) vector = g_best;
     if (out_len == 0 || out_len % 2u != 0) return K3BITS_E_ODD;
     if (src_len < HEADER) return K3BITS_E_SHORT;
     const unsigned b = src[0];

@@ -3,9 +3,8 @@
 ``setup.py`` names it in ``cffi_modules``, beside the avx2 backend's and the ``bp-nib``
 decoder's. It is plain C99 with an AVX2 and an AVX-512 join chosen at run time
 (``k3core/trunk/bitcode.c``), so it builds with GCC or Clang and runs on any CPU; like the
-avx2 module its build is optional: without it a
-``bp-bits`` trunk still decodes, through NumPy (:mod:`k3core.trunk.bitcode`), to the same
-bytes, only slower.
+avx2 module its build is optional: without it a ``bp-bits`` trunk still decodes, through
+NumPy (:mod:`k3core.trunk.bitcode`), to the same bytes, only slower.
 """
 
 from __future__ import annotations
