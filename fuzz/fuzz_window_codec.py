@@ -10,6 +10,7 @@ answer: the same refusal code, or the same bytes; the codec then raises one
 from __future__ import annotations
 
 import struct
+from functools import partial
 
 import numpy as np
 from fuzz_common import instrumented, main
@@ -36,22 +37,12 @@ def _implied_elements(codec: str, window: bytes) -> int:
 
 
 def _decoders(codec: str) -> list:
-    if codec == "bp-nib":
-        out = [nibble.decode_numpy]
-        native = nibble._native()
-        if native is not None:
-            ffi, lib, vector = native
-            for v in range(vector + 1):
-                out.append(lambda d, o, v=v: int(lib.k3nib_decode(
-                    ffi.from_buffer(d), len(d), ffi.from_buffer(o), o.size, v)))
-        return out
-    out = [bitcode.decode_numpy]
-    native = bitcode._native()
+    """NumPy's decoder, then the compiled one at each join this CPU runs."""
+    coder = nibble if codec == "bp-nib" else bitcode
+    out = [coder.decode_numpy]
+    native = coder._native()
     if native is not None:
-        ffi, lib, vector = native
-        for v in range(vector + 1):
-            out.append(lambda d, o, v=v: int(lib.k3bits_decode(
-                ffi.from_buffer(d), len(d), ffi.from_buffer(o), o.size, v)))
+        out += [partial(native.decode, vector=v) for v in range(native.vector + 1)]
     return out
 
 

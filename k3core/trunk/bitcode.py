@@ -46,9 +46,10 @@ from __future__ import annotations
 
 import functools
 import struct
-from typing import Any
 
 import numpy as np
+
+from k3core.trunk.native_decoder import NativeDecoder, load
 
 #: the width byte, three reserved bytes, the escape count and the table
 HEADER = 24
@@ -103,12 +104,7 @@ def decode_into(data: memoryview | np.ndarray, out: np.ndarray) -> int:
     """Decode one window into ``out`` (uint8, exactly the raw length): 0, or the error code
     whose :data:`REASONS` entry says why it was refused."""
     native = _native()
-    if native is None:
-        return decode_numpy(data, out)
-    ffi, lib, vector = native
-    src = ffi.from_buffer(data)
-    return int(lib.k3bits_decode(src, len(src), ffi.from_buffer(out, require_writable=True),
-                                 out.size, vector))
+    return decode_numpy(data, out) if native is None else native.decode(data, out)
 
 
 def decode_numpy(data: memoryview | np.ndarray, out: np.ndarray) -> int:
@@ -160,14 +156,10 @@ def native_available() -> bool:
 def native_vector() -> int:
     """The join the compiled decoder runs here: 2 AVX-512, 1 AVX2, 0 portable (-1: not built)."""
     native = _native()
-    return -1 if native is None else native[2]
+    return -1 if native is None else native.vector
 
 
 @functools.cache
-def _native() -> tuple[Any, Any, int] | None:
-    """``(ffi, lib, vector)`` of the compiled decoder, or ``None`` where it was not built."""
-    try:
-        from k3core.trunk import _k3bits  # type: ignore[attr-defined]
-    except ImportError:
-        return None
-    return _k3bits.ffi, _k3bits.lib, int(_k3bits.lib.k3bits_vector())
+def _native() -> NativeDecoder | None:
+    """The compiled decoder, or ``None`` where it was not built."""
+    return load("k3core.trunk._k3bits", "k3bits")

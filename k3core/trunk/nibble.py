@@ -38,9 +38,10 @@ from __future__ import annotations
 
 import functools
 import struct
-from typing import Any
 
 import numpy as np
+
+from k3core.trunk.native_decoder import NativeDecoder, load
 
 #: the table and the escape count
 HEADER = 20
@@ -88,12 +89,7 @@ def decode_into(data: memoryview | np.ndarray, out: np.ndarray) -> int:
     """Decode one window into ``out`` (uint8, exactly the raw length): 0, or the error code
     whose :data:`REASONS` entry says why it was refused."""
     native = _native()
-    if native is None:
-        return decode_numpy(data, out)
-    ffi, lib, vector = native
-    src = ffi.from_buffer(data)
-    return int(lib.k3nib_decode(src, len(src), ffi.from_buffer(out, require_writable=True),
-                                out.size, vector))
+    return decode_numpy(data, out) if native is None else native.decode(data, out)
 
 
 def decode_numpy(data: memoryview | np.ndarray, out: np.ndarray) -> int:
@@ -144,10 +140,6 @@ def native_available() -> bool:
 
 
 @functools.cache
-def _native() -> tuple[Any, Any, int] | None:
-    """``(ffi, lib, vector)`` of the compiled decoder, or ``None`` where it was not built."""
-    try:
-        from k3core.trunk import _k3nib  # type: ignore[attr-defined]
-    except ImportError:
-        return None
-    return _k3nib.ffi, _k3nib.lib, int(_k3nib.lib.k3nib_vector())
+def _native() -> NativeDecoder | None:
+    """The compiled decoder, or ``None`` where it was not built."""
+    return load("k3core.trunk._k3nib", "k3nib")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import struct
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -28,19 +29,13 @@ DEMO = Path(__file__).resolve().parents[2] / "demo-model"
 runner = CliRunner()
 
 
-def _native_decode(data: bytes, out: np.ndarray, vector: int) -> int:
-    from k3core.trunk import _k3bits  # type: ignore[attr-defined]
-
-    src = _k3bits.ffi.from_buffer(data)
-    return int(_k3bits.lib.k3bits_decode(src, len(data), _k3bits.ffi.from_buffer(out), out.size,
-                                         vector))
-
-
 def _decoders() -> list[tuple[str, object]]:
     got: list[tuple[str, object]] = [("numpy", bitcode.decode_numpy)]
+    native = bitcode._native()
     names = {0: "c-portable", 1: "c-avx2", 2: "c-avx512"}
     for level in range(bitcode.native_vector() + 1):
-        got.append((names[level], lambda d, o, v=level: _native_decode(bytes(d), o, v)))
+        assert native is not None
+        got.append((names[level], partial(native.decode, vector=level)))
     return got
 
 

@@ -10,6 +10,7 @@ into its own tail), which must give the same bytes and never stage elsewhere.
 from __future__ import annotations
 
 import struct
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -31,19 +32,12 @@ DEMO = Path(__file__).resolve().parents[2] / "demo-model"
 runner = CliRunner()
 
 
-def _native_decode(data: bytes, out: np.ndarray, vector: int) -> int:
-    from k3core.trunk import _k3nib  # type: ignore[attr-defined]
-
-    src = _k3nib.ffi.from_buffer(data)
-    return int(_k3nib.lib.k3nib_decode(src, len(data), _k3nib.ffi.from_buffer(out), out.size,
-                                       vector))
-
-
 def _decoders() -> list[tuple[str, object]]:
     got: list[tuple[str, object]] = [("numpy", nibble.decode_numpy)]
-    if nibble.native_available():
-        got.append(("c-portable", lambda d, o: _native_decode(bytes(d), o, 0)))
-        got.append(("c-vector", lambda d, o: _native_decode(bytes(d), o, 1)))
+    native = nibble._native()
+    if native is not None:
+        got.append(("c-portable", partial(native.decode, vector=0)))
+        got.append(("c-vector", partial(native.decode, vector=1)))
     return got
 
 
