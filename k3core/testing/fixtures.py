@@ -1,6 +1,10 @@
-"""Locate the outside oracle (``../shared/fixtures`` or ``$K3_FIXTURES``).
+"""Locate the outside oracle: ``$K3_FIXTURES``, else the repository's ``tests/fixtures``.
 
-A test that needs the fixtures and cannot find them fails loudly; it never skips.
+The fixtures are data of the reference engine's authors (Apache-2.0), vendored unmodified
+under ``tests/fixtures/`` with their provenance (``tests/fixtures/README.md``, ``NOTICE``),
+so a clone with nothing beside it runs every test. ``K3_FIXTURES`` points the tests at
+another copy. A test that needs the fixtures and cannot find them fails loudly; it never
+skips.
 """
 
 from __future__ import annotations
@@ -8,18 +12,25 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+#: a file every complete copy of the fixtures has
+_MARKER = Path("ops") / "MANIFEST.json"
+
 
 def fixtures_dir() -> Path:
+    """The fixtures folder: ``$K3_FIXTURES`` when set, else ``tests/fixtures`` of the checkout."""
     env = os.environ.get("K3_FIXTURES")
-    candidates = [Path(env)] if env else []
-    here = Path(__file__).resolve()
-    for parent in here.parents:
-        candidates.append(parent / "shared" / "fixtures")
-        candidates.append(parent.parent / "shared" / "fixtures")
-    candidates.append(Path.cwd().parent / "shared" / "fixtures")
-    for c in candidates:
-        if (c / "README.md").is_file():
-            return c
+    if env:
+        if not (Path(env) / _MARKER).is_file():
+            raise FileNotFoundError(f"K3_FIXTURES={env} holds no k3 test fixtures "
+                                    f"({_MARKER} is missing)")
+        return Path(env)
+    starts = [Path(__file__).resolve().parent, Path.cwd().resolve()]
+    for start in starts:
+        for parent in (start, *start.parents):
+            c = parent / "tests" / "fixtures"
+            if (c / _MARKER).is_file():
+                return c
     raise FileNotFoundError(
-        "k3 test fixtures not found: set K3_FIXTURES or lay shared/fixtures beside the checkout"
+        "k3 test fixtures not found: run the tests from a checkout (they are in "
+        "tests/fixtures) or set K3_FIXTURES"
     )
