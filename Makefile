@@ -7,13 +7,17 @@ DEMO_DIR ?= demo-model
 
 .PHONY: setup demo test test-wheel test-long fuzz lint typecheck bench bench-ladder rehearsal clean
 
+# setuptools' informational note on every editable install (folders named like the package
+# may shadow it: k3's are those folders); every other build warning still shows
+QUIET_PIP := PYTHONWARNINGS="ignore:Editable installation"
+
 EXAMPLES := examples/k3-timing-backend examples/k3-fifo-cache examples/k3-flaky-storage
 
 $(VENV)/.installed: pyproject.toml setup.py $(addsuffix /pyproject.toml,$(EXAMPLES))
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test]'
-	$(PY) -m pip install -q $(addprefix -e ,$(EXAMPLES))
+	$(QUIET_PIP) $(PY) -m pip install -q -e '.[test]'
+	$(QUIET_PIP) $(PY) -m pip install -q $(addprefix -e ,$(EXAMPLES))
 	touch $@
 
 setup: $(VENV)/.installed
