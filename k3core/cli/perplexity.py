@@ -10,6 +10,7 @@ import typer
 
 from k3core.api.errors import UsageError
 from k3core.cli.guard import guarded
+from k3core.cli.progress import Progress
 from k3core.run.engine import EngineOptions, open_engine, read_model_config
 from k3core.run.prompt import MAX_PROMPT_FILE, load_tokenizer
 from k3core.tools.perplexity import check_window, perplexity
@@ -39,6 +40,7 @@ def perplexity_cmd(
     backend: str = typer.Option("auto", "--backend", help="Kernel backend (k3 backends)."),
     threads: int = typer.Option(None, "--threads", help="Kernel threads."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress on stderr."),
 ) -> None:
     """Score FILE under MODEL: mean NLL per token and perplexity, as llama.cpp's tool."""
     s = check_window(ctx, stride)
@@ -52,7 +54,8 @@ def perplexity_cmd(
     ids = tokenizer.encode_bytes(data, allow_special=False)
     engine = open_engine(opts, cfg)
     try:
-        res = perplexity(engine.model, ids, ctx, s)
+        with Progress("perplexity", unit="window", quiet=quiet) as bar:
+            res = perplexity(engine.model, ids, ctx, s, progress=bar.callback())
     finally:
         engine.close()
     if as_json:
