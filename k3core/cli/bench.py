@@ -25,6 +25,7 @@ from k3core.api.errors import UsageError
 from k3core.api.units import ALIGN
 from k3core.cli.bench_ladder import bench_ladder
 from k3core.cli.guard import guarded
+from k3core.cli.progress import Stages
 from k3core.model.sizes import EXPERT_BYTES
 from k3core.tools.bench.codec import (
     DEFAULT_CODECS,
@@ -157,18 +158,22 @@ def decode(
     spec_ngram: int = typer.Option(3, "--spec-ngram", help="Longest context suffix looked up (1..8)."),
     prompt_file: Path | None = typer.Option(None, "--prompt-file", help="Decode prompt as text (the model's tokenizer), instead of --ids."),
     readers: int | None = typer.Option(None, "--readers", help="Expert reader threads (default: sized by the storage device)."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress on stderr."),
 ) -> None:
     """s/token, prefill tokens/s, bytes, I/O wait, calls per token, next to the bandwidth floor."""
     from k3core.api.errors import K3Error
     from k3core.model.speculative import SpecOptions
     from k3core.tools.bench.decode import _ids, format_report, run_decode_bench
 
-    res = run_decode_bench(model, backend=backend, threads=threads, storage=storage, cache_gb=cache_gb,
-                           trunk_dir=trunk, trunk_gb=trunk_gb, ids=_ids(ids), gen=gen, prefill=prefill,
-                           repeat=repeat, incremental=not full_recompute, check=check,
-                           bandwidth_bytes=int(bandwidth_mb * 1e6), prefill_chunk=prefill_chunk,
-                           spec=SpecOptions(spec, spec_width, spec_ngram), prompt_file=prompt_file,
-                           readers=readers)
+    units = {"timed": "token", "prefill": "run", "yardsticks": "loop", "check": "token"}
+    with Stages("bench decode", quiet=quiet, units=units) as stages:
+        res = run_decode_bench(model, backend=backend, threads=threads, storage=storage,
+                               cache_gb=cache_gb, trunk_dir=trunk, trunk_gb=trunk_gb, ids=_ids(ids),
+                               gen=gen, prefill=prefill, repeat=repeat,
+                               incremental=not full_recompute, check=check,
+                               bandwidth_bytes=int(bandwidth_mb * 1e6), prefill_chunk=prefill_chunk,
+                               spec=SpecOptions(spec, spec_width, spec_ngram),
+                               prompt_file=prompt_file, readers=readers, progress=stages)
     print(res.to_json() if as_json else format_report(res))
     if res.ids_match is False:
         raise K3Error("bench decode: the generated ids differ from --backend numpy")

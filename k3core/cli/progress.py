@@ -240,7 +240,7 @@ class Stages:
             if self.current is not None:
                 self.current.close()
             self.stage = stage
-            self.current = Progress(f"{self.label} {stage}", total, quiet=self.quiet,
+            self.current = Progress(f"{self.label} ({stage})", total, quiet=self.quiet,
                                     unit=self.units.get(stage, "step"), stream=self.stream)
         self.current.update(done, total)
 

@@ -55,6 +55,7 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -185,7 +186,9 @@ def _counters(eng: Engine, counter: CallCounter) -> tuple[int, int, int, int, fl
 
 def _decode_run(opts: EngineOptions, ids: list[int], gen: int, incremental: bool,
                 spec: SpecOptions | None = None, count_macs: bool = False,
-                disk: Path | None = None) -> RunFigures:
+                disk: Path | None = None,
+                on_token: Callable[[int], None] | None = None) -> RunFigures:
+    """One decode from a fresh engine; ``on_token(n)`` after its n-th token."""
     eng = open_engine(opts)
     fig = RunFigures()
     try:
@@ -216,6 +219,8 @@ def _decode_run(opts: EngineOptions, ids: list[int], gen: int, incremental: bool
             kernel_at[0] = counter.seconds
             fig.macs.append(counter.macs - macs_at[0])
             macs_at[0] = counter.macs
+            if on_token is not None:
+                on_token(st.index + 1)
 
         res: RunResult = generate(eng.model, ids, gen, incremental=incremental, on_step=on_step,
                                   spec=spec)
@@ -362,8 +367,14 @@ def run_decode_bench(
     prompt_file: Path | None = None,
     prefill_chunk: int | None = None,
     readers: int | None = None,
+    progress: Callable[[str, int, int], None] | None = None,
 ) -> DecodeBench:
-    """Measure decode and prefill ``repeat`` times each (fresh engines); see the module doc."""
+    """Measure decode and prefill ``repeat`` times each (fresh engines); see the module doc.
+
+    ``progress(stage, done, total)`` hears each stage as it goes: ``timed`` (tokens of the
+    timed decode runs), ``prefill`` (runs), ``yardsticks`` (the bandwidth and FMA loops) and
+    ``check`` (tokens of the ``--backend numpy`` and ``--spec off`` runs)."""
+    say = progress or (lambda stage, done, total: None)
     from k3core.experts.readers import READERS_LIMIT
 
     if readers is not None and not 1 <= readers <= READERS_LIMIT:
@@ -404,10 +415,15 @@ def run_decode_bench(
         raise UsageError(f"bench decode: prompt ids must be in 0..{cfg.vocab - 1}")
     stat = device_counters.stat_file_of(_streamed_file(trunk_dir, shards))
     runs, peak = [], 0
-    for _ in range(repeat):  # the peak of each timed run alone (the probe's is forgotten)
+    def tokens_of(stage: str, before: int, total: int) -> Callable[[int], None]:
+        return lambda n: say(stage, before + n, total)
+
+    say("timed", 0, repeat * gen)
+    for i in range(repeat):  # the peak of each timed run alone (the probe's is forgotten)
         gc.collect()  # the last run's engine, freed before the peak is reset
         reset = _reset_peak_rss()
-        runs.append(_decode_run(options(backend), ids, gen, incremental, spec, disk=stat))
+        runs.append(_decode_run(options(backend), ids, gen, incremental, spec, disk=stat,
+                                on_token=tokens_of("timed", i * gen, repeat * gen)))
         peak = max(peak, _hwm_bytes() if reset else peak_rss_bytes())
     k = [r.first_pass for r in runs]
     steady = [RunFigures(r.seconds[f:], r.calls[f:], r.expert_bytes[f:], r.expert_requests[f:],
@@ -435,8 +451,11 @@ def run_decode_bench(
         pooled.disk_busy += s.disk_busy
     rng = np.random.default_rng(seed)
     pids = [int(i) for i in rng.integers(0, cfg.vocab, prefill)] if prefill else []
-    pruns = ([_decode_run(options(backend, prefill_chunk), pids, 1, True, count_macs=True)
-              for _ in range(repeat)]
+    if prefill:
+        say("prefill", 0, repeat)
+    pruns = ([_decode_run(options(backend, prefill_chunk), pids, 1, True, count_macs=True,
+                          on_token=tokens_of("prefill", i, repeat))
+              for i in range(repeat)]
              if prefill else [])
     sizes = sizes_from_config(cfg)
     requests_per_token = _median([float(x) for x in pooled.expert_requests])
@@ -444,8 +463,11 @@ def run_decode_bench(
                + int(round(requests_per_token)) * sizes.expert_bytes)
     from k3core.tools.bench.kernels import measure_fma_peak, measure_read_bandwidth
 
+    say("yardsticks", 0, 2)
     bw, how = measure_read_bandwidth(nthreads, max(1 << 20, bandwidth_bytes))
+    say("yardsticks", 1, 2)
     fma, fma_how = measure_fma_peak(nthreads) if prefill else (0.0, "")
+    say("yardsticks", 2, 2)
     pmacs = pruns[0].macs[0] if pruns else 0
     read_per_token = (_median([float(b) for b in pooled.expert_bytes])
                       + _median([float(b) for b in pooled.trunk_bytes]))
@@ -455,17 +477,24 @@ def run_decode_bench(
     while_busy = dev_bytes / busy / 1e9 if busy > 0 else 0.0
     notes: list[str] = []
     match: bool | None = None
+    checks = (gen + (1 if prefill else 0) if check else 0) + (gen if spec is not None and check
+                                                              else 0)
     if check:
-        want = _decode_run(options("numpy"), ids, gen, incremental).ids
+        say("check", 0, checks)
+        want = _decode_run(options("numpy"), ids, gen, incremental,
+                           on_token=tokens_of("check", 0, checks)).ids
         match = all(r.ids == want for r in runs)
         if prefill:
-            pwant = _decode_run(options("numpy"), pids, 1, True).ids
+            pwant = _decode_run(options("numpy"), pids, 1, True,
+                                on_token=tokens_of("check", gen, checks)).ids
             match = match and all(r.ids == pwant for r in pruns)
         if not match:
             notes.append("generated ids differ from --backend numpy: the kernel contract is broken")
     spec_match: bool | None = None
     if spec is not None and check:
-        spec_match = runs[0].ids == _decode_run(options(backend), ids, gen, incremental).ids
+        spec_match = runs[0].ids == _decode_run(options(backend), ids, gen, incremental,
+                                                on_token=tokens_of("check", checks - gen,
+                                                                   checks)).ids
         if not spec_match:
             notes.append("generated ids differ from --spec off: speculation is not exact")
     psec = [r.seconds[0] for r in pruns]
