@@ -26,6 +26,7 @@ from k3core.model.sizes import sizes_from_config
 from k3core.plugins.registry import get_registry
 from k3core.run.binding import EngineOptions, read_model_config
 from k3core.run.memory_plan import MemoryPlan, MemoryRequest, check_kv, plan_memory
+from k3core.run.model_dir import config_path
 from k3core.run.presets import check_plugins, load_preset
 from k3core.run.prompt import PromptSpec, find_tokenizer, load_tokenizer, prompt_ids
 from k3core.run.request import EngineRequest, RunRequest
@@ -93,6 +94,18 @@ class EnginePlan:
             ultra_low_memory=bool(s.ultra_low_memory), verify_trunk=r.verify_trunk, cache=cache,
             lookahead=s.lookahead,
             prefill_chunk=self.memory.prefill_chunk if self.memory is not None else r.prefill_chunk)
+
+    def inputs(self) -> list[tuple[Path | None, str]]:
+        """What an engine of this plan reads, which no output may replace: MODEL_DIR, its
+        config, the packed trunk, the tokenizer, a preset file, a replayed trace."""
+        r = self.request
+        preset = getattr(self.preset, "origin", None)
+        preset_file = Path(preset) if preset and Path(preset).is_file() else None
+        config = config_path(self.model_dir, r.config)  # a link out of MODEL_DIR too
+        return [(self.model_dir, "MODEL_DIR"), (config, "--config" if r.config else "the config"),
+                (r.trunk, "--trunk"),
+                (self.tok_dir, "the tokenizer directory"), (preset_file, "the preset"),
+                (r.cache_trace, "--cache-trace")]
 
     def lines(self, verbose: bool = False) -> list[str]:
         """The report's plan block: model, preset, settings and their sources, memory."""
@@ -199,7 +212,7 @@ def plan_run(req: RunRequest) -> RunPlan:
     """The whole plan of one ``k3 run``; raises before anything large is allocated."""
     req.check()
     eng = plan_engine(req.engine, needs_tokenizer=req.prompt.needs_tokenizer)
-    req.outputs.check(inputs=(eng.model_dir, req.engine.trunk))
+    req.outputs.check(inputs=(*eng.inputs(), (req.prompt.file, "--prompt-file")))
     for sid in req.generation.stop_ids:
         from k3core.run.prompt import check_vocab
 

@@ -184,14 +184,18 @@ class OutputRequest(_Strict):
     save_state: Path | None = None
     load_state: Path | None = None
 
-    def check(self, inputs: tuple[Path | None, ...] = ()) -> None:
+    def check(self, inputs: tuple[Any, ...] = ()) -> None:
         """Refuse, before the run, every output that could not be written or would clobber
-        what the run reads (``inputs``: MODEL_DIR, the packed trunk); see
-        :func:`k3core.run.outputs.check_outputs`."""
-        from k3core.run.outputs import check_outputs
+        what the run reads (``inputs``: MODEL_DIR, the packed trunk, the tokenizer, the
+        prompt file, ...; the session being loaded is added here); see
+        :func:`k3core.api.outputs.check_outputs`."""
+        from k3core.api.outputs import TRACE_FILES, Output, check_outputs
 
-        check_outputs(self.out, self.dump_logits, self.dump_cache_trace, inputs=inputs,
-                      extra=((self.save_state, "--save-state"),))
+        check_outputs([(self.out, "--out"), (self.dump_logits, "--dump-logits"),
+                       Output(self.dump_cache_trace, "--dump-cache-trace", directory=True,
+                              files=TRACE_FILES),
+                       (self.save_state, "--save-state")],
+                      inputs=(*inputs, (self.load_state, "--load-state")))
 
 
 class RunRequest(_Strict):

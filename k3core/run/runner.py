@@ -15,8 +15,8 @@ import time
 from typing import Any
 
 from k3core.api.experts import ExpertExecutor
+from k3core.api.outputs import write_json_atomic, write_logits
 from k3core.run.engine import Engine
-from k3core.run.outputs import write_json_atomic, write_logits
 from k3core.run.plan import RunPlan, plan_run
 from k3core.run.report import RunReport, run_record
 from k3core.run.request import GenerationParams, RunRequest, spec_from_preset

@@ -325,12 +325,19 @@ class Session:
 
     # ---- saving and loading ------------------------------------------------------------------
     def save(self, path: str | Path) -> int:
-        """Write the session to ``path`` atomically; returns the bytes written."""
+        """Write the session to ``path`` atomically; returns the bytes written. A path the
+        engine reads (inside MODEL_DIR or the packed trunk, the tokenizer, the config) is
+        refused (``OutputError``, exit 3) before anything is written."""
+        from k3core.api.outputs import check_output
         from k3core.run.state_file import write_state
 
         if not self.incremental:
             raise UsageError("saving a session needs incremental decoding (full recompute "
                              "carries no state)")
+        plan = getattr(self.engine, "plan", None)
+        reads = plan.inputs() if plan is not None else [(self.engine.index.model_dir,
+                                                         "MODEL_DIR")]
+        check_output(path, "the session file", inputs=reads)
         return write_state(Path(path), self.engine, self.ids, self.state)
 
     def load(self, path: str | Path) -> None:

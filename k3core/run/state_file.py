@@ -33,10 +33,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from k3core.api.errors import Exit, K3Error
+from k3core.api.outputs import write_bytes_atomic
 from k3core.model import names
 from k3core.model.state import SequenceState
 from k3core.run.memory_plan import check_kv
-from k3core.run.outputs import write_bytes_atomic
 
 if TYPE_CHECKING:
     from k3core.run.binding import Bound

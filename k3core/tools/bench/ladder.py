@@ -36,9 +36,9 @@ from pathlib import Path
 from typing import Any
 
 from k3core.api.errors import K3Error, OutputError, UsageError
+from k3core.api.outputs import write_bytes_atomic
 from k3core.model.config import ModelConfig
 from k3core.model.state import kv_bytes_per_position, recurrent_bytes_per_layer
-from k3core.run.outputs import write_bytes_atomic
 
 MIN_RUNGS = 6
 #: extra RSS allowed over the plan under a cgroup (interpreter, numpy, experts, index)
