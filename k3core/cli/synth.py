@@ -6,10 +6,11 @@ import json
 from pathlib import Path
 
 import typer
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from k3core.api.errors import UsageError
+from k3core.api.units import human
 from k3core.cli.guard import guarded
+from k3core.cli.progress import Progress
 from k3core.model.config import ModelConfig
 from k3core.model.shapes import SIZES, size_config
 from k3core.tools.synth.writer import synthesize
@@ -58,6 +59,7 @@ def synth(
     sparse: bool = typer.Option(False, "--sparse", help="Released dtypes, data as holes plus a "
                                 "small pattern: a few tens of MB on disk at any shape."),
     force: bool = typer.Option(False, "--force", help="Replace OUT_DIR if it exists."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress on stderr."),
 ) -> None:
     """Write a synthetic Kimi K3 checkpoint in the released layout (its weights are random)."""
     if size not in _SIZES:
@@ -71,10 +73,10 @@ def synth(
     cfg = ModelConfig.from_json_dict(size_config(name, _overrides(set_)), source=f"--size {size}")
     vision = size == "full"
     total = cfg.n_layers + 1 + (2 if vision else 0)
-    with Progress(TextColumn("synth"), BarColumn(), TextColumn("{task.completed}/{task.total} shards"), TimeElapsedColumn()) as bar:
-        task = bar.add_task("synth", total=total)
+    what = "logical" if sparse else "written"
+    with Progress("synth", total, unit="shard", quiet=quiet) as bar:
         path = synthesize(out_dir, cfg, seed, force=force, sparse=sparse, vision=vision,
-                          progress=lambda d, t: bar.update(task, completed=d))
+                          progress=lambda d, t, n: bar.update(d, t, f"{human(n)} {what}"))
     kind = "sparse: holes plus a small pattern" if sparse else "random"
     print(f"wrote {path} ({cfg.describe().removeprefix('config: ')}); its weights are {kind} "
           f"(seed {seed})")

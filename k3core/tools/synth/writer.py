@@ -147,12 +147,13 @@ def synthesize(
     seed: int = 0,
     *,
     force: bool = False,
-    progress: Callable[[int, int], None] | None = None,
+    progress: Callable[[int, int, int], None] | None = None,
     extra: Callable[[Path], None] | None = None,
     sparse: bool = False,
     vision: bool = False,
 ) -> Path:
-    """Write the checkpoint to ``out_dir`` atomically; ``progress(done, total)`` per shard.
+    """Write the checkpoint to ``out_dir`` atomically; ``progress(done, total, nbytes)`` per
+    shard (shards written, shards in all, the bytes of tensor data written so far).
 
     ``sparse`` writes the released dtypes with the data as holes plus a small pattern
     (:mod:`k3core.tools.synth.sparse`); ``vision`` adds the two stand-in vision shards the
@@ -187,7 +188,7 @@ def synthesize(
                 total += write_shard(tmp / shard, tensors)
                 weight_map.update(dict.fromkeys(tensors, shard))
             if progress:
-                progress(i + 1, n_shards)
+                progress(i + 1, n_shards, total)
         index = {"metadata": {"total_size": total, "k3_synth_seed": seed}, "weight_map": weight_map}
         (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=1, sort_keys=True))
         conf = cfg.to_nested_dict()
