@@ -50,7 +50,24 @@ def load_command(name: str) -> Any:
     sub = typer.Typer(pretty_exceptions_enable=False, add_completion=False)
     module.register(sub)
     group = typer.main.get_group(sub)
-    return group.commands[name]
+    return literal_help(group.commands[name])
+
+
+def literal_help(cmd: Any) -> Any:
+    """Make ``cmd``'s help texts (its own, its options' and its subcommands') plain text:
+    typer reads them as rich markup, which would eat a bracketed word (``k3[ray]`` showed
+    as ``k3``). Only what rich would take for a tag is escaped."""
+    from rich.markup import escape
+
+    for param in getattr(cmd, "params", ()):
+        if isinstance(getattr(param, "help", None), str):
+            param.help = escape(param.help)
+    for attr in ("help", "short_help", "epilog"):
+        if isinstance(getattr(cmd, attr, None), str):
+            setattr(cmd, attr, escape(getattr(cmd, attr)))
+    for sub in getattr(cmd, "commands", {}).values():
+        literal_help(sub)
+    return cmd
 
 
 class LazyGroup(TyperGroup):
