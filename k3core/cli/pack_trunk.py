@@ -2,22 +2,16 @@
 
 from __future__ import annotations
 
+import sys
 import time
 from pathlib import Path
 
 import typer
-from rich.progress import (
-    BarColumn,
-    DownloadColumn,
-    Progress,
-    TextColumn,
-    TimeElapsedColumn,
-    TransferSpeedColumn,
-)
 
 from k3core.api.units import human
 from k3core.checkpoint.index import CheckpointIndex
 from k3core.cli.guard import guarded
+from k3core.cli.progress import Progress
 from k3core.model.config import load_config
 from k3core.plugins.registry import get_registry
 from k3core.run.model_dir import config_path
@@ -37,22 +31,20 @@ def pack_trunk(
                               "lz4, bp-zstd, bp-lz4, bp-nib, bp-bits (bp-: bf16 byte planes "
                               "first; bp-bits stores bell-shaped weights smallest of the fast "
                               "ones; docs/trunk.md has the measurements)."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress on stderr."),
 ) -> None:
     """Copy every layer's non-expert tensors into TRUNK_DIR/trunk.bin (4096-aligned runs)."""
     chosen = parse_codec(codec)
     cfg = load_config(config_path(model_dir, config))
     backend, sname, note = get_registry().create("storage", storage)
     if note:
-        print(f"note: {note}")
+        print(f"note: {note}", file=sys.stderr)
     t0 = time.perf_counter()
     with CheckpointIndex.open(model_dir, backend) as index:
-        columns = (TextColumn("pack-trunk"), BarColumn(), TextColumn("{task.fields[layers]}"),
-                   DownloadColumn(binary_units=False), TransferSpeedColumn(), TimeElapsedColumn())
-        with Progress(*columns) as bar:
-            task = bar.add_task("pack", total=None, layers="")
+        with Progress("pack-trunk", byte_units=True, quiet=quiet) as bar:
 
             def on_layer(done: int, n: int, nbytes: int, total: int) -> None:
-                bar.update(task, completed=nbytes, total=total, layers=f"layer {done}/{n}")
+                bar.update(nbytes, total, f"layer {done}/{n}")
 
             man = pack(index, cfg, trunk_dir, backend, force=force, progress=on_layer,
                        codec=chosen)

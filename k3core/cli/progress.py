@@ -60,10 +60,11 @@ def duration(seconds: float) -> str:
     return f"{h}:{m:02d}:{sec:02d}" if h else f"{m}:{sec:02d}"
 
 
-def _bytes(n: float) -> str:
+def _bytes(n: float, digits: int = 2) -> str:
+    """Decimal units, as ``human()`` in ``k3core.api.units``, with ``digits`` decimals."""
     for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
         if abs(n) >= scale:
-            return f"{n / scale:.2f} {unit}"
+            return f"{n / scale:.{digits}f} {unit}"
     return f"{int(n)} B"
 
 
@@ -173,7 +174,7 @@ class Progress:
 
     def _rate(self, per_second: float) -> str:
         if self.byte_units:
-            return f"{_bytes(per_second)}/s"
+            return f"{_bytes(per_second, 1)}/s"
         unit = self.unit or "step"
         if per_second >= 1 or per_second == 0:
             return f"{per_second:.3g} {unit}s/s"
