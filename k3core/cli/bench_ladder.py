@@ -7,7 +7,7 @@ from pathlib import Path
 import typer
 
 from k3core.api.errors import OutputError, UsageError
-from k3core.api.units import human
+from k3core.api.units import check_gb, human
 from k3core.checkpoint.index import CheckpointIndex
 from k3core.cli.guard import guarded
 from k3core.experts.locator import ExpertLocator
@@ -28,6 +28,8 @@ from k3core.tools.bench.ladder import (
     write_tsv,
 )
 from k3core.trunk.manifest import open_trunk
+from k3core.trunk.parts import stream_unit_sizes
+from k3core.trunk.plan import trunk_floor
 
 
 @guarded
@@ -49,8 +51,8 @@ def bench_ladder(
     cache_gb: float = typer.Option(None, "--cache-gb", help="Expert cache per rung (default: the smallest legal one, top-k + 1 slots, so the ladder measures the trunk)."),
 ) -> None:
     """Run the same request at trunk budgets from nothing pinned to everything pinned."""
-    if headroom_gb is not None and not headroom_gb >= 0:
-        raise UsageError(f"--headroom-gb must be >= 0, got {headroom_gb}")
+    check_gb(headroom_gb, "--headroom-gb")
+    check_gb(cache_gb, "--cache-gb", positive=True)
     if gen < 2:
         raise UsageError(f"--gen must be >= 2 (step 0 is excluded from s/token), got {gen}")
     prompt = parse_ids(ids)
@@ -84,7 +86,8 @@ def bench_ladder(
         base += ["--trunk-ring", str(ring)]
     positions = len(prompt) + gen + 1
     print(f"ladder: {len(rung_budgets)} rungs over {human(man.total_bytes)} packed "
-          f"(floor {human(max(sizes))}), {gen} tokens each, incremental")
+          f"(floor {human(trunk_floor(stream_unit_sizes(man, cfg.n_layers)))}), {gen} tokens "
+          "each, incremental")
     rungs = []
     for i, b in enumerate(rung_budgets):
         r = run_rung(i, b, cfg, base, out_dir, positions, int(b * 1e9) + rest, not no_limit,

@@ -17,7 +17,8 @@ from k3core.plugins.registry import get_registry
 from k3core.run.model_dir import config_path
 from k3core.trunk.codec import parse_codec
 from k3core.trunk.pack import pack_trunk as pack
-from k3core.trunk.plan import gb_ceil
+from k3core.trunk.parts import stream_unit_sizes
+from k3core.trunk.plan import floor_flag, trunk_floor
 
 
 @guarded
@@ -58,8 +59,9 @@ def pack_trunk(
     print(f"packed {man.n_layers} layers, {human(man.total_bytes)} into "
           f"{man.bin_path} in {secs:.2f} s ({man.total_bytes / max(secs, 1e-9) / 1e6:.0f} MB/s, "
           f"storage '{sname}')")
-    print(f"largest layer run {human(largest)} (the streaming slot size; "
-          f"--trunk-gb {gb_ceil(largest)} is the floor)")
+    floor = trunk_floor(stream_unit_sizes(man))
+    print(f"largest layer run {human(largest)}, largest streaming part {human(floor)}: "
+          f"{floor_flag(floor)} is the floor (one ring slot of that part)")
 
 
 def register(app: typer.Typer) -> None:

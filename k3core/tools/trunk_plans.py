@@ -18,7 +18,7 @@ from k3core.api.units import human
 from k3core.model.config import ModelConfig
 from k3core.run.presets import Preset
 from k3core.trunk.parts import shape_part_sizes
-from k3core.trunk.plan import TrunkPlan, gb_ceil, plan_trunk
+from k3core.trunk.plan import TrunkPlan, floor_flag, plan_trunk, trunk_floor
 
 
 @dataclass(frozen=True)
@@ -67,14 +67,15 @@ def trunk_plan_lines(cfg: ModelConfig, plans: list[PresetTrunkPlan]) -> list[str
     whole = shape_part_sizes(cfg, split=False)
     out = [f"streamed trunk, planned from the shape: {len(units)} parts (attention, MLP/MoE) "
            f"over {cfg.n_layers} layers, {human(sum(sizes))}; floor one slot of the largest "
-           f"part {human(max(sizes))} (a whole layer would need {human(max(n for _, n in whole))})",
+           f"part {human(trunk_floor(sizes))} (a whole layer would need "
+           f"{human(max(n for _, n in whole))})",
            f"  {'preset':<12}{'budget':>10}{'ring':>16}{'pinned':>18}{'streams/token':>15}  "
            "reads"]
     for tp in plans:
         p = tp.plan
         if p is None:
             out.append(f"  {tp.preset:<12}{human(tp.budget_bytes):>10}  below the floor "
-                       f"(--trunk-gb {gb_ceil(max(sizes))} or more)")
+                       f"({floor_flag(trunk_floor(sizes))} or more)")
             continue
         ring = (f"{human(p.slot_bytes)} + {human(p.small_slot_bytes)}" if p.small_slot_bytes
                 else f"{p.ring} x {human(p.slot_bytes)}" if p.ring else "-")

@@ -32,7 +32,7 @@ from k3core.model import names
 from k3core.model.config import ModelConfig
 from k3core.model.layer_params import expected_shapes, trunk_suffixes
 from k3core.model.sizes import planned_tensor_bytes
-from k3core.trunk.manifest import TrunkLayer
+from k3core.trunk.manifest import TrunkLayer, TrunkManifest
 
 ATTN, MLP, WHOLE = "attn", "mlp", "layer"
 PHASES = (ATTN, MLP)
@@ -98,6 +98,15 @@ class LayerSplit:
             if p.name == name:
                 return i
         raise KeyError(name)
+
+
+def stream_unit_sizes(manifest: TrunkManifest, n_layers: int | None = None,
+                      split: bool = True) -> list[int]:
+    """Bytes of every unit the engine streams from ``manifest`` (its first ``n_layers``
+    layers, split as :class:`~k3core.trunk.stream.StreamedTrunk` splits them); their
+    :func:`~k3core.trunk.plan.trunk_floor` is the smallest ``--trunk-gb`` that runs."""
+    n = len(manifest.layers) if n_layers is None else n_layers
+    return [p.nbytes for L in range(n) for p in split_layer(manifest.layers[L], split).parts]
 
 
 def split_layer(lay: TrunkLayer, split: bool = True) -> LayerSplit:

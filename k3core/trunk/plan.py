@@ -92,6 +92,19 @@ def gb_ceil(nbytes: int) -> str:
     return f"{math.ceil(nbytes / 1e6) / 1e3:g}"
 
 
+def trunk_floor(unit_sizes: Sequence[int]) -> int:
+    """The smallest trunk budget that can stream: one ring slot of the largest streaming
+    unit (``unit_sizes``: :func:`k3core.trunk.parts.stream_unit_sizes` of a packed trunk,
+    or :func:`k3core.trunk.parts.shape_part_sizes` of a shape). Every floor k3 checks or
+    prints is this one (``k3 run``'s refusal, ``k3 pack-trunk``, ``k3 budget``, the ladder)."""
+    return max(int(s) for s in unit_sizes)
+
+
+def floor_flag(floor_bytes: int) -> str:
+    """The floor as the flag that asks for it: ``--trunk-gb 0.008``."""
+    return f"--trunk-gb {gb_ceil(floor_bytes)}"
+
+
 def plan_trunk(sizes: Sequence[int], budget_bytes: int, ring: int = DEFAULT_RING,
                small_slot: bool = False) -> TrunkPlan:
     """Split ``budget_bytes`` over runs of ``sizes`` (see the module docstring).
@@ -126,12 +139,12 @@ def _plan_equal(sizes: Sequence[int], budget_bytes: int, ring: int) -> TrunkPlan
     if not 1 <= ring <= MAX_RING:
         raise UsageError(f"--trunk-ring must be in 1..{MAX_RING}, got {ring}")
     sizes = tuple(int(s) for s in sizes)
-    floor = max(sizes)
+    floor = trunk_floor(sizes)
     if budget_bytes < floor:
         raise UsageError(
             f"--trunk-gb {budget_bytes / 1e9:g} is below the floor: one ring slot for the "
-            f"largest streaming unit needs {human(floor)} (--trunk-gb {gb_ceil(floor)})",
-            hint=f"pass --trunk-gb {gb_ceil(floor)} or more",
+            f"largest streaming unit needs {human(floor)} ({floor_flag(floor)})",
+            hint=f"pass {floor_flag(floor)} or more",
         )
     if budget_bytes >= sum(sizes):
         return TrunkPlan(budget_bytes, sizes, tuple(range(len(sizes))), 0, 0, ring)
