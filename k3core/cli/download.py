@@ -8,6 +8,7 @@ from pathlib import Path
 import typer
 
 from k3core.cli.guard import guarded
+from k3core.cli.progress import Stages
 from k3core.tools.download.fetch import download as run_download
 
 
@@ -21,12 +22,15 @@ def download(
                                             help="Only files matching (fnmatch; repeatable)."),
     skip_checksum: bool = typer.Option(False, "--skip-checksum",
                                        help="Verify sizes only (also K3_SKIP_CHECKSUM=1)."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="Only the result line (nothing on "
+                               "stderr but errors): no progress, no file list."),
 ) -> None:
     """Download a model, refusing early if it cannot fit, and verify every file."""
     rev = revision or os.environ.get("K3_REVISION") or None
     skip = skip_checksum or os.environ.get("K3_SKIP_CHECKSUM", "") not in ("", "0")
-    res = run_download(repo_id, local_dir, revision=rev, allow_patterns=allow_pattern or None,
-                       skip_checksum=skip)
+    with Stages("download", quiet=quiet, units={"fetch": "B", "verify": "B"}) as stages:
+        res = run_download(repo_id, local_dir, revision=rev, allow_patterns=allow_pattern or None,
+                           skip_checksum=skip, log=stages.note, progress=stages)
     print(f"OK: {len(res.files)} files of {repo_id} at commit {res.manifest.commit} verified "
           f"in {local_dir} ({res.fetched} fetched, {res.skipped} already complete)")
 

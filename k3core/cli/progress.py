@@ -31,6 +31,8 @@ REDRAW = 10
 #: default seconds between plain lines when stderr is not a terminal
 EVERY = 5.0
 ENV_EVERY = "K3_PROGRESS_EVERY"
+#: seconds before an ETA is shown, unless 5 % is already done (the first moments' rate is noise)
+ETA_AFTER = 1.0
 
 
 def plain_every() -> float:
@@ -197,7 +199,7 @@ class Progress:
             parts.append(self._rate(rate))
         if final:
             parts.append(f"done in {duration(elapsed)}")
-        elif total and rate > 0:
+        elif total and rate > 0 and (elapsed >= ETA_AFTER or self.done >= 0.05 * total):
             parts.append(f"ETA {duration(max(0.0, total - self.done) / rate)}")
         else:
             parts.append(f"{duration(elapsed)} so far")
@@ -223,7 +225,7 @@ class Stages:
     """A task in named stages, each its own line: ``progress(stage, done, total)``.
 
     A new stage name ends the line of the one before and starts a new one; :meth:`close`
-    ends the last. For tools whose work comes in phases of different cost (``k3 bench
+    ends the last. ``units`` names each stage's unit (``"B"``: bytes, in decimal units). For tools whose work comes in phases of different cost (``k3 bench
     decode``: the timed decode runs, the prefill runs, the numpy check).
     """
 
@@ -241,15 +243,17 @@ class Stages:
             if self.current is not None:
                 self.current.close()
             self.stage = stage
+            unit = self.units.get(stage, "step")
             self.current = Progress(f"{self.label} ({stage})", total, quiet=self.quiet,
-                                    unit=self.units.get(stage, "step"), stream=self.stream)
+                                    unit=unit, byte_units=unit == "B", stream=self.stream)
         self.current.update(done, total)
 
     def note(self, message: str) -> None:
+        """A whole line on stderr (quiet: nothing), above the current stage's line."""
         if self.current is not None:
             self.current.note(message)
-        elif not self.quiet:
-            Progress(self.label, stream=self.stream).note(message)
+        else:
+            Progress(self.label, quiet=self.quiet, stream=self.stream).note(message)
 
     def close(self, ok: bool = True) -> None:
         if self.current is not None:

@@ -100,8 +100,13 @@ def check_free_space(local_dir: Path, files: list[RemoteFile],
 def download(repo_id: str, local_dir: str | Path, *, revision: str | None = None,
              allow_patterns: list[str] | None = None, skip_checksum: bool = False,
              client: HubClient | None = None, disk_usage: DiskUsage = shutil.disk_usage,
-             log: Callable[[str], None] = print) -> DownloadResult:
-    """Download and verify; raise ``DownloadError``/``UsageError`` on any problem."""
+             log: Callable[[str], None] = print,
+             progress: Callable[[str, int, int], None] | None = None) -> DownloadResult:
+    """Download and verify; raise ``DownloadError``/``UsageError`` on any problem.
+
+    ``progress(stage, done, total)`` hears the bytes as they come: ``fetch`` (bytes fetched of
+    those still to fetch), then ``verify`` (bytes hashed of those to hash)."""
+    say = progress or (lambda stage, done, total: None)
     check_args(repo_id, revision, allow_patterns)
     root = Path(local_dir)
     if root.exists() and not root.is_dir():
@@ -125,18 +130,40 @@ def download(repo_id: str, local_dir: str | Path, *, revision: str | None = None
     log(f"{len(files)} files, {human(total)}; {human(need)} still to download into {root}")
     root.mkdir(parents=True, exist_ok=True)
     fetched = skipped = 0
+    got = [0]  # bytes fetched (or found resumed) so far
+
+    def on_bytes(n: int) -> None:
+        got[0] += n
+        say("fetch", got[0], max(need, got[0]))
+
+    if need:
+        say("fetch", 0, need)
     for i, f in enumerate(files, 1):
         if _complete(root, f) and _recorded(root, manifest.commit):
             skipped += 1
             continue
         log(f"[{i}/{len(files)}] {f.name} ({human(f.size or 0)})")
         _discard_wrong_size(root, f, log)
-        hub.fetch(repo_id, manifest.commit, f.name, root)
+        before = got[0]
+        hub.fetch(repo_id, manifest.commit, f.name, root, on_bytes=on_bytes)
+        if f.size is not None and got[0] != before + f.size:  # a file fetched whole at once
+            got[0] = before + f.size
+            say("fetch", got[0], max(need, got[0]))
         fetched += 1
+    to_hash = 0 if skip_checksum else sum(f.size or 0 for f in files
+                                          if f.sha256 is not None or f.blob_id is not None)
+    hashed = [0]
+
+    def on_hashed(n: int) -> None:
+        hashed[0] += n
+        say("verify", hashed[0], max(to_hash, hashed[0]))
+
+    if to_hash:
+        say("verify", 0, to_hash)
     log("verifying" + (" sizes (checksums skipped)" if skip_checksum else
                        " sizes and checksums (re-reads every file)"))
     report = verify_download(root, files, skip_checksum=skip_checksum,
-                             all_files=list(manifest.files))
+                             all_files=list(manifest.files), on_bytes=on_hashed)
     for line in report.lines():
         log(line)
     if not report.ok:

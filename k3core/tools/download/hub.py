@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any, Protocol
@@ -46,7 +47,11 @@ class RepoManifest:
 class HubClient(Protocol):
     def manifest(self, repo_id: str, revision: str) -> RepoManifest: ...
 
-    def fetch(self, repo_id: str, commit: str, filename: str, local_dir: Path) -> Path: ...
+    def fetch(self, repo_id: str, commit: str, filename: str, local_dir: Path,
+              on_bytes: Callable[[int], None] | None = None) -> Path:
+        """Fetch one file into ``local_dir``; ``on_bytes(n)`` as ``n`` more bytes are there
+        (a resumed file's bytes already on disk counted first)."""
+        ...
 
 
 def safe_relative_name(name: Any) -> str:
@@ -96,15 +101,43 @@ class HfHubClient:
             files.append(RemoteFile(safe_relative_name(s.rfilename), size, _lfs_sha(s.lfs), blob))
         return RepoManifest(repo_id, commit, tuple(files))
 
-    def fetch(self, repo_id: str, commit: str, filename: str, local_dir: Path) -> Path:
+    def fetch(self, repo_id: str, commit: str, filename: str, local_dir: Path,
+              on_bytes: Callable[[int], None] | None = None) -> Path:
         from huggingface_hub import hf_hub_download
 
         try:
             return Path(hf_hub_download(repo_id, filename, revision=commit,
                                         local_dir=str(local_dir), endpoint=self.endpoint,
-                                        token=self.token))
+                                        token=self.token, tqdm_class=_byte_counter(on_bytes)))
         except Exception as exc:
             raise _translate(exc, f"download of {filename} failed") from None
+
+
+def _byte_counter(on_bytes: Callable[[int], None] | None) -> Any:
+    """A progress-bar class for ``hf_hub_download`` (its documented ``tqdm_class``) that
+    draws nothing and hands the bytes to ``on_bytes``: ``k3 download`` shows one progress
+    line of its own, not the library's bars. Only the first bar of a fetch counts (a
+    transfer that opens a second bar for the same bytes is not counted twice)."""
+    from tqdm.auto import tqdm
+
+    bars: list[object] = []
+
+    class ByteCounter(tqdm):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            kwargs.pop("name", None)
+            kwargs["disable"] = True
+            super().__init__(*args, **kwargs)
+            self.counts = on_bytes is not None and not bars
+            bars.append(self)
+            if self.counts and on_bytes is not None and kwargs.get("initial"):
+                on_bytes(int(kwargs["initial"]))
+
+        def update(self, n: float | None = 1) -> bool | None:
+            if self.counts and on_bytes is not None and n:
+                on_bytes(int(n))
+            return None
+
+    return ByteCounter
 
 
 def _translate(exc: Exception, what: str) -> K3Error:

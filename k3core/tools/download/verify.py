@@ -49,24 +49,29 @@ class VerifyReport:
         return out
 
 
-def file_digest(path: Path, algo: str, prefix: bytes = b"") -> str:
+def file_digest(path: Path, algo: str, prefix: bytes = b"",
+                on_bytes: Callable[[int], None] | None = None) -> str:
     h = hashlib.new(algo)
     h.update(prefix)
     with open(path, "rb") as fh:
         while chunk := fh.read(CHUNK):
             h.update(chunk)
+            if on_bytes is not None:
+                on_bytes(len(chunk))
     return h.hexdigest()
 
 
-def git_blob_id(path: Path) -> str:
+def git_blob_id(path: Path, on_bytes: Callable[[int], None] | None = None) -> str:
     """The git blob SHA-1 of a file (how the Hub identifies non-LFS files)."""
-    return file_digest(path, "sha1", f"blob {path.stat().st_size}\0".encode())
+    return file_digest(path, "sha1", f"blob {path.stat().st_size}\0".encode(), on_bytes)
 
 
 def verify_download(local_dir: Path, files: list[RemoteFile], *, skip_checksum: bool = False,
                     all_files: list[RemoteFile] | None = None,
-                    progress: Callable[[str], None] | None = None) -> VerifyReport:
-    """Check ``files`` under ``local_dir``; ``all_files`` is the whole manifest (shard check)."""
+                    progress: Callable[[str], None] | None = None,
+                    on_bytes: Callable[[int], None] | None = None) -> VerifyReport:
+    """Check ``files`` under ``local_dir``; ``all_files`` is the whole manifest (shard check).
+    ``progress(name)`` hears each file as its hash starts, ``on_bytes(n)`` the bytes hashed."""
     rep = VerifyReport()
     for f in files:
         rep.files += 1
@@ -88,11 +93,11 @@ def verify_download(local_dir: Path, files: list[RemoteFile], *, skip_checksum: 
             progress(f.name)
         rep.hashed += 1
         if f.sha256 is not None:
-            got = file_digest(path, "sha256")
+            got = file_digest(path, "sha256", on_bytes=on_bytes)
             if got != f.sha256:
                 rep.problems.append(f"{f.name}: sha256 {got} does not match the published "
                                     f"{f.sha256}")
-        elif f.blob_id is not None and (got := git_blob_id(path)) != f.blob_id:
+        elif f.blob_id is not None and (got := git_blob_id(path, on_bytes)) != f.blob_id:
             rep.problems.append(f"{f.name}: git blob id {got} does not match the published "
                                 f"{f.blob_id}")
     if skip_checksum:
