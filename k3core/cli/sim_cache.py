@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import typer
 
-from k3core.api.errors import OutputError, UsageError
+from k3core.api.errors import UsageError
 from k3core.cli.guard import guarded
 
 
@@ -103,6 +103,19 @@ def check_hist(trace: Path, n_layers: int, n_experts: int) -> None:
                          f"{n_layers} and {n_experts}: a trace of another model")
 
 
+def check_plot(plot: Path, trace: Path, guesses: Path | None, model: Path | None) -> None:
+    """Refuse, before the replay, a ``--plot`` that cannot be written or would replace what
+    the command reads: the trace, the files read beside it, ``--guesses``, ``--model``."""
+    from k3core.api.outputs import check_outputs
+    from k3core.experts.guess_trace import GUESS_NAME
+    from k3core.experts.trace import HIST_NAME
+
+    check_outputs([(plot, "--plot")], inputs=[
+        (trace, "the trace"), (trace.parent / HIST_NAME, "the trace's histogram"),
+        (guesses if guesses is not None else trace.parent / GUESS_NAME, "the guesses"),
+        (model, "--model")])
+
+
 @guarded
 def sim_cache(
     trace: Path = typer.Argument(..., help="expert_trace.bin (k3 run --dump-cache-trace, or the reference's)."),
@@ -129,9 +142,7 @@ def sim_cache(
         if v is not None and v < 1:
             raise UsageError(f"{flag} must be a positive whole number, got {v}")
     if plot is not None:
-        parent = plot.parent if str(plot.parent) else Path(".")
-        if not parent.is_dir():
-            raise OutputError(f"--plot {plot}: {parent} is not a directory")
+        check_plot(plot, trace, guesses, model)
     shape = model_shape(model) if model is not None else None
     k = topk or (shape["topk"] if shape else MODEL_TOPK)
     nbytes = expert_bytes or (shape["expert_bytes"] if shape else EXPERT_BYTES)

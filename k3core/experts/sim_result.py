@@ -7,13 +7,14 @@ and :meth:`SimResult.render` (rich) for people, :func:`plot_result` for a PNG. P
 
 from __future__ import annotations
 
+import io
 import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from k3core.api.errors import OutputError, UsageError
+from k3core.api.errors import UsageError
+from k3core.api.outputs import check_writable, write_bytes_atomic
 
 BELADY = "belady"
 
@@ -181,7 +182,10 @@ class SimResult:
         return plot_result(self, path)
 
 
-def plot_result(result: SimResult, path: str | os.PathLike[str]) -> Path:
+def plot_result(result: SimResult, path: str | os.PathLike[str], what: str = "--plot") -> Path:
+    """Draw the PNG in memory, then write it as :mod:`k3core.api.outputs` writes any output:
+    a regular file atomically, a FIFO or ``/dev/null`` in place (the caller has checked it
+    against the command's inputs with :func:`k3core.api.outputs.check_outputs`)."""
     try:
         import matplotlib
 
@@ -192,30 +196,25 @@ def plot_result(result: SimResult, path: str | os.PathLike[str]) -> Path:
             "plotting needs matplotlib", hint="pip install 'k3[plot]' (or matplotlib)"
         ) from None
     target = Path(path)
-    if not target.parent.is_dir():
-        raise OutputError(f"cannot write {target}: {target.parent} is not a directory")
+    check_writable(target, what)
     fig, ax = plt.subplots(figsize=(8, 5))
-    slots = [r.slots for r in result.rows]
-    for name in result.policies:
-        ys = [100 * r.hit_rate[name] for r in result.rows]
-        style = "--" if name == BELADY else ("-." if name in result.offline else "-")
-        ax.plot(slots, ys, style, marker="o", ms=3, label=name)
-    ax.axhline(100 * result.ceiling, color="grey", lw=0.8, ls=":", label="compulsory ceiling")
-    ax.set_xscale("log")
-    ax.set_xlabel("cache slots (experts)")
-    ax.set_ylabel("hit rate (%)")
-    ax.set_title(f"expert cache replay: {result.requests:,} requests, {result.distinct:,} distinct")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".png", dir=target.parent)
-    os.close(fd)
     try:
-        fig.savefig(tmp, dpi=110, format="png")
-        os.replace(tmp, target)
-    except OSError as exc:
-        raise OutputError(f"cannot write {target}: {exc.strerror or exc}") from None
+        slots = [r.slots for r in result.rows]
+        for name in result.policies:
+            ys = [100 * r.hit_rate[name] for r in result.rows]
+            style = "--" if name == BELADY else ("-." if name in result.offline else "-")
+            ax.plot(slots, ys, style, marker="o", ms=3, label=name)
+        ax.axhline(100 * result.ceiling, color="grey", lw=0.8, ls=":", label="compulsory ceiling")
+        ax.set_xscale("log")
+        ax.set_xlabel("cache slots (experts)")
+        ax.set_ylabel("hit rate (%)")
+        ax.set_title(f"expert cache replay: {result.requests:,} requests, "
+                     f"{result.distinct:,} distinct")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+        png = io.BytesIO()
+        fig.savefig(png, dpi=110, format="png")
     finally:
         plt.close(fig)
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    write_bytes_atomic(target, png.getvalue(), what)
     return target

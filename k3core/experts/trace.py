@@ -17,8 +17,9 @@ Format (the reference engine's, so traces move between engines; docs/engine-beha
     Only when the run made router-lookahead guesses: the guesses, a versioned sidecar
     (:mod:`k3core.experts.guess_trace`); the two files above keep the reference's format.
 
-The files are written to temporary names in the target directory and renamed only when
-all are complete, so a reader never sees half a trace (and a full disk leaves none). Reading refuses, with one line and exit 2
+The files are written to partial names in the target directory (:mod:`k3core.api.partials`)
+and renamed only when all are complete, so a reader never sees half a trace (and a full disk
+leaves none). Reading refuses, with one line and exit 2
 (:class:`TraceError`), anything that is not a plausible trace: a missing or empty file, an
 odd number of int32 values, negative or out-of-range layers or experts, or a file larger
 than :data:`MAX_TRACE_BYTES`.
@@ -26,9 +27,9 @@ than :data:`MAX_TRACE_BYTES`.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
-import tempfile
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -37,7 +38,8 @@ import numpy as np
 
 from k3core.api.cache_policy import KEY_SHIFT
 from k3core.api.errors import OutputError, UsageError
-from k3core.api.filemode import give_new_file_mode
+from k3core.api.outputs import stage_bytes
+from k3core.api.partials import Partials, space_note, sweep_stale
 from k3core.experts.guess_trace import GUESS_NAME, guess_bytes
 
 TRACE_NAME = "expert_trace.bin"
@@ -208,51 +210,36 @@ def write_trace(
     }
     trace_path, hist_path, guess_path = d / TRACE_NAME, d / HIST_NAME, d / GUESS_NAME
     hist_bytes = (json.dumps(doc, separators=(",", ":")) + "\n").encode()
-    staged: list[str] = []
     finals = [trace_path, hist_path]
     target = trace_path
-    try:  # every file complete under temporary names first: a full disk leaves none
-        staged.append(_stage(trace_path, arr.astype(_DTYPE).tobytes()))
-        target = hist_path
-        staged.append(_stage(hist_path, hist_bytes))
-        if guesses is not None:
-            target = guess_path
-            staged.append(_stage(guess_path, guess_bytes(guesses, arr.shape[0])))
-            finals.append(guess_path)
-        elif guess_path.is_file():
-            target = guess_path
-            guess_path.unlink()
-        for tmp, final in zip(list(staged), finals, strict=True):
-            target = final
-            os.replace(tmp, final)
-            staged.remove(tmp)
-    except OSError as exc:
-        raise OutputError(f"cannot write {target}: {exc.strerror or exc}") from None
-    finally:
-        for tmp in staged:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
+    with Partials() as parts:  # whatever happens, no partial file is left behind
+        try:  # every file complete under partial names first: a full disk leaves none
+            sweep_stale(d, [TRACE_NAME, HIST_NAME, GUESS_NAME])
+            staged = [_stage(trace_path, arr.astype(_DTYPE).tobytes(), parts)]
+            target = hist_path
+            staged.append(_stage(hist_path, hist_bytes, parts))
+            if guesses is not None:
+                target = guess_path
+                staged.append(_stage(guess_path, guess_bytes(guesses, arr.shape[0]), parts))
+                finals.append(guess_path)
+            elif guess_path.is_file():
+                target = guess_path
+                guess_path.unlink()
+            for tmp, final in zip(staged, finals, strict=True):
+                target = final
+                os.replace(tmp, final)
+                parts.keep(tmp)
+        except OSError as exc:
+            note = (space_note(d, [TRACE_NAME, HIST_NAME, GUESS_NAME])
+                    if exc.errno in (errno.ENOSPC, errno.EDQUOT) else "")
+            raise OutputError(f"cannot write {target}: {exc.strerror or exc}"
+                              + (f" ({note})" if note else "")) from None
     return trace_path, hist_path
 
 
-def _stage(path: Path, data: bytes) -> str:
-    """Write ``data`` to a new temporary file next to ``path``; returns its name."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            give_new_file_mode(f.fileno())  # mkstemp's 0600 -> what the umask says
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-    return tmp
+def _stage(path: Path, data: bytes, parts: Partials) -> Path:
+    """Write ``data`` to a new partial file next to ``path`` (registered in ``parts``)."""
+    return stage_bytes(path, data, parts)
 
 
 class TraceRecorder:

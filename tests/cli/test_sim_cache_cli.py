@@ -143,4 +143,4 @@ def test_refusals_exit_2_with_one_message(make, args, needle, small: Path, tmp_p
 
 def test_plot_into_a_missing_directory_is_an_output_error(small: Path, tmp_path: Path) -> None:
     res = k3(small, "--topk", 4, "--slots", "40", "--plot", tmp_path / "nope" / "x.png")
-    assert res.exit_code == 3 and "not a directory" in res.output
+    assert res.exit_code == 3 and "does not exist" in res.output

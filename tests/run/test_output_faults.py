@@ -130,10 +130,10 @@ def test_cache_trace_second_file_fails_leaves_neither(model, tmp_path, monkeypat
 
     real = trace._stage
 
-    def stage(path: Path, data: bytes) -> str:
+    def stage(path: Path, data: bytes, parts) -> Path:
         if path.name == HIST_NAME:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        return real(path, data)
+        return real(path, data, parts)
 
     monkeypatch.setattr(trace, "_stage", stage)
     res = k3("run", model, "--ids", "3,7", "--gen", "1", "--dump-cache-trace", tmp_path)
