@@ -19,8 +19,9 @@ What is here:
   answer);
 * the three contracts: :class:`KernelBackend` (with :class:`Mxfp4`, the array aliases
   ``F32``/``U16`` and the kernel contract's constants: :data:`LANES`, module :mod:`contract`),
-  :class:`StorageBackend` (with :class:`StorageFile`, :class:`IOStats`, :class:`IOTimer`, :func:`byte_view`,
-  :func:`checked_destination`, :func:`aligned_empty`), :class:`CachePolicy` (with the key
+  :class:`StorageBackend` (with :class:`StorageFile`, :class:`IOStats`, :class:`IOTimer`,
+  :func:`byte_view`, :func:`checked_destination`, :func:`aligned_empty`; the storage
+  contract is written on these classes: ``help(k3.plugin.StorageFile)``), :class:`CachePolicy` (with the key
   helpers :func:`make_key`, :func:`key_layer`, :func:`key_expert`);
 * :class:`NumpyBackend`, the reference kernel backend, to extend or to compare with;
 * the errors a plugin raises: :class:`K3Error`, :class:`UsageError`, :class:`PluginError`,
@@ -57,13 +58,13 @@ from k3core.api.specs import (
 from k3core.api.storage import (
     Buffer,
     IOStats,
+    IOTimer,
     StorageBackend,
     StorageFile,
     aligned_empty,
     byte_view,
     checked_destination,
 )
-from k3core.api.storage import _Timer as IOTimer  # ``with IOTimer(stats) as t: t.nbytes = n``
 
 if TYPE_CHECKING:  # imported on first use: the reference backend itself imports this module
     from k3_backends.numpy_backend import NumpyBackend
