@@ -38,8 +38,10 @@ def presets(
     problems: list[K3Error] = []
     rows = list_presets(on_error=problems.append)
     if as_json:
-        doc = {"presets": [{**p.model_dump(), "origin": p.origin} for p in rows],
-               "auto": "computed from the memory available now (k3 presets show auto)",
+        doc = {"presets": [{**p.model_dump(), "origin": p.origin, "needs_trunk": p.needs_trunk}
+                           for p in rows],
+               "auto": "computed from the memory available now (k3 presets show auto); "
+                       "runs without --trunk",
                "skipped": [str(exc) for exc in problems]}
         print(json.dumps(doc, indent=2))
     else:

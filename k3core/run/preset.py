@@ -79,6 +79,14 @@ class Preset(BaseModel):
         return self._origin
 
     @property
+    def needs_trunk(self) -> bool:
+        """Whether a run with this preset needs ``--trunk DIR`` (a packed trunk): only an
+        ultra-low-memory preset does (it streams embedding and lm_head from the packed
+        trunk). Any other runs without one, its trunk resident: the trunk budget then does
+        not apply, only the cache budget (the plan says so)."""
+        return self.ultra_low_memory
+
+    @property
     def trunk_bytes(self) -> int:
         return int(self.trunk_gb * 1e9)
 

@@ -313,13 +313,19 @@ def table_lines(presets: list[Preset]) -> list[str]:
     out = ["presets (trunk / expert-cache, in GB):"]
     for p in presets:
         note = p.notes or p.description
-        if p.ultra_low_memory and "ultra" not in note:
-            note = f"{note} (ultra-low-memory)".strip()
+        tags = [tag for tag, on in (("ultra-low-memory", p.ultra_low_memory and "ultra" not in note),
+                                    ("needs --trunk", p.needs_trunk)) if on]
+        if tags:
+            note = f"{note} ({', '.join(tags)})".strip()
         out.append(f"  {p.name:<12}{p.trunk_gb:7.2f} / {p.cache_gb:7.2f}  {note}".rstrip())
     out.append(f"  {AUTO:<12}{'fit':>7} / {'fit':>7}  computed from the memory available now "
                "(Recommended)")
-    out.append("All presets stream the trunk: they need --trunk <packed_dir> "
-               "(make one with `k3 pack-trunk MODEL_DIR TRUNK_DIR`).")
+    needing = [p.name for p in presets if p.needs_trunk]
+    only = (f"Only {', '.join(needing)} need{'s' if len(needing) == 1 else ''} --trunk."
+            if needing else "None needs --trunk.")
+    out.append("The trunk budget applies with --trunk <packed_dir> (`k3 pack-trunk MODEL_DIR "
+               "TRUNK_DIR` makes one); without it the trunk stays resident and only the cache "
+               f"budget applies. {only}")
     out.append("Not sure which fits? `k3 doctor MODEL_DIR` checks this machine and prints "
                "the command to run.")
     return out
