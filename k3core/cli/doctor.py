@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import typer
@@ -12,6 +11,7 @@ from rich.markup import escape
 
 from k3core.api.errors import UsageError
 from k3core.cli.guard import guarded
+from k3core.cli.progress import Stages
 from k3core.tools.doctor.machine import DoctorReport, run_doctor
 
 _MARK = {"ok": "[green]  ok[/]", "warn": "[yellow]warn[/]", "fail": "[bold red]FAIL[/]",
@@ -54,16 +54,18 @@ def doctor(
                                    "its scratch file when there is no shard to read "
                                    "(default: the current directory; announced, then removed)."),
     as_json: bool = typer.Option(False, "--json", help="Print the report as one JSON object."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress on stderr."),
 ) -> None:
     """Check toolchain, plugins, CPU, memory, disk and (optionally) a model directory."""
     if probe_mb < 1:
         raise UsageError(f"--probe-mb must be >= 1, got {probe_mb}")
     if probe_dir is not None and not probe_dir.is_dir():
         raise UsageError(f"--probe-dir {probe_dir}: not an existing directory")
-    report = run_doctor(model_dir, probe_bytes=probe_mb * 1_000_000,
-                        disk_probe=not no_disk_probe, storage=storage, probe_dir=probe_dir,
-                        progress=lambda msg: print(f"k3 doctor: {msg}", file=sys.stderr,
-                                                   flush=True))
+    units = {"checks": "check", "scratch file": "B", "read tests": "test"}
+    with Stages("doctor", quiet=quiet, units=units) as stages:
+        report = run_doctor(model_dir, probe_bytes=probe_mb * 1_000_000,
+                            disk_probe=not no_disk_probe, storage=storage, probe_dir=probe_dir,
+                            progress=lambda msg: stages.note(f"k3 doctor: {msg}"), steps=stages)
     if as_json:
         print(json.dumps(report.to_json(), indent=2))
     else:

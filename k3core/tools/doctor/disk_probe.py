@@ -20,17 +20,22 @@ from k3core.model.sizes import EXPERT_BYTES
 
 DiskResult = tuple[str, int, float]
 DiskMeasure = Callable[[Path], list[DiskResult]]
+#: ``(done, total)``: read tests finished, or scratch bytes written
+Steps = Callable[[int, int], None]
 
 DEFAULT_PROBE_BYTES = 256 << 20
 
 
-def default_measure(max_bytes: int = DEFAULT_PROBE_BYTES) -> tuple[DiskMeasure, str]:
-    """``(measure, description)``: the diskbench probe (O_DIRECT and buffered, QD 1/4/16)."""
-    return (lambda p: diskbench_measure(p, max_bytes=max_bytes),
+def default_measure(max_bytes: int = DEFAULT_PROBE_BYTES,
+                    on_test: Steps | None = None) -> tuple[DiskMeasure, str]:
+    """``(measure, description)``: the diskbench probe (O_DIRECT and buffered, QD 1/4/16);
+    ``on_test(done, total)`` after each read test."""
+    return (lambda p: diskbench_measure(p, max_bytes=max_bytes, on_test=on_test),
             "random expert-sized reads, O_DIRECT vs buffered (page cache dropped), QD 1/4/16")
 
 
-def diskbench_measure(path: str | Path, *, max_bytes: int = DEFAULT_PROBE_BYTES) -> list[DiskResult]:
+def diskbench_measure(path: str | Path, *, max_bytes: int = DEFAULT_PROBE_BYTES,
+                      on_test: Steps | None = None) -> list[DiskResult]:
     """Rows ``(mode, depth, MB/s)`` from :func:`k3core.tools.bench.io.raw_bandwidth`."""
     from k3core.api.errors import StorageError
     from k3core.tools.bench.io import raw_bandwidth
@@ -41,8 +46,11 @@ def diskbench_measure(path: str | Path, *, max_bytes: int = DEFAULT_PROBE_BYTES)
         return []
     reads = max(1, min(40, max_bytes // read_size))
     out: list[DiskResult] = []
+    depths = (1, 4, 16)
+    if on_test is not None:
+        on_test(0, 2 * len(depths))
     for mode, direct in (("O_DIRECT", True), ("buffered", False)):
-        for depth in (1, 4, 16):
+        for k, depth in enumerate(depths):
             try:
                 s = raw_bandwidth(path, read_size, depth, direct=direct, reads=reads)
             except StorageError:
@@ -50,18 +58,26 @@ def diskbench_measure(path: str | Path, *, max_bytes: int = DEFAULT_PROBE_BYTES)
                     break
                 raise
             out.append((mode, depth, s.mb_per_s))
+            if on_test is not None:
+                left = len(depths) - 1 - k + (len(depths) if direct else 0)
+                on_test(len(out), len(out) + left)
     return out
 
 
-def write_probe_file(folder: Path, nbytes: int) -> Path:
-    """A scratch file of ``nbytes`` random bytes in ``folder``, flushed to the device."""
+def write_probe_file(folder: Path, nbytes: int, on_bytes: Steps | None = None) -> Path:
+    """A scratch file of ``nbytes`` random bytes in ``folder``, flushed to the device;
+    ``on_bytes(written, nbytes)`` after each chunk."""
     path = folder / f".k3-doctor-probe-{os.getpid()}"
     chunk = os.urandom(min(nbytes, 8 << 20))
     with open(path, "wb") as fh:
         left = nbytes
+        if on_bytes is not None:
+            on_bytes(0, nbytes)
         while left > 0:
             fh.write(chunk[: min(left, len(chunk))])
             left -= len(chunk)
+            if on_bytes is not None:
+                on_bytes(nbytes - max(0, left), nbytes)
         fh.flush()
         os.fsync(fh.fileno())
     return path

@@ -177,8 +177,10 @@ def check_memory(r: DoctorReport, total: int, available: int) -> None:
 
 def check_disk(r: DoctorReport, where: Path, probe_target: Path | None,
                measure: DiskMeasure | None, how: str, probe_bytes: int,
-               probe_dir: Path | None = None, progress: Progress | None = None) -> float:
-    """Free space at ``where`` and the measured bandwidth; returns the best MB/s (0: none)."""
+               probe_dir: Path | None = None, progress: Progress | None = None,
+               on_bytes: Callable[[int, int], None] | None = None) -> float:
+    """Free space at ``where`` and the measured bandwidth; returns the best MB/s (0: none).
+    ``on_bytes(written, total)`` hears the scratch file being written."""
     say = progress or (lambda msg: None)
     try:
         free = shutil.disk_usage(where).free
@@ -194,7 +196,7 @@ def check_disk(r: DoctorReport, where: Path, probe_target: Path | None,
             say(f"writing a {human(probe_bytes)} scratch file in {folder} for the read probe "
                 "(removed afterwards; --probe-dir DIR puts it elsewhere, --no-disk-probe "
                 "skips it)")
-            scratch = probe_target = write_probe_file(folder, probe_bytes)
+            scratch = probe_target = write_probe_file(folder, probe_bytes, on_bytes)
         say(f"probing read bandwidth on {probe_target} (up to {human(probe_bytes)}) ...")
         results = measure(probe_target)
     except OSError as exc:
@@ -307,21 +309,32 @@ def run_doctor(model_dir: str | Path | None = None, *, measure: DiskMeasure | No
                storage: str = "auto", registry: Registry | None = None,
                total: int | None = None, available: int | None = None,
                baseline: int | None = None, probe_dir: Path | None = None,
-               progress: Progress | None = None) -> DoctorReport:
-    """Run every check. ``measure``/``total``/``available``/``baseline`` are injectable."""
+               progress: Progress | None = None,
+               steps: Callable[[str, int, int], None] | None = None) -> DoctorReport:
+    """Run every check. ``measure``/``total``/``available``/``baseline`` are injectable.
+    ``steps(stage, done, total)`` hears the ``checks`` done, the ``scratch file``'s bytes
+    written and the ``read tests`` done."""
     say = progress or (lambda msg: None)
+    step = steps or (lambda stage, done, total: None)
     r = DoctorReport()
     reg = registry or get_registry()
     vm = psutil.virtual_memory()
     tot = int(vm.total) if total is None else total
     avail = int(vm.available) if available is None else available
+    n_checks = 5 if model_dir is not None else 4
+    step("checks", 0, n_checks)
     check_toolchain(r)
+    step("checks", 1, n_checks)
     check_plugins(r, reg)
+    step("checks", 2, n_checks)
     check_cpu(r)
+    step("checks", 3, n_checks)
     check_memory(r, tot, avail)
+    step("checks", 4, n_checks)
     how = "injected"
     if disk_probe and measure is None:
-        measure, how = default_measure(probe_bytes)
+        measure, how = default_measure(
+            probe_bytes, on_test=lambda done, total: step("read tests", done, total))
     root = Path(model_dir) if model_dir is not None else None
     mc = None
     if root is not None:
@@ -330,10 +343,11 @@ def run_doctor(model_dir: str | Path | None = None, *, measure: DiskMeasure | No
         mc = check_model(root, backend)
         r.model = mc
         r.checks.extend(mc.checks)
+        step("checks", 5, n_checks)
     largest = _largest_shard(root) if root is not None and root.is_dir() else None
     where = root if root is not None and root.is_dir() else Path.cwd()
     best = check_disk(r, where, largest, measure if disk_probe else None, how, probe_bytes,
-                      probe_dir, say)
+                      probe_dir, say, lambda done, total: step("scratch file", done, total))
     check_space(r, mc if mc is not None and mc.sizes is not None else None,
                 root if mc is not None and mc.sizes is not None else None)
     rate_bandwidth(r, best, mc)
