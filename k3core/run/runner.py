@@ -5,7 +5,7 @@ memory plan before anything large is allocated), opens the engine, runs one sess
 the report attached (the text to stdout as it arrives, the table and summary to stderr) and
 writes the output files atomically after the run. A Ctrl-C after some tokens keeps what was
 made: the text and ids so far are printed, ``--out`` is written with ``"interrupted":
-true``, and the interrupt propagates (exit 130).
+true`` and ``"stop_reason": "interrupted"``, and the interrupt propagates (exit 130).
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def execute(r: RunRequest, rep: RunReport | None = None,
                                             session.last.first_logits is not None):
                 raise
             gen, interrupted = session.last, True
-            gen.interrupted = True  # also when it came between steps, outside the loop
+            gen.mark_interrupted()  # also when it came between steps, outside the loop
         if engine.tokenizer is None:  # no text to stream: stdout gets the ids instead
             rep.text(",".join(map(str, gen.ids)) + "\n" if gen.ids else "")
         rep.end_text()

@@ -16,7 +16,7 @@ id (unless ``ignore_eos``; its text is not shown), a stop string (the text is cu
 ``max_tokens``. With ``spec`` (``ngram``/``auto``) a step is a verify pass that may emit
 several tokens (the same ids, each checked against the stops in turn; the state keeps only
 what was emitted: :mod:`k3core.model.speculative`). A Ctrl-C inside the loop leaves what
-was made in :attr:`Session.last` (``interrupted=True``) and propagates; the session stays usable (a forward pass cut short
+was made in :attr:`Session.last` (``interrupted=True``, ``stop_reason="interrupted"``) and propagates; the session stays usable (a forward pass cut short
 drops the carried state, and the next call prefills the session's ids again).
 """
 
@@ -55,7 +55,9 @@ class Generation(StepTimes):
     steps: list[Step] = field(default_factory=list)
     first_logits: np.ndarray | None = None
     stopped_at: int = -1
-    stop_reason: str = "length"  # length | stop_id | eos | stop | prefill
+    #: why it stopped: ``length`` (max_tokens made), ``stop_id``, ``eos``, ``stop`` (a stop
+    #: text), ``prefill`` (max_tokens 0), ``interrupted`` (Ctrl-C; ``interrupted`` is set too)
+    stop_reason: str = "length"
     prefill_seconds: float = 0.0
     #: the first forward pass (the prompt): ids fed, passes (chunks), routed-expert bytes read
     prefill_ids: int = 0
@@ -69,6 +71,10 @@ class Generation(StepTimes):
     @property
     def full_ids(self) -> list[int]:
         return self.prompt_ids + self.ids
+
+    def mark_interrupted(self) -> None:
+        """A Ctrl-C ended it: what was made is kept, and that is why it stopped."""
+        self.interrupted, self.stop_reason = True, "interrupted"
 
 
 def make_sampler(p: GenerationParams) -> Sampler | None:
@@ -183,7 +189,7 @@ class Session:
             if tail:
                 yield None, tail
         except KeyboardInterrupt:
-            gen.interrupted = True
+            gen.mark_interrupted()
             raise
         finally:
             gen.text = text.text if text.enabled else None

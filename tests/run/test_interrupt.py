@@ -107,6 +107,7 @@ def test_sigint_while_decoding(model, trunk, tmp_path, mode, delay) -> None:
                                  "trace/expert_trace.bin"]  # whole files, no temporary one
     rec = json.loads((out / "run.json").read_text())
     assert rec["interrupted"] is True and 1 <= len(rec["generated_ids"]) < 4096
+    assert rec["stop_reason"] == "interrupted"  # not "length": it did not run to --gen
     shown = [ln for ln in err.splitlines() if ln.startswith("generated ids: ")]
     assert shown == ["generated ids: " + ",".join(map(str, rec["generated_ids"]))]
     tok = Tokenizer.from_dir(model, vocab_size=1024)
@@ -182,3 +183,24 @@ def test_ctrl_c_while_waiting_for_an_expert_read_is_an_interrupt(model, monkeypa
     finally:
         signal.signal(signal.SIGINT, previous)
         unregister_faulty()
+
+
+def test_an_interrupted_session_says_why_it_stopped(model) -> None:
+    """The Python API: ``Session.last`` after a Ctrl-C says ``stop_reason="interrupted"``."""
+    engine = open_engine(EngineOptions(model))
+    try:
+        session = engine.session()
+
+        def stop(step: int) -> None:
+            if step == 2:
+                raise KeyboardInterrupt
+
+        session.before_step = stop
+        with pytest.raises(KeyboardInterrupt):
+            session.generate([3, 7, 11], max_tokens=8, ignore_eos=True)
+        assert session.last is not None and len(session.last.ids) == 2
+        assert session.last.interrupted and session.last.stop_reason == "interrupted"
+        again = session.generate([5], max_tokens=2, ignore_eos=True)  # the session goes on
+        assert again.stop_reason == "length" and not again.interrupted
+    finally:
+        engine.close()
