@@ -195,7 +195,7 @@ def test_an_interrupted_session_says_why_it_stopped(model) -> None:
             if step == 2:
                 raise KeyboardInterrupt
 
-        session.before_step = stop
+        session.before_step = stop  # type: ignore[method-assign]
         with pytest.raises(KeyboardInterrupt):
             session.generate([3, 7, 11], max_tokens=8, ignore_eos=True)
         assert session.last is not None and len(session.last.ids) == 2
