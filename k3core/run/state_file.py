@@ -5,20 +5,33 @@ a rename), so a file is complete or absent:
 
 =========  ===================================================================
 8 bytes    magic ``K3STATE\\n``
-4 bytes    format version (:data:`VERSION`; 2 since the KV cache holds the MLA latent)
+4 bytes    format version (:data:`VERSION`)
 4 bytes    header length H
-H bytes    JSON header: ``fingerprint``, ``ids``, ``pos``, ``capacity`` and, per array,
-           ``name``, ``dtype``, ``shape``, ``offset``, ``nbytes``; ``body_sha256``
-rest       the arrays' bytes, in header order
+32 bytes   SHA-256 of the 16 bytes above and the H header bytes
+H bytes    JSON header: ``model`` (``config``, ``layers``, ``weights``), ``ids``, ``pos``,
+           ``capacity``, per array ``name``, ``dtype``, ``shape``, ``offset``, ``nbytes``;
+           ``body_bytes`` and ``body_sha256``
+N bytes    the arrays' bytes (N = ``body_bytes``), in header order, then the end of the file
 =========  ===================================================================
 
-The fingerprint is a SHA-256 over the model's architecture (every config field), the
-number of layers run and a sample of its weights (the final norm and the first bytes of the
-embedding and lm_head), so a session made on another model or config is refused, as is a
-file whose arrays do not have the shapes this model's state has. A refused file is a
-:class:`StateFileError` (exit 1); nothing is half-loaded. A file of another format version
-(version 1 held the expanded per-head keys and values) is refused with exit 2: it is input
-this k3 does not read, and the session must be made again.
+Every byte is covered by a checksum: the header's digest covers the magic, version, length
+and header (which holds the ids, the position and the body's digest), the body's digest
+covers the arrays, and the file must end exactly where the checked header says the body
+ends. Nothing is used before it is checked: the header's digest first, then the model it
+names, then the sizes (the KV cache the positions imply is checked against the memory
+available); the body is read once, in chunks, straight into the new state while its digest
+is taken, and the state is handed back only when the digest matches.
+
+``model`` binds the file to what makes its state: a SHA-256 of the architecture (every
+config field), the number of layers run, and a SHA-256 of a sample of the weights (the final
+norm and the first bytes of the embedding and ``lm_head``). The kernel backend, storage,
+cache policy, trunk and budgets give the same bits, so they are not part of it.
+
+Every refusal is a :class:`StateFileError`, exit 2 (a file k3 cannot trust is bad input,
+like a damaged tokenizer or a trace of another model, ``docs/exit-codes.md``), one line,
+before the first token; nothing is half-loaded. A file written by an older k3 (format
+version 1 held the expanded per-head keys and values; version 2 had no checksum over its
+header) cannot be resumed: the session must be saved again.
 """
 
 from __future__ import annotations
@@ -27,6 +40,7 @@ import hashlib
 import json
 import os
 import struct
+from io import BufferedReader
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -34,6 +48,7 @@ import numpy as np
 
 from k3core.api.errors import Exit, K3Error
 from k3core.api.outputs import write_bytes_atomic
+from k3core.api.safejson import JSONRejected, parse_json
 from k3core.model import names
 from k3core.model.state import SequenceState
 from k3core.run.memory_plan import check_kv
@@ -42,28 +57,35 @@ if TYPE_CHECKING:
     from k3core.run.binding import Bound
 
 MAGIC = b"K3STATE\n"
-VERSION = 2
-#: what each older format held, for the refusal message
-OLD_VERSIONS = {1: "the expanded per-head MLA keys and values"}
+VERSION = 3
+#: what each older format was, for the refusal message
+OLD_VERSIONS = {1: "it held the expanded per-head MLA keys and values",
+                2: "it had no checksum over its ids and positions"}
+PREAMBLE = 16  # magic, version, header length
+DIGEST = 32  # SHA-256 of the preamble and the header
+START = PREAMBLE + DIGEST
 MAX_HEADER = 16 << 20
 SAMPLE = 4096
+CHUNK = 16 << 20  # body bytes read and hashed at a time
 
 
 class StateFileError(K3Error):
-    """A session file that cannot be read, or belongs to another model or config (exit 1)."""
+    """A session file that cannot be read or trusted, or belongs to another model or config
+    (exit 2)."""
+
+    exit_code = Exit.USAGE
 
 
-def fingerprint(engine: Bound) -> str:
-    """The model identity a session file is bound to (see the module docstring)."""
-    h = hashlib.sha256()
-    cfg = engine.cfg.to_flat_dict()
-    h.update(json.dumps(cfg, sort_keys=True, default=str).encode())
-    h.update(f"layers={engine.model.n_layers}".encode())
+def model_identity(engine: Bound) -> dict[str, Any]:
+    """What a session file is bound to (see the module docstring)."""
+    cfg = json.dumps(engine.cfg.to_flat_dict(), sort_keys=True, default=str).encode()
+    weights = hashlib.sha256()
     for name in (names.NORM, names.EMBED, names.LM_HEAD):
         info = engine.index.info(name)
         with open(info.path, "rb") as f:
-            h.update(os.pread(f.fileno(), min(info.nbytes, SAMPLE), info.offset))
-    return h.hexdigest()
+            weights.update(os.pread(f.fileno(), min(info.nbytes, SAMPLE), info.offset))
+    return {"config": hashlib.sha256(cfg).hexdigest(), "layers": int(engine.model.n_layers),
+            "weights": weights.hexdigest()}
 
 
 def _arrays(state: SequenceState) -> list[tuple[str, np.ndarray]]:
@@ -84,30 +106,29 @@ def _arrays(state: SequenceState) -> list[tuple[str, np.ndarray]]:
 def write_state(path: Path, engine: Bound, ids: list[int], st: SequenceState | None) -> int:
     """Serialise a sequence (its ids and carried state) to ``path``; returns the file's size."""
     pos = st.pos if st is not None else 0
-    entries, chunks, offset = [], [], 0
+    entries: list[dict[str, Any]] = []
+    views: list[memoryview] = []
+    body_digest, offset = hashlib.sha256(), 0
     for name, a in _arrays(st) if st is not None else []:
-        data = np.ascontiguousarray(a).tobytes()
-        entries.append({"name": name, "dtype": a.dtype.str, "shape": list(a.shape),
-                        "offset": offset, "nbytes": len(data)})
-        chunks.append(data)
-        offset += len(data)
-    body = b"".join(chunks)
+        view = np.ascontiguousarray(a, dtype=a.dtype.newbyteorder("<")).data.cast("B")
+        entries.append({"name": name, "dtype": a.dtype.newbyteorder("<").str,
+                        "shape": list(a.shape), "offset": offset, "nbytes": view.nbytes})
+        body_digest.update(view)
+        views.append(view)
+        offset += view.nbytes
     header = json.dumps({
-        "fingerprint": fingerprint(engine), "ids": ids, "pos": pos,
+        "model": model_identity(engine), "ids": [int(i) for i in ids], "pos": pos,
         "capacity": st.capacity if st is not None else 0, "arrays": entries,
-        "body_sha256": hashlib.sha256(body).hexdigest(),
+        "body_bytes": offset, "body_sha256": body_digest.hexdigest(),
     }).encode()
-    blob = MAGIC + struct.pack("<II", VERSION, len(header)) + header + body
+    pre = MAGIC + struct.pack("<II", VERSION, len(header))
+    blob = b"".join([pre, hashlib.sha256(pre + header).digest(), header, *views])
     write_bytes_atomic(path, blob, "the session file")
     return len(blob)
 
 
 def read_state(path: Path, engine: Bound) -> tuple[list[int], SequenceState | None]:
-    """The ids and state saved at ``path``, checked against ``engine``'s model.
-
-    The header is read and checked first (magic, version, fingerprint, positions); the KV
-    cache it implies is checked against the memory available, and the file must hold exactly
-    the bytes this model's state for those positions takes, before the body is read."""
+    """The ids and state saved at ``path``, checked (see the module docstring)."""
     where = f"session file {path}"
     try:
         if not path.is_file():
@@ -115,93 +136,141 @@ def read_state(path: Path, engine: Bound) -> tuple[list[int], SequenceState | No
                                  f"{where}: not a regular file")
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
-            ids, pos, entries, digest, hlen = _header(f, size, engine, where)
-            if pos == 0:
-                return ids, None
-            check_kv(engine.cfg, pos, n_layers=engine.model.n_layers)
-            state = SequenceState(engine.cfg, pos)
-            want = _expected(state, engine, pos)
-            expected = sum(int(np.prod(shape)) * a.dtype.itemsize for a, shape in want.values())
-            if size - 16 - hlen != expected:
-                raise StateFileError(f"{where}: {size - 16 - hlen} bytes of state where this "
-                                     f"model's {pos} positions take {expected}")
-            body = f.read(expected)
+            head = _header(f, size, where)
+            ids, pos = _check_model(head, engine, where)
+            return ids, _body(f, size, head, engine, pos, where)
     except OSError as exc:
         raise StateFileError(f"{where}: cannot read it ({exc.strerror or exc})") from None
-    if hashlib.sha256(body).hexdigest() != digest:
-        raise StateFileError(f"{where}: the state bytes are damaged (checksum differs)")
-    _fill(want, entries, body, where)
-    state.pos = pos
-    return ids, state
 
 
-def _header(f: Any, size: int, engine: Bound, where: str
-            ) -> tuple[list[int], int, list[Any], str, int]:
-    start = f.read(16)
-    if len(start) < 16 or start[:8] != MAGIC:
+def _header(f: BufferedReader, size: int, where: str) -> dict[str, Any]:
+    """The header, once its checksum matches."""
+    start = f.read(START)
+    if len(start) < PREAMBLE or start[:8] != MAGIC:
         raise StateFileError(f"{where}: not a k3 session file (bad magic)")
-    version, hlen = struct.unpack("<II", start[8:16])
+    version, hlen = struct.unpack("<II", start[8:PREAMBLE])
     if version != VERSION:
-        held = f" (it holds {OLD_VERSIONS[version]})" if version in OLD_VERSIONS else ""
-        raise StateFileError(
-            f"{where}: session format version {version}{held}; this k3 reads version {VERSION} "
-            "only (the KV cache now holds the MLA latent): save the session again with this k3",
-            exit_code=Exit.USAGE)
-    if hlen > MAX_HEADER or 16 + hlen > size:
-        raise StateFileError(f"{where}: truncated or damaged header")
+        if version < VERSION:
+            why = f"; {OLD_VERSIONS[version]}" if version in OLD_VERSIONS else ""
+            raise StateFileError(
+                f"{where}: written by an older k3 (session format version {version}{why}); "
+                f"this k3 reads version {VERSION} only, so it cannot be resumed: save the "
+                "session again with this k3")
+        raise StateFileError(f"{where}: written by a newer k3 (session format version "
+                             f"{version}); this k3 reads version {VERSION} only")
+    if len(start) < START or hlen > MAX_HEADER or START + hlen > size:
+        raise StateFileError(f"{where}: truncated or damaged header (the file has {size} "
+                             f"bytes, the header would end at byte {START + hlen})")
+    raw = f.read(hlen)
+    if len(raw) != hlen:
+        raise StateFileError(f"{where}: truncated header (the file shrank while read)")
+    if hashlib.sha256(start[:PREAMBLE] + raw).digest() != start[PREAMBLE:START]:
+        raise StateFileError(f"{where}: the header (ids, positions, model) is damaged "
+                             "(checksum differs)")
     try:
-        head = json.loads(f.read(hlen))
-        ids = [int(i) for i in head["ids"]]
-        pos, entries = int(head["pos"]), list(head["arrays"])
-        fp, digest = str(head["fingerprint"]), str(head["body_sha256"])
-    except (ValueError, KeyError, TypeError) as exc:
+        head = parse_json(raw)
+    except JSONRejected as exc:
         raise StateFileError(f"{where}: damaged header ({exc})") from None
-    if fp != fingerprint(engine):
-        raise StateFileError(f"{where}: saved by another model or config (fingerprint "
-                             "differs); a session resumes only on the model that made it")
+    if not isinstance(head, dict):
+        raise StateFileError(f"{where}: damaged header (not an object)")
+    return head
+
+
+def _int(v: Any) -> int:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise TypeError(f"{v!r} is not an integer")
+    return v
+
+
+def _check_model(head: dict[str, Any], engine: Bound, where: str) -> tuple[list[int], int]:
+    """The ids and position, once the file is known to be this model's and consistent."""
+    try:
+        saved = head["model"]
+        ids = [_int(i) for i in head["ids"]]
+        pos = _int(head["pos"])
+        layers = _int(saved["layers"])
+        config, weights = str(saved["config"]), str(saved["weights"])
+    except (KeyError, TypeError) as exc:
+        raise StateFileError(f"{where}: damaged header ({exc})") from None
+    here = model_identity(engine)
+    if weights != here["weights"]:
+        why = "its weights differ"
+    elif config != here["config"]:
+        why = "its architecture (config.json or --config) differs"
+    elif layers != here["layers"]:
+        why = f"it ran {layers} layers, this run has {here['layers']} (--layers)"
+    else:
+        why = ""
+    if why:
+        raise StateFileError(f"{where}: saved by another model or config ({why}); a session "
+                             "resumes only on the model and config that made it")
     if not 0 <= pos <= len(ids) or any(not 0 <= i < engine.cfg.vocab for i in ids):
         raise StateFileError(f"{where}: inconsistent positions or ids")
-    return ids, pos, entries, digest, hlen
+    return ids, pos
 
 
-def _expected(state: SequenceState, engine: Bound, pos: int
-              ) -> dict[str, tuple[np.ndarray, tuple[int, ...]]]:
-    """Every array this model's state has, with the shape it is saved in."""
+def _body(f: BufferedReader, size: int, head: dict[str, Any], engine: Bound, pos: int,
+          where: str) -> SequenceState | None:
+    """The state the body holds, read into place and handed back once its digest matches."""
+    try:
+        body_bytes, digest = _int(head["body_bytes"]), str(head["body_sha256"])
+        entries = list(head["arrays"])
+    except (KeyError, TypeError) as exc:
+        raise StateFileError(f"{where}: damaged header ({exc})") from None
+    end = f.tell() + body_bytes
+    if size != end:
+        extra = (f"{size - end} bytes after the end of the state" if size > end else
+                 f"truncated: {size} bytes where the header says {end}")
+        raise StateFileError(f"{where}: {extra}")
+    if pos == 0:
+        if body_bytes or entries:
+            raise StateFileError(f"{where}: state arrays for a sequence with no positions")
+        return None
+    check_kv(engine.cfg, pos, n_layers=engine.model.n_layers)
+    state = SequenceState(engine.cfg, pos)
+    targets = _targets(state, engine, pos, entries, body_bytes, where)
+    h = hashlib.sha256()
+    for target in targets:
+        view = target.data.cast("B")
+        for at in range(0, view.nbytes, CHUNK):
+            part = view[at: at + CHUNK]
+            if f.readinto(part) != part.nbytes:
+                raise StateFileError(f"{where}: truncated (the file shrank while read)")
+            h.update(part)
+    if h.hexdigest() != digest:
+        raise StateFileError(f"{where}: the state bytes are damaged (checksum differs)")
+    state.pos = pos
+    return state
+
+
+def _targets(state: SequenceState, engine: Bound, pos: int, entries: list[Any],
+             body_bytes: int, where: str) -> list[np.ndarray]:
+    """This model's state arrays for ``pos`` positions, in the order the body holds them,
+    after checking that the header describes exactly them, back to back."""
     cfg = engine.cfg
     for layer in range(engine.model.n_layers):
         if cfg.is_mla(layer):
             state.kv_cache(layer)
         else:
             state.kda_state(layer)
-    return {name: (a, (pos, *a.shape[1:]) if name.startswith("kv.") else tuple(a.shape))
-            for name, a in _arrays_full(state)}
-
-
-def _fill(want: dict[str, tuple[np.ndarray, tuple[int, ...]]], entries: list[Any],
-          body: bytes, where: str) -> None:
-    got = {str(e.get("name")): e for e in entries if isinstance(e, dict)}
-    if set(got) != set(want):
+    state.pos = pos  # for _arrays' KV slices; set again once the body is read
+    want = _arrays(state)
+    state.pos = 0
+    if len(entries) != len(want):
         raise StateFileError(f"{where}: its arrays do not match this model's state")
-    for name, (target, shape) in want.items():
-        e = got[name]
+    offset = 0
+    for e, (name, a) in zip(entries, want, strict=True):
         try:
-            off, n = int(e["offset"]), int(e["nbytes"])
-            ok = (tuple(e["shape"]) == shape and np.dtype(e["dtype"]) == target.dtype
-                  and n == int(np.prod(shape)) * target.dtype.itemsize and 0 <= off
-                  and off + n <= len(body))
+            ok = (isinstance(e, dict) and e["name"] == name
+                  and [_int(n) for n in e["shape"]] == list(a.shape)
+                  and np.dtype(e["dtype"]) == a.dtype.newbyteorder("<")
+                  and _int(e["offset"]) == offset and _int(e["nbytes"]) == a.nbytes)
         except (KeyError, TypeError, ValueError):
             ok = False
         if not ok:
-            raise StateFileError(f"{where}: array {name} does not have this model's shape")
-        a = np.frombuffer(body, dtype=target.dtype, count=n // target.dtype.itemsize, offset=off)
-        target[: shape[0]] = a.reshape(shape)
-
-
-def _arrays_full(state: SequenceState) -> list[tuple[str, np.ndarray]]:
-    out: list[tuple[str, np.ndarray]] = []
-    for name, a in _arrays(state):
-        if name.startswith("kv."):
-            _, layer, fname = name.split(".", 2)
-            a = getattr(state.kv[int(layer)], fname)
-        out.append((name, a))
-    return out
+            raise StateFileError(f"{where}: array {name} is not this model's "
+                                 "(name, shape, dtype or place differ)")
+        offset += a.nbytes
+    if offset != body_bytes:
+        raise StateFileError(f"{where}: its arrays do not match this model's state")
+    return [a for _, a in want]

@@ -177,23 +177,23 @@ def test_load_state_refusals(model, other, tmp_path):
     state = tmp_path / "s.k3s"
     assert k3("run", model, "--ids", "3,7", "-n", "2", "--save-state", state).exit_code == 0
     res = k3("run", other, "--ids", "5", "-n", "1", "--load-state", state)
-    assert res.exit_code == 1 and "another model or config" in res.stderr
+    assert res.exit_code == 2 and "another model or config" in res.stderr
     res = k3("run", model, "--ids", "5", "-n", "1", "--layers", "3", "--load-state", state)
-    assert res.exit_code == 1 and "another model or config" in res.stderr
+    assert res.exit_code == 2 and "another model or config" in res.stderr
     bad = tmp_path / "bad.k3s"
     data = bytearray(state.read_bytes())
     data[-3] ^= 0xFF
     bad.write_bytes(bytes(data))
     res = k3("run", model, "--ids", "5", "-n", "1", "--load-state", bad)
-    assert res.exit_code == 1 and "damaged" in res.stderr
+    assert res.exit_code == 2 and "damaged" in res.stderr
     bad.write_bytes(state.read_bytes()[:40])
     res = k3("run", model, "--ids", "5", "-n", "1", "--load-state", bad)
-    assert res.exit_code == 1 and "session file" in res.stderr
+    assert res.exit_code == 2 and "session file" in res.stderr
     bad.write_bytes(b"not a state file at all")
     res = k3("run", model, "--ids", "5", "-n", "1", "--load-state", bad)
-    assert res.exit_code == 1 and "bad magic" in res.stderr
+    assert res.exit_code == 2 and "bad magic" in res.stderr
     res = k3("run", model, "--ids", "5", "-n", "1", "--load-state", tmp_path / "missing")
-    assert res.exit_code == 1 and "no such file" in res.stderr
+    assert res.exit_code == 2 and "no such file" in res.stderr
     for res in [k3("run", model, "--ids", "5", "--load-state", state, "--full-recompute")]:
         assert res.exit_code == 2 and "--load-state needs incremental" in res.stderr
     assert "Traceback" not in res.output

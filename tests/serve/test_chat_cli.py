@@ -148,10 +148,10 @@ def test_bad_chat_flags_are_refused(tiny_model, args, code, words):
     assert r.stderr.startswith("k3: error:") and words in r.stderr and "Traceback" not in r.output
 
 
-def test_a_file_that_is_not_a_session_is_a_runtime_refusal(tiny_model, tmp_path):
+def test_a_file_that_is_not_a_session_is_refused_as_bad_input(tiny_model, tmp_path):
     junk = tmp_path / "junk.k3s"
     junk.write_bytes(b"not a session file")
     r = k3_inprocess("chat", tiny_model, "--load", junk, input="")
-    assert r.exit_code == 1 and "not a k3 session file" in r.stderr and "Traceback" not in r.output
+    assert r.exit_code == 2 and "not a k3 session file" in r.stderr and "Traceback" not in r.output
     r = k3_inprocess("chat", tmp_path / "nothing", input="")
     assert r.exit_code == 2 and "does not exist" in r.stderr and "Traceback" not in r.output
