@@ -5,19 +5,25 @@ MODEL_DIR when they are there); a prompt file (``-`` = standard input) is read a
 verbatim (the way to pass non-ASCII text safely past a shell). ``--prompt`` text is taken as
 the bytes that were on the command line, valid UTF-8 or not (:func:`prompt_text_bytes`). BOS is
 prepended only when asked (``--bos``), never by default.
+
+A prompt longer than :data:`MAX_PROMPT` ids is refused before the work it would cost: a
+prompt file larger than the limit times the tokenizer's longest token is refused before it
+is read (no token spells more bytes, so it cannot fit), and tokenizing stops as soon as the
+count passes the limit (``Tokenizer.encode_bytes``' ``limit``).
 """
 
 from __future__ import annotations
 
 import os
 import re
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
 from k3core.api.errors import UsageError
 from k3core.api.files import FileRejected, read_capped
 from k3core.api.units import human
-from k3core.tokenizer.encoding import Tokenizer
+from k3core.tokenizer.encoding import Tokenizer, TokenLimitExceeded
 
 #: the longest prompt k3 accepts (the reference's ceiling), and the largest prompt file
 MAX_PROMPT = 32_768
@@ -71,18 +77,19 @@ def load_tokenizer(tok: Path | None, vocab: int, required: bool,
 
 def prompt_ids(spec: PromptSpec, tok: Tokenizer | None, vocab: int, bos_id: int | None) -> tuple[list[int], str]:
     """The prompt's ids and a one-line description of where they came from."""
+    limit = MAX_PROMPT - 1 if spec.bos else MAX_PROMPT
     if spec.ids is not None:
         ids = parse_ids(spec.ids)
         how = f"{len(ids)} ids from --ids"
     elif spec.text is not None:
         assert tok is not None
         data = prompt_text_bytes(spec.text)
-        ids = tok.encode_bytes(data)
+        ids = _encode(tok, data, limit, "--prompt")
         how = f"tokenized: {len(data)} bytes -> {len(ids)} ids"
     else:
         assert tok is not None and spec.file is not None
-        data = read_prompt_file(spec.file)
-        ids = tok.encode_bytes(data)
+        data = read_prompt_file(spec.file, fits=(limit, tok.max_token_bytes()))
+        ids = _encode(tok, data, limit, f"--prompt-file {spec.file}")
         how = f"tokenized {spec.file}: {len(data)} bytes -> {len(ids)} ids"
     if spec.bos:
         if bos_id is None:
@@ -117,24 +124,55 @@ def prompt_text_bytes(text: str) -> bytes:
                          "bytes are taken verbatim)") from None
 
 
-def read_prompt_file(path: Path) -> bytes:
-    if str(path) == "-":
-        return _read_stdin()
+def _encode(tok: Tokenizer, data: bytes, limit: int, what: str) -> list[int]:
     try:
-        return read_capped(path, MAX_PROMPT_FILE)
+        return tok.encode_bytes(data, limit=limit)
+    except TokenLimitExceeded as exc:
+        raise UsageError(f"{what}: the prompt holds more than {limit:,} ids, the limit "
+                         f"({exc.how})") from None
+
+
+def _too_long(what: str, size: str, fits: tuple[int, int]) -> UsageError:
+    limit, longest = fits
+    return UsageError(f"--prompt-file {what}: {size} bytes cannot fit in the prompt limit of "
+                      f"{limit:,} ids (no token is longer than {longest} bytes, so at most "
+                      f"{limit * longest:,} bytes can); refused before reading it")
+
+
+def read_prompt_file(path: Path, fits: tuple[int, int] | None = None) -> bytes:
+    """The file's bytes, verbatim. ``fits`` = (the id limit, the longest token's bytes): a
+    file with more bytes than those ids could spell is refused before it is read."""
+    most = MAX_PROMPT_FILE if fits is None else min(MAX_PROMPT_FILE, fits[0] * fits[1])
+    if str(path) == "-":
+        return _read_stdin(most, fits)
+    if fits is not None and most < MAX_PROMPT_FILE:
+        try:
+            st = path.stat()
+        except OSError:
+            st = None  # read_capped says why
+        if st is not None and stat.S_ISREG(st.st_mode) and st.st_size > most:
+            raise _too_long(str(path), f"{st.st_size:,}", fits)
+    try:
+        data = read_capped(path, MAX_PROMPT_FILE)
     except FileRejected as exc:
         raise UsageError(f"--prompt-file {path}: cannot read it: {exc}") from None
+    if fits is not None and len(data) > most:  # it grew since it was looked at
+        raise _too_long(str(path), f"{len(data):,}", fits)
+    return data
 
 
-def _read_stdin() -> bytes:
-    """``--prompt-file -``: standard input's bytes, verbatim, within the same size limit."""
+def _read_stdin(most: int = MAX_PROMPT_FILE, fits: tuple[int, int] | None = None) -> bytes:
+    """``--prompt-file -``: standard input's bytes, verbatim, at most ``most`` of them (the
+    rest is never read)."""
     import sys
 
     try:
-        data = sys.stdin.buffer.read(MAX_PROMPT_FILE + 1)
+        data = sys.stdin.buffer.read(most + 1)
     except (OSError, AttributeError, ValueError) as exc:
         raise UsageError(f"--prompt-file -: cannot read standard input ({exc})") from None
-    if len(data) > MAX_PROMPT_FILE:
+    if len(data) > most:
+        if fits is not None and most < MAX_PROMPT_FILE:
+            raise _too_long("- (standard input)", f"over {most:,}", fits)
         raise UsageError(f"--prompt-file -: standard input is over the {human(MAX_PROMPT_FILE)} "
                          "limit")
     return data

@@ -12,6 +12,14 @@ config's value to :meth:`Tokenizer.from_dir`, or let it default to one past the 
 rank or named id (which is the model's vocabulary for the released files, where ``[PAD]``
 is 163839). Decoding an id outside ``0 .. vocab_size-1`` is a :class:`UsageError`.
 
+The ranks run without a gap from 0 up to the special-token block: the lowest named added
+token's id (``[BOS]``, 163584 in the released files) must be exactly the number of ranks,
+so a ``tiktoken.model`` cut short (at a line boundary, say) or one whose ranks reach into the
+block is a :class:`TokenizerError` naming the file, the ranks found and expected and the
+first missing rank. With no named token, at most :data:`SPECIAL_BLOCK` unnamed ids may lie
+between the last rank and ``vocab_size``. (Gaps, repeats and ranks past the count are refused
+by the file reader, ``k3core.tokenizer.files``.)
+
 Encoding. With ``allow_special`` (the default, as the reference's tools encode), the text is
 cut at occurrences of named added tokens, scanning left to right and taking the longest
 token at a position (a definite rule; tiktoken's own special-token alternation has no
@@ -27,6 +35,17 @@ as there). Below those limits, which covers every ordinary prompt, the result is
 tiktoken's; past them tiktoken alone fails (a run of a million spaces overflows its regex
 engine's backtracking stack), so its answer is not defined there anyway.
 
+Limits. ``encode`` and ``encode_bytes`` take a ``limit`` (an int, or a :class:`TokenBudget`
+shared by several calls): text that holds more tokens raises :class:`TokenLimitExceeded`
+without being tokenized in full. First by its length alone: the tokens of a text spell its
+bytes exactly, and none is longer than :meth:`Tokenizer.max_token_bytes`, so ``n`` bytes hold
+at least ``ceil(n / longest)`` tokens; past the limit nothing is tokenized. Then by counting:
+the text is tokenized in pieces of about :data:`PIECE_CHARS` characters, cut only where the
+split pattern always ends a match (:func:`_pieces`: after a newline that a letter or digit
+follows, or between a lowercase ASCII letter and a space), so the pieces give exactly the
+ids of the whole; counting stops at the first piece that passes the limit. Within the
+limit the ids are exactly those of an unlimited call.
+
 Bytes. :meth:`Tokenizer.encode_bytes` takes a prompt file's bytes verbatim. Valid UTF-8
 is encoded exactly as :meth:`encode` encodes the decoded text. Bytes that are not valid
 UTF-8 cannot go through tiktoken (it encodes ``str``, and lone surrogates would be replaced),
@@ -40,6 +59,7 @@ bytes wait for the next ids.
 from __future__ import annotations
 
 import codecs
+import math
 import operator
 import re
 from collections.abc import Iterable, Iterator, Mapping
@@ -75,6 +95,11 @@ KIMI_PAT_STR = "|".join(
     ]
 )
 
+#: The special-token block at the top of the vocabulary: 256 ids in the released layout
+#: (docs/model.md §7). With no named token to say where it starts, at most this many ids may
+#: lie between the last rank and the model's ``vocab_size``.
+SPECIAL_BLOCK = 256
+
 MODEL_FILE = "tiktoken.model"
 CONFIG_FILE = "tokenizer_config.json"
 
@@ -85,6 +110,61 @@ _ESCAPED = re.compile("[\udc80-\udcff]+")
 MAX_ENCODE_CHARS = 400_000
 MAX_RUN_CHARS = 25_000
 _RUN = re.compile(r"\s+|\S+")  # re's \s for str is exactly str.isspace
+
+#: A limited encode tokenizes ordinary text in pieces of about this many characters.
+PIECE_CHARS = 8192
+#: Where the split pattern always ends a match, in any text: after a newline followed by an
+#: ASCII letter or digit (every rule that takes a newline ends at the last one of its run),
+#: and after a lowercase ASCII letter followed by a space (the letter rules end at the last
+#: letter, and a space is no letter, mark or contraction). A cut there leaves every match.
+_SAFE_CUT = re.compile(r"\n(?=[A-Za-z0-9])|[a-z](?= )")
+
+
+class TokenLimitExceeded(UsageError):
+    """Text that holds more tokens than a limit, found without tokenizing all of it.
+
+    ``at_least`` tokens are certain; ``how`` says how that was known (by the length alone,
+    or where counting stopped). Callers word the refusal for their limit.
+    """
+
+    def __init__(self, limit: int, at_least: int, how: str):
+        super().__init__(f"the text holds more than {limit:,} tokens ({how})")
+        self.limit = limit
+        self.at_least = at_least
+        self.how = how
+
+
+class TokenBudget:
+    """A count of tokens against a limit, kept across several encode calls."""
+
+    def __init__(self, limit: int):
+        if isinstance(limit, bool) or not isinstance(limit, int):
+            raise UsageError(f"a token limit must be an integer, not {limit!r}")
+        self.limit = limit
+        self.used = 0
+        self.chars = 0  # characters tokenized so far
+
+    @property
+    def left(self) -> int:
+        return self.limit - self.used
+
+    def check_length(self, n_bytes: int, longest: int) -> None:
+        """Refuse before tokenizing when ``n_bytes`` of text cannot fit in what is left."""
+        need = math.ceil(n_bytes / longest)
+        if need > self.left:
+            raise TokenLimitExceeded(
+                self.limit, self.used + need,
+                f"refused before tokenizing: {n_bytes:,} bytes need at least {need:,} tokens, "
+                f"as no token is longer than {longest} bytes")
+
+    def spend(self, n: int, chars: int) -> None:
+        """Count ``n`` more tokens, the ids of ``chars`` more characters."""
+        self.used += n
+        self.chars += chars
+        if self.used > self.limit:
+            raise TokenLimitExceeded(self.limit, self.used,
+                                     f"tokenizing stopped at {self.used:,} tokens, after "
+                                     f"{self.chars:,} characters")
 
 
 def reserved_name(token_id: int) -> str:
@@ -121,8 +201,17 @@ class Tokenizer:
             if tid < n_ranks:
                 raise TokenizerError(
                     f"{where}: added token {tok.content!r} has id {tid}, which is a BPE rank "
-                    f"(the {n_ranks} ranks are 0..{n_ranks - 1})"
+                    f"(the {n_ranks} ranks of {source} are 0..{n_ranks - 1}; they must end "
+                    "where the special-token block starts)"
                 )
+        if added and n_ranks < min(added):
+            start = min(added)
+            raise TokenizerError(
+                f"{source}: {n_ranks} ranks where {start} are expected: the ranks run from 0 "
+                f"up to the special-token block, which starts at id {start} ({where} names "
+                f"{added[start].content!r} there); rank {n_ranks} is the first missing, so "
+                "the file is cut short or belongs to another vocabulary"
+            )
         if len({tok.content for tok in added.values()}) != len(added):
             raise TokenizerError(f"{where}: two added tokens share one content")
         top = max([n_ranks - 1, *added])
@@ -137,6 +226,14 @@ class Tokenizer:
             )
         elif vocab_size > MAX_TOKEN_ID + 1:
             raise UsageError(f"vocab_size {vocab_size} is over {MAX_TOKEN_ID + 1}")
+        elif not added and vocab_size - n_ranks > SPECIAL_BLOCK:
+            raise TokenizerError(
+                f"{source}: {n_ranks} ranks where at least {vocab_size - SPECIAL_BLOCK} are "
+                f"expected: the model's vocab_size {vocab_size} leaves {vocab_size - n_ranks} "
+                f"ids above them, more than the {SPECIAL_BLOCK}-id special-token block, and "
+                f"{where} names none; rank {n_ranks} is the first missing, so the file is cut "
+                "short or belongs to another vocabulary"
+            )
         self.vocab_size: int = vocab_size
         self.n_ranks: int = n_ranks
         self.source = source
@@ -144,6 +241,8 @@ class Tokenizer:
         self._byte_rank = [ranks[bytes([b])] for b in range(256)]
         self._added = dict(added)
         self._added_bytes = {tid: tok.content.encode("utf-8") for tid, tok in added.items()}
+        self._longest_rank = max(len(b) for b in rank_bytes)
+        self._longest_added = max((len(b) for b in self._added_bytes.values()), default=0)
         self._special_tokens = {tok.content: tid for tid, tok in added.items()}
         try:
             self._enc = tiktoken.Encoding(
@@ -208,33 +307,60 @@ class Tokenizer:
         except KeyError:
             raise UsageError(f"{content!r} is not a named token of this tokenizer") from None
 
+    def max_token_bytes(self, allow_special: bool = True) -> int:
+        """The most bytes one token of an encoding spells (named added tokens only when allowed)."""
+        return max(self._longest_rank, self._longest_added) if allow_special else self._longest_rank
+
     def id_to_token_bytes(self, token_id: int) -> bytes:
         """The bytes one id decodes to."""
         return self._bytes_of(self._check_id(token_id))
 
     # ---- encoding ----------------------------------------------------------------------
 
-    def encode(self, text: str, allow_special: bool = True) -> list[int]:
-        """Ids for ``text``; named added tokens in it become their ids when allowed."""
+    def encode(self, text: str, allow_special: bool = True,
+               limit: int | TokenBudget | None = None) -> list[int]:
+        """Ids for ``text``; named added tokens in it become their ids when allowed.
+
+        With ``limit``, text holding more tokens raises :class:`TokenLimitExceeded` without
+        being tokenized in full (module docstring)."""
         if not isinstance(text, str):
             raise UsageError(f"encode takes text (str), not {type(text).__name__}")
+        budget = _budget(limit)
+        if budget is not None:
+            # a lone surrogate becomes one byte here, never more than what tiktoken encodes
+            n_bytes = len(text) if text.isascii() else len(text.encode("utf-8", "replace"))
+            budget.check_length(n_bytes, self.max_token_bytes(allow_special))
+        return self._encode(text, allow_special, budget)
+
+    def _encode(self, text: str, allow_special: bool, budget: TokenBudget | None) -> list[int]:
         out: list[int] = []
         for chunk in _chunks(text):
-            out += self._encode_chunk(chunk, allow_special)
+            out += self._encode_chunk(chunk, allow_special, budget)
         return out
 
-    def _encode_chunk(self, text: str, allow_special: bool) -> list[int]:
+    def _encode_chunk(self, text: str, allow_special: bool, budget: TokenBudget | None = None) -> list[int]:
+        ordinary = self._ordinary if budget is None else lambda t: self._ordinary_within(t, budget)
         if not allow_special or self._special_re is None:
-            return self._ordinary(text)
+            return ordinary(text)
         out: list[int] = []
         pos = 0
         for m in self._special_re.finditer(text):
             if m.start() > pos:
-                out += self._ordinary(text[pos : m.start()])
+                out += ordinary(text[pos : m.start()])
             out.append(self._special_tokens[m.group()])
+            if budget is not None:
+                budget.spend(1, m.end() - m.start())
             pos = m.end()
         if pos < len(text):
-            out += self._ordinary(text[pos:])
+            out += ordinary(text[pos:])
+        return out
+
+    def _ordinary_within(self, text: str, budget: TokenBudget) -> list[int]:
+        out: list[int] = []
+        for piece in _pieces(text):
+            ids = self._ordinary(piece)
+            out += ids
+            budget.spend(len(ids), len(piece))
         return out
 
     def _ordinary(self, text: str) -> list[int]:
@@ -249,13 +375,19 @@ class Tokenizer:
                 f"tiktoken could not encode a {len(text)}-character span: {e}"
             ) from None
 
-    def encode_bytes(self, data: bytes, allow_special: bool = True) -> list[int]:
-        """Ids for raw bytes (a prompt file); any bytes at all round-trip exactly."""
+    def encode_bytes(self, data: bytes, allow_special: bool = True,
+                     limit: int | TokenBudget | None = None) -> list[int]:
+        """Ids for raw bytes (a prompt file); any bytes at all round-trip exactly.
+
+        ``limit`` as for :meth:`encode` (checked on the bytes as given)."""
         if not isinstance(data, (bytes, bytearray, memoryview)):
             raise UsageError(f"encode_bytes takes bytes, not {type(data).__name__}")
+        budget = _budget(limit)
+        if budget is not None:
+            budget.check_length(len(data), self.max_token_bytes(allow_special))
         raw = bytes(data)
         try:
-            return self.encode(raw.decode("utf-8"), allow_special)
+            return self._encode(raw.decode("utf-8"), allow_special, budget)
         except UnicodeDecodeError:
             pass
         text = raw.decode("utf-8", "surrogateescape")
@@ -263,11 +395,14 @@ class Tokenizer:
         pos = 0
         for m in _ESCAPED.finditer(text):
             if m.start() > pos:
-                out += self.encode(text[pos : m.start()], allow_special)
-            out += [self._byte_rank[b] for b in m.group().encode("utf-8", "surrogateescape")]
+                out += self._encode(text[pos : m.start()], allow_special, budget)
+            escaped = [self._byte_rank[b] for b in m.group().encode("utf-8", "surrogateescape")]
+            out += escaped
+            if budget is not None:
+                budget.spend(len(escaped), len(escaped))
             pos = m.end()
         if pos < len(text):
-            out += self.encode(text[pos:], allow_special)
+            out += self._encode(text[pos:], allow_special, budget)
         return out
 
     # ---- decoding ----------------------------------------------------------------------
@@ -337,6 +472,31 @@ class IncrementalDecoder:
     def pending(self) -> bytes:
         """Bytes held back because they end in an incomplete character."""
         return bytes(self._utf8.getstate()[0])
+
+
+def _budget(limit: int | TokenBudget | None) -> TokenBudget | None:
+    return limit if limit is None or isinstance(limit, TokenBudget) else TokenBudget(limit)
+
+
+def _pieces(text: str, size: int = PIECE_CHARS) -> Iterator[str]:
+    """``text`` in consecutive pieces of about ``size`` characters whose ids, encoded one by
+    one, are exactly the ids of the whole: each cut is a :data:`_SAFE_CUT` (the last one in
+    the second half of the window, else the first one after it; a text without any is one
+    piece)."""
+    start, n = 0, len(text)
+    while n - start > size:
+        cut = None
+        for m in _SAFE_CUT.finditer(text, start + size // 2, start + size):
+            cut = m.end()
+        if cut is None:
+            after = _SAFE_CUT.search(text, start + size)
+            if after is None:
+                break
+            cut = after.end()
+        yield text[start:cut]
+        start = cut
+    if start < n:
+        yield text[start:]
 
 
 def _chunks(text: str) -> Iterator[str]:
