@@ -2,7 +2,8 @@
 
 Commands at the ``user>`` prompt: ``/reset``, ``/save FILE``, ``/load FILE``, ``/help``,
 ``/exit`` (or end of input). Ctrl-C while a reply is being written stops it after the
-current token and keeps the conversation; Ctrl-C at the prompt only clears the line.
+current token and keeps the conversation; Ctrl-C at the prompt only clears the line. In a
+terminal the line is edited and remembered with ``readline`` (``k3core.cli.line_input``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import typer
 
 from k3core.api.errors import K3Error, UsageError
 from k3core.cli.guard import guarded
+from k3core.cli.line_input import LineReader
 
 _C = "Conversation"
 _G = "Generation"
@@ -73,6 +75,7 @@ def chat(
     storage: str = typer.Option(None, "--storage", help="Storage backend.", rich_help_panel=_X),
     cache_policy: str = typer.Option(None, "--cache-policy", help="Expert-cache policy.", rich_help_panel=_X),
     threads: int = typer.Option(None, "--threads", help="Kernel threads.", rich_help_panel=_X),
+    no_history: bool = typer.Option(False, "--no-history", help="Read and write no history file (in a terminal, Up still recalls this session's lines; $K3_CHAT_HISTORY names the file).", rich_help_panel=_C),
 ) -> None:
     """Talk with MODEL_DIR: state carried between turns, /save and /load."""
     if not 1 <= max_tokens <= 4096:
@@ -102,15 +105,19 @@ def chat(
               file=sys.stderr)
         if load is not None:
             print(f"loaded {load}: {len(conv.ids)} tokens, {conv.turns} turns", file=sys.stderr)
-        _loop(conv, max_tokens, {k: v for k, v in sampling.items() if v is not None})
+        reader = LineReader(history=not no_history)
+        try:
+            _loop(conv, max_tokens, {k: v for k, v in sampling.items() if v is not None}, reader)
+        finally:
+            reader.close()
     finally:
         engine.close()
 
 
-def _read(prompt: str) -> str | None:
+def _read(reader: LineReader, prompt: str) -> str | None:
     """One line from the user; None at end of input. Ctrl-C gives back an empty line."""
     try:
-        return input(prompt)
+        return reader.read(prompt)
     except EOFError:
         return None
     except KeyboardInterrupt:
@@ -118,9 +125,9 @@ def _read(prompt: str) -> str | None:
         return ""
 
 
-def _loop(conv: Any, max_tokens: int, sampling: dict[str, Any]) -> None:
+def _loop(conv: Any, max_tokens: int, sampling: dict[str, Any], reader: LineReader) -> None:
     while True:
-        line = _read("user> ")
+        line = _read(reader, "user> ")
         if line is None:
             print(file=sys.stderr)
             return

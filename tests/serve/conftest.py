@@ -34,6 +34,7 @@ def cli_env() -> dict[str, str]:
     env = dict(os.environ)
     env.pop("K3_MODEL_DIR", None)
     env.setdefault("K3_THREADS", "1")
+    env.setdefault("K3_CHAT_HISTORY", "")  # no chat history file in the user's home
     return env
 
 
