@@ -208,9 +208,10 @@ class Tokenizer:
             start = min(added)
             raise TokenizerError(
                 f"{source}: {n_ranks} ranks where {start} are expected: the ranks run from 0 "
-                f"up to the special-token block, which starts at id {start} ({where} names "
-                f"{added[start].content!r} there); rank {n_ranks} is the first missing, so "
-                "the file is cut short or belongs to another vocabulary"
+                f"up to the special-token block, which starts at id {start} (the added token "
+                f"{added[start].content!r}{f' of {config_source}' if config_source else ''}); "
+                f"rank {n_ranks} is the first missing, so the file is cut short or belongs to "
+                "another vocabulary"
             )
         if len({tok.content for tok in added.values()}) != len(added):
             raise TokenizerError(f"{where}: two added tokens share one content")
@@ -231,8 +232,8 @@ class Tokenizer:
                 f"{source}: {n_ranks} ranks where at least {vocab_size - SPECIAL_BLOCK} are "
                 f"expected: the model's vocab_size {vocab_size} leaves {vocab_size - n_ranks} "
                 f"ids above them, more than the {SPECIAL_BLOCK}-id special-token block, and "
-                f"{where} names none; rank {n_ranks} is the first missing, so the file is cut "
-                "short or belongs to another vocabulary"
+                f"no added token says where that starts; rank {n_ranks} is the first missing, "
+                "so the file is cut short or belongs to another vocabulary"
             )
         self.vocab_size: int = vocab_size
         self.n_ranks: int = n_ranks
