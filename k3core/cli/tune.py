@@ -1,6 +1,8 @@
 """``k3 tune MODEL_DIR [--trunk DIR]``: pick threads, backend, expert readers and the router
-lookahead on this machine, keep only settings whose ids match ``--backend numpy``, and write
-the winner as a user preset (``k3core.tools.tune``, docs/presets.md)."""
+lookahead on this machine, keep only settings whose ids match ``--backend numpy`` and that win
+beyond the noise of repeated runs, and write them as a user preset with budgets sized to the
+model and this machine (``k3core.tools.tune``, docs/presets.md). The timings go to stderr
+(and into ``--json``); stdout gets the result."""
 
 from __future__ import annotations
 
@@ -18,8 +20,8 @@ from k3core.cli.guard import guarded
 def tune(
     model_dir: Path = typer.Argument(..., help="Directory with the safetensors shards."),
     trunk: Path = typer.Option(None, "--trunk", help="Stream the trunk from this packed directory (k3 pack-trunk)."),
-    trunk_gb: float = typer.Option(None, "--trunk-gb", help="Trunk budget in GB (1e9 B), kept in the preset."),
-    cache_gb: float = typer.Option(None, "--cache-gb", help="Routed-expert cache budget in GB, kept in the preset."),
+    trunk_gb: float = typer.Option(None, "--trunk-gb", help="Trunk budget in GB (1e9 B), kept in the preset (default: sized to the model and the memory available; never more than the model can use)."),
+    cache_gb: float = typer.Option(None, "--cache-gb", help="Routed-expert cache budget in GB, kept in the preset (default: sized like --trunk-gb)."),
     storage: str = typer.Option(None, "--storage", help="Storage backend (kept in the preset)."),
     backend: list[str] = typer.Option([], "--backend", help="A kernel backend to try (repeatable; default: every available one)."),
     threads: list[int] = typer.Option([], "--threads", help="A thread count to try (repeatable; default 1, 2, 4, ... up to the CPU count)."),
@@ -30,10 +32,11 @@ def tune(
     name: str = typer.Option("tuned", "--name", help="The preset to write (a user preset: k3 presets show NAME)."),
     ids: str = typer.Option(None, "--ids", help="Prompt token ids for every timed run (default 3,7,11,5,9)."),
     gen: int = typer.Option(6, "--gen", help="Tokens each run decodes (2..64; the first step also prefills)."),
+    repeat: int = typer.Option(3, "--repeat", help="Timed runs per option, alternating (2..20); a candidate is kept only when its worst run beats the baseline's best."),
     force: bool = typer.Option(False, "--force", help="Replace a preset of that name."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
-    """Time a short decode per candidate setting; write the fastest with the reference's ids."""
+    """Time short decodes per candidate setting; write what wins beyond noise with the reference's ids."""
     from k3core.run.prompt import parse_ids
     from k3core.tools.tune import DEFAULT_IDS, TuneOptions
     from k3core.tools.tune import tune as run_tune
@@ -57,12 +60,14 @@ def tune(
                        storage=storage, backends=backend, threads=threads,
                        expert_readers=expert_readers, lookahead=lookahead, spec=spec,
                        spec_width=spec_width, name=name,
-                       ids=prompt, gen=gen, force=force)
+                       ids=prompt, gen=gen, repeat=repeat, force=force)
     result = run_tune(opts, progress=lambda s: print(f"tune: {s}", file=sys.stderr))
+    for line in result.table_lines():
+        print(line, file=sys.stderr)
     if as_json:
         print(json.dumps(result.to_json(), indent=2))
         return
-    for line in result.lines():
+    for line in result.summary_lines():
         print(line)
 
 

@@ -29,7 +29,7 @@ from k3core.run.memory_plan import MemoryPlan, MemoryRequest, check_kv, plan_mem
 from k3core.run.model_dir import config_path
 from k3core.run.presets import check_plugins, load_preset
 from k3core.run.prompt import PromptSpec, find_tokenizer, load_tokenizer, prompt_ids
-from k3core.run.request import EngineRequest, RunRequest
+from k3core.run.request import UNTIL_END, EngineRequest, RunRequest
 from k3core.run.settings import MergedSettings, merge_settings
 from k3core.tokenizer.encoding import Tokenizer
 
@@ -194,11 +194,21 @@ class RunPlan:
     prompt_how: str
 
     def lines(self, verbose: bool = False) -> list[str]:
-        g = self.request.generation
         out = self.engine.lines(verbose)
         mode = " (incremental)" if self.engine.incremental else " (full recompute)"
-        out.insert(3, f"prompt : {self.prompt_how}; generating {g.max_tokens}{mode}")
+        out.insert(3, f"prompt : {self.prompt_how}; {self.generating()}{mode}")
         return out
+
+    def generating(self) -> str:
+        """What ``--gen`` (and ``--context``) ask for, in words."""
+        g = self.request.generation
+        make, fills = g.budget(len(self.prompt_ids))
+        if g.max_tokens == UNTIL_END:
+            return (f"generating until the end of sequence or the context is full (at most "
+                    f"{make}: {len(self.prompt_ids) + make} positions)")
+        if fills:
+            return f"generating {g.max_tokens}, at most {make} (the context holds {g.context})"
+        return f"generating {g.max_tokens}"
 
     def __str__(self) -> str:
         return "\n".join(self.lines())
@@ -225,7 +235,7 @@ def plan_run(req: RunRequest) -> RunPlan:
     ids, how = prompt_ids(PromptSpec(p.text, p.file, ids_text, p.bos), tok, eng.cfg.vocab, bos)
     if req.outputs.load_state is not None and not eng.incremental:
         raise UsageError("--load-state needs incremental decoding (drop --full-recompute)")
-    eng.plan_memory(len(ids), req.generation.max_tokens)
+    eng.plan_memory(len(ids), req.generation.budget(len(ids))[0])
     return RunPlan(req, eng, ids, how)
 
 

@@ -170,6 +170,9 @@ class RunReport:
                       f"{max_tokens} tokens (--ignore-eos runs on)")
         elif gen.stop_reason == "stop":
             self.line(f"stop text reached after {len(gen.ids)} of {max_tokens} tokens")
+        elif gen.stop_reason == "context":
+            self.line(f"the context is full after {len(gen.ids)} tokens (--context; without "
+                      "it, the prompt + 4096)")
         self.line(f"generated ids: {','.join(map(str, gen.ids))}")
         if gen.spec is not None:
             self.line(gen.spec.line())

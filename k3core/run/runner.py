@@ -50,7 +50,7 @@ def execute(r: RunRequest, rep: RunReport | None = None,
         if engine.tokenizer is None:  # no text to stream: stdout gets the ids instead
             rep.text(",".join(map(str, gen.ids)) + "\n" if gen.ids else "")
         rep.end_text()
-        rep.summary(engine, gen, r.generation.max_tokens)
+        rep.summary(engine, gen, gen.limit)
         record = run_record(engine, gen)
         record["request"] = r.to_json()
         record["plan"] = plan.to_json()

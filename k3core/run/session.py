@@ -55,9 +55,12 @@ class Generation(StepTimes):
     steps: list[Step] = field(default_factory=list)
     first_logits: np.ndarray | None = None
     stopped_at: int = -1
-    #: why it stopped: ``length`` (max_tokens made), ``stop_id``, ``eos``, ``stop`` (a stop
-    #: text), ``prefill`` (max_tokens 0), ``interrupted`` (Ctrl-C; ``interrupted`` is set too)
+    #: why it stopped: ``length`` (max_tokens made), ``context`` (the context is full: the
+    #: end of ``max_tokens`` -1, or ``context`` reached first), ``stop_id``, ``eos``, ``stop``
+    #: (a stop text), ``prefill`` (max_tokens 0), ``interrupted`` (Ctrl-C; ``interrupted`` too)
     stop_reason: str = "length"
+    #: the most tokens it could make: ``max_tokens``, or what the context left
+    limit: int = 0
     prefill_seconds: float = 0.0
     #: the first forward pass (the prompt): ids fed, passes (chunks), routed-expert bytes read
     prefill_ids: int = 0
@@ -166,7 +169,11 @@ class Session:
         if self.incremental and not prompt and not self.pending:
             raise UsageError("nothing to feed: the session's ids are all consumed; give a prompt")
         gen = Generation(prompt, sampler=make_sampler(p))
-        self._reserve(len(self.ids) + len(prompt) + max(p.max_tokens, 1))
+        make, fills = p.budget(len(self.ids) + len(prompt))
+        gen.limit = make
+        if make != p.max_tokens:  # -1 or over the context: the loops make ``make`` at most
+            p = p.model_copy(update={"max_tokens": make})
+        self._reserve(len(self.ids) + len(prompt) + max(make, 1))
         self.last = gen
         self.ids = self.ids + prompt
         pick = gen.sampler or argmax
@@ -185,6 +192,8 @@ class Session:
                 yield from self._speculate(gen, p, spec, pick, text, stops, eos)
             else:
                 yield from self._plain(gen, p, pick, text, stops, eos)
+            if fills and gen.stop_reason == "length" and len(gen.ids) >= make:
+                gen.stop_reason = "context"
             tail = text.finish()
             if tail:
                 yield None, tail

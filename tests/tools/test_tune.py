@@ -1,7 +1,8 @@
 """``k3 tune``: writes a valid user preset that ``k3 presets show`` lists and ``k3 run
 --preset`` uses (same ids as ``--backend numpy``); refuses, and never keeps, a setting whose
 ids differ (a real, deliberately wrong kernel backend registered as a plugin); never replaces
-a preset without ``--force``; one-line refusals."""
+a preset without ``--force``; one-line refusals; budgets sized to the model and the machine;
+a candidate kept only when it wins beyond the noise of repeated runs."""
 
 from __future__ import annotations
 
@@ -49,8 +50,8 @@ def wrong():
 
 def tune(model: Path, *extra: str) -> object:
     return runner.invoke(app, ["tune", str(model), "--cache-gb", CACHE_GB, "--gen", "2",
-                               "--threads", "1", "--expert-readers", "2", "--expert-readers", "4",
-                               *extra])
+                               "--repeat", "2", "--threads", "1", "--expert-readers", "2",
+                               "--expert-readers", "4", *extra])
 
 
 def test_tune_refuses_a_setting_whose_ids_differ_and_writes_a_preset_run_uses(
@@ -172,3 +173,132 @@ def test_tune_refuses_bad_spec_candidates(model: Path, config_dir: Path, flags: 
                                           message: str) -> None:
     res = runner.invoke(app, ["tune", str(model), *flags])
     assert res.exit_code == 2 and message in res.output
+
+
+DEMO = Path(__file__).resolve().parents[2] / "demo-model"
+
+
+def _demo_sizes():
+    from k3_storage.plain import PlainStorage
+
+    from k3core.checkpoint.index import CheckpointIndex
+    from k3core.model.config import load_config
+    from k3core.model.sizes import sizes_from_index
+
+    cfg = load_config(DEMO)
+    with CheckpointIndex.open(DEMO, PlainStorage()) as index:
+        return cfg, sizes_from_index(cfg, {n: t.nbytes for n, t in index.tensors.items()})
+
+
+def test_tune_sizes_the_budgets_to_the_model_and_the_machine(config_dir: Path) -> None:
+    """The 8 MB demo model used to get the engine's 16 GB / 64 GB defaults in its preset."""
+    import psutil
+
+    from k3core.api.units import ALIGN
+
+    res = runner.invoke(app, ["tune", str(DEMO), "--gen", "2", "--repeat", "2", "--backend",
+                              "numpy", "--threads", "1", "--expert-readers", "2",
+                              "--lookahead", "off", "--spec", "off", "--name", "demo", "--json"])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.stdout)
+    preset = check_preset_file(config_dir / "demo.yaml")
+    cfg, sizes = _demo_sizes()
+    trunk_most = sizes.trunk_bytes + ALIGN * cfg.n_layers
+    assert 0 < preset.trunk_gb * 1e9 <= trunk_most
+    assert sizes.largest_layer <= preset.trunk_gb * 1e9  # one ring slot: it can stream
+    assert 0 < preset.cache_gb * 1e9 <= sizes.expert_pool_bytes
+    assert (preset.trunk_gb + preset.cache_gb) * 1e9 < psutil.virtual_memory().total
+    b = doc["budgets"]
+    assert b["trunk_gb"] == preset.trunk_gb and b["cache_gb"] == preset.cache_gb
+    assert b["planned_bytes"] < b["available_bytes"]
+    assert "budgets: trunk" in res.stderr and "sized to the model" in res.stderr
+
+    # a budget larger than the model can use is cut to it, and the report says so
+    res = runner.invoke(app, ["tune", str(DEMO), "--gen", "2", "--repeat", "2", "--backend",
+                              "numpy", "--threads", "1", "--expert-readers", "2",
+                              "--lookahead", "off", "--spec", "off", "--cache-gb", "64",
+                              "--name", "demo", "--force"])
+    assert res.exit_code == 0, res.output
+    assert check_preset_file(config_dir / "demo.yaml").cache_gb * 1e9 == sizes.expert_pool_bytes
+    assert "--cache-gb 64 is more than this model can use" in res.stderr
+    assert "wrote preset 'demo'" in res.stdout and "budgets:" not in res.stdout
+
+
+def test_budgets_never_exceed_the_machine() -> None:
+    from k3core.api.errors import UsageError
+    from k3core.tools.tune_budgets import size_budgets
+
+    cfg, sizes = _demo_sizes()
+    b = size_budgets(cfg, sizes, trunk_gb=None, cache_gb=None, prompt_len=5, gen=6,
+                     available=8 * 10**9, total=16 * 10**9, baseline=100 * 10**6)
+    assert b.trunk_bytes <= b.trunk_most and b.cache_bytes <= b.cache_most
+    assert b.planned <= 0.95 * b.available
+    # below auto's 2 GB reserve: what the memory plan leaves, still within the machine
+    small = size_budgets(cfg, sizes, trunk_gb=None, cache_gb=None, prompt_len=5, gen=6,
+                         available=10**9, total=2 * 10**9, baseline=100 * 10**6)
+    assert small.trunk_bytes == small.trunk_most and small.planned <= 0.95 * 10**9
+    with pytest.raises(UsageError, match="--trunk-gb and --cache-gb: a streamed run .* this "
+                                         "machine has 60.00 MB available"):
+        size_budgets(cfg, sizes, trunk_gb=0.002, cache_gb=0.004, prompt_len=5, gen=6,
+                     available=60 * 10**6, total=16 * 10**9, baseline=55 * 10**6)
+    tight = size_budgets(cfg, sizes, trunk_gb=None, cache_gb=None, prompt_len=5, gen=6,
+                         available=60 * 10**6, total=16 * 10**9, baseline=55 * 10**6)
+    assert tight.planned <= 0.95 * 60 * 10**6 and "below the auto preset's reserve" in tight.how
+    assert tight.cache_bytes >= (sizes.topk + 1) * sizes.expert_slot_bytes
+    with pytest.raises(UsageError, match="below one ring slot .* 57.00 MB available"):
+        size_budgets(cfg, sizes, trunk_gb=None, cache_gb=None, prompt_len=5, gen=6,
+                     available=57 * 10**6, total=16 * 10**9, baseline=55 * 10**6)
+
+
+@pytest.mark.parametrize("timings, kept, won", [
+    # ranges overlap: a 40 % noisy baseline and a candidate 10 % faster at the median
+    ({"base": [1.0, 1.4, 1.1], "a": [0.9, 1.05, 1.3]}, "base", False),
+    # the candidate's worst run beats the baseline's best
+    ({"base": [1.0, 1.4, 1.1], "a": [0.5, 0.6, 0.55]}, "a", True),
+    # two winners: the lower median
+    ({"base": [1.0, 1.1], "a": [0.5, 0.98], "b": [0.7, 0.72]}, "b", True),
+    # the slower candidates never win, however steady
+    ({"base": [1.0, 1.2], "a": [1.5, 1.5]}, "base", False),
+    # touching ranges are not a win
+    ({"base": [1.0, 1.2], "a": [0.8, 1.0]}, "base", False),
+    # one run each gives no spread to compare against: never a win
+    ({"base": [1.0], "a": [0.1]}, "base", False),
+])
+def test_the_noise_rule(timings: dict[str, list[float]], kept: str, won: bool) -> None:
+    from k3core.tools.tune_noise import pick
+
+    assert pick("base", timings) == (kept, won)
+
+
+def test_rotated_runs_every_option_in_every_position() -> None:
+    from k3core.tools.tune_noise import rotated
+
+    rounds = [rotated(["a", "b", "c"], r) for r in range(3)]
+    assert rounds == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"]]
+
+
+def test_each_decision_follows_the_runs_it_reports(model: Path, config_dir: Path) -> None:
+    """Whatever this machine's noise, a kept candidate's worst run beats the baseline's best
+    in the JSON it reports, and a knob that nothing won keeps its baseline."""
+    res = tune(model, "--backend", "numpy", "--backend", "avx2", "--lookahead", "off",
+               "--spec", "off", "--json")
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.stdout)
+    for d in doc["decisions"]:
+        options = [t for t in doc["trials"] if t["knob"] == d["knob"] and t["kept"]]
+        assert all(len(t["runs"]) == 2 and t["median"] is not None for t in options)
+        assert all(t["worst"] - t["best"] == pytest.approx(t["spread"]) for t in options)
+        kept = next(t for t in options if t["setting"] == d["kept"])
+        others = [t for t in options if t is not kept]
+        if d["won"]:
+            assert "won beyond noise" in d["message"]
+            assert any(kept["worst"] < t["best"] for t in others)
+        else:
+            assert "no candidate won beyond noise" in d["message"]
+            assert not any(t["worst"] < kept["best"] for t in others)
+    assert "alternating runs each" in res.stderr and "median" in res.stderr
+
+
+def test_repeat_is_checked(model: Path, config_dir: Path) -> None:
+    res = runner.invoke(app, ["tune", str(model), "--repeat", "1"])
+    assert res.exit_code == 2 and "--repeat must be in 2..20" in res.output
