@@ -30,6 +30,8 @@ from k3core.api.errors import UsageError
 
 #: the most tokens one generation may ask for, and the most stop ids / stop strings
 MAX_GEN = 4096
+#: ``max_tokens`` (``--gen``) that generates until the end of sequence or the context is full
+UNTIL_END = -1
 MAX_STOP_IDS = 8
 MAX_STOP_TEXTS = 8
 MAX_STOP_CHARS = 256
@@ -37,6 +39,13 @@ MAX_STOP_CHARS = 256
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, arbitrary_types_allowed=True)
+
+
+def max_context() -> int:
+    """The largest ``context``: the longest prompt plus the most one generation makes."""
+    from k3core.run.prompt import MAX_PROMPT
+
+    return MAX_PROMPT + MAX_GEN
 
 
 class PromptInput(_Strict):
@@ -70,12 +79,17 @@ class GenerationParams(_Strict):
     1.0 unless given; a time-based seed unless given, printed in the report). Generation
     stops after ``max_tokens``, after emitting a ``stop_ids`` id or the tokenizer's
     end-of-sequence id (unless ``ignore_eos``), or when the text contains a ``stop`` string
-    (the text is cut before it). ``spec`` (off | ngram | auto) drafts up to ``spec_width``
+    (the text is cut before it). ``max_tokens`` -1 (:data:`UNTIL_END`, llama.cpp's ``-n -1``)
+    generates until one of those stops or the context is full: the sequence (the session's
+    ids, the prompt and what is generated) holds ``context`` ids, by default the sequence
+    before this call plus ``MAX_GEN``; a given ``context`` also ends a longer ``max_tokens``
+    early (``stop_reason`` ``context``). ``spec`` (off | ngram | auto) drafts up to ``spec_width``
     tokens per pass from the context's n-grams (longest ``spec_ngram``) and verifies them in
     one pass: the same ids as ``off`` (docs/speculative.md).
     """
 
     max_tokens: int = 8
+    context: int | None = None
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
@@ -91,9 +105,12 @@ class GenerationParams(_Strict):
     def _check(self) -> GenerationParams:
         from k3core.model.speculative import check_spec
 
-        if not 0 <= self.max_tokens <= MAX_GEN:
-            raise UsageError(f"--gen must be in 0..{MAX_GEN}, got {self.max_tokens} "
-                             "(refusing rather than clamping)")
+        if not (0 <= self.max_tokens <= MAX_GEN or self.max_tokens == UNTIL_END):
+            raise UsageError(f"--gen must be in 0..{MAX_GEN}, or {UNTIL_END} to generate until "
+                             f"the end of sequence or the context is full; got "
+                             f"{self.max_tokens} (refusing rather than clamping)")
+        if self.context is not None and not 1 <= self.context <= max_context():
+            raise UsageError(f"--context must be in 1..{max_context()}, got {self.context}")
         if len(self.stop_ids) > MAX_STOP_IDS:
             raise UsageError(f"--stop-id may be given at most {MAX_STOP_IDS} times")
         if any(s < 0 for s in self.stop_ids):
@@ -115,6 +132,23 @@ class GenerationParams(_Strict):
             raise UsageError(f"--seed must be a non-negative integer, got {self.seed}")
         check_spec(self.spec, self.spec_width, self.spec_ngram)
         return self
+
+    def budget(self, held: int) -> tuple[int, bool]:
+        """After a sequence of ``held`` ids (the session's and the prompt's): the most tokens
+        this generation makes, and whether reaching that count means the context is full
+        (``stop_reason`` ``context``) rather than ``max_tokens`` made. A sequence that
+        already fills the context, with tokens still to make, is refused (exit 2)."""
+        limit = held + MAX_GEN if self.context is None else self.context
+        room = limit - held
+        if self.max_tokens == 0:
+            return 0, False
+        if room <= 0:
+            raise UsageError(f"the sequence holds {held} ids, which fills the context of "
+                             f"{limit}: no room to generate (a larger --context, or a "
+                             "shorter prompt)")
+        if self.max_tokens == UNTIL_END or self.max_tokens > room:
+            return room, True
+        return self.max_tokens, False
 
     @property
     def greedy(self) -> bool:
@@ -218,7 +252,8 @@ class RunRequest(_Strict):
         take = _taker(f)
         prompt = {"text": take("prompt"), "file": take("prompt_file"), "ids": take("ids"),
                   "bos": bool(take("bos", False))}
-        generation = {"max_tokens": take("gen", 8), "temperature": take("temperature"),
+        generation = {"max_tokens": take("gen", 8), "context": take("context"),
+                      "temperature": take("temperature"),
                       "top_p": take("top_p"), "top_k": take("top_k"), "seed": take("seed"),
                       "stop": list(take("stop", []) or []),
                       "stop_ids": list(take("stop_id", []) or []),
