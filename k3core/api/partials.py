@@ -99,10 +99,13 @@ def _on_signal(signum: int, frame: FrameType | None) -> None:
         _registered.clear()
         previous = dict(_previous)
         _restore_handlers()
-    removed = [str(p) for p, tree in paths if p.exists() and _remove(p, tree)]
+    # files first, then the directories a writer made, so the message names the files
+    paths.sort(key=lambda item: item[1])
+    removed = [str(p) + ("/" if tree else "") for p, tree in paths
+               if os.path.lexists(p) and _remove(p, tree)]
     name = signal.Signals(signum).name
     with contextlib.suppress(Exception):
-        print(f"k3: error: stopped by {name}" + (f"; removed the partial output "
+        print(f"k3: error: stopped by {name}" + (f"; removed the partial output: "
               f"{', '.join(removed)}" if removed else ""), file=sys.stderr, flush=True)
     handler = previous.get(signum, signal.SIG_DFL)
     if callable(handler):
@@ -250,12 +253,15 @@ def space_note(directory: Path, finals: Iterable[str], needed: int | None = None
     """What to say after ENOSPC: the bytes needed against free, and the partials of
     ``finals`` there that take room (empty when there is nothing to add)."""
     parts: list[str] = []
+    try:
+        free: int | None = shutil.disk_usage(directory).free
+    except OSError:
+        free = None
     if needed is not None:
-        try:
-            free = shutil.disk_usage(directory).free
-            parts.append(f"it needs {human(needed)}, {human(free)} free")
-        except OSError:
-            parts.append(f"it needs {human(needed)}")
+        parts.append(f"it needs {human(needed)}" + (f", {human(free)} free" if free is not None
+                                                     else ""))
+    elif free is not None:
+        parts.append(f"{human(free)} free")
     taking = leftovers(directory, finals)
     if taking:
         parts.append("partial outputs of other processes take room there: "

@@ -36,7 +36,8 @@ def pack_trunk(
 ) -> None:
     """Copy every layer's non-expert tensors into TRUNK_DIR/trunk.bin (4096-aligned runs)."""
     chosen = parse_codec(codec)
-    cfg = load_config(config_path(model_dir, config))
+    cfg_path = config_path(model_dir, config)
+    cfg = load_config(cfg_path)
     backend, sname, note = get_registry().create("storage", storage)
     if note:
         print(f"note: {note}", file=sys.stderr)
@@ -48,7 +49,7 @@ def pack_trunk(
                 bar.update(nbytes, total, f"layer {done}/{n}")
 
             man = pack(index, cfg, trunk_dir, backend, force=force, progress=on_layer,
-                       codec=chosen)
+                       codec=chosen, reads=[(cfg_path, "--config" if config else "the config")])
     secs = time.perf_counter() - t0
     largest = max(lay.nbytes for lay in man.layers)
     if man.compressed:

@@ -8,8 +8,12 @@ a read until a test releases it. Every read is logged. The CLI tests reach it as
 environment variables: ``K3_FAULT_INNER`` (backend name, default ``plain``),
 ``K3_FAULT_MATCH`` (file name, default ``trunk.bin``), ``K3_FAULT_AFTER`` (reads that
 succeed before every later one fails), ``K3_FAULT_OFFSETS`` (comma-separated file offsets
-whose reads fail, e.g. one routed expert's start) and ``K3_FAULT_RANGE`` (``LO:HI``: every
-read of the file overlapping bytes ``[LO, HI)`` fails, e.g. one tensor's bytes).
+whose reads fail, e.g. one routed expert's start), ``K3_FAULT_RANGE`` (``LO:HI``: every
+read of the file overlapping bytes ``[LO, HI)`` fails, e.g. one tensor's bytes) and
+``K3_FAULT_HOLD`` (a path: the first read of the matching file at offset
+``K3_FAULT_HOLD_OFFSET``, default any, creates it and then waits, up to two minutes, for
+the test to stop the process, so a writer is caught mid-write at a known point; the read's
+bytes are not changed).
 
 :func:`disk_backed_dir` picks a directory for test data that O_DIRECT can use: the given
 temporary directory unless it is on tmpfs (which refuses O_DIRECT), else a fresh directory
@@ -21,6 +25,7 @@ from __future__ import annotations
 import os
 import tempfile
 import threading
+import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -59,6 +64,9 @@ class FaultyStorage(StorageBackend):
             lo, _, hi = env_range.partition(":")
             fail_range = (int(lo), int(hi))
         self.fail_range = fail_range
+        self.hold = os.environ.get("K3_FAULT_HOLD") or None
+        hold_at = os.environ.get("K3_FAULT_HOLD_OFFSET")
+        self.hold_offset = int(hold_at) if hold_at else None
         self.gates: dict[int, threading.Event] = {}  # offset -> released when set
         self.log: list[tuple[str, int, int]] = []
         self.matched_reads = 0
@@ -85,6 +93,8 @@ class _FaultyFile(StorageFile):
             n = o.matched_reads
             if matched:
                 o.matched_reads += 1
+        if matched and o.hold is not None and o.hold_offset in (None, offset):
+            _hold(Path(o.hold))
         if matched:
             gate = o.gates.get(offset)
             if gate is not None:
@@ -107,6 +117,17 @@ class _FaultyFile(StorageFile):
 
     def close(self) -> None:
         self.inner.close()
+
+
+def _hold(flag: Path, seconds: float = 120.0) -> None:
+    """Say (by creating ``flag``) that a read is waiting, then wait in short sleeps, so the
+    process's signal handlers run while it waits."""
+    if flag.exists():
+        return  # held once already
+    flag.touch()
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        time.sleep(0.02)
 
 
 class _FaultyPlugin:

@@ -11,11 +11,19 @@ sparse shard are read and written (:mod:`k3core.trunk.holes`), the padding is ne
 written, and the checksum still covers every raw byte, so a sparse checkpoint
 (``k3 synth --sparse``) packs into a sparse ``trunk.bin``.
 
-Atomic: ``trunk.bin`` and ``trunk.json`` are written under temporary names and fsynced;
-an old ``trunk.json`` is removed, then the new ``trunk.bin`` and ``trunk.json`` are renamed
-into place, in that order. Whatever fails or is interrupted, the directory never holds a
-manifest that describes bytes it does not have. A write failure (full disk, unwritable
-directory) is an ``OutputError`` (exit 3) and leaves no temporary file behind.
+Atomic: ``trunk.bin`` and ``trunk.json`` are written under partial names
+(``.trunk.bin.partial-PID``, :mod:`k3core.api.partials`) and fsynced; an old ``trunk.json``
+is removed, then the new ``trunk.bin`` and ``trunk.json`` are renamed into place, in that
+order. Whatever fails or is interrupted, the directory never holds a manifest that
+describes bytes it does not have. A write failure (full disk, unwritable directory) is an
+``OutputError`` (exit 3) and leaves no partial file behind, nor the directory if the pack
+made it; so do Ctrl-C, SIGTERM and SIGHUP. A pack killed outright (SIGKILL) leaves its
+partial; the next pack into the directory removes it (naming it on stderr) unless its
+process still runs. A full disk is named with the bytes the trunk needs, what is free and
+the partial files of other packs still taking room.
+
+TRUNK_DIR may not be MODEL_DIR or lie inside it (or inside ``--config``'s path), checked
+before anything is written (:func:`k3core.api.outputs.check_outputs`, exit 3).
 """
 
 from __future__ import annotations
@@ -25,7 +33,7 @@ import errno
 import json
 import os
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +41,8 @@ from pathlib import Path
 import numpy as np
 
 from k3core.api.errors import CheckpointError, OutputError, StorageError, UsageError
+from k3core.api.outputs import InputSpec, Output, check_outputs
+from k3core.api.partials import Partials, partial_path, space_note, sweep_stale
 from k3core.api.storage import StorageBackend, aligned_empty
 from k3core.api.units import ALIGN, align_up
 from k3core.checkpoint.bounds import check_bind_shapes
@@ -60,6 +70,8 @@ from k3core.trunk.windows import Window, plan_windows
 COPY_CHUNK = 64 * 1024 * 1024
 
 NO_CODEC = Codec("none", 0)
+#: the files a packed trunk directory holds
+PACKED_FILES = (DATA_NAME, MANIFEST_NAME)
 
 PackProgress = Callable[[int, int, int, int], None]  # (layers done, layers, bytes done, total)
 
@@ -117,50 +129,59 @@ def pack_trunk(
     force: bool = False,
     progress: PackProgress | None = None,
     codec: Codec = NO_CODEC,
+    reads: Iterable[InputSpec] = (),
 ) -> TrunkManifest:
     """Pack every layer of ``index`` into ``trunk_dir``; returns the manifest written.
 
     With a ``codec`` other than ``none`` each layer is cut into windows and every window
     encoded on its own (:mod:`k3core.trunk.windows`); the checksums stay those of the raw
-    bytes."""
+    bytes. ``trunk_dir`` may not be MODEL_DIR or lie inside it, nor inside any of
+    ``reads`` (more inputs: ``--config``), and its two files may not be one of them."""
     out = Path(trunk_dir)
     runs = plan_pack(index, cfg)
+    check_outputs([Output(out, "the packed trunk", directory=True, files=PACKED_FILES,
+                          create=False)], inputs=[(index.model_dir, "MODEL_DIR"), *reads])
+    if out.is_dir():
+        sweep_stale(out, PACKED_FILES)
     if (out / MANIFEST_NAME).exists() or (out / DATA_NAME).exists():
         if not force:
             raise UsageError(f"{out} already holds a packed trunk; pass --force to replace it")
     created = not out.exists()
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise OutputError(f"cannot write the packed trunk to {out}: "
-                          f"{exc.strerror or exc}") from None
-    tmp_bin = out / f".{DATA_NAME}.partial-{os.getpid()}"
-    tmp_json = out / f".{MANIFEST_NAME}.partial-{os.getpid()}"
-    try:
-        layers = (_write_bin(tmp_bin, runs, storage, progress) if codec.name == "none"
-                  else _write_bin_coded(tmp_bin, runs, storage, progress, codec))
-        sample = source_sample(index, ((r.path, r.start, r.span) for r in runs))
-        tables = {n: table_checksums(index, n) for n in (names.EMBED, names.LM_HEAD)
-                  if n in index}
-        man = TrunkManifest(out, ALIGN, tuple(layers), index.fingerprint(), sample,
-                            tuple(cfg.fingerprint()), sum(lay.disk_nbytes for lay in layers),
-                            tables, codec=codec.name)
-        _write_file(tmp_json, json.dumps(man.to_json(), indent=1).encode() + b"\n")
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(out / MANIFEST_NAME)
-        os.replace(tmp_bin, out / DATA_NAME)
-        os.replace(tmp_json, out / MANIFEST_NAME)
-        _fsync_dir(out)
-    except OSError as exc:
-        raise OutputError(f"cannot write the packed trunk to {out}: "
-                          f"{exc.strerror or exc}") from None
-    finally:
-        for p in (tmp_bin, tmp_json):
-            with contextlib.suppress(OSError):
-                os.unlink(p)
-        if created and not (out / MANIFEST_NAME).exists():
-            with contextlib.suppress(OSError):
-                out.rmdir()  # only if empty: a failed pack leaves no directory it made
+    with Partials() as parts:
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise OutputError(f"cannot write the packed trunk to {out}: "
+                              f"{exc.strerror or exc}") from None
+        if created:  # a pack stopped before its manifest is in place leaves no directory
+            parts.add(out, tree=True)
+        tmp_bin = parts.add(partial_path(out / DATA_NAME))
+        tmp_json = parts.add(partial_path(out / MANIFEST_NAME))
+        try:
+            layers = (_write_bin(tmp_bin, runs, storage, progress) if codec.name == "none"
+                      else _write_bin_coded(tmp_bin, runs, storage, progress, codec))
+            sample = source_sample(index, ((r.path, r.start, r.span) for r in runs))
+            tables = {n: table_checksums(index, n) for n in (names.EMBED, names.LM_HEAD)
+                      if n in index}
+            man = TrunkManifest(out, ALIGN, tuple(layers), index.fingerprint(), sample,
+                                tuple(cfg.fingerprint()), sum(lay.disk_nbytes for lay in layers),
+                                tables, codec=codec.name)
+            _write_file(tmp_json, json.dumps(man.to_json(), indent=1).encode() + b"\n")
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(out / MANIFEST_NAME)
+            os.replace(tmp_bin, out / DATA_NAME)
+            parts.keep(tmp_bin)
+            os.replace(tmp_json, out / MANIFEST_NAME)
+            parts.keep(tmp_json)
+            parts.keep(out)
+            _fsync_dir(out)
+        except OSError as exc:
+            msg = f"cannot write the packed trunk to {out}: {exc.strerror or exc}"
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                needed = sum(r.nbytes for r in runs) if codec.name == "none" else None
+                note = space_note(out, PACKED_FILES, needed)
+                msg += f" ({note})" if note else ""
+            raise OutputError(msg) from None
     return man
 
 

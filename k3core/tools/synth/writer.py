@@ -7,7 +7,9 @@ experts with sane scales, ``A_log`` padded to ``head_dim``, and a tokenizer (``t
 ``tokenizer_config.json``) fitted to the vocabulary. Layer ``L`` lives in shard
 ``L + 1`` with its trunk tensors first (one contiguous run) and each expert's six tensors
 contiguous after them, as in the released checkpoint; the model tables take the last shard.
-Everything is written under a temporary name and renamed into place only when complete.
+Everything is written under a partial name (``.OUT.partial-PID``, :mod:`k3core.api.partials`:
+removed on any exit the process can catch, and by the next synth if it was killed) and
+renamed into place only when complete.
 ``sparse=True`` writes the same layout with the released dtypes and the data as holes
 (:mod:`k3core.tools.synth.sparse`).
 """
@@ -26,6 +28,8 @@ import numpy as np
 from safetensors import SafetensorError, TensorSpec, serialize_file
 
 from k3core.api.errors import OutputError, UsageError
+from k3core.api.outputs import Output, check_outputs
+from k3core.api.partials import Partials, partial_path, space_note, sweep_stale
 from k3core.model import names
 from k3core.model.config import ModelConfig
 from k3core.model.layer_params import expected_shapes
@@ -160,54 +164,65 @@ def synthesize(
     released checkpoint ends with (sparse only).
     """
     out = Path(out_dir)
+    check_outputs([Output(out, "the synthetic checkpoint", directory=True, create=False)])
     if out.exists() and any(out.iterdir()) and not force:
         raise UsageError(f"{out} exists and is not empty; pass --force to replace it")
     if vision and not sparse:
         raise UsageError("the vision stand-in shards are written only with --sparse")
-    tmp = out.with_name(f".{out.name}.partial-{os.getpid()}")
-    try:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        if sparse:
-            check_keeps_holes(tmp)
-        g = _Gen(cfg, seed)
-        n_shards = cfg.n_layers + 1 + (2 if vision else 0)
-        weight_map: dict[str, str] = {}
-        total = 0
-        for i in range(n_shards):
-            shard = f"model-{i + 1:05d}-of-{n_shards:05d}.safetensors"
-            if sparse:
-                sp = (sparse_layer(cfg, seed, i) if i < cfg.n_layers else
-                      sparse_tables(cfg, seed) if i == cfg.n_layers else
-                      vision_shards()[i - cfg.n_layers - 1])
-                total += write_sparse_shard(tmp / shard, sp)
-                os.chmod(tmp / shard, 0o666 & ~_UMASK)
-                weight_map.update(dict.fromkeys((t.name for t in sp), shard))
-            else:
-                tensors = layer_tensors(g, i) if i < cfg.n_layers else table_tensors(g)
-                total += write_shard(tmp / shard, tensors)
-                weight_map.update(dict.fromkeys(tensors, shard))
-            if progress:
-                progress(i + 1, n_shards, total)
-        index = {"metadata": {"total_size": total, "k3_synth_seed": seed}, "weight_map": weight_map}
-        (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=1, sort_keys=True))
-        conf = cfg.to_nested_dict()
-        conf["k3_synthetic"] = {"seed": seed, "note": "random weights written by k3 synth"}
-        if sparse:
-            conf["k3_synthetic"]["sparse"] = True
-        (tmp / "config.json").write_text(json.dumps(conf, indent=1))
-        if cfg.vocab >= 256:
-            write_tokenizer(tmp, cfg.vocab, seed=seed)
-        if extra:
-            extra(tmp)
-        if out.exists():
-            shutil.rmtree(out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        os.replace(tmp, out)
-    except OSError as exc:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise OutputError(f"cannot write the synthetic checkpoint to {out}: {exc.strerror or exc}") from exc
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    if out.parent.is_dir():
+        sweep_stale(out.parent, [out.name])
+    with Partials() as parts:
+        tmp = parts.add(partial_path(out), tree=True)
+        try:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+            _write_all(tmp, cfg, seed, sparse, vision, progress, extra)
+            if out.exists():
+                shutil.rmtree(out)
+            out.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(tmp, out)
+            parts.keep(tmp)
+        except OSError as exc:
+            note = (space_note(out.parent, [out.name])
+                    if exc.errno in (errno.ENOSPC, errno.EDQUOT) else "")
+            raise OutputError(f"cannot write the synthetic checkpoint to {out}: "
+                              f"{exc.strerror or exc}" + (f" ({note})" if note else "")) from exc
     return out
+
+
+def _write_all(tmp: Path, cfg: ModelConfig, seed: int, sparse: bool, vision: bool,
+               progress: Callable[[int, int, int], None] | None,
+               extra: Callable[[Path], None] | None) -> None:
+    """Every file of the checkpoint into the (partial) directory ``tmp``."""
+    if sparse:
+        check_keeps_holes(tmp)
+    g = _Gen(cfg, seed)
+    n_shards = cfg.n_layers + 1 + (2 if vision else 0)
+    weight_map: dict[str, str] = {}
+    total = 0
+    for i in range(n_shards):
+        shard = f"model-{i + 1:05d}-of-{n_shards:05d}.safetensors"
+        if sparse:
+            sp = (sparse_layer(cfg, seed, i) if i < cfg.n_layers else
+                  sparse_tables(cfg, seed) if i == cfg.n_layers else
+                  vision_shards()[i - cfg.n_layers - 1])
+            total += write_sparse_shard(tmp / shard, sp)
+            os.chmod(tmp / shard, 0o666 & ~_UMASK)
+            weight_map.update(dict.fromkeys((t.name for t in sp), shard))
+        else:
+            tensors = layer_tensors(g, i) if i < cfg.n_layers else table_tensors(g)
+            total += write_shard(tmp / shard, tensors)
+            weight_map.update(dict.fromkeys(tensors, shard))
+        if progress:
+            progress(i + 1, n_shards, total)
+    index = {"metadata": {"total_size": total, "k3_synth_seed": seed}, "weight_map": weight_map}
+    (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=1, sort_keys=True))
+    conf = cfg.to_nested_dict()
+    conf["k3_synthetic"] = {"seed": seed, "note": "random weights written by k3 synth"}
+    if sparse:
+        conf["k3_synthetic"]["sparse"] = True
+    (tmp / "config.json").write_text(json.dumps(conf, indent=1))
+    if cfg.vocab >= 256:
+        write_tokenizer(tmp, cfg.vocab, seed=seed)
+    if extra:
+        extra(tmp)
