@@ -8,7 +8,9 @@ its **worst** run is faster than the baseline's **best** run, so their ranges do
 overlap; then the difference of their medians exceeds the spread of either. :func:`pick`
 keeps the fastest median among the candidates that beat the baseline, and otherwise the
 baseline ("no candidate won beyond noise"). A single run per side has no spread to compare
-with, so :data:`MIN_RUNS` runs are required.
+with, so :data:`MIN_RUNS` runs are required. For two equally fast options with independent
+runs, R runs each separate by chance with probability 1 / C(2R, R): 5 % at R = 3, 1.4 % at
+4, 0.4 % at 5.
 """
 
 from __future__ import annotations
