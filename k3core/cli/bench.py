@@ -22,7 +22,7 @@ from rich.console import Console
 from rich.table import Table
 
 from k3core.api.errors import UsageError
-from k3core.api.units import ALIGN
+from k3core.api.units import ALIGN, check_gb, check_mb
 from k3core.cli.bench_ladder import bench_ladder
 from k3core.cli.guard import guarded
 from k3core.cli.progress import Stages
@@ -80,11 +80,15 @@ def io(
     as_json: bool = typer.Option(False, "--json", help="Print the samples as JSON."),
 ) -> None:
     """Random reads the way the engine reads, per storage backend and raw, same run."""
+    check_gb(probe_gb, "--probe-gb", positive=True)
     try:
-        sizes = [int(round(float(x) * 1e6)) // ALIGN * ALIGN or ALIGN for x in read_mb.split(",") if x]
+        mbs = [float(x) for x in read_mb.split(",") if x]
         qds = [int(x) for x in depths.split(",") if x]
     except ValueError as exc:
         raise UsageError(f"bench io: {exc}") from None
+    for mb in mbs:
+        check_mb(mb, "--read-mb")
+    sizes = [int(round(mb * 1e6)) // ALIGN * ALIGN or ALIGN for mb in mbs]
     if not sizes or not qds or min(qds) < 1 or reads < 1 or not probe_gb > 0:
         raise UsageError("bench io: read sizes, depths >= 1, --reads >= 1 and --probe-gb > 0 are required")
     names = [n for n in storage.split(",") if n]
@@ -128,8 +132,9 @@ def codec(
         speeds = tuple(float(d) for d in disks.split(",") if d.strip())
     except ValueError:
         raise UsageError(f"bench codec: --disk-gb-s expects GB/s values like 0.5,2; got {disks!r}") from None
-    if not all(d > 0 for d in speeds):
-        raise UsageError("bench codec: --disk-gb-s values must be positive")
+    for d in speeds:
+        check_gb(d, "--disk-gb-s", positive=True)
+    check_mb(max_mb, "--max-mb")
     res = run_codec_bench(model, specs, int(max_mb * 1e6), repeat, window_kb * 1024, speeds)
     print(res.to_json() if as_json else "\n".join(codec_lines(res)))
 
@@ -165,6 +170,9 @@ def decode(
     from k3core.model.speculative import SpecOptions
     from k3core.tools.bench.decode import _ids, format_report, run_decode_bench
 
+    check_gb(cache_gb, "--cache-gb")
+    check_gb(trunk_gb, "--trunk-gb", positive=True)
+    check_mb(bandwidth_mb, "--bandwidth-mb")
     units = {"timed": "token", "prefill": "run", "yardsticks": "loop", "check": "token"}
     with Stages("bench decode", quiet=quiet, units=units) as stages:
         res = run_decode_bench(model, backend=backend, threads=threads, storage=storage,

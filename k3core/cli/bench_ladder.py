@@ -53,6 +53,7 @@ def bench_ladder(
     """Run the same request at trunk budgets from nothing pinned to everything pinned."""
     check_gb(headroom_gb, "--headroom-gb")
     check_gb(cache_gb, "--cache-gb", positive=True)
+    given_budgets = parse_budgets(budgets) if budgets else None
     if gen < 2:
         raise UsageError(f"--gen must be >= 2 (step 0 is excluded from s/token), got {gen}")
     prompt = parse_ids(ids)
@@ -70,7 +71,7 @@ def bench_ladder(
             stride = slot_bytes(ExpertLocator(cfg, index).max_bytes(range(cfg.n_layers)))
             cache_gb = (cfg.topk + 1) * stride / 1e9 * 1.001
     sizes = [lay.nbytes for lay in man.layers[: cfg.n_layers]]
-    rung_budgets = parse_budgets(budgets) if budgets else default_budgets(sizes)
+    rung_budgets = given_budgets or default_budgets(sizes)
     if len(rung_budgets) < MIN_RUNGS:
         print(f"note: {len(rung_budgets)} budgets; a ladder wants at least {MIN_RUNGS}")
     try:

@@ -2,7 +2,9 @@
 
 Exit 0 when the dumps agree: the same argmax and, with ``--atol``/``--rtol``, every value
 within ``atol + rtol * |B|``. Exit 1 (after the statistics) when they do not, with one
-``k3: error: the dumps disagree: ...`` line; exit 2 for a dump that cannot be read.
+``k3: error: the dumps disagree: ...`` line; exit 2 for a dump that cannot be read, or
+dumps whose sizes differ (refused from the sizes, before either is read). The dumps are
+read a chunk at a time, so memory stays small whatever their size.
 """
 
 from __future__ import annotations
@@ -12,9 +14,10 @@ from pathlib import Path
 
 import typer
 
-from k3core.api.errors import K3Error
+from k3core.api.errors import K3Error, UsageError
 from k3core.cli.guard import guarded
-from k3core.tools.logit_compare import check_tolerances, compare_logits, disagreements, read_pair
+from k3core.tools.logit_compare import check_tolerances, compare_pair, pair_disagreements
+from k3core.tools.logit_dumps import DumpPair
 
 
 @guarded
@@ -28,9 +31,11 @@ def cmp_logits(
 ) -> None:
     """Compare two logit dumps; exit 1 when the argmax differs or a tolerance fails."""
     check_tolerances(atol, rtol)
-    xa, xb = read_pair(a, b)
-    res = compare_logits(xa, xb, top_k)
-    problems = disagreements(xa, xb, res, atol, rtol)
+    if top_k < 1:
+        raise UsageError(f"--top-k must be >= 1, got {top_k}")
+    with DumpPair.open(a, b) as pair:  # sizes checked before either file is read
+        res = compare_pair(pair, top_k)
+        problems = pair_disagreements(pair, res, atol, rtol)
     if as_json:
         doc = {**res.to_json(), "atol": atol, "rtol": rtol, "agree": not problems,
                "problems": problems}

@@ -21,6 +21,7 @@ import numpy as np
 import typer
 
 from k3core.api.errors import UsageError
+from k3core.api.units import check_gb
 from k3core.cli.guard import guarded
 
 
@@ -138,6 +139,8 @@ def sim_cache(
         raise UsageError("give cache sizes as --slots or as --cache-gb, not both")
     slot_list = parse_numbers(slots, "--slots", integer=True) if slots is not None else None
     gb_list = parse_numbers(cache_gb, "--cache-gb", integer=False) if cache_gb is not None else None
+    for gb in gb_list or ():
+        check_gb(gb, "--cache-gb", positive=True)
     for flag, v in (("--expert-bytes", expert_bytes), ("--topk", topk)):
         if v is not None and v < 1:
             raise UsageError(f"{flag} must be a positive whole number, got {v}")

@@ -13,6 +13,7 @@ from pathlib import Path
 import typer
 
 from k3core.api.errors import UsageError
+from k3core.api.units import check_gb
 from k3core.cli.guard import guarded
 
 
@@ -41,6 +42,8 @@ def tune(
     from k3core.tools.tune import DEFAULT_IDS, TuneOptions
     from k3core.tools.tune import tune as run_tune
 
+    check_gb(trunk_gb, "--trunk-gb", positive=True)
+    check_gb(cache_gb, "--cache-gb")
     if not 2 <= gen <= 64:
         raise UsageError(f"--gen must be in 2..64, got {gen}")
     if any(t < 1 for t in threads):

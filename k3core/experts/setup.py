@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from k3core.api.errors import UsageError
-from k3core.api.units import gb_bytes
+from k3core.api.units import check_gb, gb_bytes
 from k3core.checkpoint.index import CheckpointIndex
 from k3core.experts.cache import ExpertCache
 from k3core.experts.locator import ExpertLocator
@@ -41,8 +41,7 @@ def expert_slots(cfg: ModelConfig, n_layers: int, slot_bytes: int, cache_gb: flo
     stride = sizes.slot_bytes(slot_bytes)
     if cache_gb is None:
         return total
-    if not cache_gb >= 0:
-        raise UsageError(f"--cache-gb must be a non-negative number, got {cache_gb}")
+    check_gb(cache_gb, "--cache-gb")
     slots = sizes.cache_slots(gb_bytes(cache_gb), slot_bytes, total)
     if slots < cfg.topk + 1:
         need = (cfg.topk + 1) * stride / 1e9

@@ -16,17 +16,47 @@ on every backend, machine and NumPy build, because nothing in it is left to a li
   between releases), scaled by 2**-53; the token is the first whose cumulative mass
   exceeds it.
 
-``temperature == 0`` is greedy (the argmax, no draw).
+A temperature below :data:`MIN_TEMPERATURE` (1e-5; 0 too) is greedy: the argmax, no draw.
+At 1e-5 a logit 4e-4 below the largest already has a weight under 2**-53, and a much smaller
+temperature overflows float64 (``logit / 1e-310`` is infinite). Nothing is drawn from NaN
+probabilities: the scaled logits, the weights and their sum must be finite and the sum > 0
+(it is at least 1, the largest id's weight), or the draw is refused with a
+:class:`~k3core.api.errors.K3Error` (exit 1).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
 
 from k3core.api.contract import EXP_COEF, EXP_HI, EXP_LO, LANES, LN2_HI, LN2_LO, LOG2E
-from k3core.api.errors import UsageError
+from k3core.api.errors import K3Error, UsageError
+
+#: temperatures below this (0 included) choose greedily: the documented minimum
+#: (docs/cli.md, docs/server.md, docs/python-api.md)
+MIN_TEMPERATURE = 1e-5
+
+
+def is_greedy_temperature(temperature: float) -> bool:
+    """True where ``temperature`` (finite, >= 0) means the argmax, not a draw."""
+    return temperature < MIN_TEMPERATURE
+
+
+def check_sampling(temperature: float | None, top_p: float | None, top_k: int | None,
+                   seed: int | None) -> None:
+    """Refuse, naming the flag, a sampling value that is out of range, NaN or infinite
+    (``None``: not given)."""
+    if temperature is not None and not (math.isfinite(temperature) and temperature >= 0):
+        raise UsageError(f"--temperature must be finite and >= 0 (below {MIN_TEMPERATURE:g} "
+                         f"= greedy), got {temperature}")
+    if top_p is not None and not 0 < top_p <= 1:  # NaN fails both comparisons
+        raise UsageError(f"--top-p must be in (0, 1], got {top_p}")
+    if top_k is not None and top_k < 1:
+        raise UsageError(f"--top-k must be >= 1, got {top_k}")
+    if seed is not None and seed < 0:
+        raise UsageError(f"--seed must be a non-negative integer, got {seed}")
 
 
 def argmax(logits: np.ndarray) -> int:
@@ -63,10 +93,19 @@ def lane_sum(v: np.ndarray) -> float:
     return float(lanes[0])
 
 
+def _mass(w: np.ndarray) -> float:
+    """The contract's sum of the weights, checked: finite, and > 0 (NaN fails both)."""
+    total = lane_sum(w)
+    if not (math.isfinite(total) and total > 0) or not np.isfinite(w).all():
+        raise K3Error(f"sampling: the weights sum to {total}; refusing to draw from NaN or "
+                      "infinite probabilities")
+    return total
+
+
 @dataclass
 class Sampler:
-    """Seeded sampler; ``temperature`` >= 0 (0 is greedy), ``top_p`` in (0, 1],
-    ``top_k`` >= 1 or None."""
+    """Seeded sampler; ``temperature`` >= 0 (below :data:`MIN_TEMPERATURE` is greedy),
+    ``top_p`` in (0, 1], ``top_k`` >= 1 or None."""
 
     temperature: float = 1.0
     top_p: float = 1.0
@@ -74,19 +113,12 @@ class Sampler:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if not (np.isfinite(self.temperature) and self.temperature >= 0):
-            raise UsageError(f"--temperature must be finite and >= 0, got {self.temperature}")
-        if not (0 < self.top_p <= 1):
-            raise UsageError(f"--top-p must be in (0, 1], got {self.top_p}")
-        if self.top_k is not None and self.top_k < 1:
-            raise UsageError(f"--top-k must be >= 1, got {self.top_k}")
-        if self.seed < 0:
-            raise UsageError(f"--seed must be a non-negative integer, got {self.seed}")
+        check_sampling(self.temperature, self.top_p, self.top_k, self.seed)
         self.bits = np.random.PCG64(self.seed)
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return is_greedy_temperature(self.temperature)
 
     def uniform(self) -> float:
         """One draw in [0, 1) from the raw PCG64 stream (53 bits)."""
@@ -96,17 +128,21 @@ class Sampler:
     def probabilities(self, logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``(ids, p)``: the ids that may be drawn, most likely first, and their
         probabilities after temperature, top-k and top-p (see the module docstring)."""
-        z = np.asarray(logits).astype(np.float64) / self.temperature
+        with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+            z = np.asarray(logits).astype(np.float64) / self.temperature
+        if z.size == 0 or not np.isfinite(z).all():
+            raise K3Error(f"sampling: logits / temperature {self.temperature:g} are not all "
+                          "finite; refusing to draw from NaN or infinite probabilities")
         order = np.argsort(-z, kind="stable")
         if self.top_k is not None:
             order = order[: self.top_k]
         zs = z[order]
-        w = exp_d(zs - zs[0])
-        p = w / lane_sum(w)
+        w = exp_d(zs - zs[0])  # every exponent <= 0: weights in [0, 1], the first exactly 1
+        p = w / _mass(w)
         if self.top_p < 1.0:
             keep = min(len(p), int(np.searchsorted(np.cumsum(p), self.top_p) + 1))
             order, w = order[:keep], w[:keep]
-            p = w / lane_sum(w)
+            p = w / _mass(w)
         return order, p
 
     def __call__(self, logits: np.ndarray) -> int:

@@ -19,7 +19,6 @@ engine's order before any file is opened. The whole request serialises to JSON
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -27,6 +26,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from k3core.api.errors import UsageError
+from k3core.api.units import check_gb
 
 #: the most tokens one generation may ask for, and the most stop ids / stop strings
 MAX_GEN = 4096
@@ -74,8 +74,9 @@ class PromptInput(_Strict):
 class GenerationParams(_Strict):
     """One generation: how many tokens, how they are chosen, where it stops.
 
-    ``temperature`` 0 (or no sampling keyword at all) is greedy; any of ``top_p``,
-    ``top_k``, ``seed`` or a positive ``temperature`` turns seeded sampling on (temperature
+    ``temperature`` 0 or below ``MIN_TEMPERATURE`` (1e-5; or no sampling keyword at all) is
+    greedy; any of ``top_p``, ``top_k``, ``seed`` or a larger ``temperature`` turns seeded
+    sampling on (temperature
     1.0 unless given; a time-based seed unless given, printed in the report). Generation
     stops after ``max_tokens``, after emitting a ``stop_ids`` id or the tokenizer's
     end-of-sequence id (unless ``ignore_eos``), or when the text contains a ``stop`` string
@@ -103,6 +104,7 @@ class GenerationParams(_Strict):
 
     @model_validator(mode="after")
     def _check(self) -> GenerationParams:
+        from k3core.model.sampling import check_sampling
         from k3core.model.speculative import check_spec
 
         if not (0 <= self.max_tokens <= MAX_GEN or self.max_tokens == UNTIL_END):
@@ -121,15 +123,7 @@ class GenerationParams(_Strict):
             if not s or len(s) > MAX_STOP_CHARS:
                 raise UsageError(f"--stop needs a non-empty text of at most {MAX_STOP_CHARS} "
                                  f"characters, got {s!r:.40}")
-        t = self.temperature
-        if t is not None and not (math.isfinite(t) and t >= 0):
-            raise UsageError(f"--temperature must be finite and >= 0 (0 = greedy), got {t}")
-        if self.top_p is not None and not 0 < self.top_p <= 1:
-            raise UsageError(f"--top-p must be in (0, 1], got {self.top_p}")
-        if self.top_k is not None and self.top_k < 1:
-            raise UsageError(f"--top-k must be >= 1, got {self.top_k}")
-        if self.seed is not None and self.seed < 0:
-            raise UsageError(f"--seed must be a non-negative integer, got {self.seed}")
+        check_sampling(self.temperature, self.top_p, self.top_k, self.seed)
         check_spec(self.spec, self.spec_width, self.spec_ngram)
         return self
 
@@ -152,7 +146,9 @@ class GenerationParams(_Strict):
 
     @property
     def greedy(self) -> bool:
-        if self.temperature == 0:
+        from k3core.model.sampling import is_greedy_temperature
+
+        if self.temperature is not None and is_greedy_temperature(self.temperature):
             return True
         return all(v is None for v in (self.temperature, self.top_p, self.top_k, self.seed))
 
@@ -193,8 +189,8 @@ class EngineRequest(_Strict):
                              f"got {self.expert_readers}")
         if self.prefill_chunk is not None and self.prefill_chunk < 1:
             raise UsageError(f"--prefill-chunk must be >= 1, got {self.prefill_chunk}")
-        if self.cache_gb is not None and not self.cache_gb >= 0:
-            raise UsageError(f"--cache-gb must be a non-negative number, got {self.cache_gb}")
+        check_gb(self.cache_gb, "--cache-gb")
+        check_gb(self.trunk_gb, "--trunk-gb", positive=True)
         check_trunk_options(self.trunk, self.trunk_gb, self.trunk_ring,
                             bool(self.ultra_low_memory))
         return self

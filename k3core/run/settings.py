@@ -29,6 +29,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from k3core.api.errors import UsageError
+from k3core.api.units import MAX_GB
 
 #: environment variable -> setting, highest priority first within one setting
 ENV_VARS: tuple[tuple[str, str], ...] = (
@@ -52,8 +53,9 @@ class Settings(BaseModel):
     model_dir: Path | None = None
     tok: Path | None = None
     preset: str | None = None
-    trunk_gb: float = Field(default=16.0, ge=0)  # the reference engine's defaults
-    cache_gb: float = Field(default=64.0, ge=0)
+    # the reference engine's defaults; finite and at most 1 PB (k3core.api.units.check_gb)
+    trunk_gb: float = Field(default=16.0, ge=0, le=MAX_GB, allow_inf_nan=False)
+    cache_gb: float = Field(default=64.0, ge=0, le=MAX_GB, allow_inf_nan=False)
     ultra_low_memory: bool = False
     backend: str = "auto"
     storage: str = "auto"

@@ -8,14 +8,13 @@ every layer is pinned (read once from ``trunk.bin``, nothing streams).
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 from k3core.api.errors import UsageError
 from k3core.api.storage import StorageBackend
-from k3core.api.units import human
+from k3core.api.units import check_gb, human
 from k3core.checkpoint.index import CheckpointIndex
 from k3core.model.config import ModelConfig
 from k3core.model.sources import ModelTables
@@ -24,13 +23,11 @@ from k3core.trunk.plan import DEFAULT_RING, MAX_RING, plan_lines
 from k3core.trunk.stream import StreamedTrunk
 from k3core.trunk.tables import StreamedTables
 
-#: the largest --trunk-gb accepted (a typo guard: 1 PB)
-MAX_TRUNK_GB = 1e6
-
 
 def check_trunk_options(trunk_dir: Path | None, trunk_gb: float | None, ring: int | None,
                         ultra_low_memory: bool, incremental: bool | None = None) -> None:
-    """Refuse impossible combinations with ``UsageError`` (exit 2)."""
+    """Refuse impossible values and combinations with ``UsageError`` (exit 2)."""
+    check_gb(trunk_gb, "--trunk-gb", positive=True)
     if trunk_dir is None:
         for flag, value in (("--trunk-gb", trunk_gb), ("--trunk-ring", ring)):
             if value is not None:
@@ -38,8 +35,6 @@ def check_trunk_options(trunk_dir: Path | None, trunk_gb: float | None, ring: in
         if ultra_low_memory:
             raise UsageError("--ultra-low-memory needs --trunk DIR (pack one with "
                              "`k3 pack-trunk MODEL_DIR TRUNK_DIR`)")
-    if trunk_gb is not None and not (math.isfinite(trunk_gb) and 0 < trunk_gb <= MAX_TRUNK_GB):
-        raise UsageError(f"--trunk-gb must be a positive number of GB, got {trunk_gb}")
     if ring is not None and not 1 <= ring <= MAX_RING:
         raise UsageError(f"--trunk-ring must be in 1..{MAX_RING}, got {ring}")
 

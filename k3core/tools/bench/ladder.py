@@ -37,6 +37,7 @@ from typing import Any
 
 from k3core.api.errors import K3Error, OutputError, UsageError
 from k3core.api.outputs import write_bytes_atomic
+from k3core.api.units import check_gb
 from k3core.model.config import ModelConfig
 from k3core.model.state import kv_bytes_per_position, recurrent_bytes_per_layer
 
@@ -106,8 +107,7 @@ def parse_budgets(text: str) -> list[float]:
             v = float(part)
         except ValueError:
             raise UsageError(f"--budgets expects GB values like 0.5,1,2; got {part!r}") from None
-        if not (math.isfinite(v) and v > 0):
-            raise UsageError(f"--budgets: {part!r} is not a positive number of GB")
+        check_gb(v, "--budgets", positive=True)
         out.append(v)
     if len(out) < 1:
         raise UsageError("--budgets is empty")
