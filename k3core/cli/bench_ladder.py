@@ -6,7 +6,8 @@ from pathlib import Path
 
 import typer
 
-from k3core.api.errors import OutputError, UsageError
+from k3core.api.errors import UsageError
+from k3core.api.outputs import Output, check_outputs
 from k3core.api.units import check_gb, human
 from k3core.checkpoint.index import CheckpointIndex
 from k3core.cli.guard import guarded
@@ -74,10 +75,10 @@ def bench_ladder(
     rung_budgets = given_budgets or default_budgets(sizes)
     if len(rung_budgets) < MIN_RUNGS:
         print(f"note: {len(rung_budgets)} budgets; a ladder wants at least {MIN_RUNGS}")
-    try:
-        out_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise OutputError(f"cannot create {out_dir}: {exc.strerror or exc}") from None
+    check_outputs([Output(out_dir, "--out-dir", directory=True,
+                          files=("ladder.tsv", "ladder.png"))],
+                  inputs=[(model_dir, "MODEL_DIR"), (trunk_dir, "TRUNK_DIR"),
+                          (codec_trunk, "--codec-trunk")])
     base = [*K3_CMD, "run", str(model_dir), "--ids", ids,
             "--gen", str(gen), "--incremental", "--trunk", str(trunk_dir),
             "--storage", storage, "--backend", backend, "--cache-gb", f"{cache_gb:.6f}"]

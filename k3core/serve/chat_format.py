@@ -22,6 +22,11 @@ attributes, text) with special tokens disabled, so text that spells ``<|end_of_m
 ordinary text and can never inject a control id. BPE never merges across pieces, so the
 attribute string is one piece, as the reference encoder has it.
 
+``render`` and ``turn`` take a ``limit``: a transcript that would hold more tokens raises
+:class:`~k3core.tokenizer.encoding.TokenLimitExceeded` as soon as that is known (a text too
+long to fit is refused before it is tokenized, and tokenizing stops at the limit), so an
+oversized request costs no more than the limit's worth of work.
+
 **Plain** is for tokenizers that do not name the XTML control tokens: ``Role: text`` blocks
 separated by a blank line, the generation prompt ``Assistant:``, and ``[EOS]`` (if the
 tokenizer names it) as the stop id.
@@ -33,11 +38,12 @@ forced by name.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from k3core.api.errors import UsageError
-from k3core.tokenizer.encoding import Tokenizer
+from k3core.tokenizer.encoding import TokenBudget, Tokenizer, TokenLimitExceeded
 
 ROLES = ("system", "user", "assistant")
 EFFORTS = ("low", "high", "max")
@@ -82,15 +88,33 @@ class ChatFormat:
     """A chat format over one tokenizer (the base holds what both formats share)."""
 
     name = "base"
+    _budget: TokenBudget | None = None
 
     def __init__(self, tok: Tokenizer):
         self.tok = tok
         self.stop_ids: tuple[int, ...] = ()
 
     # ---- rendering ----------------------------------------------------------------------
+    def within(self, limit: int) -> ChatFormat:
+        """A copy of this format that renders at most ``limit`` tokens (then raises
+        :class:`TokenLimitExceeded`); the format itself is left as it is."""
+        fmt = copy.copy(self)
+        fmt._budget = TokenBudget(limit)
+        return fmt
+
+    def checked(self, ids: list[int]) -> list[int]:
+        """``ids`` so far, counted against the budget (a no-op without one)."""
+        budget = self._budget
+        if budget is not None:
+            budget.used = max(budget.used, len(ids))
+            if len(ids) > budget.limit:
+                raise TokenLimitExceeded(budget.limit, len(ids),
+                                         f"the transcript reached {len(ids):,} tokens")
+        return ids
+
     def text(self, s: str) -> list[int]:
         """Ordinary text: special tokens disabled."""
-        return self.tok.encode(s, allow_special=False) if s else []
+        return self.tok.encode(s, allow_special=False, limit=self._budget) if s else []
 
     def preamble(self) -> list[int]:
         """Ids before the first message."""
@@ -102,21 +126,29 @@ class ChatFormat:
     def generation_prompt(self) -> list[int]:
         raise NotImplementedError
 
-    def render(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> list[int]:
+    def render(self, messages: Sequence[Message], add_generation_prompt: bool = True,
+               limit: int | None = None) -> list[int]:
         """The whole transcript: preamble, every message, and (by default) the generation prompt."""
-        ids = self.preamble()
+        if limit is not None:
+            return self.within(limit).render(messages, add_generation_prompt)
+        ids = self.checked(self.preamble())
         for m in messages:
             ids += self.message(m)
+            self.checked(ids)
         if add_generation_prompt:
             ids += self.generation_prompt()
-        return ids
+        return self.checked(ids)
 
-    def turn(self, messages: Sequence[Message]) -> list[int]:
+    def turn(self, messages: Sequence[Message], limit: int | None = None) -> list[int]:
         """What a later turn appends to a carried conversation: its messages, then the prompt."""
+        if limit is not None:
+            return self.within(limit).turn(messages)
         ids: list[int] = []
         for m in messages:
             ids += self.message(m)
-        return ids + self.generation_prompt()
+            self.checked(ids)
+        ids += self.generation_prompt()
+        return self.checked(ids)
 
     # ---- reading a reply ---------------------------------------------------------------
     def parse_reply(self, ids: Sequence[int]) -> Reply:

@@ -25,6 +25,7 @@ from typing import Any
 from k3core.api.errors import UsageError
 from k3core.serve.chat_format import ChatFormat, Message, Reply
 from k3core.serve.service import TextSink
+from k3core.tokenizer.encoding import TokenLimitExceeded
 
 
 @dataclass
@@ -55,19 +56,23 @@ class Conversation:
         self.session.reset()
         self.turns, self.reply_start = 0, None
 
-    def opening(self) -> list[int]:
-        ids = self.fmt.preamble()
+    def opening(self, fmt: ChatFormat | None = None) -> list[int]:
+        fmt = fmt or self.fmt
+        ids = fmt.preamble()
         if self.system:
-            ids += self.fmt.message(Message("system", self.system))
+            ids += fmt.message(Message("system", self.system))
         return ids
 
-    def turn_ids(self, text: str) -> list[int]:
-        """The ids a user message adds to the conversation (closing an unfinished reply first)."""
+    def turn_ids(self, text: str, limit: int | None = None) -> list[int]:
+        """The ids a user message adds to the conversation (closing an unfinished reply first);
+        past ``limit`` of them, :class:`TokenLimitExceeded` without tokenizing the rest."""
+        fmt = self.fmt if limit is None else self.fmt.within(limit)
         ids = self.session.ids
-        new: list[int] = self.opening() if not ids else []
+        new: list[int] = self.opening(fmt) if not ids else []
         if self.reply_start is not None:
             new += self.fmt.close_reply(ids[self.reply_start:])
-        return new + self.fmt.turn([Message("user", text)])
+        fmt.checked(new)
+        return fmt.checked(new + fmt.turn([Message("user", text)]))
 
     def say(self, text: str, max_tokens: int, sampling: dict[str, Any] | None = None,
             on_piece: Callable[[dict[str, str]], None] | None = None,
@@ -76,8 +81,14 @@ class Conversation:
         import time
 
         t0 = time.perf_counter()
-        new = self.turn_ids(text)
         before = len(self.session.ids)
+        fits = max(self.context - before - 1, 0)  # what may be added, leaving one id to generate
+        try:
+            new = self.turn_ids(text, limit=fits)
+        except TokenLimitExceeded as exc:
+            raise UsageError(f"this message adds more than the {fits:,} tokens left in the context of "
+                             f"{self.context} (the conversation holds {before}; {exc.how}); send less, "
+                             "or /reset to start over") from None
         room = self.context - before - len(new)
         if room < 1:
             raise UsageError(f"the conversation holds {before} tokens and this message adds {len(new)}: "

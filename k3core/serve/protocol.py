@@ -2,7 +2,9 @@
 
 Requests are checked strictly: an unknown field, a wrong type or an out-of-range value is a
 400 with an OpenAI-style error body (``{"error": {"message", "type", "param", "code"}}``)
-naming the field. Fields OpenAI clients commonly send are accepted at the values k3 can
+naming the field. Types are JSON's own, never coerced: a string where a number or a boolean
+belongs is refused, a boolean is not a number (``"max_tokens": true``, ``"n": true``), a
+number is not a boolean (``"echo": 0``); a whole-number float is not an integer. Fields OpenAI clients commonly send are accepted at the values k3 can
 honour (``n`` 1, ``echo`` false, penalties 0, no logprobs, no tools) and refused otherwise,
 so a request is never silently answered as something else.
 
@@ -12,9 +14,9 @@ Sampling follows ``k3 run``: greedy unless ``temperature`` (> 0), ``top_p``, ``t
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
 
 MAX_STOP_STRINGS = 4
 MAX_STOP_CHARS = 256
@@ -37,10 +39,41 @@ class APIError(Exception):
                           "code": self.code}}
 
 
+def _field_path(loc: tuple[Any, ...]) -> str:
+    """``messages.0.content``: the request's own field names and list indices, without the
+    union members pydantic names on the way (``str``, ``list[int]``, ``TextPart``...)."""
+    parts = []
+    for p in loc:
+        if isinstance(p, int) or (isinstance(p, str) and p.isidentifier() and p.islower()
+                                  and p not in _TYPE_TAGS):
+            parts.append(str(p))
+    return ".".join(parts)
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "literal"}
+
+
+def json_kind(value: Any) -> str:
+    """What a JSON value is, in JSON's words."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        return "an array"
+    return "an object" if isinstance(value, dict) else type(value).__name__
+
+
 def validation_error(exc: ValidationError) -> APIError:
-    """The first problem pydantic found, as one 400."""
-    err = exc.errors(include_url=False)[0]
-    loc = ".".join(str(p) for p in err.get("loc", ()))
+    """The most specific problem pydantic found (the deepest; for a field of several types,
+    the member that got furthest), as one 400 naming the field."""
+    errors = exc.errors(include_url=False)
+    err = max(errors, key=lambda e: len(e.get("loc", ())))  # the first of the deepest
+    loc = _field_path(tuple(err.get("loc", ())))
     kind = err.get("type", "")
     if kind == "extra_forbidden":
         msg = f"unknown field {loc!r}"
@@ -49,13 +82,40 @@ def validation_error(exc: ValidationError) -> APIError:
         msg = f"missing required field {loc!r}"
         code = "missing_field"
     else:
-        msg = f"{loc}: {err.get('msg', 'invalid value')}" if loc else err.get("msg", "invalid request")
+        text = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
+        got = err.get("input")
+        if kind == "literal_error" and isinstance(got, str):
+            text += f", got {got[:40]!r}"
+        elif kind.endswith("_type") or kind == "literal_error":
+            text += f", got {json_kind(got)}"
+        msg = f"{loc}: {text}" if loc else text
         code = "invalid_value"
     return APIError(400, msg, param=loc or None, code=code)
 
 
+def _not_a_number(v: Any) -> Any:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise ValueError(f"Input should be a number, got {json_kind(v)}")
+    return v
+
+
+def _not_a_bool(v: Any) -> Any:
+    if v is not None and not isinstance(v, bool):
+        raise ValueError(f"Input should be a boolean, got {json_kind(v)}")
+    return v
+
+
+#: literal fields checked for their JSON type first (a literal alone takes ``true`` for ``1``)
+One = Annotated[Literal[1], BeforeValidator(_not_a_number)]
+Zero = Annotated[Literal[0], BeforeValidator(_not_a_number)]
+No = Annotated[Literal[False], BeforeValidator(_not_a_bool)]
+
+
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=False)
+    """JSON types as they are: pydantic's strict mode (no string to number or boolean, no
+    boolean to number)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class StreamOptions(_Strict):
@@ -72,10 +132,10 @@ class _Sampling(_Strict):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: Literal[1] = 1
+    n: One = 1
     user: str | None = None
-    presence_penalty: Literal[0] = 0
-    frequency_penalty: Literal[0] = 0
+    presence_penalty: Zero = 0
+    frequency_penalty: Zero = 0
     logit_bias: dict[str, float] | None = None
     stop_token_ids: list[int] | None = Field(None, max_length=8)
     ignore_eos: bool = False
@@ -111,9 +171,9 @@ class _Sampling(_Strict):
 
 class CompletionRequest(_Sampling):
     prompt: str | list[int] | list[str] | list[list[int]]
-    echo: Literal[False] = False
+    echo: No = False
     logprobs: None = None
-    best_of: Literal[1] | None = None
+    best_of: One | None = None
     suffix: None = None
 
     @field_validator("prompt")
@@ -154,7 +214,7 @@ class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessageIn] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=0)
     reasoning_effort: Literal["none", "low", "high", "max"] | None = None
-    logprobs: Literal[False] | None = None
+    logprobs: No | None = None
     top_logprobs: None = None
     response_format: ResponseFormat | None = None
     tools: None = None

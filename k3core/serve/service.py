@@ -16,7 +16,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any, NoReturn, cast
 
 from k3core.api.errors import UsageError
 from k3core.model.generate import Step
@@ -25,7 +25,7 @@ from k3core.run.stops import TextStream
 from k3core.serve.chat_format import ChatFormat, Message, ReplyStream, chat_format_for
 from k3core.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest
 from k3core.serve.worker import Job, Outcome, Worker
-from k3core.tokenizer.encoding import Tokenizer
+from k3core.tokenizer.encoding import Tokenizer, TokenLimitExceeded
 
 #: the most tokens one request may generate (``k3 run --gen``'s ceiling)
 MAX_GEN = 4096
@@ -140,16 +140,23 @@ class Service:
     # ---- requests -------------------------------------------------------------------------
     def completion_job(self, req: CompletionRequest) -> Prepared:
         self.check_model(req.model)
+        max_tokens = DEFAULT_COMPLETION_TOKENS if req.max_tokens is None else req.max_tokens
+        self._check_gen(max_tokens)
+        fits = max(self.worker.context - max_tokens, 0)  # the prompt tokens that can fit
         prompt = req.prompt
         if isinstance(prompt, str):
-            ids = self.tok.encode(prompt)
+            try:
+                ids = self.tok.encode(prompt, limit=fits)
+            except TokenLimitExceeded as exc:
+                self._too_long(exc, max_tokens, "prompt")
         else:
+            if len(prompt) > fits:
+                self._context_error(len(prompt), max_tokens, "prompt")
             ids = [int(i) for i in cast("list[int]", prompt)]
             bad = [i for i in ids if not 0 <= i < self.vocab]
             if bad:
                 raise APIError(400, f"token id {bad[0]} is outside the vocabulary 0..{self.vocab - 1}",
                                param="prompt", code="invalid_value")
-        max_tokens = DEFAULT_COMPLETION_TOKENS if req.max_tokens is None else req.max_tokens
         return self._prepare("completion", ids, max_tokens, req, list(req.stop_token_ids or []), None)
 
     def chat_job(self, req: ChatCompletionRequest) -> Prepared:
@@ -162,20 +169,37 @@ class Service:
                 raise APIError(400, "reasoning_content is only for assistant messages",
                                param="messages", code="invalid_value")
             messages.append(Message(role, m.text, m.reasoning_content))
-        ids = fmt.render(messages)
         limit = req.limit
+        if limit is not None:
+            self._check_gen(limit)
+        fits = max(self.worker.context - (1 if limit is None else limit), 0)
+        try:
+            ids = fmt.render(messages, limit=fits)
+        except TokenLimitExceeded as exc:
+            self._too_long(exc, 1 if limit is None else limit, "messages")
         if limit is None:
             limit = min(MAX_GEN, self.worker.context - len(ids))
-            if limit <= 0:
-                self._context_error(len(ids), 1)
         stop_ids = list(fmt.stop_ids) + list(req.stop_token_ids or [])
         return self._prepare("chat", ids, limit, req, stop_ids, fmt)
 
-    def _context_error(self, n_prompt: int, max_tokens: int) -> None:
+    @staticmethod
+    def _check_gen(max_tokens: int) -> None:
+        if max_tokens > MAX_GEN:
+            raise APIError(400, f"max_tokens must be at most {MAX_GEN}, got {max_tokens}",
+                           param="max_tokens", code="invalid_value")
+
+    def _context_error(self, n_prompt: int, max_tokens: int, param: str) -> NoReturn:
         raise APIError(400, f"this request needs {n_prompt} prompt tokens + {max_tokens} to generate "
                             f"= {n_prompt + max_tokens}, over the model's context of "
                             f"{self.worker.context} tokens; send a shorter prompt or a smaller max_tokens",
-                       param="messages" if max_tokens else "prompt", code="context_length_exceeded")
+                       param=param, code="context_length_exceeded")
+
+    def _too_long(self, exc: TokenLimitExceeded, max_tokens: int, param: str) -> NoReturn:
+        """The prompt was found too long before it was tokenized in full."""
+        raise APIError(400, f"the prompt holds more than {exc.limit} tokens ({exc.how}): with "
+                            f"{max_tokens} to generate it is over the model's context of "
+                            f"{self.worker.context} tokens; send a shorter prompt or a smaller max_tokens",
+                       param=param, code="context_length_exceeded")
 
     def _prepare(self, kind: str, ids: list[int], max_tokens: int,
                  req: CompletionRequest | ChatCompletionRequest, stop_ids: list[int],
@@ -183,11 +207,9 @@ class Service:
         if not ids:
             raise APIError(400, "the prompt is empty: nothing to feed the model", param="prompt",
                            code="invalid_value")
-        if max_tokens > MAX_GEN:
-            raise APIError(400, f"max_tokens must be at most {MAX_GEN}, got {max_tokens}",
-                           param="max_tokens", code="invalid_value")
+        self._check_gen(max_tokens)
         if len(ids) + max_tokens > self.worker.context:
-            self._context_error(len(ids), max_tokens)
+            self._context_error(len(ids), max_tokens, "prompt" if kind == "completion" else "messages")
         bad = [s for s in stop_ids if not 0 <= s < self.vocab]
         if bad:
             raise APIError(400, f"stop token id {bad[0]} is outside the vocabulary 0..{self.vocab - 1}",

@@ -22,6 +22,7 @@ steady-state steps (the child's ``--out`` carries per-step trunk figures).
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import math
 import os
@@ -29,7 +30,6 @@ import resource
 import statistics
 import subprocess
 import sys
-import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -359,17 +359,12 @@ def write_plot(path: Path, rungs: Sequence[Rung], title: str) -> None:
     fig.legend(h1 + h2, l1 + l2, fontsize=7, loc="lower center", ncol=3)
     fig.subplots_adjust(bottom=0.25)
     ax.set_title(title, fontsize=9)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".png", dir=path.parent)
-    os.close(fd)
+    png = io.BytesIO()
     try:
-        fig.savefig(tmp, format="png")
-        os.replace(tmp, path)
-    except OSError as exc:
-        raise OutputError(f"cannot write {path}: {exc.strerror or exc}") from None
+        fig.savefig(png, format="png")
     finally:
         plt.close(fig)
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
+    write_bytes_atomic(path, png.getvalue(), "ladder.png")
 
 
 def bound_lines(rungs: Sequence[Rung]) -> list[str]:
