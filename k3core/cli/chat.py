@@ -80,12 +80,14 @@ def chat(
     """Talk with MODEL_DIR: state carried between turns, /save and /load."""
     if not 1 <= max_tokens <= 4096:
         raise UsageError(f"--max-tokens must be in 1..4096, got {max_tokens}")
+    from k3core.model.sampling import check_sampling
     from k3core.model.speculative import DEFAULT_NGRAM, DEFAULT_WIDTH, check_spec
     from k3core.serve.chat_format import chat_format_for, check_format_options
     from k3core.serve.conversation import Conversation
     from k3core.serve.loading import check_context, open_engine_for
 
     check_spec(spec, DEFAULT_WIDTH, DEFAULT_NGRAM)
+    check_sampling(temperature, top_p, top_k, seed)  # before the engine opens, not per turn
     check_context(context)
     check_format_options(chat_format, think, thinking_effort)
     engine = open_engine_for(model_dir, context, tok=tok, preset=preset, trunk=trunk, backend=backend,
