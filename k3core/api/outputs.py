@@ -227,6 +227,14 @@ def check_output(path: str | Path, what: str, *, inputs: Iterable[InputSpec] = (
     return check_outputs([(path, what)], inputs=inputs)[0]
 
 
+def refuse_inputs(path: str | Path, what: str, inputs: Iterable[InputSpec]) -> None:
+    """The input half of :func:`check_outputs` alone, for an output whose directory may not
+    exist yet (its writer makes it): refuse ``path`` if it is or lands inside an input."""
+    t = target(path, what)
+    if t.kind != "stream":
+        _check_not_an_input(t, _inputs(inputs))
+
+
 def _check_not_an_input(t: OutputTarget, reads: list[_Input]) -> None:
     where = Path(os.path.realpath(t.real))
     ident = t.identity()

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import os
 import statistics
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -47,7 +46,7 @@ from typing import Any
 import yaml
 
 from k3core.api.errors import K3Error, OutputError, UsageError
-from k3core.api.filemode import give_new_file_mode
+from k3core.api.outputs import check_output, refuse_inputs, write_bytes_atomic
 from k3core.model.config import load_config
 from k3core.plugins.registry import get_registry
 from k3core.run.engine import Engine
@@ -280,7 +279,13 @@ def check_name(o: TuneOptions) -> Path:
                               "would shadow it (--force does, --name picks another)")
     if path.parent.exists() and not path.parent.is_dir():
         raise OutputError(f"cannot write preset {path}: {path.parent} is not a directory")
+    refuse_inputs(path, "preset", _reads(o))
     return path
+
+
+def _reads(o: TuneOptions) -> list[tuple[Any, str]]:
+    """What the trials read, which the preset may not replace."""
+    return [(o.model_dir, "MODEL_DIR"), (o.trunk, "--trunk")]
 
 
 def run_trial(o: TuneOptions, setting: dict[str, Any]) -> Trial:
@@ -376,7 +381,7 @@ def tune(o: TuneOptions, progress: Progress | None = None,
     doc = _preset_doc(o, setting, best_timing)
     text = yaml.safe_dump(doc, sort_keys=False, allow_unicode=False, width=1000)
     parse_preset(text, str(path))  # the file is a valid preset before it is written
-    _write_atomic(path, text)
+    _write_atomic(path, text, _reads(o))
     return TuneResult(ref, trials, {"name": o.name, **setting}, best_timing.median, path, text,
                       budgets, decisions, o.repeat)
 
@@ -472,22 +477,10 @@ def _preset_doc(o: TuneOptions, setting: dict[str, Any], timing: Timing) -> dict
     return doc
 
 
-def _write_atomic(path: Path, text: str) -> None:
+def _write_atomic(path: Path, text: str, reads: list[tuple[Any, str]]) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     except OSError as exc:
         raise OutputError(f"cannot write preset {path}: {exc.strerror or exc}") from None
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            give_new_file_mode(f.fileno())
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except OSError as exc:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise OutputError(f"cannot write preset {path}: {exc.strerror or exc}") from None
+    check_output(path, "preset", inputs=reads)
+    write_bytes_atomic(path, text.encode("utf-8"), "preset")
