@@ -15,6 +15,7 @@ import typer
 from k3core.api.errors import UsageError
 from k3core.api.units import check_gb
 from k3core.cli.guard import guarded
+from k3core.cli.progress import Progress
 
 
 @guarded
@@ -36,6 +37,7 @@ def tune(
     repeat: int = typer.Option(3, "--repeat", help="Timed runs per option, alternating (2..20); a candidate is kept only when its worst run beats the baseline's best."),
     force: bool = typer.Option(False, "--force", help="Replace a preset of that name."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress on stderr."),
 ) -> None:
     """Time short decodes per candidate setting; write what wins beyond noise with the reference's ids."""
     from k3core.run.prompt import parse_ids
@@ -64,7 +66,9 @@ def tune(
                        expert_readers=expert_readers, lookahead=lookahead, spec=spec,
                        spec_width=spec_width, name=name,
                        ids=prompt, gen=gen, repeat=repeat, force=force)
-    result = run_tune(opts, progress=lambda s: print(f"tune: {s}", file=sys.stderr))
+    with Progress("tune", unit="run", quiet=quiet) as bar:
+        result = run_tune(opts, progress=lambda s: bar.note(f"tune: {s}"),
+                          on_run=lambda done, planned: bar.update(done, planned))
     for line in result.table_lines():
         print(line, file=sys.stderr)
     if as_json:

@@ -36,6 +36,7 @@ from k3core.tools.doctor.disk_probe import (
     DEFAULT_PROBE_BYTES,
     DiskMeasure,
     default_measure,
+    remove_probe_file,
     write_probe_file,
 )
 from k3core.tools.doctor.model import Check, ModelCheck, Status, check_model
@@ -204,7 +205,7 @@ def check_disk(r: DoctorReport, where: Path, probe_target: Path | None,
         return 0.0
     finally:
         if scratch is not None:
-            scratch.unlink(missing_ok=True)
+            remove_probe_file(scratch)
     if not results:
         r.add("disk", "read bandwidth", "info", f"not measured: {probe_target} is too small")
     where_read = f"scratch file in {probe_target.parent}, removed" if scratch else str(probe_target)
