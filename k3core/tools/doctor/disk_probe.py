@@ -15,6 +15,7 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
+from k3core.api.partials import Partials, partial_path, sweep_stale
 from k3core.api.units import ALIGN
 from k3core.model.sizes import EXPERT_BYTES
 
@@ -64,20 +65,38 @@ def diskbench_measure(path: str | Path, *, max_bytes: int = DEFAULT_PROBE_BYTES,
     return out
 
 
+#: the doctor's scratch file, written as a partial (``.k3-doctor-probe.partial-PID``)
+PROBE_NAME = "k3-doctor-probe"
+_scratch = Partials()
+
+
 def write_probe_file(folder: Path, nbytes: int, on_bytes: Steps | None = None) -> Path:
     """A scratch file of ``nbytes`` random bytes in ``folder``, flushed to the device;
-    ``on_bytes(written, nbytes)`` after each chunk."""
-    path = folder / f".k3-doctor-probe-{os.getpid()}"
+    ``on_bytes(written, nbytes)`` after each chunk. It is a registered partial file
+    (:mod:`k3core.api.partials`): removed if writing it fails, on SIGTERM, and by the next
+    doctor if this process is killed; :func:`remove_probe_file` removes it after use."""
+    sweep_stale(folder, [PROBE_NAME])
+    path = _scratch.add(partial_path(folder / PROBE_NAME))
     chunk = os.urandom(min(nbytes, 8 << 20))
-    with open(path, "wb") as fh:
-        left = nbytes
-        if on_bytes is not None:
-            on_bytes(0, nbytes)
-        while left > 0:
-            fh.write(chunk[: min(left, len(chunk))])
-            left -= len(chunk)
+    try:
+        with open(path, "wb") as fh:
+            left = nbytes
             if on_bytes is not None:
-                on_bytes(nbytes - max(0, left), nbytes)
-        fh.flush()
-        os.fsync(fh.fileno())
+                on_bytes(0, nbytes)
+            while left > 0:
+                fh.write(chunk[: min(left, len(chunk))])
+                left -= len(chunk)
+                if on_bytes is not None:
+                    on_bytes(nbytes - max(0, left), nbytes)
+            fh.flush()
+            os.fsync(fh.fileno())
+    except BaseException:
+        remove_probe_file(path)
+        raise
     return path
+
+
+def remove_probe_file(path: Path) -> None:
+    """Remove the scratch file :func:`write_probe_file` made."""
+    path.unlink(missing_ok=True)
+    _scratch.keep(path)
