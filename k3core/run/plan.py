@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from k3core.api.errors import UsageError
-from k3core.api.units import ALIGN, gb_bytes
+from k3core.api.units import ALIGN, gb_bytes, human
 from k3core.experts.setup import CacheOptions
 from k3core.model.config import ModelConfig
 from k3core.model.sizes import sizes_from_config
@@ -107,13 +107,14 @@ class EnginePlan:
                 (self.tok_dir, "the tokenizer directory"), (preset_file, "the preset"),
                 (r.cache_trace, "--cache-trace")]
 
-    def lines(self, verbose: bool = False) -> list[str]:
-        """The report's plan block: model, preset, settings and their sources, memory."""
+    def lines(self, verbose: bool = False, short: bool = False) -> list[str]:
+        """The report's plan block: model, preset, settings and their sources, memory.
+        ``short`` (a terminal): no tokenizer or setting lines, the memory plan in one line."""
         from k3core import __version__
 
         out = [f"k3 {__version__}: Kimi K3, released checkpoint layout", self.cfg.describe(),
                f"model  : {self.model_dir}"]
-        if self.tok_dir is not None:
+        if self.tok_dir is not None and not short:
             out.append(f"tokenizer: {self.tok_dir}")
         if self.preset is not None:
             p = self.preset
@@ -122,12 +123,16 @@ class EnginePlan:
                        "; without --trunk the trunk is resident, so only the cache budget applies"))
         d = self.merged.settings.model_dump()
         for k, src in self.merged.sources.items():
-            if src != "default" or verbose:
+            if (src != "default" or verbose) and not short:
                 out.append(f"setting: {k} = {d[k]}  ({src})")
         if self.request.layers is not None:
             out.append(f"NOTE: only the first {self.request.layers} of {self.cfg.n_layers} layers "
                        "run; this is not the full model")
-        if self.memory is not None:
+        if self.memory is not None and short:
+            m = self.memory
+            out.append(f"memory : {human(m.total)} planned of {human(m.available)} available "
+                       "(-v: the memory plan)")
+        elif self.memory is not None:
             out += self.memory.lines()
         return out
 
@@ -193,8 +198,8 @@ class RunPlan:
     prompt_ids: list[int]
     prompt_how: str
 
-    def lines(self, verbose: bool = False) -> list[str]:
-        out = self.engine.lines(verbose)
+    def lines(self, verbose: bool = False, short: bool = False) -> list[str]:
+        out = self.engine.lines(verbose, short)
         mode = " (incremental)" if self.engine.incremental else " (full recompute)"
         out.insert(3, f"prompt : {self.prompt_how}; {self.generating()}{mode}")
         return out

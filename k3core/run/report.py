@@ -5,10 +5,22 @@ The generated text goes to stdout as tokens arrive (never half a UTF-8 character
 per-step table and the summary go to stderr, printed with rich so they read well in a
 terminal and stay plain text when piped. Every figure printed is also in the run record
 (:func:`run_record`: ``--out`` JSON, and ``Generation.report`` in the Python API).
+
+How much goes to stderr depends on where it lands (:class:`RunReport`):
+
+* stderr is not a terminal (a file, a pipe, a script capturing it): everything, as always:
+  the plan with its memory table, the per-step table, the whole summary;
+* stderr is a terminal: a short plan (the memory plan in one line) and a short summary of a
+  few lines, like llama.cpp's timings (tokens, s/token, tokens/s, prefill, expert-cache
+  hits, peak RSS); ``-v`` prints everything;
+* the per-step table is left out only when stdout and stderr are the same terminal (its rows
+  would cut through the text), unless ``-v``: ``k3 run ... > answer.txt`` in a terminal
+  still shows it.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -44,25 +56,72 @@ class StepRow:
     text: str = ""
 
 
+def _fd(stream: object) -> int | None:
+    try:
+        fd = stream.fileno()  # type: ignore[attr-defined]
+    except (AttributeError, OSError, ValueError):  # a captured stream has no descriptor
+        return None
+    return fd if isinstance(fd, int) else None
+
+
+def on_terminal(stream: object) -> bool:
+    """``stream`` writes to a terminal."""
+    fd = _fd(stream)
+    return fd is not None and os.isatty(fd)
+
+
+def same_terminal(a: object, b: object) -> bool:
+    """``a`` and ``b`` write to one terminal (the same device: ``st_rdev`` and ``st_ino``)."""
+    fa, fb = _fd(a), _fd(b)
+    if fa is None or fb is None or not (os.isatty(fa) and os.isatty(fb)):
+        return False
+    try:
+        sa, sb = os.fstat(fa), os.fstat(fb)
+    except OSError:
+        return False
+    return (sa.st_rdev, sa.st_ino, sa.st_dev) == (sb.st_rdev, sb.st_ino, sb.st_dev)
+
+
 @dataclass
 class RunReport:
     """Where a run's output goes: the text on stdout, everything else on stderr.
 
     ``verbosity`` -1 (``-q``) prints nothing on stderr, 0 the plan, the per-step table and
     the summary, 1 (``-v``) adds every setting with its source and the generated text again.
+    ``terminal`` (stderr is a terminal) shortens the plan and the summary, ``shared``
+    (stdout and stderr are the same terminal) leaves out the per-step table; both are read
+    from the process's streams unless given, and ``-v`` overrides both (see the module).
     """
 
     verbosity: int = 0
     err: Console = field(default_factory=lambda: Console(stderr=True, highlight=False,
                                                          soft_wrap=True))
     rows: list[StepRow] = field(default_factory=list)
+    terminal: bool | None = None
+    shared: bool | None = None
     _last: tuple[int, int, int] = (0, 0, 0)
     _tail: str = ""
     _stdout_gone: bool = False
 
+    def __post_init__(self) -> None:
+        if self.terminal is None:
+            self.terminal = on_terminal(sys.stderr)
+        if self.shared is None:
+            self.shared = same_terminal(sys.stdout, sys.stderr)
+
     @property
     def verbose(self) -> bool:
         return self.verbosity > 0
+
+    @property
+    def detail(self) -> bool:
+        """The whole plan and summary: ``-v``, or stderr is not a terminal."""
+        return self.verbose or not self.terminal
+
+    @property
+    def show_steps(self) -> bool:
+        """The live per-step table: ``-v``, or stdout is not the terminal stderr shows."""
+        return self.verbose or (self.verbosity == 0 and not self.shared)
 
     def line(self, text: str = "", level: int = 0) -> None:
         if self.verbosity >= level:
@@ -106,7 +165,9 @@ class RunReport:
 
     # ---- the live per-step table, on stderr ---------------------------------------------------
     def step_header(self) -> None:
-        self.line(f"{'STEP':>5} {'TOKEN':>8} {'SECONDS':>9} {'CACHE HIT':>9} {'READ GB':>8} {'TOK/S':>7}  TEXT")
+        if self.show_steps:
+            self.line(f"{'STEP':>5} {'TOKEN':>8} {'SECONDS':>9} {'CACHE HIT':>9} {'READ GB':>8} "
+                      f"{'TOK/S':>7}  TEXT")
 
     def step(self, step: int, token: int, seconds: float, stats: ExpertStats | None, text: str = "") -> None:
         hit, read = None, 0.0
@@ -118,6 +179,8 @@ class RunReport:
             read = dbytes / 1e9
         row = StepRow(step, token, seconds, hit, read, text)
         self.rows.append(row)
+        if not self.show_steps:
+            return
         hit_s = f"{100 * hit:8.1f}%" if hit is not None else f"{'-':>9}"
         shown = text.replace("\n", "\\n")
         self.line(
@@ -130,8 +193,17 @@ class RunReport:
 
     # ---- before and after the loop ------------------------------------------------------------
     def engine_lines(self, engine: Bound) -> None:
-        """What was opened: plugins, index and bind times, trunk, expert cache, RSS."""
+        """What was opened: plugins, index and bind times, trunk, expert cache, RSS (in a
+        terminal: the plugins, the notes that are not already said and the trunk plan)."""
         self.line(engine.settings_line)
+        if not self.detail:
+            for note in engine.notes:
+                if not note.startswith("auto picked"):  # the settings line names the pick
+                    self.note(note)
+            for line in engine.trunk_lines:
+                if line.startswith(("trunk plan", "WARNING")):
+                    self.line(line)
+            return
         for note in engine.notes:
             self.note(note)
         cache = engine.experts if isinstance(engine.experts, ExpertCache) else None
@@ -152,8 +224,11 @@ class RunReport:
                   "forecast; this is measured)")
 
     def summary(self, engine: Bound, gen: Generation, max_tokens: int) -> None:
-        """The closing block: tokens and time, why it stopped, ids, cache, trunk, I/O, RSS."""
-        model, stats = engine.model, engine.experts.stats
+        """The closing block: tokens and time, why it stopped, ids, cache, trunk, I/O, RSS
+        (in a terminal without ``-v``: :meth:`short_summary`)."""
+        if not self.detail:
+            self.short_summary(engine, gen, max_tokens)
+            return
         self.line("-" * 60)
         if gen.interrupted:
             self.line(f"interrupted after {len(gen.ids)} of {max_tokens} tokens")
@@ -162,7 +237,44 @@ class RunReport:
                       f"{gen.prefill_seconds:.2f} s")
         else:
             self.line(f"{len(gen.ids)} tokens in {gen.wall_seconds:.2f} s, "
-                      f"{gen.seconds_per_token:.3f} s/token average")
+                      f"{gen.seconds_per_token:.3f} s/token average, "
+                      f"{_rate(len(gen.ids), gen.wall_seconds)} tokens/s")
+        self._stop_line(gen, max_tokens)
+        self._rest_of_summary(engine, gen)
+
+    def short_summary(self, engine: Bound, gen: Generation, max_tokens: int) -> None:
+        """A few lines after the text, like llama.cpp's timings: the prefill (the prompt's
+        pass, which also makes the first token), the decode steps after it, the total, why
+        it stopped when not at ``--gen``, the expert cache's hits, the peak RSS."""
+        stats = engine.experts.stats
+        self.line("-" * 60)
+        n = len(gen.ids)
+        if gen.interrupted:
+            self.line(f"interrupted after {n} of {max_tokens} tokens")
+        if not gen.steps:
+            self.line(f"prefill : {gen.prefill_ids} ids in {gen.prefill_seconds:.3f} s "
+                      f"({_rate(gen.prefill_ids, gen.prefill_seconds)} ids/s), nothing generated")
+        else:
+            first, rest = gen.steps[0].seconds, gen.steps[1:]
+            self.line(f"prefill : {gen.prefill_ids} ids in {first:.3f} s "
+                      f"({_rate(gen.prefill_ids, first)} ids/s), the first token with them")
+            if rest:
+                took = sum(st.seconds for st in rest)
+                self.line(f"decode  : {len(rest)} tokens in {took:.3f} s, "
+                          f"{took / len(rest):.3f} s/token, {_rate(len(rest), took)} tokens/s")
+            self.line(f"total   : {n} tokens in {gen.wall_seconds:.2f} s, "
+                      f"{gen.seconds_per_token:.3f} s/token, "
+                      f"{_rate(n, gen.wall_seconds)} tokens/s")
+        self._stop_line(gen, max_tokens)
+        if gen.spec is not None:
+            self.line(gen.spec.line())
+        if stats.requests:
+            self.line(f"experts : {100 * stats.hits / stats.requests:.1f}% resident hits "
+                      f"({stats.hits} of {stats.requests}), {human(stats.bytes_read)} read")
+        self.line(f"peak RSS: {gb(peak_rss_bytes())}   (-v: the full report)")
+
+    def _stop_line(self, gen: Generation, max_tokens: int) -> None:
+        """Why it stopped, when not after ``--gen`` tokens (or a Ctrl-C, said already)."""
         if gen.stop_reason == "stop_id":
             self.line(f"stop id {gen.stopped_at} reached after {len(gen.ids)} of {max_tokens} tokens")
         elif gen.stop_reason == "eos":
@@ -173,6 +285,9 @@ class RunReport:
         elif gen.stop_reason == "context":
             self.line(f"the context is full after {len(gen.ids)} tokens (--context; without "
                       "it, the prompt + 4096)")
+
+    def _rest_of_summary(self, engine: Bound, gen: Generation) -> None:
+        model, stats = engine.model, engine.experts.stats
         self.line(f"generated ids: {','.join(map(str, gen.ids))}")
         if gen.spec is not None:
             self.line(gen.spec.line())
@@ -214,6 +329,10 @@ class RunReport:
         self.line(f"PEAK RSS for the whole run: {gb(peak_rss_bytes())}   <- quote this, not the plan")
         self.line(f"layers completed: {model.layers_completed}/{model.n_layers}; routed expert "
                   f"drops: {stats.drops}")
+
+
+def _rate(n: int, seconds: float) -> str:
+    return f"{n / seconds:.2f}" if seconds > 0 else "-"
 
 
 def run_record(engine: Bound, gen: Generation) -> dict[str, Any]:

@@ -29,7 +29,7 @@ def execute(r: RunRequest, rep: RunReport | None = None,
     ``remote`` computes the routed experts elsewhere (``k3core.cluster``)."""
     rep = rep or RunReport(r.verbosity)
     plan = plan_run(r)
-    for line in plan.lines(rep.verbose):
+    for line in plan.lines(rep.verbose, short=not rep.detail):
         rep.line(line)
     rep.line(f"request: {json.dumps(r.given())}", level=1)
     engine = Engine.from_plan(plan.engine, trace_dir=r.outputs.dump_cache_trace)
