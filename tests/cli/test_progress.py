@@ -44,8 +44,9 @@ def text(tmp_path_factory) -> Path:
     return p
 
 
-def k3(*args: object, every: str | None = "0", timeout: float = 120) -> subprocess.CompletedProcess:
-    env = dict(os.environ, K3_THREADS="1")
+def k3(*args: object, every: str | None = "0", timeout: float = 120,
+       env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    env = dict(os.environ, K3_THREADS="1", **(env or {}))
     env.pop("K3_PROGRESS_EVERY", None)
     if every is not None:
         env["K3_PROGRESS_EVERY"] = every
@@ -144,6 +145,27 @@ def test_download_reports_bytes_fetched_and_hashed(tmp_path):
         q = subprocess.run([*K3, "download", "org/m", str(tmp_path / "q"), "-q"], env=env,
                            capture_output=True, text=True, timeout=120)
         assert q.returncode == 0 and q.stderr == "" and q.stdout.startswith("OK: 2 files")
+
+
+def tune_args(model: Path) -> tuple[object, ...]:
+    """The shortest tune: one option a knob, two runs each (about 7 s here)."""
+    return ("tune", model, "--backend", "numpy", "--threads", "1", "--expert-readers", "1",
+            "--lookahead", "off", "--spec", "off", "--repeat", "2", "--gen", "2", "--force")
+
+
+def test_tune_reports_timed_runs(model, tmp_path):
+    res = k3(*tune_args(model), "--json", env={"K3_CONFIG_DIR": str(tmp_path)})
+    lines = check(res, "tune:")
+    done = re.search(r"tune: (\d+)/(\d+) runs \(100%\)", lines[-1])
+    assert done is not None and done.group(1) == done.group(2), lines
+    assert json.loads(res.stdout)["preset"] == "tuned"
+
+
+@pytest.mark.slow
+def test_tune_quiet(model, tmp_path):
+    q = k3(*tune_args(model), "-q", env={"K3_CONFIG_DIR": str(tmp_path)})
+    quiet(q, "tune:")
+    assert "tune: trying" not in q.stderr
 
 
 def test_terminal_redraws_one_line_and_ends_it(model, text):
