@@ -37,9 +37,9 @@ def render(report: DoctorReport, console: Console) -> None:
     else:
         warned = (f", [yellow]{report.warnings} warning(s)[/] above" if report.warnings
                   else "")
-        console.print(f"[bold green]result: no blocking problems[/]{warned} (preset "
-                      f"{report.preset}). Give a model directory to check it too: "
-                      "k3 doctor MODEL_DIR")
+        which = f"preset {report.preset}" if report.preset else "no preset fits"
+        console.print(f"[bold green]result: no blocking problems[/]{warned} ({which}). Give a "
+                      "model directory to check it too: k3 doctor MODEL_DIR")
     if report.next_commands and report.warnings:
         console.print(f"[yellow]{report.warnings} warning(s) above[/]")
 

@@ -1,5 +1,7 @@
-"""``k3 doctor``: a complete synthetic model passes and names the next command; an incomplete
-one, or a machine too small for even the ultra floor, exits 1 naming what is wrong."""
+"""``k3 doctor``: a complete synthetic model passes and names the next command (run it
+resident when it fits whole, else pack the trunk and run the preset that fits); an
+incomplete one, or a machine too small for even the ultra floor, exits 1 naming what is
+wrong."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from k3core.cli.app import app
 from k3core.model.config import ModelConfig
 from k3core.model.names import expert_name, layer_name
 from k3core.model.shapes import size_config
-from k3core.tools.doctor.machine import GIB, cpu_flags, preset_for_memory, run_doctor
+from k3core.tools.doctor.machine import GIB, cpu_flags, run_doctor
 from k3core.tools.synth.writer import synthesize, write_shard
 
 runner = CliRunner()
@@ -52,13 +54,23 @@ def test_complete_model_passes_and_names_the_next_command(model):
     res = runner.invoke(app, ["doctor", str(model), *FAST])
     assert res.exit_code == 0, res.output
     assert "result: ready" in res.output
-    assert f"k3 pack-trunk {model} {model}-trunk" in res.output
+    # the tiny model fits whole in this machine's memory: run it resident, pack nothing
+    assert "pack-trunk" not in res.output and "the whole of this model fits" in res.output
     run_line = next(ln for ln in res.output.splitlines() if "k3 run" in ln)
-    assert f"--trunk {model}-trunk --preset " in run_line and "--incremental" in run_line
+    assert "--trunk" not in run_line and "--preset" not in run_line
     assert "--tok" in run_line and "--prompt" in run_line  # synth writes a tokenizer
     for section in ("toolchain", "plugins", "cpu", "memory", "model", "disk", "fit"):
         assert f"\n{section}\n" in res.output
     assert "all 96 routed experts present" in res.output
+
+
+def test_a_model_that_does_not_fit_whole_is_told_to_pack_its_trunk(model):
+    r = run_doctor(model, disk_probe=False, available=60_000_000, total=120_000_000,
+                   baseline=40_000_000)
+    assert r.exit_code == 0 and r.verdict is not None and not r.verdict.resident
+    assert r.next_commands[0] == f"k3 pack-trunk {model} {model}-trunk"
+    assert f"--trunk {model}-trunk --preset {r.preset} " in r.next_commands[1]
+    assert "--incremental" in r.next_commands[1]
 
 
 def test_tokenizer_present_gives_a_prompt_command(copy):
@@ -66,7 +78,7 @@ def test_tokenizer_present_gives_a_prompt_command(copy):
     (copy / "tokenizer_config.json").write_text("{}")
     r = run_doctor(copy, disk_probe=False)
     assert r.exit_code == 0
-    assert f"--tok {copy} --prompt 'The capital of France is'" in r.next_commands[1]
+    assert f"--tok {copy} --prompt 'The capital of France is'" in r.next_commands[-1]
 
 
 def test_missing_shard_fails_naming_it(copy):
@@ -112,7 +124,7 @@ def test_injected_disk_measure_and_memory_mapping(model):
 
     r = run_doctor(model, measure=measure, available=40 * GIB, total=64 * GIB,
                    baseline=50_000_000)
-    assert r.exit_code == 0 and r.preset == "desktop"
+    assert r.exit_code == 0 and r.preset is None and r.to_json()["resident"]
     assert seen and seen[0].suffix == ".safetensors"  # the largest shard, read not written
     details = {c.name: c.detail for c in r.checks}
     assert details["read direct QD16"].startswith("3,200 MB/s")
@@ -124,15 +136,6 @@ def test_no_model_dir_writes_and_removes_a_probe_file(tmp_path, monkeypatch):
     assert r.exit_code == 0 and r.preset == "ultra"
     assert any(c.name == "preset" and c.status == "warn" for c in r.checks)
     assert list(tmp_path.iterdir()) == []
-
-
-def test_preset_mapping_thresholds():
-    assert preset_for_memory(192 * GIB) == "server"
-    assert preset_for_memory(192 * GIB - 1) == "workstation"
-    assert preset_for_memory(96 * GIB) == "workstation"
-    assert preset_for_memory(32 * GIB) == "desktop"
-    assert preset_for_memory(10 * GIB) == "laptop"
-    assert preset_for_memory(10 * GIB - 1) is None
 
 
 def test_cpu_flags_parser(tmp_path):

@@ -4,9 +4,15 @@ Sections: toolchain (Python, a C compiler for the compiled backends), plugins (e
 storage and cache plugin and why one is unavailable), CPU (cores, AVX2/FMA/AVX-512), memory
 (total, available, the preset that fits), disk (free space against the checkpoint and the
 packed trunk, read bandwidth measured the way the engine reads, see
-:mod:`k3core.tools.doctor.disk_probe`, and what that bandwidth means for each preset, see
-:mod:`k3core.tools.doctor.needs`), and given a model directory its completeness
-(:mod:`k3core.tools.doctor.model`) and whether even the ultra-low-memory floor fits.
+:mod:`k3core.tools.doctor.disk_probe`, and each preset rated on memory and that bandwidth
+together), and given a model directory its completeness (:mod:`k3core.tools.doctor.model`)
+and whether even the ultra-low-memory floor fits.
+
+The facts are gathered first (memory, the model's sizes, the bandwidth); every verdict is
+then one pure function of them (:func:`k3core.tools.doctor.verdict.judge`), so the memory
+line, each preset's line, the ``fit`` section and the next command agree, and they are
+scaled to the model given (a model that fits whole in memory is told to run resident: no
+packed trunk, no preset).
 
 Only blocking problems are ``fail`` (exit 1): an incomplete model directory, or a machine
 that cannot run the model at all. Everything else is a warning, and the result line counts
@@ -29,9 +35,12 @@ from typing import Any
 
 import psutil
 
-from k3core.api.units import align_up, human
+from k3core.api.units import human
+from k3core.model.config import ModelConfig
+from k3core.model.shapes import size_config
+from k3core.model.sizes import sizes_from_config
 from k3core.plugins.registry import KIND_WORDS, Registry, get_registry
-from k3core.run.memory_plan import MemoryRequest, plan_memory
+from k3core.run.memory_plan import process_rss
 from k3core.tools.doctor.disk_probe import (
     DEFAULT_PROBE_BYTES,
     DiskMeasure,
@@ -40,19 +49,12 @@ from k3core.tools.doctor.disk_probe import (
     write_probe_file,
 )
 from k3core.tools.doctor.model import Check, ModelCheck, Status, check_model
-from k3core.tools.doctor.needs import (
-    SLOW_SECONDS_PER_TOKEN,
-    checkpoint_bytes,
-    packed_trunk_bytes,
-    preset_reads,
-    released_sizes,
-)
+from k3core.tools.doctor.needs import checkpoint_bytes, packed_trunk_bytes, released_sizes
+from k3core.tools.doctor.verdict import MachineFacts, ModelFacts, Verdict, judge
 
 Progress = Callable[[str], None]
 
 GIB = 1 << 30
-#: the reference doctor's MemAvailable (GiB) -> preset mapping
-RAM_PRESETS = ((192, "server"), (96, "workstation"), (32, "desktop"), (10, "laptop"))
 REFERENCE_PROMPT = "The capital of France is"
 REFERENCE_IDS = (1008, 10484, 318, 15383, 387)
 
@@ -60,9 +62,11 @@ REFERENCE_IDS = (1008, 10484, 318, 15383, 387)
 @dataclass
 class DoctorReport:
     checks: list[Check] = field(default_factory=list)
-    preset: str = "ultra"
+    #: the recommended preset (None: the model runs resident without one, or none fits)
+    preset: str | None = None
     next_commands: list[str] = field(default_factory=list)
     model: ModelCheck | None = None
+    verdict: Verdict | None = None
 
     def add(self, section: str, name: str, status: Status, detail: str) -> None:
         self.checks.append(Check(section, name, status, detail))
@@ -84,19 +88,14 @@ class DoctorReport:
         return "fail" if self.failed else "ready" if self.next_commands else "ok"
 
     def to_json(self) -> dict[str, Any]:
+        v = self.verdict
         return {"result": self.result, "exit_code": self.exit_code,
                 "warnings": self.warnings, "preset": self.preset,
+                "resident": v.resident if v is not None else False,
+                "verdict": v.to_json() if v is not None else None,
                 "next_commands": list(self.next_commands),
                 "checks": [{"section": c.section, "name": c.name, "status": c.status,
                             "detail": c.detail} for c in self.checks]}
-
-
-def preset_for_memory(available: int) -> str | None:
-    """The reference mapping: the biggest preset whose MemAvailable threshold is met."""
-    for gib, name in RAM_PRESETS:
-        if available >= gib * GIB:
-            return name
-    return None
 
 
 def check_toolchain(r: DoctorReport) -> None:
@@ -161,19 +160,12 @@ def check_cpu(r: DoctorReport) -> None:
     r.add("cpu", "AVX-512", "info", "present" if have["avx512f"] else "absent (not needed)")
 
 
-def check_memory(r: DoctorReport, total: int, available: int) -> None:
-    preset = preset_for_memory(available)
+def check_memory(r: DoctorReport, total: int, available: int, v: Verdict) -> None:
+    """Total and available memory, and the one preset (or the resident run) that fits."""
     r.add("memory", "RAM", "ok", f"{human(total)} total, {human(available)} available "
           f"({available / GIB:.1f} GiB)")
-    if preset is None:
-        r.add("memory", "preset", "warn", f"{available / GIB:.1f} GiB available is below the "
-              "10 GiB floor of the ordinary path: only --preset ultra can run Kimi K3 here "
-              "(building and testing still work)")
-        r.preset = "ultra"
-    else:
-        r.add("memory", "preset", "ok", f"fits --preset {preset} (reference mapping: >=192 GiB "
-              "server, >=96 workstation, >=32 desktop, >=10 laptop)")
-        r.preset = preset
+    r.add("memory", "resident" if v.resident else "preset", v.memory_status, v.memory_detail)
+    r.preset = v.preset
 
 
 def check_disk(r: DoctorReport, where: Path, probe_target: Path | None,
@@ -214,8 +206,10 @@ def check_disk(r: DoctorReport, where: Path, probe_target: Path | None,
     return max((mbs for _, _, mbs in results), default=0.0)
 
 
-def check_space(r: DoctorReport, mc: ModelCheck | None, root: Path | None) -> None:
-    """Room for the checkpoint (when none is given) and for the packed trunk."""
+def check_space(r: DoctorReport, mc: ModelCheck | None, root: Path | None,
+                resident: bool = False) -> None:
+    """Room for the checkpoint (when none is given) and for the packed trunk (unless the
+    model runs resident: then it needs no packed trunk)."""
     sz = mc.sizes if mc is not None and mc.sizes is not None else None
     trunk = packed_trunk_bytes(sz or released_sizes())
     if sz is None:  # no model yet: room to download Kimi K3 and pack its trunk here
@@ -231,6 +225,8 @@ def check_space(r: DoctorReport, mc: ModelCheck | None, root: Path | None) -> No
                                         ": not enough here; download to a larger disk"))
         return
     assert root is not None
+    if resident:
+        return
     target = root.resolve().parent  # `k3 pack-trunk MODEL MODEL-trunk` writes beside it
     free = _free(target)
     if free is None:
@@ -241,59 +237,49 @@ def check_space(r: DoctorReport, mc: ModelCheck | None, root: Path | None) -> No
           + ("" if ok else ": pack it onto another disk (k3 pack-trunk MODEL_DIR OTHER_DIR)"))
 
 
-def rate_bandwidth(r: DoctorReport, mbs: float, mc: ModelCheck | None) -> None:
-    """Each shipped preset's reads per token against the measured bandwidth."""
-    if mbs <= 0:
+def rate_presets(r: DoctorReport, v: Verdict) -> None:
+    """Each preset on memory and read speed together (:func:`judge`); one line when the
+    model runs resident (nothing streams)."""
+    if v.resident:
+        r.add("disk", "reads per token", "ok", "none once loaded: the whole model stays in "
+              "memory (trunk resident, every expert cached), so the presets' streaming does "
+              "not apply")
         return
-    from k3core.run.presets import list_presets
-
-    sz = mc.sizes if mc is not None and mc.sizes is not None else released_sizes()
-    which = "this model" if mc is not None and mc.sizes is not None else "Kimi K3"
-    for p in list_presets(on_error=lambda e: None):
-        need = preset_reads(p, sz)
-        secs = need.seconds_at(mbs)
-        slow = secs > SLOW_SECONDS_PER_TOKEN
-        r.add("disk", f"preset {p.name}", "warn" if slow else "ok",
-              f"{which} reads ~{human(need.total)} per token ({need.pinned_layers}/"
-              f"{need.n_layers} trunk layers pinned; trunk {human(need.trunk_bytes)}, experts "
-              f"~{human(need.expert_bytes)} if routing were uniform): at {mbs:,.0f} MB/s that "
-              f"is >= {secs:.1f} s/token of reading" + (" (slow)" if slow else ""))
+    for p in v.presets:
+        r.add("disk", f"preset {p.name}", p.status, p.detail)
 
 
-def check_fit(r: DoctorReport, mc: ModelCheck, available: int, baseline: int | None) -> None:
-    """Fail when not even the ultra-low-memory floor fits; say whether the preset does."""
-    cfg, sz = mc.cfg, mc.sizes
-    if cfg is None or sz is None:
+def check_fit(r: DoctorReport, v: Verdict) -> None:
+    """Fail when not even the ultra-low-memory floor fits; say what the recommendation plans."""
+    avail = human(v.available)
+    if not v.floor_fits:
+        r.add("fit", "ultra floor", "fail", f"even --preset ultra plans {human(v.floor_planned)} "
+              f"and {avail} is available: this machine cannot run this model")
         return
-    floor = plan_memory(cfg, MemoryRequest(
-        streamed=True, trunk_budget=align_up(sz.largest_layer),
-        cache_bytes=(sz.topk + 1) * sz.expert_slot_bytes, prompt_len=32, gen=8,
-        incremental=False, ultra=True), sizes=sz, available=available, baseline=baseline)
-    if not floor.fits():
-        r.add("fit", "ultra floor", "fail", f"even --preset ultra plans {human(floor.total)} and "
-              f"{human(available)} is available: this machine cannot run this model")
+    r.add("fit", "ultra floor", "ok", f"--preset ultra plans {human(v.floor_planned)}")
+    if v.resident:
+        r.add("fit", "resident", "ok", f"plans {human(v.resident_planned)} of {avail} available "
+              "(trunk resident, every expert cached)")
         return
-    r.add("fit", "ultra floor", "ok", f"--preset ultra plans {human(floor.total)}")
-    from k3core.run.presets import load_preset
-
-    p = load_preset(r.preset)
-    plan = plan_memory(cfg, MemoryRequest(
-        streamed=True, trunk_budget=p.trunk_bytes, cache_bytes=p.cache_bytes, prompt_len=32,
-        gen=8, incremental=True, ultra=p.ultra_low_memory), sizes=sz, available=available,
-        baseline=baseline)
-    status: Status = "ok" if plan.fits() else "warn"
-    r.add("fit", f"preset {p.name}", status, f"plans {human(plan.total)} of {human(available)} "
-          "available" + ("" if plan.fits() else "; use --preset ultra or auto"))
-    if not plan.fits():
-        r.preset = "ultra"
+    pv = v.preset_verdict(v.preset) if v.preset is not None else None
+    if pv is None:
+        r.add("fit", "presets", "warn", f"none of the presets fits in {avail} available (see "
+              "memory above)")
+        return
+    r.add("fit", f"preset {pv.name}", "ok", f"plans {human(pv.planned)} of {avail} available")
 
 
-def next_commands(model_dir: Path, preset: str, mc: ModelCheck) -> list[str]:
+def next_commands(model_dir: Path, preset: str | None, mc: ModelCheck) -> list[str]:
+    """Pack the trunk and run with ``preset``; with ``None`` (the model runs resident) just
+    run it."""
     model = str(model_dir).rstrip("/") or "/"
     trunk = model + "-trunk"
     q = shlex.quote
-    cmds = [f"k3 pack-trunk {q(model)} {q(trunk)}"]
-    run = f"k3 run {q(model)} --trunk {q(trunk)} --preset {preset}"
+    if preset is None:
+        cmds, run = [], f"k3 run {q(model)}"
+    else:
+        cmds = [f"k3 pack-trunk {q(model)} {q(trunk)}"]
+        run = f"k3 run {q(model)} --trunk {q(trunk)} --preset {preset}"
     if mc.has_tokenizer:
         run += f" --tok {q(model)} --prompt {q(REFERENCE_PROMPT)}"
     else:
@@ -330,8 +316,6 @@ def run_doctor(model_dir: str | Path | None = None, *, measure: DiskMeasure | No
     step("checks", 2, n_checks)
     check_cpu(r)
     step("checks", 3, n_checks)
-    check_memory(r, tot, avail)
-    step("checks", 4, n_checks)
     how = "injected"
     if disk_probe and measure is None:
         measure, how = default_measure(
@@ -343,20 +327,38 @@ def run_doctor(model_dir: str | Path | None = None, *, measure: DiskMeasure | No
         backend, _, _ = reg.create("storage", storage)
         mc = check_model(root, backend)
         r.model = mc
-        r.checks.extend(mc.checks)
-        step("checks", 5, n_checks)
+        step("checks", 4, n_checks)
     largest = _largest_shard(root) if root is not None and root.is_dir() else None
     where = root if root is not None and root.is_dir() else Path.cwd()
-    best = check_disk(r, where, largest, measure if disk_probe else None, how, probe_bytes,
+    disk = DoctorReport()  # measured now, printed after the memory and model sections
+    best = check_disk(disk, where, largest, measure if disk_probe else None, how, probe_bytes,
                       probe_dir, say, lambda done, total: step("scratch file", done, total))
-    check_space(r, mc if mc is not None and mc.sizes is not None else None,
-                root if mc is not None and mc.sizes is not None else None)
-    rate_bandwidth(r, best, mc)
+    from k3core.run.presets import list_presets
+
+    machine = MachineFacts(tot, avail, best, process_rss() if baseline is None else baseline)
+    v = judge(machine, model_facts(mc), list_presets(on_error=lambda e: None))
+    r.verdict = v
+    check_memory(r, tot, avail, v)
+    step("checks", n_checks, n_checks)
+    if mc is not None:
+        r.checks.extend(mc.checks)
+    r.checks.extend(disk.checks)
+    sized = mc is not None and mc.sizes is not None
+    check_space(r, mc if sized else None, root if sized else None, v.resident)
+    rate_presets(r, v)
     if mc is not None and mc.sizes is not None and root is not None:
-        check_fit(r, mc, avail, baseline)
-        if mc.complete and not r.failed:
-            r.next_commands = next_commands(root, r.preset, mc)
+        check_fit(r, v)
+        if mc.complete and not r.failed and (v.resident or v.preset is not None):
+            r.next_commands = next_commands(root, v.preset, mc)
     return r
+
+
+def model_facts(mc: ModelCheck | None) -> ModelFacts:
+    """The model given (its counted sizes, else planned from its config), else Kimi K3."""
+    if mc is not None and mc.cfg is not None:
+        return ModelFacts(mc.cfg, mc.sizes or sizes_from_config(mc.cfg), True)
+    cfg = ModelConfig.from_json_dict(size_config("real"), source="Kimi K3")
+    return ModelFacts(cfg, released_sizes(), False)
 
 
 def _largest_shard(root: Path) -> Path | None:
