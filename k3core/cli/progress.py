@@ -103,10 +103,7 @@ class Progress:
                 self.total = total
             if note is not None:
                 self.note_text = note
-            self._maybe_show(force=False)
-
-    def advance(self, n: float = 1, note: str | None = None) -> None:
-        self.update(self.done + n, note=note)
+            self._maybe_show()
 
     def callback(self) -> Callable[[int, int], None]:
         """``progress(done, total)``, the shape the tools take."""
@@ -132,7 +129,7 @@ class Progress:
                 return
             self._closed = True
             if self.terminal:
-                if ok:
+                if ok and self._last > float("-inf"):  # drawn before: now its final figures
                     self._draw(final=True)
                 if self._drawn:
                     self._write("\n")
@@ -148,12 +145,12 @@ class Progress:
         self.close(ok=kind is None)
 
     # -- drawing ----------------------------------------------------------------------
-    def _maybe_show(self, force: bool) -> None:
+    def _maybe_show(self) -> None:
         if self.quiet or self._closed:
             return
         now = self.clock()
         if self.terminal:
-            if force or now - self._last >= 1.0 / REDRAW:
+            if now - self._last >= 1.0 / REDRAW:
                 self._last = now
                 self._draw()
         elif now - max(self._last, self.start) >= self.every:
