@@ -139,13 +139,15 @@ def size_budgets(cfg: ModelConfig, sizes: ModelSizes, *, trunk_gb: float | None,
     if trunk < floor:
         raise UsageError(
             f"{given}: a trunk budget of {human(trunk)} is below one ring slot of this model "
-            f"(its largest layer, {human(floor)}); this machine has {human(avail)} available"
-            + ("" if trunk_gb is not None else "; free some memory"))
+            f"(its largest layer, {human(floor)})" + ("" if trunk_gb is not None else
+                                                      f"; this machine has {human(avail)} "
+                                                      "available: free some memory"))
     if cache < cache_floor:
         raise UsageError(
             f"{given}: an expert cache of {human(cache)} holds fewer than top-k + 1 = "
-            f"{sizes.topk + 1} experts of this model ({human(cache_floor)}); this machine has "
-            f"{human(avail)} available" + ("" if cache_gb is not None else "; free some memory"))
+            f"{sizes.topk + 1} experts of this model ({human(cache_floor)})"
+            + ("" if cache_gb is not None else
+               f"; this machine has {human(avail)} available: free some memory"))
     p = plan(trunk, cache)
     if not p.fits():
         raise UsageError(
