@@ -2,11 +2,14 @@
 
 Loopback only unless an API key is set: a non-loopback ``--host`` without ``--api-key``
 (or ``$K3_API_KEY``) is refused (exit 2). Needs the ``serve`` extra (Starlette and uvicorn);
-without it the command says how to install it (exit 2).
+without it the command says how to install it (exit 2). Connections are capped below the
+file limit and timed out (``--max-connections``, ``--timeout-header``, ``--timeout-idle``;
+``k3core.serve.connections``).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import ipaddress
 import signal
@@ -43,7 +46,7 @@ def _need_extra() -> None:
                          "pip install 'k3[serve]'") from None
 
 
-def _bind(host: str, port: int) -> socket.socket:
+def _bind(host: str, port: int, backlog: int = 128) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     # IPPROTO_TCP explicitly: asyncio sets TCP_NODELAY only on sockets that say so, and
     # without it every keep-alive answer waits out the client's delayed ACK (~40 ms)
@@ -54,7 +57,7 @@ def _bind(host: str, port: int) -> socket.socket:
     except OSError as exc:
         sock.close()
         raise K3Error(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
-    sock.listen(128)
+    sock.listen(backlog)
     sock.setblocking(False)
     return sock
 
@@ -68,6 +71,12 @@ def _server_class() -> Any:
         graceful-shutdown timeout."""
 
         on_stop: Any = None
+        on_loop: Any = None
+
+        async def serve(self, sockets: list[socket.socket] | None = None) -> None:
+            if self.on_loop is not None:
+                self.on_loop(asyncio.get_running_loop())
+            await super().serve(sockets)
 
         @contextlib.contextmanager
         def capture_signals(self) -> Iterator[None]:
@@ -95,6 +104,9 @@ def serve(
     model_name: str = typer.Option(None, "--model-name", help="The model id clients ask for (default: MODEL_DIR's name).", rich_help_panel=_S),
     context: int = typer.Option(4096, "--context", help="Tokens one conversation may hold (prompt + reply).", rich_help_panel=_S),
     max_queue: int = typer.Option(64, "--max-queue", help="Requests that may wait for the engine (then 429).", rich_help_panel=_S),
+    max_connections: int = typer.Option(None, "--max-connections", help="Connections open at once (default 256, less if the file limit needs it); past it the longest-idle one is closed, or a 503 when all are busy.", rich_help_panel=_S, show_default=False),
+    timeout_header: float = typer.Option(10.0, "--timeout-header", help="Seconds a connection has to send a request's head (and the longest pause in its body).", rich_help_panel=_S),
+    timeout_idle: float = typer.Option(30.0, "--timeout-idle", help="Seconds a keep-alive connection may idle between requests.", rich_help_panel=_S),
     chat_format: str = typer.Option("auto", "--chat-format", help="auto, xtml or plain.", rich_help_panel=_S),
     think: bool = typer.Option(True, "--think/--no-think", help="Chat replies think first (XTML); reasoning_effort overrides.", rich_help_panel=_S),
     thinking_effort: str = typer.Option("max", "--thinking-effort", help="low, high or max.", rich_help_panel=_S),
@@ -118,6 +130,9 @@ def serve(
         raise UsageError(f"--port must be in 0..65535, got {port}")
     if max_queue < 1:
         raise UsageError(f"--max-queue must be >= 1, got {max_queue}")
+    from k3core.serve.connections import plan_limits
+
+    plan_limits(max_connections, timeout_header, timeout_idle)  # bad flags before the model opens
     _need_extra()
     import uvicorn
 
@@ -125,6 +140,7 @@ def serve(
 
     from k3core.serve.app import create_app
     from k3core.serve.chat_format import check_format_options
+    from k3core.serve.connections import Connections, protocol_class
     from k3core.serve.loading import check_context, open_engine_for
     from k3core.serve.logs import log_config
     from k3core.serve.service import Service
@@ -139,19 +155,26 @@ def serve(
         assert engine.tokenizer is not None  # open_engine_for requires one
         service = Service(Worker(engine, context), engine.tokenizer, model_name or model_dir.resolve().name,
                           chat_format=chat_format, thinking=think, effort=thinking_effort)
-        app = create_app(service, api_key, max_queue)
-        sock = _bind(host, port)
+        limits, note = plan_limits(max_connections, timeout_header, timeout_idle)  # the model's files open
+        conns = Connections(limits)
+        app = create_app(service, api_key, max_queue, conns)
+        sock = _bind(host, port, limits.backlog)
         bound = sock.getsockname()[1]
         shown = f"[{host}]" if ":" in host else host
         print(f"k3 serve: {service.model_name} ({service.fmt.name} chat format, context {context}) on "
               f"http://{shown}:{bound}/v1  ({engine.settings_line.removeprefix('k3: ')})", flush=True)
+        if note is not None:
+            print(f"k3 serve: {note}", file=sys.stderr)
         config = uvicorn.Config(app, log_config=log_config(), access_log=False, lifespan="off",
-                                timeout_graceful_shutdown=5)
+                                timeout_graceful_shutdown=5, http=protocol_class(conns),
+                                timeout_keep_alive=limits.timeout_idle, backlog=limits.backlog)  # type: ignore[arg-type]
         server = _Server(config)
         server.on_stop = service.cancel_all
+        server.on_loop = lambda loop: loop.set_exception_handler(conns.loop_error)
         try:
             server.run(sockets=[sock])
         finally:
+            conns.flush()  # the counts not yet summarized
             service.cancel_all()
             app.state.server.executor.shutdown(wait=True, cancel_futures=True)
             sock.close()

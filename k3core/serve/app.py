@@ -12,8 +12,11 @@ two tokens, and the engine moves on to the next request.
 
 Every failure is an OpenAI-style error body: 400 for bad JSON, unknown fields, bad values
 or a prompt over the context; 401 for a missing or wrong API key; 404 for an unknown model
-or route; 405, 413, 429; a 500 only for a failure inside the engine, with its one-line
-message and never a traceback.
+or route; 405, 408 (a request body that stopped arriving), 413, 429; a 500 only for a failure
+inside the engine, with its one-line message and never a traceback.
+
+The connections themselves (the cap, the header and idle timeouts) are
+``k3core.serve.connections``'; ``/health`` shows their counts.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from starlette.routing import Route
 
 from k3core.api.errors import K3Error, UsageError
 from k3core.api.safejson import JSONRejected, parse_json
+from k3core.serve.connections import Connections
 from k3core.serve.protocol import (
     APIError,
     ChatChoice,
@@ -62,6 +66,8 @@ log = logging.getLogger("k3.serve")
 
 def _error(exc: APIError) -> JSONResponse:
     headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None
+    if exc.status == 408:  # the rest of that body is not wanted
+        headers = {"Connection": "close"}
     return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
 
 
@@ -72,10 +78,14 @@ def _sse(obj: Any) -> bytes:
 class Server:
     """The app's state: the service, the engine thread, the queue bound and the API key."""
 
-    def __init__(self, service: Service, api_key: str | None = None, max_queue: int = 64):
+    def __init__(self, service: Service, api_key: str | None = None, max_queue: int = 64,
+                 connections: Connections | None = None):
         self.service = service
         self.api_key = api_key
         self.max_queue = max_queue
+        self.connections = connections
+        #: the longest wait for more of a request's body (the header timeout)
+        self.body_timeout = connections.limits.timeout_header if connections is not None else None
         self.waiting = 0
         self._count = threading.Lock()
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="k3-engine")
@@ -97,7 +107,15 @@ class Server:
             raise too_big
         data = bytearray()
         seen = 0
-        async for chunk in request.stream():  # read to the end, so the client hears the answer
+        chunks = request.stream().__aiter__()
+        while True:  # read to the end, so the client hears the answer
+            try:
+                chunk = await asyncio.wait_for(chunks.__anext__(), self.body_timeout)
+            except StopAsyncIteration:
+                break
+            except TimeoutError:
+                raise APIError(408, f"the request body stopped arriving for {self.body_timeout:g} s",
+                               code="body_timeout") from None
             seen += len(chunk)
             if seen > DRAIN_LIMIT:
                 raise too_big
@@ -136,10 +154,12 @@ class Server:
     async def health(self, request: Request) -> Response:
         s = self.service
         w = s.worker
-        return JSONResponse({"status": "ok", "model": s.model_name, "context": w.context,
-                             "waiting": self.waiting, "requests_done": w.jobs_done,
-                             "cancelled": w.cancelled, "resident_tokens": w.session.positions,
-                             "last": w.last})
+        out = {"status": "ok", "model": s.model_name, "context": w.context,
+               "waiting": self.waiting, "requests_done": w.jobs_done,
+               "cancelled": w.cancelled, "resident_tokens": w.session.positions, "last": w.last}
+        if self.connections is not None:
+            out["connections"] = self.connections.stats()
+        return JSONResponse(out)
 
     async def models(self, request: Request) -> Response:
         self.check_key(request)
@@ -292,9 +312,11 @@ class Server:
             prep.job.cancel.set()  # the client went away (or we are done: then it is a no-op)
 
 
-def create_app(service: Service, api_key: str | None = None, max_queue: int = 64) -> Starlette:
-    """The ASGI app over an opened service."""
-    srv = Server(service, api_key, max_queue)
+def create_app(service: Service, api_key: str | None = None, max_queue: int = 64,
+               connections: Connections | None = None) -> Starlette:
+    """The ASGI app over an opened service (``connections``: the server's, for ``/health``
+    and the body timeout)."""
+    srv = Server(service, api_key, max_queue, connections)
 
     async def on_api_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, APIError)

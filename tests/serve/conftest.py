@@ -9,7 +9,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -60,10 +60,10 @@ def engine(tiny_model: Path) -> Iterator[object]:
 class Served:
     """A ``k3 serve`` subprocess on a free loopback port."""
 
-    def __init__(self, model: Path, *args: str):
+    def __init__(self, model: Path, *args: str, preexec_fn: Callable[[], object] | None = None):
         self.proc = subprocess.Popen(
             [*K3, "serve", str(model), "--port", "0", *args], stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE, text=True, env=cli_env())
+            stderr=subprocess.PIPE, text=True, env=cli_env(), preexec_fn=preexec_fn)
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline()
         if "http://" not in line:
