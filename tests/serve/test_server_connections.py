@@ -11,14 +11,13 @@ import json
 import resource
 import select
 import socket
+import subprocess
 import time
 from collections.abc import Iterator
 
 import httpx
 import pytest
-from conftest import K3, Served, cli_env
-
-import subprocess
+from conftest import K3, Served, cli_env, k3_inprocess
 
 MODEL = "tiny"
 FLOOD = 300
@@ -143,8 +142,6 @@ def test_more_connections_than_the_file_limit_allows_is_refused(tiny_model):
     (["--timeout-idle", "nan"], "--timeout-idle"),
 ])
 def test_bad_connection_flags_are_refused(tiny_model, args, words):
-    from conftest import k3_inprocess
-
     r = k3_inprocess("serve", tiny_model, *args)
     assert r.exit_code == 2, r.output
     assert r.stderr.startswith("k3: error:") and words in r.stderr and "Traceback" not in r.output
