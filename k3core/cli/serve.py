@@ -166,7 +166,7 @@ def serve(
         if note is not None:
             print(f"k3 serve: {note}", file=sys.stderr)
         config = uvicorn.Config(app, log_config=log_config(), access_log=False, lifespan="off",
-                                timeout_graceful_shutdown=5, http=protocol_class(conns),
+                                timeout_graceful_shutdown=5, http=protocol_class(conns), ws="none",
                                 timeout_keep_alive=limits.timeout_idle, backlog=limits.backlog)  # type: ignore[arg-type]
         server = _Server(config)
         server.on_stop = service.cancel_all
