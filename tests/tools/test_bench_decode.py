@@ -135,7 +135,7 @@ def test_human_report(model) -> None:
     (["--gen", "1"], "--gen must be >= 2"),
     (["--ids", "1,x"], "comma-separated integers"),
     (["--ids", "99999999"], "prompt ids must be in"),
-    (["--bandwidth-mb", "0"], "--bandwidth-mb > 0"),
+    (["--bandwidth-mb", "0"], "--bandwidth-mb must be a positive number of MB"),
     (["--spec", "maybe"], "--spec must be one of"),
     (["--spec", "ngram", "--spec-width", "0"], "--spec-width must be in"),
     (["--prompt-file", "/nonexistent/prompt.txt"], "--prompt-file"),
