@@ -81,7 +81,8 @@ class Generation(StepTimes):
 
 
 def make_sampler(p: GenerationParams) -> Sampler | None:
-    """``None`` for greedy (temperature 0 or no sampling keyword), else the seeded sampler."""
+    """``None`` for greedy (a temperature below ``MIN_TEMPERATURE``, 0 included, or no
+    sampling keyword), else the seeded sampler."""
     if p.greedy:
         return None
     seed = p.seed if p.seed is not None else time.time_ns() % (1 << 63)
