@@ -90,7 +90,7 @@ def compare_pair(pair: DumpPair, top_k: int = 10) -> LogitComparison:
         counts.append(int((fa & fb).sum()))
         nonfinite_a += int(a.size - fa.sum())
         nonfinite_b += int(b.size - fb.sum())
-        identical = identical and bool(np.array_equal(a.view(np.uint32), b.view(np.uint32)))
+        identical = identical and a.tobytes() == b.tobytes()
         wa = a if fa.all() else np.where(fa, a, np.float32(-np.inf))  # float32: the order of
         wb = b if fb.all() else np.where(fb, b, np.float32(-np.inf))  # the float64 values
         best_a.add(lo, wa)
