@@ -13,8 +13,9 @@ whose it is:
   the program had set is called instead). SIGKILL and a power cut cannot be caught; the
   next writer of the same name cleans up after them:
 * **a dead process's**: :func:`sweep_stale` (every writer calls it before writing) removes
-  the partials of ``NAME`` whose process no longer runs and names each on stderr. A partial
-  of a live process (another k3 still writing) is left alone;
+  the partials of ``NAME`` whose process no longer runs (or whose PID a process started
+  after the partial was last written now holds) and names each on stderr. A partial of a
+  live process (another k3 still writing) is left alone;
 * when a write fails for lack of space, :func:`space_note` names what is taking it: the
   partials of ``NAME`` that are still there (a live process's, or one that could not be
   removed), with their sizes, and the bytes the write needs against what is free.
@@ -38,6 +39,8 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+import psutil
+
 from k3core.api.units import human
 
 _PARTIAL = re.compile(r"^\.(?P<name>.+)\.partial-(?P<pid>\d+)(?:-[0-9A-Za-z_]+)?$")
@@ -56,8 +59,10 @@ def parse_partial(name: str) -> tuple[str, int] | None:
     return (m["name"], int(m["pid"])) if m else None
 
 
-def pid_alive(pid: int) -> bool:
-    """Whether process ``pid`` runs on this machine (one of another user counts)."""
+def pid_alive(pid: int, since: float | None = None) -> bool:
+    """Whether process ``pid`` runs on this machine (one of another user counts). With
+    ``since`` (a partial's modification time), a process started after it is another one
+    that reuses the PID, so the writer counts as gone."""
     if pid <= 0:
         return False
     if pid == os.getpid():
@@ -66,10 +71,14 @@ def pid_alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
-        return True
-    except OSError:
-        return True  # cannot tell: keep it
+    except OSError:  # PermissionError: another user's process; or cannot tell: keep it
+        pass
+    if since is not None:
+        try:
+            started = psutil.Process(pid).create_time()
+        except (psutil.Error, OSError):
+            return True
+        return started <= since + 2.0  # clocks tick in whole seconds on some filesystems
     return True
 
 
@@ -224,7 +233,11 @@ def leftovers(directory: Path, finals: Iterable[str]) -> list[Leftover]:
         if parsed is None or parsed[0] not in wanted or parsed[1] == os.getpid():
             continue
         path = Path(entry.path)
-        out.append(Leftover(path, parsed[1], _size(path), pid_alive(parsed[1])))
+        try:
+            since: float | None = entry.stat(follow_symlinks=False).st_mtime
+        except OSError:
+            since = None
+        out.append(Leftover(path, parsed[1], _size(path), pid_alive(parsed[1], since)))
     return out
 
 

@@ -176,12 +176,17 @@ def test_a_live_processs_partial_is_left_alone(model, tmp_path):
         theirs.write_bytes(b"still being written")
         gone = trunk / f".trunk.bin.partial-{dead_pid()}"
         gone.write_bytes(b"x" * 5000)
+        # the sleeper's PID on a partial last written an hour before it started: a reused PID
+        reused = trunk / f".trunk.json.partial-{sleeper.pid}"
+        reused.write_bytes(b"{")
+        os.utime(reused, (time.time() - 3600, time.time() - 3600))
         res = k3("pack-trunk", model, trunk)
         assert res.exit_code == 0, res.output
         assert theirs.read_bytes() == b"still being written"
         assert f"{theirs} is the partial output of process {sleeper.pid}" in res.stderr
         assert "still running; left alone" in res.stderr
         assert not gone.exists() and f"removed {gone}" in res.stderr
+        assert not reused.exists() and f"removed {reused}" in res.stderr
     finally:
         sleeper.kill()
         sleeper.wait()
