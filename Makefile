@@ -11,7 +11,8 @@ DEMO_DIR ?= demo-model
 # may shadow it: k3's are those folders); every other build warning still shows
 QUIET_PIP := PYTHONWARNINGS="ignore:Editable installation"
 
-EXAMPLES := examples/k3-timing-backend examples/k3-fifo-cache examples/k3-flaky-storage
+EXAMPLES := examples/k3-timing-backend examples/k3-fifo-cache examples/k3-flaky-storage \
+            examples/k3-pread-storage
 
 $(VENV)/.installed: pyproject.toml setup.py $(addsuffix /pyproject.toml,$(EXAMPLES))
 	$(PYTHON) -m venv $(VENV)
