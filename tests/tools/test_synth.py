@@ -96,6 +96,24 @@ def test_refuses_existing_directory(tiny):
     assert res.exit_code == 2 and "--force" in res.output
 
 
+def test_force_replaces_only_a_checkpoint_synth_wrote(tmp_path):
+    """--force never deletes a directory of someone else's files, even one with a config."""
+    mine = tmp_path / "mine"
+    assert CliRunner().invoke(app, ["synth", str(mine), "--size", "tiny", "-q"]).exit_code == 0
+    res = CliRunner().invoke(app, ["synth", str(mine), "--size", "tiny", "--force", "-q"])
+    assert res.exit_code == 0, res.output
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    (theirs / "config.json").write_text("{}")
+    (theirs / "notes.txt").write_text("keep me")
+    res = CliRunner().invoke(app, ["synth", str(theirs), "--size", "tiny", "--force"])
+    assert res.exit_code == 3 and "k3 synth did not write" in res.output
+    assert sorted(p.name for p in theirs.iterdir()) == ["config.json", "notes.txt"]
+    (mine / "notes.txt").write_text("added later")
+    res = CliRunner().invoke(app, ["synth", str(mine), "--size", "tiny", "--force"])
+    assert res.exit_code == 3 and (mine / "notes.txt").read_text() == "added later"
+
+
 def test_set_with_a_misspelt_key_is_refused(tmp_path):
     out = tmp_path / "m"
     res = CliRunner().invoke(app, ["synth", str(out), "--set", "num_hiden_layers=5"])

@@ -19,6 +19,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import shutil
 import zlib
 from collections.abc import Callable
@@ -165,8 +166,14 @@ def synthesize(
     """
     out = Path(out_dir)
     check_outputs([Output(out, "the synthetic checkpoint", directory=True, create=False)])
-    if out.exists() and any(out.iterdir()) and not force:
-        raise UsageError(f"{out} exists and is not empty; pass --force to replace it")
+    if out.exists() and any(out.iterdir()):
+        if not force:
+            raise UsageError(f"{out} exists and is not empty; pass --force to replace it")
+        if not _is_synthetic(out):
+            raise OutputError(f"cannot write the synthetic checkpoint to {out}: it holds files "
+                              "that k3 synth did not write, and --force replaces only a "
+                              "checkpoint k3 synth wrote; remove it yourself or pick another "
+                              "directory")
     if vision and not sparse:
         raise UsageError("the vision stand-in shards are written only with --sparse")
     if out.parent.is_dir():
@@ -188,6 +195,20 @@ def synthesize(
             raise OutputError(f"cannot write the synthetic checkpoint to {out}: "
                               f"{exc.strerror or exc}" + (f" ({note})" if note else "")) from exc
     return out
+
+
+def _is_synthetic(out: Path) -> bool:
+    """True for a directory k3 synth wrote: its config is marked and it holds nothing else."""
+    try:
+        conf = json.loads((out / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    if not isinstance(conf, dict) or "k3_synthetic" not in conf:
+        return False
+    own = re.compile(r"(model-\d{5}-of-\d{5}\.safetensors|model\.safetensors\.index\.json|"
+                     r"config\.json|tiktoken\.model|tokenizer_config\.json)")
+    return all(p.is_file() and not p.is_symlink() and own.fullmatch(p.name)
+               for p in out.iterdir())
 
 
 def _write_all(tmp: Path, cfg: ModelConfig, seed: int, sparse: bool, vision: bool,
