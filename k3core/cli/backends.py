@@ -3,11 +3,18 @@
 ``--check`` also imports every factory (without building anything) and reports each one that
 cannot be loaded; ``--json`` prints the same facts as one JSON document. The table is never
 cut: piped, it is as wide as its longest line; on a terminal, long cells wrap.
+
+``--check-storage NAME MODEL_DIR [--trunk DIR]`` instead reads every tensor of a checkpoint
+(and every layer of a packed trunk) through storage backend NAME and compares it with
+``plain`` (:mod:`k3core.tools.storage_check`): the report on stdout, a line per file on
+stderr, exit 1 when a byte differs.
 """
 
 from __future__ import annotations
 
 import json
+import sys
+from pathlib import Path
 from typing import Any
 
 import typer
@@ -15,6 +22,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from k3core.api.errors import UsageError
 from k3core.cli.guard import guarded
 from k3core.plugins.registry import KIND_WORDS, Registry, get_registry
 
@@ -66,8 +74,21 @@ def backends(
     check: bool = typer.Option(
         False, "--check", help="Also import every factory and report each one that fails."),
     as_json: bool = typer.Option(False, "--json", help="Print the list as JSON."),
+    check_storage: tuple[str, Path] | None = typer.Option(
+        None, "--check-storage", metavar="NAME MODEL_DIR",
+        help="Read every tensor of MODEL_DIR through storage backend NAME and compare it with "
+             "plain's bytes; exit 1 when one differs."),
+    trunk: Path | None = typer.Option(
+        None, "--trunk", help="With --check-storage: every layer of this packed trunk too."),
 ) -> None:
     """List kernel backends, storage backends and cache policies with their status."""
+    if check_storage is not None:
+        if check:
+            raise UsageError("--check and --check-storage are separate checks: give one")
+        _check_storage(*check_storage, trunk, as_json)
+        return
+    if trunk is not None:
+        raise UsageError("--trunk goes with --check-storage NAME MODEL_DIR")
     reg = get_registry()
     rows = _rows(reg, check)
     failed = [r for r in rows if r["status"] == "broken"]
@@ -89,6 +110,20 @@ def backends(
                           markup=False)
     if check and failed:
         raise typer.Exit(1)
+
+
+def _check_storage(name: str, model_dir: Path, trunk: Path | None, as_json: bool) -> None:
+    from k3core.tools.storage_check import check_storage
+
+    result = check_storage(name, model_dir, trunk,
+                           progress=lambda line: print(f"k3: {line}", file=sys.stderr))
+    if as_json:
+        typer.echo(json.dumps(result.to_json(), indent=1))
+    else:
+        for line in result.lines():
+            typer.echo(line)
+    if not result.ok:
+        raise result.refusal()
 
 
 def register(app: typer.Typer) -> None:

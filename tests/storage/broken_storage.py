@@ -6,7 +6,7 @@ every other class changes one thing, the way a plugin author might get it wrong:
 | name | what is wrong |
 |---|---|
 | ``short-at-eof`` | a read past the end returns the bytes there are, silently |
-| ``drop-low-bits`` | reads over 1 MiB drop the offset's low 12 bits |
+| ``drop-low-bits`` | reads over 1 MiB drop the offset's low 12 bits (``DropLowBitsSmall``: over 16 KiB) |
 | ``shared-position`` | ``lseek`` then ``read`` on one descriptor shared by every thread |
 | ``stale-cache`` | a read cache by path, never invalidated (a replaced file reads old bytes) |
 | ``leaky`` | every open leaks its descriptor (``close`` forgets to close it) |
@@ -111,14 +111,26 @@ class ShortAtEof(GoodStorage):
 
 
 class _DropLowBitsFile(GoodFile):
+    above = MiB
+
     def _fill(self, fd: int, offset: int, view: np.ndarray) -> None:
-        if view.nbytes > MiB:
+        if view.nbytes > self.above:
             offset &= ~4095  # "large reads go page-aligned" (and land at the wrong place)
         super()._fill(fd, offset, view)
 
 
 class DropLowBits(GoodStorage):
     file_class = _DropLowBitsFile
+
+
+class _DropLowBitsSmallFile(_DropLowBitsFile):
+    above = 16384
+
+
+class DropLowBitsSmall(GoodStorage):
+    """``drop-low-bits`` from 16 KiB up (the tiny test model's reads are small)."""
+
+    file_class = _DropLowBitsSmallFile
 
 
 class _SharedPositionFile(GoodFile):
