@@ -17,13 +17,14 @@ logits alone: kernel backends that give the same logits bits give the same perpl
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
 
-from k3core.api.errors import UsageError
+from k3core.api.errors import K3Error, UsageError
 from k3core.model.forward import Model
 from k3core.model.state import SequenceState
 
@@ -44,14 +45,19 @@ class Perplexity:
     bits_per_token: float
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        """The fields; a perplexity past a float's range is ``null`` (JSON has no infinity)."""
+        doc = asdict(self)
+        if not math.isfinite(self.perplexity):
+            doc["perplexity"] = None
+        return doc
 
     def lines(self) -> list[str]:
         return [
             f"tokens     : {self.tokens} ({self.scored} scored in {self.windows} windows of "
             f"<= {self.ctx}, stride {self.stride})",
             f"mean NLL   : {self.mean_nll:.6f} nats/token ({self.bits_per_token:.4f} bits)",
-            f"perplexity : {self.perplexity:.4f}",
+            f"perplexity : {self.perplexity:.4f}" if math.isfinite(self.perplexity) else
+            "perplexity : past a float's range (mean NLL over 709 nats)",
         ]
 
 
@@ -79,11 +85,13 @@ def windows(n: int, ctx: int, stride: int) -> list[tuple[int, int, int]]:
 
 
 def token_nll(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
-    """``logsumexp(l) - l[target]`` per row, float64."""
+    """``logsumexp(l) - l[target]`` per row, float64 (a row with a non-finite logit gives a
+    non-finite loss, which :func:`perplexity` refuses; numpy is kept quiet about it)."""
     x = logits.astype(np.float64)
-    m = x.max(axis=1, keepdims=True)
-    lse = m[:, 0] + np.log(np.exp(x - m).sum(axis=1))
-    return lse - x[np.arange(len(targets)), targets]
+    with np.errstate(all="ignore"):
+        m = x.max(axis=1, keepdims=True)
+        lse = m[:, 0] + np.log(np.exp(x - m).sum(axis=1))
+        return lse - x[np.arange(len(targets)), targets]
 
 
 def perplexity(
@@ -110,8 +118,14 @@ def perplexity(
         losses[first - 1 : end - 1] = token_nll(logits[rows], arr[first:end])
         if progress is not None:
             progress(i + 1, len(spans))
+    bad = np.flatnonzero(~np.isfinite(losses))
+    if bad.size:
+        raise K3Error(f"the model's logits are not finite when predicting token {int(bad[0]) + 1} "
+                      f"of the text ({bad.size} such tokens): no perplexity can be given")
     total = float(math.fsum(losses.tolist()))
     mean = total / (n - 1)
+    # exp overflows a float past about 709 nats: such a text is past any finite perplexity
+    ppl = math.exp(mean) if mean < math.log(sys.float_info.max) else math.inf
     return Perplexity(tokens=n, scored=n - 1, windows=len(spans), ctx=ctx, stride=s,
-                      nll_sum=total, mean_nll=mean, perplexity=math.exp(mean),
+                      nll_sum=total, mean_nll=mean, perplexity=ppl,
                       bits_per_token=mean / math.log(2))

@@ -158,3 +158,36 @@ def test_check_window_defaults_to_half():
     assert check_window(8, None) == 4
     with pytest.raises(UsageError):
         check_window(8, -1)
+
+
+class _ScaledModel:
+    """The real model with its logits multiplied: drives the loss past exp's range or to NaN."""
+
+    def __init__(self, model, scale: float):
+        self.model, self.cfg, self.scale = model, model.cfg, scale
+
+    def forward(self, ids, state, *, all_logits=False):
+        with np.errstate(all="ignore"):
+            return self.model.forward(ids, state, all_logits=all_logits) * np.float32(self.scale)
+
+
+def test_a_loss_past_exp_range_is_an_infinite_perplexity_and_json_null(model):
+    eng = _engine(model, "numpy")
+    try:
+        res = perplexity(_ScaledModel(eng.model, 1e35), _ids(model), 16, 8)
+    finally:
+        eng.close()
+    assert res.mean_nll > 709 and res.perplexity == math.inf
+    assert json.loads(json.dumps(res.to_json(), allow_nan=False))["perplexity"] is None
+    assert "past a float's range" in res.lines()[-1]
+
+
+def test_non_finite_logits_are_refused_not_averaged(model):
+    from k3core.api.errors import K3Error
+
+    eng = _engine(model, "numpy")
+    try:
+        with pytest.raises(K3Error, match="not finite"):
+            perplexity(_ScaledModel(eng.model, float("inf")), _ids(model), 16, 8)
+    finally:
+        eng.close()
