@@ -37,7 +37,7 @@ def tune(
     repeat: int = typer.Option(3, "--repeat", help="Timed runs per option, alternating (2..20); a candidate is kept only when its worst run beats the baseline's best."),
     force: bool = typer.Option(False, "--force", help="Replace a preset of that name."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
-    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress on stderr."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress and no timing table on stderr (--json still has the timings)."),
 ) -> None:
     """Time short decodes per candidate setting; write what wins beyond noise with the reference's ids."""
     from k3core.run.prompt import parse_ids
@@ -69,8 +69,9 @@ def tune(
     with Progress("tune", unit="run", quiet=quiet) as bar:
         result = run_tune(opts, progress=lambda s: bar.note(f"tune: {s}"),
                           on_run=lambda done, planned: bar.update(done, planned))
-    for line in result.table_lines():
-        print(line, file=sys.stderr)
+    if not quiet:
+        for line in result.table_lines():
+            print(line, file=sys.stderr)
     if as_json:
         print(json.dumps(result.to_json(), indent=2))
         return

@@ -165,7 +165,7 @@ def test_tune_reports_timed_runs(model, tmp_path):
 def test_tune_quiet(model, tmp_path):
     q = k3(*tune_args(model), "-q", env={"K3_CONFIG_DIR": str(tmp_path)})
     quiet(q, "tune:")
-    assert "tune: trying" not in q.stderr
+    assert "tune: trying" not in q.stderr and "reference (--backend" not in q.stderr
 
 
 def test_terminal_redraws_one_line_and_ends_it(model, text):
