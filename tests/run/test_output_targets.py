@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from k3core.api.outputs import target
 from k3core.cli.app import app
 from k3core.experts.trace import HIST_NAME, TRACE_NAME
 from k3core.model.config import ModelConfig
 from k3core.model.shapes import size_config
-from k3core.api.outputs import target
 from k3core.tools.synth.writer import synthesize
 
 runner = CliRunner()
