@@ -20,7 +20,7 @@ replayed) among its options, so trace-driven policies run too.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -30,6 +30,7 @@ from k3core.api.cache_policy import CachePolicy
 from k3core.api.errors import K3Error
 from k3core.experts.trace import trace_keys
 from k3core.testing.synthetic_trace import full_recompute_trace, incremental_trace, routing
+from k3core.testing.threads import thread_errors_fail
 
 N_LAYERS, N_EXPERTS, TOPK = 6, 40, 4
 
@@ -146,6 +147,12 @@ class CachePolicyConformance:
     options: dict[str, Any] = {}
     capacities: tuple[int, ...] = (TOPK + 1, 12, 40, 400)
 
+    @pytest.fixture(autouse=True)
+    def _thread_errors_fail(self) -> Iterator[None]:
+        """An exception in a thread the plugin started fails the test (never only a warning)."""
+        with thread_errors_fail():
+            yield
+
     def make(self, capacity: int, **extra: Any) -> CachePolicy:
         """Build the policy under test; ``trace`` defaults to the small full-recompute trace."""
         factory = self.factory
@@ -164,7 +171,10 @@ class CachePolicyConformance:
             distinct = len(np.unique(trace_keys(pairs)))
             for cap in self.capacities:
                 hits = checked_replay(self.make(cap, trace=pairs), pairs, cap)
-                assert 0 <= hits <= len(pairs) - min(distinct, len(pairs)), (name, cap)
+                most = len(pairs) - min(distinct, len(pairs))
+                assert 0 <= hits <= most, (
+                    f"trace {name}, capacity {cap}: {hits} hits, but {len(pairs)} requests of "
+                    f"{distinct} distinct experts allow at most {most}")
 
     def test_never_evicts_a_protected_key(self) -> None:
         for pairs in small_traces().values():
@@ -177,18 +187,28 @@ class CachePolicyConformance:
         keys = [(1 << 20) | e for e in range(4)]
         policy.begin_layer(1, keys)
         for k in keys[:3]:
-            assert policy.admit(k, set()) is True
+            answer = policy.admit(k, set())
+            assert answer is True, f"admit({k:#x}) with a free slot answered {answer!r}, not True"
             policy.on_insert(k)
         protected = set(keys[:3])
         if policy.admit(keys[3], protected):
-            assert policy.choose_victim(protected) is None
+            victim = policy.choose_victim(protected)
+            assert victim is None, (
+                f"choose_victim with every resident expert protected answered {victim!r}, not None")
 
     def test_deterministic(self) -> None:
         for pairs in small_traces().values():
             logs: list[list[tuple[str, int, int]]] = [[], []]
             for log in logs:
                 checked_replay(self.make(12, trace=pairs), pairs, 12, inflight=2, log=log)
-            assert logs[0] == logs[1]
+            if logs[0] != logs[1]:
+                i = next((i for i, (a, b) in enumerate(zip(*logs, strict=False)) if a != b),
+                         min(len(logs[0]), len(logs[1])))
+                first = logs[0][i] if i < len(logs[0]) else "the end"
+                second = logs[1][i] if i < len(logs[1]) else "the end"
+                raise AssertionError(
+                    f"two replays of the same trace decided differently from event {i} on: "
+                    f"{first} then {second} (decisions must be deterministic)")
 
     def test_ignores_unknown_options(self) -> None:
         self.make(8, some_option_no_policy_knows=1)
@@ -212,11 +232,13 @@ class CachePolicyConformance:
             if policy.admit(k, set()):
                 if len(resident) >= 6:
                     v = policy.choose_victim(set())
-                    assert v in resident
+                    assert v in resident, (
+                        f"choose_victim answered {v!r}, not one of the {len(resident)} resident "
+                        "experts (after requests it was not told of, and slots it did not evict)")
                     resident.remove(v)
                     policy.on_evict(v)
                 resident.append(k)
                 policy.on_insert(k)
             if n % 7 == 3 and resident:  # the cache drops a slot on its own (a failed read)
                 policy.on_evict(resident.pop(0))
-        assert isinstance(policy.describe(), str)
+        assert isinstance(policy.describe(), str), f"describe() returned {policy.describe()!r}"

@@ -59,6 +59,7 @@ from k3core.model import names
 from k3core.model.config import ModelConfig, load_config
 from k3core.plugins.registry import get_registry
 from k3core.testing.faulty_backend import available_storage
+from k3core.testing.threads import thread_errors_fail
 
 FIXTURE_SHARD = "model-00001-of-00001.safetensors"
 #: the cache fixture: layer 0, experts 0..23, each w1/w2/w3 an MXFP4 [8, 128] matrix
@@ -325,9 +326,9 @@ def drive(rig: Rig, passes: Sequence[Sequence[tuple[int, Sequence[int]]]], *,
 def check_resident(rig: Rig) -> None:
     """Every slot the cache holds a key for has exactly that expert's bytes."""
     c = rig.cache
-    assert len(c.slot_of) <= c.capacity
+    assert len(c.slot_of) <= c.capacity, f"{len(c.slot_of)} experts resident in {c.capacity} slots"
     for key, slot in c.slot_of.items():
-        assert c.key_of[slot] == key
+        assert c.key_of[slot] == key, f"slot {slot} is listed for {key:#x} but holds {c.key_of[slot]!r}"
         assert key in c.published, f"slot {slot} holds key {key:#x} whose read never completed"
         ref = c.locator.ref(key_layer(key), key_expert(key))
         got = served_bytes(c.locator.views(ref, c._slot_buf(slot, ref)))
@@ -410,6 +411,12 @@ class ExpertCacheConformance:
     #: shared by the suite: a tiny model with 32 experts top-4 (12 MoE layers)
     model_overrides: dict[str, Any] = {"num_experts": 32, "num_experts_per_token": 4}
 
+    @pytest.fixture(autouse=True)
+    def _thread_errors_fail(self) -> Iterator[None]:
+        """An exception in a thread the plugin started fails the test (never only a warning)."""
+        with thread_errors_fail():
+            yield
+
     @pytest.fixture(params=_storage_params())
     def storage(self, request: pytest.FixtureRequest) -> StorageBackend:
         return make_storage(request.param)
@@ -449,8 +456,10 @@ class ExpertCacheConformance:
             drive(rig, visits_of(pairs))
             st = rig.cache.stats
             # under pressure: experts were evicted or, where the policy declined them, not kept
-            assert st.evictions + st.extra["transient"] > 0 and st.drops == 0
-            assert st.requests == len(pairs)
+            assert st.evictions + st.extra["transient"] > 0 and st.drops == 0, (
+                f"under pressure: {st.evictions} evictions, {st.extra['transient']} transient, "
+                f"{st.drops} drops (expected evictions or transients, and no drops)")
+            assert st.requests == len(pairs), f"{st.requests} requests counted, {len(pairs)} made"
             check_resident(rig)
         finally:
             rig.close()
@@ -461,10 +470,12 @@ class ExpertCacheConformance:
         pairs = incremental_trace(12, 32, 4, 6, prompt=3, skew=0.7, seed=4)
         rig = model_cache(model, storage, self.policy, 9, trace=pairs)
         try:
-            assert rig.cache.locator.ref(1, 0).contiguous
+            assert rig.cache.locator.ref(1, 0).contiguous, "the model's expert 1/0 is not contiguous"
             drive(rig, visits_of(pairs))
             st = rig.cache.stats
-            assert st.evictions + st.extra["transient"] > 0 and st.drops == 0
+            assert st.evictions + st.extra["transient"] > 0 and st.drops == 0, (
+                f"under pressure: {st.evictions} evictions, {st.extra['transient']} transient, "
+                f"{st.drops} drops (expected evictions or transients, and no drops)")
             check_resident(rig)
         finally:
             rig.close()
@@ -477,10 +488,13 @@ class ExpertCacheConformance:
         rig = model_cache(scattered, storage, self.policy, 5, trace=pairs)
         try:
             ref = rig.cache.locator.ref(1, 0)
-            assert not ref.contiguous and len({p.path for p in ref.parts}) == 2
-            assert not rig.cache.locator.ref(2, 5).contiguous
+            assert not ref.contiguous and len({p.path for p in ref.parts}) == 2, (
+                "the scattered model's expert 1/0 is not split across two shards")
+            assert not rig.cache.locator.ref(2, 5).contiguous, "expert 2/5 is not scattered"
             drive(rig, visits_of(pairs))
-            assert rig.cache.stats.evictions + rig.cache.stats.extra["transient"] > 0
+            st = rig.cache.stats
+            assert st.evictions + st.extra["transient"] > 0, (
+                f"5 slots, yet {st.evictions} evictions and {st.extra['transient']} transients")
             check_resident(rig)
         finally:
             rig.close()
@@ -492,11 +506,14 @@ class ExpertCacheConformance:
         rig = self._fixture_rig(workdir, storage, slots, pairs)
         try:
             passes = visits_of(pairs)
-            assert all(len(set(reqs)) > slots for visits in passes for _, reqs in visits)
+            assert all(len(set(reqs)) > slots for visits in passes for _, reqs in visits), (
+                "a visit of the trace fits in the cache (the test needs bigger ones)")
             drive(rig, passes, prefetch=True)
             drive(rig, passes, prefetch=False)
             st = rig.cache.stats
-            assert st.requests == st.hits + st.misses + st.extra["reuse"]
+            assert st.requests == st.hits + st.misses + st.extra["reuse"], (
+                f"{st.requests} requests but {st.hits} hits + {st.misses} misses + "
+                f"{st.extra['reuse']} reuse")
             check_resident(rig)
         finally:
             rig.close()
@@ -510,16 +527,23 @@ class ExpertCacheConformance:
             st = rig.cache.stats
             drive(rig, [[(0, first)]])
             assert st.hits == 0, "nothing resident before the first step can be a hit"
-            assert st.misses == 9 and st.extra["reuse"] == 3
-            assert st.bytes_read == 9 * rig.cache.locator.ref(0, 0).nbytes
+            assert (st.misses, st.extra["reuse"]) == (9, 3), (
+                f"9 distinct experts, 3 asked again: {st.misses} misses and "
+                f"{st.extra['reuse']} reuse counted")
+            want_bytes = 9 * rig.cache.locator.ref(0, 0).nbytes
+            assert st.bytes_read == want_bytes, f"{st.bytes_read} bytes read, 9 experts are {want_bytes}"
             resident_before = set(rig.cache.slot_of)
             assert resident_before, "with free slots, the policy must have kept something"
             drive(rig, [[(0, first)]])
-            assert st.requests == 24 == st.hits + st.misses + st.extra["reuse"]
+            assert st.requests == 24 == st.hits + st.misses + st.extra["reuse"], (
+                f"24 requests made: {st.requests} counted, {st.hits} hits + {st.misses} misses + "
+                f"{st.extra['reuse']} reuse")
             # a second-step hit must have been resident before the step began (how many of
             # those survive the step's own misses is the policy's business)
             wanted = {make_key(0, e) for e in first}
-            assert st.hits <= len(resident_before & wanted)
+            assert st.hits <= len(resident_before & wanted), (
+                f"{st.hits} hits, but only {len(resident_before & wanted)} wanted experts were "
+                "resident when the step began")
             assert st.misses - 9 >= len(wanted - resident_before), "a miss counted as a hit"
             check_resident(rig)
         finally:
@@ -531,13 +555,17 @@ class ExpertCacheConformance:
         rig = self._fixture_rig(workdir, storage, 8, pairs)
         try:
             st = rig.cache.stats
+            def counts(want: tuple[int, int, int], when: str) -> None:
+                got = (st.hits, st.misses, st.extra["reuse"])
+                assert got == want, f"{when}: (hits, misses, reuse) {got}, expected {want}"
+
             drive(rig, [[(0, reqs)]], prefetch=True)
-            assert (st.hits, st.misses, st.extra["reuse"]) == (0, 4, 0)
+            counts((0, 4, 0), "the first step, prefetched")
             drive(rig, [[(0, reqs)]], prefetch=True)
-            assert (st.hits, st.misses, st.extra["reuse"]) == (4, 4, 0)
+            counts((4, 4, 0), "the same experts again, next step")
             # a second visit of the layer within one step finds what this step read: reuse
             drive(rig, [[(0, [3, 5, 11]), (0, [3, 11, 7])]], prefetch=True)
-            assert (st.hits, st.misses, st.extra["reuse"]) == (4 + 4, 4 + 1, 1)  # 11: reuse
+            counts((4 + 4, 4 + 1, 1), "two visits of the layer in one step")  # 11: reuse
         finally:
             rig.close()
 
@@ -578,10 +606,14 @@ class ExpertCacheConformance:
         try:
             for step in range(3):
                 drive(rig, [[(0, reqs)]])
-                assert not declined & set(rig.cache.slot_of)
-                assert rig.cache.stats.extra["transient"] == 2 * (step + 1)
+                kept = declined & set(rig.cache.slot_of)
+                assert not kept, f"step {step}: declined experts {sorted(kept)} were kept"
+                transient = rig.cache.stats.extra["transient"]
+                assert transient == 2 * (step + 1), (
+                    f"step {step}: {transient} served transiently, expected {2 * (step + 1)}")
             st = rig.cache.stats
-            assert st.hits == 4 and st.misses == 8  # 1 and 3 hit twice; 2 and 5 always read
+            assert (st.hits, st.misses) == (4, 8), (  # 1 and 3 hit twice; 2 and 5 always read
+                f"(hits, misses) {(st.hits, st.misses)}, expected (4, 8)")
             check_resident(rig)
         finally:
             rig.close()
@@ -595,7 +627,8 @@ class ExpertCacheConformance:
                             topk=FIXTURE_TOPK, trace=pairs)
 
         def bad(protected: Container[int]) -> int:
-            assert make_key(0, 0) in protected and make_key(0, 5) in protected
+            assert make_key(0, 0) in protected and make_key(0, 5) in protected, (
+                "the cache did not protect the experts of the batch being read")
             return make_key(0, 0) if kind == "protected" else make_key(0, 23)
 
         policy = ScriptedPolicy(inner, admit_all=True)
@@ -607,9 +640,12 @@ class ExpertCacheConformance:
             policy.bad_victim, policy.bad_after = bad, 1
             with pytest.raises(PluginError, match="chose victim") as err:
                 drive(rig, [[(0, reqs2)]])
-            assert ("protected" if kind == "protected" else "not resident") in str(err.value)
+            said = "protected" if kind == "protected" else "not resident"
+            assert said in str(err.value), f"the refusal does not say {said!r}: {err.value}"
             check_resident(rig)  # nothing reserved without its bytes
-            assert set(rig.cache.slot_of) == policy.resident
+            assert set(rig.cache.slot_of) == policy.resident, (
+                f"after the refusal the cache holds {sorted(rig.cache.slot_of)}, the policy was "
+                f"told of {sorted(policy.resident)}")
             drive(rig, [[(0, reqs2)]])  # the cache still serves exact bytes afterwards
             check_resident(rig)
         finally:

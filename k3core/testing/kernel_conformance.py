@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import functools
 import zlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -44,6 +44,7 @@ import pytest
 
 from k3core.api.kernels import KernelBackend, Mxfp4
 from k3core.testing import adversarial
+from k3core.testing.threads import thread_errors_fail
 
 F32_EDGES = np.array(
     [
@@ -168,7 +169,16 @@ def _snapshot(*arrays: Any) -> list[bytes]:
 def _check_unchanged(before: list[bytes], arrays: Sequence[Any], what: str) -> None:
     after = _snapshot(*arrays)
     for i, (b, a) in enumerate(zip(before, after, strict=True)):
-        assert b == a, f"{what}: input {i} was modified"
+        if b == a:
+            continue
+        if len(b) != len(a):
+            raise AssertionError(f"{what}: input {i} was modified: {len(b)} bytes became {len(a)}")
+        x, y = np.frombuffer(b, np.uint8), np.frombuffer(a, np.uint8)
+        bad = np.flatnonzero(x != y)
+        j = int(bad[0])
+        raise AssertionError(f"{what}: input {i} was modified (only the documented in-place "
+                             f"state may be): {bad.size} of {x.size} bytes changed, first at byte "
+                             f"{j}: 0x{int(x[j]):02x} -> 0x{int(y[j]):02x}")
 
 
 def compare(
@@ -195,7 +205,10 @@ def compare(
         want = getattr(reference(), op)(*theirs)
     _check_unchanged(before, [mine[i] for i in frozen], label)
     if isinstance(want, tuple):
-        assert isinstance(got, tuple) and len(got) == len(want), f"{label}: result arity"
+        assert isinstance(got, tuple) and len(got) == len(want), (
+            f"{label}: returned {type(got).__name__}"
+            f"{f' of {len(got)}' if isinstance(got, tuple) else ''}, the reference a tuple of "
+            f"{len(want)}")
         for j, (g, w) in enumerate(zip(got, want, strict=True)):
             assert_same_bits(g, w, f"{label} result {j}")
     else:
@@ -217,6 +230,12 @@ class KernelConformance:
     #: Thread counts of the whole-model runs with every parallel path forced.
     FORCED_THREADS: Sequence[int] = (1, 2, 3)
 
+    @pytest.fixture(autouse=True)
+    def _thread_errors_fail(self) -> Iterator[None]:
+        """An exception in a thread the plugin started fails the test (never only a warning)."""
+        with thread_errors_fail():
+            yield
+
     @pytest.fixture
     def backend(self) -> KernelBackend:  # pragma: no cover - subclasses override
         raise NotImplementedError("a KernelConformance subclass must define a `backend` fixture")
@@ -232,10 +251,11 @@ class KernelConformance:
 
     # --- interface ---------------------------------------------------------------------
     def test_is_a_kernel_backend(self, backend: KernelBackend) -> None:
-        assert isinstance(backend, KernelBackend)
-        assert isinstance(backend.name, str) and backend.name
+        assert isinstance(backend, KernelBackend), (
+            f"the backend is a {type(backend).__name__}, not a k3.plugin.KernelBackend")
+        assert isinstance(backend.name, str) and backend.name, f"backend.name is {backend.name!r}"
         backend.set_threads(1)
-        assert backend.threads >= 1
+        assert backend.threads >= 1, f"after set_threads(1), backend.threads is {backend.threads}"
 
     # --- matrix products -----------------------------------------------------------------
     @pytest.mark.parametrize("rows,cols,T", MATMUL_SHAPES)
@@ -313,7 +333,7 @@ class KernelConformance:
             got = kb.matmul_many(ws, x)
             want = [reference().matmul(w, x) for w in ws]
         _check_unchanged(before, [x, *ws], "matmul_many")
-        assert len(got) == len(want)
+        assert len(got) == len(want), f"matmul_many: {len(got)} results for {len(want)} matrices"
         for i, (g, w) in enumerate(zip(got, want, strict=True)):
             assert_same_bits(g, w, f"matmul_many result {i}")
 
@@ -365,7 +385,7 @@ class KernelConformance:
             want = [reference().situ_mlp(w1, w3, w2, x, 4.0, 25.0)
                     for (w1, w3, w2), x in zip(mlps, xs, strict=True)]
         _check_unchanged(before, [*xs, *(w for mlp in mlps for w in mlp)], "situ_mlp_many")
-        assert len(got) == len(want)
+        assert len(got) == len(want), f"situ_mlp_many {kind}: {len(got)} results for {len(want)} MLPs"
         for i, (g, ww) in enumerate(zip(got, want, strict=True)):
             assert g.shape == ww.shape, f"situ_mlp_many {kind} result {i}: shape {g.shape}"
             assert_same_bits(g, ww, f"situ_mlp_many {kind} result {i} ({Ts[i]} tokens)")
@@ -475,7 +495,8 @@ class KernelConformance:
             al = np.array(a_log, dtype=np.float32)
             want = compare(kb, "kda_gate", z, dt, al, -5.0, what=f"kda_gate A_log={a_log}")
             if a_log[0] == 10.0:
-                assert want[0, 0] == 1.0 and want[0, 1] == 1.0
+                assert want[0, 0] == 1.0 and want[0, 1] == 1.0, (
+                f"kda_gate A_log={a_log}: the reference's alpha is {want[0, :2]}, not saturated at 1")
 
     @pytest.mark.parametrize("H,D", [(1, 1), (2, 3), (4, 16), (2, 33)])
     @pytest.mark.parametrize("T", [1, 3])
@@ -594,9 +615,10 @@ class KernelConformance:
         logits[2] = [0.0, -0.0, 0.0, -0.0, 5.0, 5.0, np.nan, -np.inf, np.inf, np.inf]
         bias = np.zeros(10, dtype=np.float32)
         idx, w = compare(kb, "router", logits, bias, 4, True, 1.0)
-        assert idx[0].tolist() == [0, 1, 2, 3]
-        assert idx[1].tolist() == [2, 5, 7, 0]
-        assert idx[2].tolist() == [8, 9, 4, 5]
+        for row, pick in enumerate(([0, 1, 2, 3], [2, 5, 7, 0], [8, 9, 4, 5])):
+            assert idx[row].tolist() == pick, (
+                f"router ties, row {row}: picked {idx[row].tolist()}, the contract {pick} (ties "
+                "to the lowest index, NaN last)")
         biased = np.linspace(0.0, 1e-3, 10).astype(np.float32)[::-1].copy()  # ties broken by bias
         compare(kb, "router", logits, biased, 3, False, 1.0, what="router with bias")
         compare(kb, "router", logits, bias, 10, True, 1.0, what="router k = N (NaN last)")
@@ -622,7 +644,7 @@ class KernelConformance:
         net, prompt = _build_model(model, kb)
         got = _decode_logits(net, prompt, incremental)
         mode = "incremental" if incremental else "full recompute"
-        assert len(got) == len(want)
+        assert len(got) == len(want), f"{model} ({mode}): {len(got)} steps of logits, the reference {len(want)}"
         for step, (g, w) in enumerate(zip(got, want, strict=True)):
             assert_same_bits(g, w, f"{model} logits ({mode}) step {step}")
 
@@ -648,7 +670,7 @@ class KernelConformance:
         finally:
             backend.set_force_parallel(False)
         mode = "incremental" if incremental else "full recompute"
-        assert len(got) == len(want)
+        assert len(got) == len(want), f"{model} ({mode}): {len(got)} steps of logits, the reference {len(want)}"
         for step, (g, w) in enumerate(zip(got, want, strict=True)):
             assert_same_bits(g, w, f"{model} logits ({mode}, {threads} threads forced) step {step}")
 
@@ -673,9 +695,10 @@ class KernelConformance:
             net, prompt = _build_model("released", backend)
             net.prefill_chunk = chunk
             got = _decode_logits(net, prompt, incremental)
-            assert net.chunks_last >= 1
+            assert net.chunks_last >= 1, f"prefill_chunk={chunk}: the prompt was fed in no chunks"
             every = _all_logits(net, prompt)
-            assert net.chunks_last == -(-len(prompt) // chunk)
+            assert net.chunks_last == -(-len(prompt) // chunk), (
+                f"prefill_chunk={chunk}: {len(prompt)} ids fed in {net.chunks_last} chunks")
         finally:
             backend.set_force_parallel(False)
         mode = "incremental" if incremental else "full recompute"
