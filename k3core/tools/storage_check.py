@@ -17,7 +17,6 @@ itself fails is the file's problem, not the backend's: a ``StorageError`` as in 
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -87,7 +86,7 @@ class StorageCheck:
     layers: int = 0
     reads: int = 0
     nbytes: int = 0
-    seconds: float = 0.0  # in the backend's reads
+    seconds: float = 0.0  # inside the backend's reads, by its own stats (summed over threads)
     reference_seconds: float = 0.0
     problems: list[Problem] = field(default_factory=list)
     differing: int = 0
@@ -110,7 +109,8 @@ class StorageCheck:
                + (f", {self.layers} trunk layers of {self.trunk_dir}" if self.trunk_dir else "")
                + f": {human(self.nbytes)} in {self.reads} reads",
                f"  speed     : {self.storage} {rate(self.seconds)}, {REFERENCE} "
-               f"{rate(self.reference_seconds)} (this run's reads, page cache included)"]
+               f"{rate(self.reference_seconds)} (per second inside its reads, by its "
+               "stats; page cache included)"]
         out += [f"  DIFFERS   : {p.line()}" for p in self.problems]
         if self.differing > len(self.problems):
             out.append(f"  ... and {self.differing - len(self.problems)} more")
@@ -208,7 +208,6 @@ def _check_file(result: StorageCheck, backend: StorageBackend, reference: Storag
 def _check_batch(result: StorageCheck, mine: StorageFile, ref: StorageFile,
                  batch: list[Piece]) -> None:
     outs = [_placed(p) for p in batch]
-    t0 = time.perf_counter()
     try:
         answers: list[StorageError | None] = mine.read_many(
             [(p.offset, out) for p, out in zip(batch, outs, strict=True)], depth=DEPTH)
@@ -217,12 +216,9 @@ def _check_batch(result: StorageCheck, mine: StorageFile, ref: StorageFile,
             result.add(Problem(p.what, p.path, p.offset, p.nbytes, _broke(exc)))
         result.reads += len(batch)
         return
-    result.seconds += time.perf_counter() - t0
     for p, out, answer in zip(batch, outs, answers, strict=True):
         want = _placed(p)
-        t0 = time.perf_counter()
         ref.read_into(p.offset, want)  # plain failing is the file's problem: StorageError
-        result.reference_seconds += time.perf_counter() - t0
         result.reads += 1
         result.nbytes += p.nbytes
         if answer is not None:
@@ -278,8 +274,11 @@ def check_storage(name: str, model_dir: Path, trunk_dir: Path | None = None,
                                    _pieces(f"trunk layer {lay.layer}", man.bin_path,
                                            lay.file_off, lay.disk_nbytes)]
             result.layers = man.n_layers
+        seconds0, ref_seconds0 = backend.stats.snapshot()[1], reference.stats.snapshot()[1]
         for path, pieces in files.items():
             _check_file(result, backend, reference, path, pieces)
+            result.seconds = backend.stats.snapshot()[1] - seconds0
+            result.reference_seconds = reference.stats.snapshot()[1] - ref_seconds0
             result.files += 1
             if progress is not None:
                 progress(f"checked {path.name}: {len(pieces)} reads, "
