@@ -12,12 +12,17 @@ A plugin's whole test file is one subclass of the suite for its kind::
 
 * :class:`KernelConformance`: every op bit for bit against the numpy reference, adversarial
   inputs that separate summation orders and expose a library ``exp``, whole models;
-* :class:`StorageConformance`: byte ranges into caller buffers, short and failed reads refused;
+* :class:`StorageConformance`: the storage contract (``help(k3.plugin.StorageBackend)``): any
+  range into any buffer, reads of tens of MiB, many threads on one open file, replaced files,
+  released handles, nothing kept resident, the refusals and the stats (``storage_name =
+  "mine"`` runs it through the registry);
 * :class:`CachePolicyConformance`: the cache-policy contract under a strict driver;
 * :class:`ExpertCacheConformance`: the real expert cache under the policy, byte for byte.
 
 Everything the suites read is generated on the fly or ships inside k3: they run the same from
-a wheel-installed k3, outside any checkout. :func:`assert_same_bits` and
+a wheel-installed k3, outside any checkout (the storage suite writes its files on a real disk:
+``$K3_TEST_DISK_DIR``, else the system temp directory, and says where). A failure says what
+differed; an exception in any thread fails the test. :func:`assert_same_bits` and
 :func:`checked_replay` are the comparison and the strict driver the suites use.
 """
 
