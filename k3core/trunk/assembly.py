@@ -17,7 +17,7 @@ import numpy as np
 
 from k3core.model import names
 from k3core.trunk.crc import crc32_combine
-from k3core.trunk.manifest import TrunkLayer, TrunkManifest, crc_tag
+from k3core.trunk.manifest import TrunkLayer, TrunkManifest, checksum_failure
 from k3core.trunk.parts import LayerSplit
 
 
@@ -71,11 +71,7 @@ class LayerAssembly:
 
     def problem(self, man: TrunkManifest) -> str | None:
         """``None`` when the gathered layer matches its checksum."""
-        got = crc_tag(self.crc())
-        if got == self.lay.checksum:
-            return None
-        return (f"{man.bin_path}: layer {self.lay.layer} fails its checksum ({got}, manifest "
-                f"{self.lay.checksum}); the file is damaged, repack the trunk")
+        return checksum_failure(man, self.lay, self.crc())
 
     def part_problem(self, man: TrunkManifest, owner: int, buf: np.ndarray) -> str | None:
         """A later read of part ``owner`` checked against the trusted segment CRCs."""

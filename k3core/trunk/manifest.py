@@ -48,7 +48,7 @@ import numpy as np
 from k3core.api.errors import CheckpointError, StorageError, UsageError
 from k3core.api.files import FileRejected, read_capped
 from k3core.api.safejson import JSONRejected, parse_json, show
-from k3core.api.storage import StorageBackend, aligned_empty
+from k3core.api.storage import StorageBackend, StorageFile, aligned_empty
 from k3core.api.units import ALIGN, align_up
 from k3core.checkpoint.index import CheckpointIndex
 from k3core.checkpoint.safetensors_header import DTYPES
@@ -485,68 +485,64 @@ def _check_bin(man: TrunkManifest) -> None:
                               f"{man.total_bytes}; truncated or replaced, repack the trunk")
 
 
-def checksum_problem(man: TrunkManifest, lay: TrunkLayer, data: np.ndarray) -> str | None:
-    """``None`` when the first ``span`` bytes of ``data`` match the layer's checksum."""
-    crc = crc_tag(zlib.crc32(data[: lay.span].data))
-    if crc == lay.checksum:
+def checksum_failure(man: TrunkManifest, lay: TrunkLayer, crc: int) -> str | None:
+    """``None`` when ``crc``, the CRC-32 of the layer's ``span`` bytes, is its checksum; else
+    the message of the ``CheckpointError`` that refuses the layer."""
+    got = crc_tag(crc)
+    if got == lay.checksum:
         return None
-    return (f"{man.bin_path}: layer {lay.layer} fails its checksum ({crc}, manifest "
+    return (f"{man.bin_path}: layer {lay.layer} fails its checksum ({got}, manifest "
             f"{lay.checksum}); the file is damaged, repack the trunk")
 
 
 def verify_trunk(man: TrunkManifest, storage: StorageBackend,
                  progress: Callable[[int, int], None] | None = None) -> None:
     """Re-read every run and compare its checksum; ``CheckpointError`` on a mismatch."""
-    if man.compressed:
-        _verify_compressed(man, storage, progress)
-        return
-    buf = aligned_empty(min(VERIFY_CHUNK, max(lay.nbytes for lay in man.layers)), ALIGN)
+    layer_crc = _coded_crc(man) if man.compressed else _raw_crc(man)
     f = storage.open(man.bin_path)
     try:
         for lay in man.layers:
-            crc = 0
-            done = 0
-            while done < lay.span:
-                n = min(buf.nbytes, align_up(lay.span - done))
-                try:
-                    f.read_into(lay.file_off + done, buf[:n])
-                except StorageError as exc:
-                    raise CheckpointError(f"{man.bin_path}: layer {lay.layer}: "
-                                          f"{exc.message}") from None
-                crc = zlib.crc32(buf[: min(n, lay.span - done)].data, crc)
-                done += n
-            if crc_tag(crc) != lay.checksum:
-                raise CheckpointError(f"{man.bin_path}: layer {lay.layer} fails its checksum "
-                                      f"({crc_tag(crc)}, manifest {lay.checksum}); the file "
-                                      "is damaged, repack the trunk")
-            if progress:
-                progress(lay.layer + 1, man.n_layers)
-    finally:
-        f.close()
-
-
-def _verify_compressed(man: TrunkManifest, storage: StorageBackend,
-                       progress: Callable[[int, int], None] | None) -> None:
-    """``verify_trunk`` for a compressed trunk: decode every window, CRC the raw bytes."""
-    codec = codec_for_manifest(man.codec)
-    staging = aligned_empty(max(staging_bytes(lay.windows) for lay in man.layers), ALIGN)
-    scratch = np.empty(max(w.raw_len for lay in man.layers for w in lay.windows), np.uint8)
-    f = storage.open(man.bin_path)
-    try:
-        for lay in man.layers:
-            crc = 0
             try:
-                for w in decoded_windows(f, man.bin_path, lay.layer, lay.file_off, lay.windows,
-                                         codec, staging, lambda w: scratch[: w.raw_len]):
-                    crc = zlib.crc32(scratch[: w.raw_len].data, crc)
+                crc = layer_crc(f, lay)
             except StorageError as exc:
                 raise CheckpointError(f"{man.bin_path}: layer {lay.layer}: "
                                       f"{exc.message}") from None
-            if crc_tag(crc) != lay.checksum:
-                raise CheckpointError(f"{man.bin_path}: layer {lay.layer} fails its checksum "
-                                      f"({crc_tag(crc)}, manifest {lay.checksum}); the file "
-                                      "is damaged, repack the trunk")
+            problem = checksum_failure(man, lay, crc)
+            if problem is not None:
+                raise CheckpointError(problem)
             if progress:
                 progress(lay.layer + 1, man.n_layers)
     finally:
         f.close()
+
+
+def _raw_crc(man: TrunkManifest) -> Callable[[StorageFile, TrunkLayer], int]:
+    """The CRC-32 of a layer's ``span`` bytes, read in chunks of :data:`VERIFY_CHUNK`."""
+    buf = aligned_empty(min(VERIFY_CHUNK, max(lay.nbytes for lay in man.layers)), ALIGN)
+
+    def layer_crc(f: StorageFile, lay: TrunkLayer) -> int:
+        crc = done = 0
+        while done < lay.span:
+            n = min(buf.nbytes, align_up(lay.span - done))
+            f.read_into(lay.file_off + done, buf[:n])
+            crc = zlib.crc32(buf[: min(n, lay.span - done)].data, crc)
+            done += n
+        return crc
+
+    return layer_crc
+
+
+def _coded_crc(man: TrunkManifest) -> Callable[[StorageFile, TrunkLayer], int]:
+    """The CRC-32 of a compressed layer's raw bytes: every window decoded, in order."""
+    codec = codec_for_manifest(man.codec)
+    staging = aligned_empty(max(staging_bytes(lay.windows) for lay in man.layers), ALIGN)
+    scratch = np.empty(max(w.raw_len for lay in man.layers for w in lay.windows), np.uint8)
+
+    def layer_crc(f: StorageFile, lay: TrunkLayer) -> int:
+        crc = 0
+        for w in decoded_windows(f, man.bin_path, lay.layer, lay.file_off, lay.windows,
+                                 codec, staging, lambda w: scratch[: w.raw_len]):
+            crc = zlib.crc32(scratch[: w.raw_len].data, crc)
+        return crc
+
+    return layer_crc
