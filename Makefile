@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 K3 := $(VENV)/bin/k3
 DEMO_DIR ?= demo-model
 
-.PHONY: setup demo test test-wheel test-long fuzz lint typecheck bench bench-ladder rehearsal clean
+.PHONY: help setup demo test test-wheel test-long fuzz lint typecheck format bench bench-ladder rehearsal clean
 
 # setuptools' informational note on every editable install (folders named like the package
 # may shadow it: k3's are those folders); every other build warning still shows
@@ -21,7 +21,14 @@ $(VENV)/.installed: pyproject.toml setup.py $(addsuffix /pyproject.toml,$(EXAMPL
 	$(QUIET_PIP) $(PY) -m pip install -q $(addprefix -e ,$(EXAMPLES))
 	touch $@
 
+## setup: create .venv and install k3 with the test extras and the example plugins (editable)
 setup: $(VENV)/.installed
+
+## help: this list: every target with its `## target: ...` comment in the Makefile
+help:
+	@awk '/^## [a-z-]+: / { sub(/^## /, ""); n = index($$0, ":"); \
+	        printf "  %-13s %s\n", substr($$0, 1, n - 1), substr($$0, n + 2); next } \
+	      /^## / { sub(/^## /, ""); printf "  %-13s %s\n", "", $$0 }' $(MAKEFILE_LIST)
 
 ## demo: set up and continue a prompt with the shipped trained model (demo-model/MODEL_CARD.md);
 ## `k3 synth` writes random-weight models of any size for tests and benchmarks
@@ -117,9 +124,22 @@ rehearsal: setup
 	done
 	$(PY) -m k3core.tools.rehearsal $(addprefix $(REHEARSAL_DIR)/,$(addsuffix .json,$(REHEARSAL_PRESETS)))
 
+## lint: ruff over every Python file of the project, then mypy over k3 and k3core (.ci/run
+## runs it before the tests; clean is the rule)
+LINT_PATHS := k3 k3core backends storage caches tests fuzz examples tools setup.py
 lint: setup
-	$(PY) -m ruff check k3 k3core backends storage caches tests fuzz examples
+	$(PY) -m ruff check $(LINT_PATHS)
 	$(PY) -m mypy k3 k3core
 
+## typecheck: mypy alone over k3 and k3core (part of lint)
+typecheck: setup
+	$(PY) -m mypy k3 k3core
+
+## format: sort the imports in place (ruff's I rules): the one formatting rule the tree
+## keeps (`ruff format` would rewrite most files, so it is not applied)
+format: setup
+	$(PY) -m ruff check --select I --fix $(LINT_PATHS)
+
+## clean: remove .venv, build/ (synthetic models, bench and fuzz output) and the egg-info
 clean:
 	rm -rf $(VENV) build *.egg-info models
