@@ -245,7 +245,8 @@ class StorageConformance:
     resident_allowance: int = 8 * MiB
     #: threads reading one open file at once in the concurrency test
     threads: int = 16
-    #: the large reads (``(offset, nbytes)`` of the 24 MiB file); a subclass may add its own
+    #: the large reads, ``name: (offset, nbytes)`` inside the :data:`BIG_SIZE`-byte file; a
+    #: subclass may add its own (``{**BIG_READS, "my-chunk": (...)}``), say across its chunk size
     big_reads: dict[str, tuple[int, int]] = BIG_READS
 
     # ---- fixtures ---------------------------------------------------------------------
@@ -304,12 +305,18 @@ class StorageConformance:
         check_read(out, python_read(data_file, 8192, 4000),
                    read_op(data_file, 8192, 4000, "a float32 array"), 8192)
 
+    def pytest_generate_tests(self, metafunc: pytest.Metafunc) -> None:
+        """``test_big_reads`` over this class's :attr:`big_reads` (a subclass may add some)."""
+        if metafunc.definition.originalname == "test_big_reads":
+            metafunc.parametrize("big", list(self.big_reads))
+
     @pytest.mark.parametrize("dest", ["numpy-unaligned", "numpy-congruent"])
-    @pytest.mark.parametrize("rng", list(BIG_READS))
-    def test_big_reads(self, storage_backend: StorageBackend, big_file: Path, rng: str,
+    def test_big_reads(self, storage_backend: StorageBackend, big_file: Path, big: str,
                        dest: str) -> None:
         """Reads of 1 to 24 MiB at unaligned offsets, in one call each."""
-        offset, n = self.big_reads[rng]
+        offset, n = self.big_reads[big]
+        assert 0 <= offset and offset + n <= BIG_SIZE, (
+            f"big_reads[{big!r}] = {(offset, n)} is outside the {BIG_SIZE}-byte file")
         out = DESTINATIONS[dest](n, offset)
         with storage_backend.open(big_file) as f:
             assert f.size == BIG_SIZE, f"open({big_file.name}).size is {f.size}, not {BIG_SIZE}"
