@@ -38,8 +38,9 @@ from k3core.api.errors import (
 
 if TYPE_CHECKING:
     from k3core.run.engine import Engine
+    from k3core.run.generation import Generation
     from k3core.run.request import GenerationParams
-    from k3core.run.session import Generation, Session
+    from k3core.run.session import Session
     from k3core.run.state_file import StateFileError
 
 __all__ = [
@@ -51,7 +52,7 @@ __all__ = [
 _LAZY = {
     "Engine": "k3core.run.engine",
     "Session": "k3core.run.session",
-    "Generation": "k3core.run.session",
+    "Generation": "k3core.run.generation",
     "GenerationParams": "k3core.run.request",
     "StateFileError": "k3core.run.state_file",
 }

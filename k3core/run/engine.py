@@ -23,9 +23,10 @@ from k3core.api.errors import UsageError
 from k3core.model.config import ModelConfig
 from k3core.model.state import SequenceState
 from k3core.run.binding import Bound, EngineOptions, bind, read_model_config
+from k3core.run.generation import Generation
 from k3core.run.prompt import check_vocab
 from k3core.run.report import run_record
-from k3core.run.session import Generation, Session
+from k3core.run.session import Session
 
 if TYPE_CHECKING:
     from k3core.run.plan import EnginePlan

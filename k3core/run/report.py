@@ -38,7 +38,7 @@ from k3core.trunk.source import report_json, report_lines, ultra_lines
 
 if TYPE_CHECKING:
     from k3core.run.binding import Bound
-    from k3core.run.session import Generation
+    from k3core.run.generation import Generation
 
 
 def gb(n: float) -> str:

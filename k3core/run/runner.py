@@ -17,10 +17,11 @@ from typing import Any
 from k3core.api.experts import ExpertExecutor
 from k3core.api.outputs import write_json_atomic, write_logits
 from k3core.run.engine import Engine
+from k3core.run.generation import Generation
 from k3core.run.plan import RunPlan, plan_run
 from k3core.run.report import RunReport, run_record
 from k3core.run.request import GenerationParams, RunRequest, spec_from_preset
-from k3core.run.session import Generation, Session, make_sampler
+from k3core.run.session import Session, make_sampler
 
 
 def execute(r: RunRequest, rep: RunReport | None = None,

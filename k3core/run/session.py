@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Generator, Iterator, Sequence
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import fields, replace
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -32,10 +32,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from k3core.api.errors import UsageError
-from k3core.model.generate import Step, StepTimes
+from k3core.model.generate import Step
 from k3core.model.sampling import Sampler, argmax
-from k3core.model.speculative import SpecOptions, SpecStats, Speculator
+from k3core.model.speculative import SpecOptions, Speculator
 from k3core.model.state import SequenceState
+from k3core.run.generation import Generation
 from k3core.run.memory_plan import check_kv
 from k3core.run.prompt import MAX_PROMPT, check_vocab
 from k3core.run.request import GenerationParams, build
@@ -43,41 +44,6 @@ from k3core.run.stops import TextStream
 
 if TYPE_CHECKING:
     from k3core.run.binding import Bound
-
-
-@dataclass
-class Generation(StepTimes):
-    """What one call made: ids, text, timings, why it stopped. ``report`` is the run record."""
-
-    prompt_ids: list[int]
-    ids: list[int] = field(default_factory=list)
-    text: str | None = None
-    steps: list[Step] = field(default_factory=list)
-    first_logits: np.ndarray | None = None
-    stopped_at: int = -1
-    #: why it stopped: ``length`` (max_tokens made), ``context`` (the context is full: the
-    #: end of ``max_tokens`` -1, or ``context`` reached first), ``stop_id``, ``eos``, ``stop``
-    #: (a stop text), ``prefill`` (max_tokens 0), ``interrupted`` (Ctrl-C; ``interrupted`` too)
-    stop_reason: str = "length"
-    #: the most tokens it could make: ``max_tokens``, or what the context left
-    limit: int = 0
-    prefill_seconds: float = 0.0
-    #: the first forward pass (the prompt): ids fed, passes (chunks), routed-expert bytes read
-    prefill_ids: int = 0
-    prefill_chunks: int = 0
-    prefill_expert_bytes: int = 0
-    interrupted: bool = False
-    sampler: Sampler | None = None
-    report: dict[str, Any] = field(default_factory=dict)
-    spec: SpecStats | None = None  # what --spec ngram|auto did
-
-    @property
-    def full_ids(self) -> list[int]:
-        return self.prompt_ids + self.ids
-
-    def mark_interrupted(self) -> None:
-        """A Ctrl-C ended it: what was made is kept, and that is why it stopped."""
-        self.interrupted, self.stop_reason = True, "interrupted"
 
 
 def make_sampler(p: GenerationParams) -> Sampler | None:
@@ -169,7 +135,7 @@ class Session:
             check_vocab([sid], eng.cfg.vocab, "--stop-id")
         if self.incremental and not prompt and not self.pending:
             raise UsageError("nothing to feed: the session's ids are all consumed; give a prompt")
-        gen = Generation(prompt, sampler=make_sampler(p))
+        gen = Generation(prompt_ids=prompt, sampler=make_sampler(p))
         make, fills = p.budget(len(self.ids) + len(prompt))
         gen.limit = make
         if make != p.max_tokens:  # -1 or over the context: the loops make ``make`` at most
