@@ -7,10 +7,10 @@ still succeeds and prints a warning.
   reports the missing module and how to fix it (install gcc, then ``pip install -e .``
   again). The reason is written next to where the module would have been
   (``k3_backends/_k3avx2.build-error.txt``) so the backend can say why;
-* the ``bp-nib`` trunk codec's decoder, built from ``k3core/trunk/nibble_build.py``; without
-  it a ``bp-nib`` trunk decodes through NumPy, to the same bytes, more slowly;
-* the ``bp-bits`` trunk codec's decoder, built from ``k3core/trunk/bitcode_build.py``; the
-  same holds for it.
+* the ``bp-nib`` trunk codec's decoder, built by ``k3core/trunk/decoder_build.py:nibble``;
+  without it a ``bp-nib`` trunk decodes through NumPy, to the same bytes, more slowly;
+* the ``bp-bits`` trunk codec's decoder, built by ``k3core/trunk/decoder_build.py:bitcode``;
+  the same holds for it.
 """
 
 from __future__ import annotations
@@ -30,6 +30,9 @@ WITHOUT = {
     "k3core.trunk._k3nib": ("the bp-nib codec's compiled decoder",
                             "k3 is installed and works without it (bp-nib trunks decode through "
                             "NumPy, more slowly)."),
+    "k3core.trunk._k3bits": ("the bp-bits codec's compiled decoder",
+                             "k3 is installed and works without it (bp-bits trunks decode "
+                             "through NumPy, more slowly)."),
 }
 
 
@@ -122,6 +125,6 @@ setup(
     packages=_packages(),
     package_dir=PACKAGE_DIRS,
     cmdclass={"build_ext": OptionalBuildExt},
-    cffi_modules=["backends/avx2_build.py:ffibuilder", "k3core/trunk/nibble_build.py:ffibuilder",
-                   "k3core/trunk/bitcode_build.py:ffibuilder"],
+    cffi_modules=["backends/avx2_build.py:ffibuilder", "k3core/trunk/decoder_build.py:nibble",
+                  "k3core/trunk/decoder_build.py:bitcode"],
 )

@@ -49,7 +49,7 @@ import struct
 
 import numpy as np
 
-from k3core.trunk.native_decoder import NativeDecoder, load
+from k3core.trunk.native_decoder import NativeDecoder, decode_window, load
 
 #: the width byte, three reserved bytes, the escape count and the table
 HEADER = 24
@@ -103,8 +103,7 @@ def encode(raw: np.ndarray) -> bytes:
 def decode_into(data: memoryview | np.ndarray, out: np.ndarray) -> int:
     """Decode one window into ``out`` (uint8, exactly the raw length): 0, or the error code
     whose :data:`REASONS` entry says why it was refused."""
-    native = _native()
-    return decode_numpy(data, out) if native is None else native.decode(data, out)
+    return decode_window(_native(), decode_numpy, data, out)
 
 
 def decode_numpy(data: memoryview | np.ndarray, out: np.ndarray) -> int:

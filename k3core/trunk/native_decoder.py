@@ -1,14 +1,16 @@
 """The compiled window decoder of a high-byte codec (``bp-nib``, ``bp-bits``), loaded once.
 
-Each codec's C decoder is an optional cffi module (built by ``setup.py`` where a C compiler
-is found) exporting ``PREFIX_decode(src, src_len, out, out_len, vector)`` and
-``PREFIX_vector()``, the widest join the CPU runs (0 is the portable loop). Where the module
-was not built the codec decodes through NumPy instead, to the same bytes.
+Each codec's C decoder is an optional cffi module (built by ``setup.py`` through
+``k3core/trunk/decoder_build.py`` where a C compiler is found) exporting
+``PREFIX_decode(src, src_len, out, out_len, vector)`` and ``PREFIX_vector()``, the widest
+join the CPU runs (0 is the portable loop). Where the module was not built the codec decodes
+through NumPy instead, to the same bytes (:func:`decode_window`).
 """
 
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,3 +45,15 @@ def load(module: str, prefix: str) -> NativeDecoder | None:
     lib = mod.lib
     return NativeDecoder(mod.ffi, getattr(lib, f"{prefix}_decode"),
                          int(getattr(lib, f"{prefix}_vector")()))
+
+
+#: a codec's NumPy decoder: one window into ``out``, 0 or the refusal's error code
+NumpyDecode = Callable[[memoryview | np.ndarray, np.ndarray], int]
+
+
+def decode_window(native: NativeDecoder | None, numpy_decode: NumpyDecode,
+                  data: memoryview | np.ndarray, out: np.ndarray) -> int:
+    """Decode one window into ``out`` (uint8, exactly the raw length) through the compiled
+    decoder where it was built (``native``), else through the codec's NumPy decoder: the
+    same bytes and the same refusals either way. 0, or the refusal's error code."""
+    return numpy_decode(data, out) if native is None else native.decode(data, out)
