@@ -59,10 +59,11 @@ from k3core.trunk.codec import NAMES as CODEC_NAMES
 from k3core.trunk.codec import codec_for_manifest
 from k3core.trunk.sample import check_samples
 from k3core.trunk.windows import (
+    CodedWindows,
     Window,
     WindowTableError,
-    decoded_windows,
     parse_windows,
+    staged_windows,
     staging_bytes,
 )
 
@@ -540,8 +541,8 @@ def _coded_crc(man: TrunkManifest) -> Callable[[StorageFile, TrunkLayer], int]:
 
     def layer_crc(f: StorageFile, lay: TrunkLayer) -> int:
         crc = 0
-        for w in decoded_windows(f, man.bin_path, lay.layer, lay.file_off, lay.windows,
-                                 codec, staging, lambda w: scratch[: w.raw_len]):
+        src = CodedWindows(f, man.bin_path, lay.layer, lay.file_off, lay.windows, codec)
+        for w in staged_windows(src, staging, lambda w: scratch[: w.raw_len]):
             crc = zlib.crc32(scratch[: w.raw_len].data, crc)
         return crc
 

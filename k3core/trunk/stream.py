@@ -86,13 +86,15 @@ from k3core.trunk.parts import LayerPart, LayerSplit, split_layer
 from k3core.trunk.plan import DEFAULT_RING, TrunkPlan, plan_trunk
 from k3core.trunk.stats import TrunkStats
 from k3core.trunk.windows import (
+    CodedWindows,
     Landing,
     Window,
     decode_chunk,
-    decoded_windows,
     in_place_offset,
+    in_place_windows,
     linear_base,
     linear_reader,
+    prefetched_windows,
     staging_bytes,
 )
 
@@ -463,9 +465,10 @@ class StreamedTrunk(TrunkSource):
         # the reader threads' chunks go after the demand reads in flight, as _read_ahead's
         gate = DEMAND.wait_for_demand if self._reading_ahead() else None
         t0 = time.perf_counter()
-        for w in decoded_windows(f, self.manifest.bin_path, lay.layer, lay.file_off, wins,
-                                 self._codec, staging, dest, self._prefetch,
-                                 linear=at is not None, gate=gate):
+        src = CodedWindows(f, self.manifest.bin_path, lay.layer, lay.file_off, wins, self._codec)
+        assert self._prefetch is not None
+        read = in_place_windows if at is not None else prefetched_windows
+        for w in read(src, staging, dest, self._prefetch, gate):
             land(w)
         zero_padding(buf, start, nbytes, wins)
         with self._cond:
@@ -717,8 +720,10 @@ class StreamedTrunk(TrunkSource):
             def closed(k: int) -> None:
                 raise StorageError(f"trunk layer {lay.layer}: the trunk is closed")
             return closed
-        return linear_reader(f, lay.file_off, job.windows, job.slot.buf[job.at :],
-                             DEMAND.wait_for_demand, job.chunks)
+        assert self._codec is not None
+        src = CodedWindows(f, self.manifest.bin_path, lay.layer, lay.file_off, job.windows,
+                           self._codec)
+        return linear_reader(src, job.slot.buf[job.at :], job.chunks, DEMAND.wait_for_demand)
 
     def _decoder(self) -> None:
         """The coded ring's reader thread: decode the parts the I/O thread started, in

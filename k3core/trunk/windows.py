@@ -9,11 +9,13 @@ the others. The encoded windows follow one another from the layer's 4096-aligned
 a window is ``[raw_len, stored_len]``; the offsets are the running sums, and
 ``stored_len == raw_len`` means the window is stored raw (its encoding was not smaller).
 
-:func:`decoded_windows` reads a layer's encoded bytes in aligned chunks of about
-:data:`READ_CHUNK` (whole windows; O_DIRECT needs no fix-up because a layer's run is
-aligned and padded) into a staging buffer and decodes each window into the destination the
-caller gives (the ring slot, a pinned buffer, or a scratch window for ``--verify-trunk``);
-with a prefetch thread the next chunk is read while the current one decodes.
+:func:`staged_windows`, :func:`prefetched_windows` and :func:`in_place_windows` read a
+layer's encoded bytes (:class:`CodedWindows`) in aligned chunks of about :data:`READ_CHUNK`
+(whole windows; O_DIRECT needs no fix-up because a layer's run is aligned and padded) and
+decode each window into the destination the caller gives (the ring slot, a pinned buffer,
+or a scratch window for ``--verify-trunk``): one chunk at a time through a staging buffer,
+the next chunk read on a prefetch thread while this one decodes, or every chunk read in
+place in the destination's tail by one job while this thread decodes those that landed.
 A window that does not decode is a ``CheckpointError`` naming the layer and the window; a
 window that decodes to wrong bytes is caught by the layer's CRC-32 of its raw bytes, which
 the caller checks exactly as for an uncompressed trunk.
@@ -137,7 +139,8 @@ def staging_bytes(windows: tuple[Window, ...], limit: int = READ_CHUNK) -> int:
 
 
 def linear_bytes(windows: tuple[Window, ...]) -> int:
-    """The staging a ``linear`` read of ``windows`` needs: all their aligned bytes."""
+    """The staging a *linear* read of ``windows`` needs (each chunk read where it lies, as
+    :func:`in_place_windows` and the ring's I/O thread read): all their aligned bytes."""
     return _aligned_range(windows, 0, len(windows))[1] if windows else 0
 
 
@@ -163,81 +166,93 @@ def in_place_offset(windows: tuple[Window, ...], start: int, size: int) -> int |
     return at
 
 
-def decoded_windows(
-    f: StorageFile,
-    bin_path: Path,
-    layer: int,
-    file_off: int,
-    windows: tuple[Window, ...],
-    codec: Codec,
-    staging: np.ndarray,
-    dest: Callable[[Window], np.ndarray],
-    prefetch: Executor | None = None,
-    linear: bool = False,
-    gate: Callable[[], object] | None = None,
-) -> Iterator[Window]:
-    """Read and decode every window of a layer into ``dest(window)``, yielding each after it
-    is decoded. Storage errors propagate; a window that does not decode is a
-    ``CheckpointError``.
+@dataclass(frozen=True)
+class CodedWindows:
+    """Encoded windows of one layer (all of them, or those meeting a raw range) in
+    ``trunk.bin``: what reading and decoding them needs, the file and codec, and what a
+    refusal names."""
 
-    With a ``prefetch`` executor (one thread) the next chunk is read into the other half of
-    ``staging`` (which must then hold two chunks) while this one decodes, so a layer costs
-    about the larger of its read and its decode rather than their sum.
+    f: StorageFile
+    bin_path: Path
+    layer: int
+    file_off: int  # the layer's, which the windows' ``off`` is relative to
+    windows: tuple[Window, ...]
+    codec: Codec
 
-    With ``linear`` the staging holds all of the windows' aligned bytes at once
-    (:func:`linear_bytes`), each chunk read where it lies and never reread, so the staging
-    may be the tail of the destination itself when every window decodes below its own
-    input (:func:`in_place_offset`). Every chunk then has a place of its own, so with a
-    ``prefetch`` executor one job reads all chunks after the first back to back
-    (:class:`Landing`) while this thread decodes the ones that have landed: the disk never
-    waits for a decode or for a hand-off between two threads. (Asked for chunk by chunk,
-    the next read was issued only after this thread had woken for the last one's result
-    and the executor's thread had woken for the new job; on the medium model's ``bp-nib``
-    trunk, a walk of the ring read 1.5-1.65 GB/s of encoded bytes where the raw trunk's
-    reads took 1.9-2.5.)
+    def decode(self, buf: np.ndarray, start: int, a: int, b: int,
+               dest: Callable[[Window], np.ndarray]) -> Iterator[Window]:
+        """:func:`decode_chunk` of ``windows[a:b]``, whose encoded bytes lie in ``buf`` from
+        the stored offset ``start``."""
+        return decode_chunk(buf, start, self.windows, a, b, self.codec, dest, self.bin_path,
+                            self.layer)
 
-    ``gate``, when given, is called before each chunk's read (the ring's reader thread
-    passes the demand gate, :meth:`k3core.api.read_priority.ReadPriority.wait_for_demand`,
-    so a routed expert the MoE waits for is not queued behind a chunk read ahead)."""
-    parts = chunks(windows)
-    base = linear_base(windows)
-    if prefetch is not None and not linear:
-        half = staging.size // 2
-        bufs: tuple[np.ndarray, ...] = (staging[:half], staging[half : 2 * half])
-    else:
-        bufs = (staging,)
-    read_linear = linear_reader(f, file_off, windows, staging, gate, parts) if linear else None
 
-    def read(k: int) -> None:
-        if read_linear is not None:
-            read_linear(k)
-            return
-        if gate is not None:
-            gate()
-        start, length = _aligned_range(windows, *parts[k])
-        f.read_into(file_off + start, bufs[k % len(bufs)][:length])
+# Three ways to read and decode a layer's windows, each yielding every window once it is
+# decoded into ``dest(window)``. Storage errors propagate; a window that does not decode is
+# a ``CheckpointError``. ``gate``, when given, is called before each chunk's read (the
+# ring's reader threads pass the demand gate,
+# :meth:`k3core.api.read_priority.ReadPriority.wait_for_demand`, so a routed expert the MoE
+# waits for is not queued behind a chunk read ahead).
+def staged_windows(src: CodedWindows, staging: np.ndarray, dest: Callable[[Window], np.ndarray],
+                   gate: Callable[[], object] | None = None) -> Iterator[Window]:
+    """One chunk at a time: each read into ``staging`` (:func:`staging_bytes`), then decoded."""
+    parts = chunks(src.windows)
+    read = _staged_reader(src, (staging,), parts, gate)
+    for k, (a, b) in enumerate(parts):
+        read(k)
+        yield from src.decode(staging, _aligned_range(src.windows, a, b)[0], a, b, dest)
 
+
+def prefetched_windows(src: CodedWindows, staging: np.ndarray,
+                       dest: Callable[[Window], np.ndarray], prefetch: Executor,
+                       gate: Callable[[], object] | None = None) -> Iterator[Window]:
+    """The next chunk read on ``prefetch`` (one thread) into the other half of ``staging``
+    (two chunks, twice :func:`staging_bytes`) while this one decodes, so a layer costs about
+    the larger of its read and its decode rather than their sum."""
+    parts = chunks(src.windows)
+    half = staging.size // 2
+    bufs = (staging[:half], staging[half : 2 * half])
+    read = _staged_reader(src, bufs, parts, gate)
+    pending: Future[None] | None = None
+    try:
+        read(0)  # the first chunk here: a one-chunk layer never waits on another thread
+        for k, (a, b) in enumerate(parts):
+            if pending is not None:
+                done, pending = pending, None
+                done.result()
+            if k + 1 < len(parts):
+                pending = prefetch.submit(read, k + 1)
+            yield from src.decode(bufs[k % 2], _aligned_range(src.windows, a, b)[0], a, b, dest)
+    finally:
+        if pending is not None:  # never leave a read running into a buffer we hand back
+            with contextlib.suppress(BaseException):
+                pending.result()
+
+
+def in_place_windows(src: CodedWindows, staging: np.ndarray,
+                     dest: Callable[[Window], np.ndarray], prefetch: Executor,
+                     gate: Callable[[], object] | None = None) -> Iterator[Window]:
+    """Every chunk read where it lies in ``staging``, which holds all of the windows'
+    aligned bytes at once (:func:`linear_bytes`) and is never reread, so it may be the tail
+    of the destination itself when every window decodes below its own input
+    (:func:`in_place_offset`). Every chunk has a place of its own, so one job on
+    ``prefetch`` reads all chunks after the first back to back (:class:`Landing`) while
+    this thread decodes the ones that have landed: the disk never waits for a decode or for
+    a hand-off between two threads."""
+    parts = chunks(src.windows)
+    base = linear_base(src.windows)
+    read = linear_reader(src, staging, parts, gate)
     pending: Future[None] | None = None
     landing: Landing | None = None
     try:
         read(0)  # the first chunk here: a one-chunk layer never waits on another thread
-        if linear and prefetch is not None and len(parts) > 1:
+        if len(parts) > 1:
             landing = Landing(first=1)
             pending = prefetch.submit(landing.read_all, read, len(parts))
         for k, (a, b) in enumerate(parts):
-            if landing is not None:
-                if k:
-                    landing.wait_for(k)
-            elif pending is not None:
-                done, pending = pending, None
-                done.result()
-            elif k:
-                read(k)
-            if landing is None and prefetch is not None and k + 1 < len(parts):
-                pending = prefetch.submit(read, k + 1)
-            start = base if linear else _aligned_range(windows, a, b)[0]
-            yield from decode_chunk(bufs[k % len(bufs)], start, windows, a, b, codec, dest,
-                                    bin_path, layer)
+            if landing is not None and k:
+                landing.wait_for(k)
+            yield from src.decode(staging, base, a, b, dest)
     finally:
         if landing is not None:  # no further chunk is started once we stop early
             landing.stop()
@@ -246,16 +261,26 @@ def decoded_windows(
                 pending.result()
 
 
-def linear_reader(f: StorageFile, file_off: int, windows: tuple[Window, ...],
-                  staging: np.ndarray, gate: Callable[[], object] | None = None,
-                  parts: list[tuple[int, int]] | None = None) -> Callable[[int], None]:
-    """The read of chunk ``k`` of a *linear* read (``parts``, :func:`chunks` of the windows
-    when not given; the decoder must cut the same chunks): ``staging`` holds all of the
-    windows' aligned bytes (:func:`linear_bytes`), each chunk is read where it lies, from
-    where the previous chunk's read ended (no page is read twice). ``gate`` is called before
-    each read."""
-    if parts is None:
-        parts = chunks(windows)
+def _staged_reader(src: CodedWindows, bufs: tuple[np.ndarray, ...], parts: list[tuple[int, int]],
+                   gate: Callable[[], object] | None) -> Callable[[int], None]:
+    """The read of chunk ``k`` (its aligned range) into ``bufs[k % len(bufs)]``."""
+
+    def read(k: int) -> None:
+        if gate is not None:
+            gate()
+        start, length = _aligned_range(src.windows, *parts[k])
+        src.f.read_into(src.file_off + start, bufs[k % len(bufs)][:length])
+
+    return read
+
+
+def linear_reader(src: CodedWindows, staging: np.ndarray, parts: list[tuple[int, int]],
+                  gate: Callable[[], object] | None = None) -> Callable[[int], None]:
+    """The read of chunk ``k`` of a *linear* read (``parts``: :func:`chunks` of the windows,
+    the same chunks the decoder cuts): ``staging`` holds all of the windows' aligned bytes
+    (:func:`linear_bytes`), each chunk is read where it lies, from where the previous
+    chunk's read ended (no page is read twice). ``gate`` is called before each read."""
+    windows = src.windows
     base = linear_base(windows)
 
     def read(k: int) -> None:
@@ -263,7 +288,7 @@ def linear_reader(f: StorageFile, file_off: int, windows: tuple[Window, ...],
             gate()
         start, length = _aligned_range(windows, *parts[k])
         lo = max(start, sum(_aligned_range(windows, *parts[k - 1]))) if k else start
-        f.read_into(file_off + lo, staging[lo - base : start + length - base])
+        src.f.read_into(src.file_off + lo, staging[lo - base : start + length - base])
 
     return read
 
