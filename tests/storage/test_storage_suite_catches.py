@@ -98,12 +98,14 @@ def report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     work = tmp_path_factory.mktemp("suite-catches")
     text, select = _suite_file()
     (work / "test_variants.py").write_text(text)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
+    disk = work / "data-disk"  # the run must write there, and say so
+    env = {**os.environ, "K3_TEST_DISK_DIR": str(disk),
+           "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
     res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                           "--tb=short", "-k", select, "test_variants.py"],
                          cwd=work, env=env, capture_output=True, text=True, timeout=600)
     out = res.stdout + res.stderr
-    sections: dict[str, str] = {"summary": out}
+    sections: dict[str, str] = {"summary": out, "disk": str(disk)}
     head = re.compile(r"^_+ (?:ERROR at \w+ of )?Test(\w+)\.\S+ _+$", re.M)
     marks = list(head.finditer(out))
     for m, nxt in zip(marks, marks[1:] + [None], strict=True):
@@ -126,6 +128,13 @@ def test_the_shared_position_is_caught_every_time(report: dict[str, str]) -> Non
         text = report.get(f"SharedPosition{i}")
         assert text, f"run {i} of the shared-position backend passed:\n{report['summary'][-3000:]}"
         assert re.search(SHARED[1], text), f"run {i} does not say /{SHARED[1]}/:\n{text[-4000:]}"
+
+
+def test_the_run_says_where_it_wrote(report: dict[str, str]) -> None:
+    lines = [line for line in report["summary"].splitlines() if "k3 storage suite:" in line]
+    assert len(lines) == 1, report["summary"][-2000:]  # once for the whole run
+    assert re.fullmatch(rf"k3 storage suite: test data under {re.escape(report['disk'])}"
+                        r"( \(\w+\))?: from \$K3_TEST_DISK_DIR", lines[0]), lines[0]
 
 
 def test_the_correct_backend_passes_the_same_tests(report: dict[str, str]) -> None:
