@@ -39,6 +39,7 @@ def run_threads(target: Callable[[int, threading.Barrier], None], n: int, *, wha
     work overlaps); when one thread fails the barrier is broken, so none waits forever, and
     the first exception that is not the broken barrier is the one reported.
     """
+    __tracebackhide__ = True
     barrier = threading.Barrier(n)
     failures: list[tuple[str, BaseException, str]] = []
     lock = threading.Lock()
