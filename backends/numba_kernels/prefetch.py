@@ -6,7 +6,7 @@ A prefetch never faults, so ``i`` may run past the array's end (the last rows of
 prefetch past it); nothing is read into the program and no result depends on it. The
 one-token products use it to keep enough of the weight stream in flight: measured on a Zen 5
 core, one thread, the bf16 product [12288 x 7168] read its rows at 11 GB/s with the hardware
-prefetchers alone (docs/avx2-backend.md, "A Zen 5 guest").
+prefetchers alone (docs/measurements/2026-12-02-zen5.md).
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ def pack_trunk(
     codec: str = typer.Option("none", "--codec", help="Lossless codec NAME[:LEVEL]: none, zstd, "
                               "lz4, bp-zstd, bp-lz4, bp-nib, bp-bits (bp-: bf16 byte planes "
                               "first; bp-bits stores bell-shaped weights smallest of the fast "
-                              "ones; docs/trunk.md has the measurements)."),
+                              "ones; docs/trunk.md compares them)."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress on stderr."),
 ) -> None:
     """Copy every layer's non-expert tensors into TRUNK_DIR/trunk.bin (4096-aligned runs)."""

@@ -13,7 +13,7 @@ weights read); the conv history is the last ``K - 1`` raw inputs, so it is a cop
 
 The alternative, a snapshot of ``S`` after every draft row, costs ``width`` copies of ``S``
 per layer on every pass; the recompute costs nothing when every draft is accepted and at
-most ``width - 1`` recurrence rows on a rejection (the figures are in docs/speculative.md).
+most ``width - 1`` recurrence rows on a rejection.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
 --gen 512 --incremental --dump-cache-trace DIR`` (519 positions, 7 MoE layers x top-4).
 ``data/demo_prompt_trace.bin``: the first 2,400 bytes of the held-out ``shlex.py`` as the
 prompt (821 ids, prefilled at once), then 32 generated tokens, incremental.
-The figures asserted are the ones docs/expert-cache.md reports.
+The figures asserted are the ones docs/measurements/2026-12-01-expert-cache-demo-traces.md reports.
 """
 
 from __future__ import annotations
