@@ -5,8 +5,8 @@ whole hit-rate-versus-size curve of every policy. This module replays a trace th
 *same* policy objects the engine uses (:mod:`k3core.api.cache_policy`), plus the exact offline
 optimum, and reports what each would have read from disk.
 
-How a trace is replayed (:func:`replay_policy`)
------------------------------------------------
+How a trace is replayed (:func:`replay`, the one loop)
+----------------------------------------------------
 * A **layer visit** is a maximal run of consecutive requests of one layer; its whole key list
   is given to ``begin_layer`` first (the engine knows a layer's routing before it loads any
   expert). A visit whose layer is not after the previous visit's starts a new pass
@@ -36,7 +36,6 @@ tables are decimal (1e9) like the rest of k3's reports.
 from __future__ import annotations
 
 import heapq
-import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -44,10 +43,10 @@ from typing import Any
 
 import numpy as np
 
-from k3core.api.cache_policy import CachePolicy
+from k3core.api.cache_policy import CachePolicy, key_expert, key_layer, make_key
 from k3core.api.errors import PluginError, UsageError
 from k3core.experts.sim_result import BELADY, SimResult, SimRow, plot_result
-from k3core.experts.trace import read_trace, trace_keys, validate_pairs
+from k3core.experts.trace import TraceError, trace_keys, validate_pairs
 from k3core.model.sizes import EXPERT_BYTES
 
 DEFAULT_CACHE_GB = (8, 16, 32, 64, 128, 192, 256, 384, 512, 768, 1024, 1450)
@@ -59,12 +58,16 @@ __all__ = [
     "BELADY",
     "DEFAULT_CACHE_GB",
     "EXPERT_BYTES",
+    "ReplayCounts",
     "SimResult",
     "SimRow",
     "TraceView",
     "belady_hits",
+    "guess_groups",
     "next_use",
     "plot_result",
+    "policy_factories",
+    "replay",
     "replay_policy",
     "simulate",
     "slots_for_gb",
@@ -101,45 +104,138 @@ class TraceView:
         return flags
 
 
-def replay_policy(
-    policy: CachePolicy, view: TraceView, capacity: int, topk: int = MODEL_TOPK
-) -> int:
-    """Drive ``policy`` through the trace with ``capacity`` slots; returns the hit count."""
+@dataclass
+class ReplayCounts:
+    """What one replay of a trace counted (:func:`replay`)."""
+
+    requests: int = 0
+    hits: int = 0  # resident before the request, and not placed there by a guess
+    demand_reads: int = 0  # misses the request had to read itself
+    guess_reads: int = 0
+    used: int = 0  # guessed reads a later request of their layer's visit used
+    wasted: int = 0  # guessed reads their layer's visit did not request
+    skipped: int = 0  # guesses with no slot a guess may take
+
+
+def guess_groups(guesses: np.ndarray) -> list[tuple[int, int, list[int]]]:
+    """``expert_guess.bin`` rows ``(request, layer, expert)`` as one ``(request, layer,
+    experts)`` group per guess."""
+    out: list[tuple[int, int, list[int]]] = []
+    for at, layer, e in np.asarray(guesses, dtype=np.int64).reshape(-1, 3).tolist():
+        if out and out[-1][0] == at and out[-1][1] == layer:
+            out[-1][2].append(e)
+        else:
+            out.append((at, layer, [e]))
+    return out
+
+
+def _refuse_victim(policy: CachePolicy, victim: int, resident: set[int]) -> PluginError:
+    what = "not resident" if victim not in resident else "protected"
+    return PluginError(f"cache policy '{policy.name}' chose victim {victim:#x}, which is {what}")
+
+
+def replay(
+    policy: CachePolicy, view: TraceView, capacity: int, topk: int = MODEL_TOPK,
+    guesses: np.ndarray | None = None,
+) -> ReplayCounts:
+    """Drive ``policy`` through the trace with ``capacity`` slots (see the module docstring),
+    and with ``guesses`` (``expert_guess.bin`` rows) the router lookahead's guessed reads
+    too (:mod:`k3core.experts.lookahead_sim` says how they are placed and scored)."""
     resident: set[int] = set()
-    hits = 0
+    pending: dict[int, int] = {}  # guessed key -> its layer, not yet requested
+    out = ReplayCounts(requests=len(view.keys))
     keys = view.keys
+    groups = guess_groups(guesses) if guesses is not None else []
+    gi = 0
+    last_visit: list[int] = []
     begin_token, begin_layer = policy.begin_token, policy.begin_layer
     on_hit, admit, choose = policy.on_hit, policy.admit, policy.choose_victim
     on_insert, on_evict = policy.on_insert, policy.on_evict
+
+    def guess(layer: int, experts: list[int]) -> None:
+        """Place the guessed experts that are not resident: a free slot, else a victim
+        among keys neither in use (the last visit, other guesses) nor due (this layer on)."""
+        keep = {r for r in resident if key_layer(r) >= layer} | set(pending) | set(last_visit)
+        for e in dict.fromkeys(experts):
+            k = make_key(layer, e)
+            if k in resident:
+                continue
+            placed = False
+            if len(pending) < capacity // 2:
+                if len(resident) < capacity:
+                    placed = True
+                elif not all(r in keep for r in resident):
+                    v = choose(keep)
+                    if v is not None:
+                        if v not in resident or v in keep:
+                            raise _refuse_victim(policy, v, resident)
+                        resident.remove(v)
+                        on_evict(v)
+                        placed = True
+            if placed:
+                resident.add(k)
+                on_insert(k)
+                keep.add(k)
+                pending[k] = layer
+                out.guess_reads += 1
+            else:
+                out.skipped += 1
+
+    hits = used = demand = 0
     for start, end, layer, new_pass in view.visits:
+        while gi < len(groups) and groups[gi][0] <= start:
+            guess(groups[gi][1], groups[gi][2])
+            gi += 1
         if new_pass:
             begin_token()
         begin_layer(layer, keys[start:end])
+        if pending:  # what this visit does not want of the guesses is wasted
+            want = set(keys[start:end])
+            for k, gl in list(pending.items()):
+                if gl == layer and k in want:
+                    continue
+                if gl <= layer or new_pass:
+                    del pending[k]
+                    out.wasted += 1
         protected: set[int] = set()
         for j in range(start, end):
             if (j - start) % topk == 0:
                 protected = set()
             k = keys[j]
             if k in resident:
-                hits += 1
+                if pending and pending.pop(k, None) is not None:
+                    used += 1
+                else:
+                    hits += 1
                 on_hit(k)
-            elif admit(k, protected):
-                if len(resident) >= capacity:
-                    v = choose(protected)
-                    if v is None:
-                        protected.add(k)
-                        continue
-                    if v not in resident or v in protected:
-                        what = "not resident" if v not in resident else "protected"
-                        raise PluginError(
-                            f"cache policy '{policy.name}' chose victim {v:#x}, which is {what}"
-                        )
-                    resident.remove(v)
-                    on_evict(v)
-                resident.add(k)
-                on_insert(k)
+            else:
+                demand += 1
+                if admit(k, protected):
+                    if len(resident) >= capacity:
+                        keep = protected | set(pending) if pending else protected
+                        v = choose(keep)
+                        if v is None:
+                            protected.add(k)
+                            continue
+                        if v not in resident or v in keep:
+                            raise _refuse_victim(policy, v, resident)
+                        resident.remove(v)
+                        on_evict(v)
+                    resident.add(k)
+                    on_insert(k)
             protected.add(k)
-    return hits
+        if groups:
+            last_visit = keys[start:end]
+    out.hits, out.used, out.demand_reads = hits, used, demand
+    out.wasted += len(pending)
+    return out
+
+
+def replay_policy(
+    policy: CachePolicy, view: TraceView, capacity: int, topk: int = MODEL_TOPK
+) -> int:
+    """:func:`replay` without guesses: the hit count."""
+    return replay(policy, view, capacity, topk).hits
 
 
 def next_use(keys: np.ndarray) -> np.ndarray:
@@ -210,7 +306,8 @@ def slots_for_gb(cache_gb: float, expert_bytes: int = EXPERT_BYTES) -> int:
     return int(cache_gb * 1e9 // expert_bytes)
 
 
-def _registered_policies(names: Sequence[str] | None) -> dict[str, PolicyFactory]:
+def policy_factories(names: Sequence[str] | None) -> dict[str, PolicyFactory]:
+    """The registered cache policies ``names`` (default: every one), by their own names."""
     from k3core.plugins.registry import get_registry
 
     reg = get_registry()
@@ -224,8 +321,25 @@ def _registered_policies(names: Sequence[str] | None) -> dict[str, PolicyFactory
     return out
 
 
+def policy_options(pairs: np.ndarray, n_layers: int, n_experts: int, topk: int,
+                   options: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """What every policy of a replay is made with: the shape, then ``options`` (``trace``
+    is the trace replayed, so ``replay`` replays this very trace)."""
+    return {"n_layers": n_layers, "n_experts": n_experts, "topk": topk, "trace": pairs,
+            **(options or {})}
+
+
+def checked_pairs(pairs: np.ndarray) -> np.ndarray:
+    """``pairs`` as the ``(N, 2)`` native int32 array the simulator replays, or refused."""
+    arr = np.asarray(pairs)
+    if arr.ndim != 2 or arr.shape[1] != 2:
+        raise TraceError(f"trace: expected (layer, expert) pairs as an (N, 2) array, got shape "
+                         f"{arr.shape} (read a file with read_trace)")
+    return validate_pairs(arr.reshape(-1), None, None)
+
+
 def simulate(
-    trace: Any,
+    pairs: np.ndarray,
     slots_list: Sequence[int] | None = None,
     policies: Sequence[str] | Mapping[str, PolicyFactory] | None = None,
     expert_bytes: int = EXPERT_BYTES,
@@ -238,22 +352,19 @@ def simulate(
     options: Mapping[str, Any] | None = None,
     progress: Callable[[str, int], None] | None = None,
 ) -> SimResult:
-    """Replay ``trace`` under each policy and exact Belady at each size.
+    """Replay ``pairs`` under each policy and exact Belady at each size.
 
-    ``trace``: an ``(N, 2)`` int array of ``(layer, expert)``, or the path of an
-    ``expert_trace.bin`` (read with :func:`k3core.experts.trace.read_trace`).
+    ``pairs``: the trace as an ``(N, 2)`` int array of ``(layer, expert)``
+    (:func:`k3core.experts.trace.read_trace` reads a file into one).
     Sizes: ``slots_list``, or ``cache_gb`` budgets, or by default :data:`DEFAULT_CACHE_GB`
     converted with ``expert_bytes``; sizes under ``topk + 1`` slots are skipped (the engine
     refuses them). ``policies``: registry names (default: every registered cache policy) or a
     ``{name: factory}`` map. ``requests_per_token`` defaults to ``topk * n_layers``.
     ``n_layers``/``n_experts`` default to the real model's 92/896 when the trace fits them,
-    else to what the trace shows. ``options`` are passed to every policy, after ``n_layers``,
-    ``n_experts``, ``topk`` and ``trace`` (so ``replay`` replays this very trace). Returns a :class:`SimResult`.
+    else to what the trace shows. ``options`` are passed to every policy
+    (:func:`policy_options`). Returns a :class:`SimResult`.
     """
-    if isinstance(trace, (str, os.PathLike)):
-        pairs = read_trace(trace, n_layers=n_layers, n_experts=n_experts)
-    else:
-        pairs = validate_pairs(np.asarray(trace).reshape(-1), None, None)
+    pairs = checked_pairs(pairs)
     max_layer, max_expert = int(pairs[:, 0].max()), int(pairs[:, 1].max())
     if n_layers is None:
         n_layers = MODEL_LAYERS if max_layer <= MODEL_LAYERS else max_layer
@@ -277,7 +388,7 @@ def simulate(
         raise UsageError("no cache sizes to simulate")
 
     if policies is None or not isinstance(policies, Mapping):
-        factories = _registered_policies(policies)
+        factories = policy_factories(policies)
     else:
         factories = dict(policies)
     keys = trace_keys(pairs)
@@ -294,19 +405,13 @@ def simulate(
         expert_bytes=int(expert_bytes),
         n_layers=int(n_layers),
         n_experts=int(n_experts),
-        hottest=[(int(uniq[i]) >> 20, int(uniq[i]) & 0xFFFFF, int(counts[i])) for i in hot],
+        hottest=[(key_layer(int(uniq[i])), key_expert(int(uniq[i])), int(counts[i])) for i in hot],
         policies=names,
         offline=offline,
         seconds={n: 0.0 for n in names},
     )
     nxt = next_use(keys)
-    opts = {
-        "n_layers": n_layers,
-        "n_experts": n_experts,
-        "topk": topk,
-        "trace": pairs,
-        **(options or {}),
-    }
+    opts = policy_options(pairs, n_layers, n_experts, topk, options)
     n = len(keys)
     ceiling_hits = n - result.distinct
     at_ceiling: set[str] = set()  # reached the ceiling with room for every key: done
@@ -326,7 +431,7 @@ def simulate(
                 progress(name, slots)
             t0 = time.perf_counter()
             policy = factory(capacity=slots, **opts)
-            hits = replay_policy(policy, view, slots, topk)
+            hits = replay(policy, view, slots, topk).hits
             rates[name] = hits / n
             result.seconds[name] += time.perf_counter() - t0
             if roomy and hits == ceiling_hits:

@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from k3core.api.cache_policy import KEY_SHIFT
+from k3core.api.cache_policy import KEY_SHIFT, key_expert, key_layer
 from k3core.api.errors import OutputError, UsageError
 from k3core.api.outputs import stage_bytes
 from k3core.api.partials import Partials, space_note, sweep_stale
@@ -167,8 +167,8 @@ def read_hist(path: str | os.PathLike[str]) -> dict[str, Any]:
 def histogram(pairs: np.ndarray) -> dict[tuple[int, int], int]:
     """Request count per ``(layer, expert)`` of a trace."""
     keys, counts = np.unique(trace_keys(pairs), return_counts=True)
-    mask = (1 << KEY_SHIFT) - 1
-    return {(int(k) >> KEY_SHIFT, int(k) & mask): int(c) for k, c in zip(keys, counts, strict=True)}
+    return {(key_layer(int(k)), key_expert(int(k))): int(c)
+            for k, c in zip(keys, counts, strict=True)}
 
 
 def write_trace(

@@ -20,8 +20,8 @@ from k3core.experts.guess_trace import (
     parse_guesses,
     read_guesses,
 )
-from k3core.experts.lookahead_sim import recall, replay_lookahead
-from k3core.experts.simulator import TraceView
+from k3core.experts.lookahead_sim import recall
+from k3core.experts.simulator import TraceView, replay, replay_policy
 from k3core.experts.trace import write_trace
 from k3core.plugins.registry import get_registry
 
@@ -43,7 +43,7 @@ def test_recall_counts_each_guessed_visit() -> None:
 
 
 def test_with_room_guesses_take_free_slots_and_the_wrong_one_is_wasted() -> None:
-    c = replay_lookahead(lru(6), TraceView.of(PAIRS), 6, 2, GUESSES)
+    c = replay(lru(6), TraceView.of(PAIRS), 6, 2, GUESSES)
     assert (c.requests, c.guess_reads, c.used, c.wasted, c.skipped) == (8, 4, 3, 1, 0)
     assert (c.hits, c.demand_reads) == (2, 3)  # layer 1 again in pass 2; 0, 1 and 5 read
     assert c.hits + c.used + c.demand_reads == c.requests
@@ -51,9 +51,21 @@ def test_with_room_guesses_take_free_slots_and_the_wrong_one_is_wasted() -> None
 
 def test_a_guess_never_evicts_the_visit_in_use_or_a_due_layer() -> None:
     # 4 slots, full in pass 2 with layer 1 (just served) and layer 2 (due): nothing to take
-    c = replay_lookahead(lru(4), TraceView.of(PAIRS), 4, 2, GUESSES)
+    c = replay(lru(4), TraceView.of(PAIRS), 4, 2, GUESSES)
     assert (c.guess_reads, c.used, c.skipped, c.wasted) == (2, 2, 2, 0)
     assert (c.hits, c.demand_reads) == (2, 4)
+
+
+def test_the_one_replay_loop_without_guesses_is_the_plain_replay() -> None:
+    """The simulator and the lookahead replay share one loop: with no guesses (none given,
+    or an empty sidecar) it counts what the plain replay counts."""
+    view = TraceView.of(PAIRS)
+    for cap in (4, 6):
+        plain = replay(lru(cap), view, cap, 2)
+        assert plain == replay(lru(cap), view, cap, 2, np.empty((0, 3), np.int64))
+        assert plain.hits == replay_policy(lru(cap), view, cap, 2)
+        assert plain.hits + plain.demand_reads == plain.requests
+        assert (plain.guess_reads, plain.used, plain.wasted, plain.skipped) == (0, 0, 0, 0)
 
 
 def test_guess_file_round_trip_and_refusals(tmp_path: Path) -> None:

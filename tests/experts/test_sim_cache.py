@@ -171,19 +171,23 @@ def test_cycle_eta_parameters_are_not_fitted_to_the_trace(shipped: np.ndarray) -
     assert EXPERT_BYTES == 17_547_264
 
 
-def test_simulate_takes_a_path_and_refuses_bad_arrays(tmp_path) -> None:
+def test_simulate_takes_pairs_and_refuses_bad_arrays(tmp_path) -> None:
+    """One input shape: ``(N, 2)`` pairs (a file is read at the edge, by read_trace)."""
     from k3core.experts.trace import TraceError, write_trace
 
     pairs = incremental_trace(4, 16, 2, 10, seed=1)
     write_trace(tmp_path, pairs)
-    r = simulate(tmp_path / "expert_trace.bin", slots_list=[8], policies=["lru"], topk=2)
+    r = simulate(read_trace(tmp_path / "expert_trace.bin"), slots_list=[8], policies=["lru"], topk=2)
     assert r.requests == len(pairs)
     with pytest.raises(TraceError, match="integers"):
         simulate(pairs.astype(float), slots_list=[8])
     with pytest.raises(TraceError, match="outside"):
         simulate(np.array([[1, 1 << 33]]), slots_list=[8])
-    with pytest.raises(TraceError, match="odd count"):
-        simulate(np.array([1, 2, 3]), slots_list=[8])
+    for bad in (np.array([1, 2, 3]), np.array([1, 2, 3, 4]), np.zeros((2, 3), np.int32)):
+        with pytest.raises(TraceError, match=r"\(N, 2\) array"):
+            simulate(bad, slots_list=[8])
+    with pytest.raises(TraceError):
+        simulate(str(tmp_path / "expert_trace.bin"), slots_list=[8])  # type: ignore[arg-type]
 
 
 def test_s3fifo_reproduces_the_references_own_simulator(shipped: np.ndarray) -> None:
