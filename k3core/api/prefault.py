@@ -4,10 +4,8 @@ the other page advice a large buffer gets (``advise_hugepages``).
 Fresh anonymous memory is mapped on first touch: the kernel zeroes every page, and in a
 virtual machine the host may first have to back it. For a buffer that storage reads fill (the
 expert cache's arena, the trunk ring's slots) that cost otherwise lands on the reader
-threads in the middle of a forward pass, where the two cores are busy with kernels: on the
-2-vCPU development guest, the first touch of a 1.2 GB arena costs 0.8-3.7 s of CPU, and a
-prefill of 128 ids spent about a second of it faulting the arena in (docs/expert-cache.md,
-"The arena is faulted in at load").
+threads in the middle of a forward pass, where the cores are busy with kernels: seconds of
+CPU for an arena of a GB or so (docs/expert-cache.md, "The arena is faulted in at load").
 
 ``prefault`` maps the pages writable now. On Linux 5.14 and later it asks the kernel
 (``madvise(MADV_POPULATE_WRITE)``, one call per chunk, no byte changed); elsewhere it writes

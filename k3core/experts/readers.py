@@ -10,9 +10,8 @@ once. :func:`device_readers` finds the block device holding a file (``st_dev`` -
   backs them, so they go by their queue depth like any other;
 * otherwise ``queue/nr_requests // REQUESTS_PER_READER`` (64), clamped to
   ``MIN_READERS..MAX_READERS`` (4..16): an NVMe queue of 1023 gets 15, a virtio or SATA
-  queue of 256 or less gets 4. The divisor is measured: on a virtio disk (queue 256) 8
-  readers made the streamed medium decode slower than 4 (0.90-0.93 against 0.80 s/token),
-  their reads competing with the trunk reader's;
+  queue of 256 or less gets 4. More readers than that only compete with the trunk reader's
+  reads (docs/measurements/2026-12-01-make-bench-zen4.md, "Expert readers");
 * no block device (tmpfs, a network file system, no ``/sys``): ``DEFAULT_READERS`` (4).
 
 ``--readers N`` overrides the choice; the run report names the readers and why.

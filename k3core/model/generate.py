@@ -1,8 +1,11 @@
-"""The decode loop: full recompute (the default) or incremental, greedy or seeded sampling.
+"""The decode loop: incremental or full recompute, greedy or seeded sampling.
 
-Full recompute re-runs the whole prefix from a fresh state every step (O(T^2)); incremental
-decoding feeds the prompt once and then one token per step, carrying the KDA state, the
-conv history and the MLA KV cache. Both give bit-identical logits.
+Incremental decoding (what a run does unless its request asks for full recompute,
+``--full-recompute``) feeds the prompt once and then one token per step, carrying the KDA
+state, the conv history and the MLA KV cache; full recompute re-runs the whole prefix from a
+fresh state every step (O(T^2)). Both give bit-identical logits. :func:`generate` itself
+takes the mode as ``incremental`` (False unless given: its callers pass the request's
+setting).
 """
 
 from __future__ import annotations
