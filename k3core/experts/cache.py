@@ -20,17 +20,10 @@ Mechanics (the policy plugin only decides *what stays resident*):
   batch of the same visit already served is counted as reuse and not read or used again;
 * a failed or short read is never served: the slot goes back to EMPTY, the drop is counted
   and the forward pass fails with ``ExpertDropError`` (exit 4: the result would be corrupt);
-* ``lookahead`` takes a *guess* of a later layer's experts (the model applies that layer's
-  router to an approximation of its input) and reads the guessed experts that are not
-  resident at low priority: after every real read already queued, into a free slot or a
-  slot the policy gives up among keys that are neither in use (the visit being served,
-  another guess still reading) nor due this step (a layer later than the one being served),
-  and at most half the slots hold guesses not yet requested (the real requests keep room).
-  When the real request of that layer arrives, a guessed read it wants is adopted (waited
-  for like its own read), one it does not want is cancelled if it has not started (its slot
-  goes back EMPTY), else it completes and stays as an ordinary resident expert. A guess
-  never decides what is computed: the real router does, so the bits never change. A guess
-  whose read fails is simply dropped (the real request, if any, reads the expert itself).
+* ``lookahead`` hands a *guess* of a later layer's experts to the router lookahead's guessed
+  reads (:mod:`k3core.experts.lookahead`), which take slots through this cache's
+  :class:`~k3core.experts.lookahead.GuessSlots` face; a guessed read the real request wants
+  is adopted by the walk and waited for like its own read.
 
 Honest metrics: a *hit* is a request served from a slot whose bytes were resident before the
 current step began; an expert read earlier in the same step (by the prefetcher or an earlier
@@ -48,7 +41,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from k3core.api.cache_policy import CachePolicy, key_expert, key_layer, make_key
+from k3core.api.cache_policy import CachePolicy, key_layer, make_key
 from k3core.api.errors import ExpertDropError, K3Error, PluginError
 from k3core.api.experts import ExpertSource, ExpertStats, ExpertWeights
 from k3core.api.prefault import hugepage_buffer, prefault
@@ -57,13 +50,8 @@ from k3core.api.storage import aligned_empty
 from k3core.api.units import ALIGN
 from k3core.checkpoint.index import CheckpointIndex
 from k3core.experts.locator import ExpertLocator, ExpertRef
+from k3core.experts.lookahead import GuessedReads
 from k3core.model import sizes
-
-#: the lookahead counters in ``stats.extra`` (docs/expert-cache.md, "Router lookahead")
-LOOKAHEAD_COUNTERS = ("lookahead_layers", "lookahead_guessed", "lookahead_resident",
-                      "lookahead_reads", "lookahead_skipped", "lookahead_used",
-                      "lookahead_cancelled", "lookahead_failed", "lookahead_bytes",
-                      "lookahead_wasted_bytes", "lookahead_real", "lookahead_recalled")
 
 
 def _skew(ref: ExpertRef) -> int:
@@ -80,18 +68,6 @@ class _Member:
     #: a transient expert's buffer (``buf`` lies in it at the expert's offset modulo ALIGN),
     #: large enough for the whole blocks around it: one read, as into a slot
     blocks: np.ndarray | None = None
-
-
-@dataclass
-class _Guess:
-    """A guessed expert's read into a reserved slot, not yet published."""
-
-    layer: int
-    ref: ExpertRef
-    slot: int
-    future: Future[float]
-    step: int
-    wanted: bool | None = None  # None: its layer's real request has not arrived yet
 
 
 @dataclass
@@ -139,15 +115,14 @@ class ExpertCache(ExpertSource):
         self.step = 0
         self.stats = ExpertStats()
         self.stats.extra.update({"reuse": 0, "transient": 0, "read_wall_seconds": 0.0})
-        self.stats.extra.update(dict.fromkeys(LOOKAHEAD_COUNTERS, 0))
         self.recorder = recorder
         self._lock = threading.Lock()
         self.readers = max(1, readers)
         self.readers_why = "asked"  # build_expert_cache says how the count was chosen
         self._pool = ThreadPoolExecutor(max_workers=self.readers, thread_name_prefix="k3-expert")
         self._visit: _Visit | None = None
-        self._guesses: dict[int, _Guess] = {}  # key -> guessed read not yet published
-        self._guessed: dict[int, set[int]] = {}  # layer -> experts of its last guess
+        #: the router lookahead's guessed reads, in this cache's slots
+        self.guesses = GuessedReads(self, self.stats.extra, recorder)
         # the arena's pages are faulted in on a thread of their own while the engine loads;
         # the first read (and ``await_arena``) joins it, so nothing writes the arena sooner
         self.arena_seconds = 0.0
@@ -174,7 +149,7 @@ class ExpertCache(ExpertSource):
 
     # ---- ExpertSource ------------------------------------------------------------------------
     def begin_step(self) -> None:
-        self._settle(final=True)
+        self.guesses.settle(final=True)
         self.step += 1
         self.policy.begin_token()
 
@@ -188,7 +163,7 @@ class ExpertCache(ExpertSource):
         keys = [make_key(layer, e) for e in experts]
         if self.recorder is not None:
             self.recorder.record_many(layer, experts)  # type: ignore[attr-defined]
-        self._resolve_guesses(layer, set(keys))
+        self.guesses.resolve(layer, set(keys))
         self.stats.requests += len(keys)
         self.policy.begin_layer(layer, keys)
         self._visit = _Visit(layer, keys, experts)
@@ -231,7 +206,7 @@ class ExpertCache(ExpertSource):
         self._prefault_stop.set()
         self.await_arena()
         self._pool.shutdown(wait=True, cancel_futures=True)
-        self._guesses.clear()
+        self.guesses.clear()
 
     # ---- batches -----------------------------------------------------------------------------
     def _schedule(self, v: _Visit) -> None:
@@ -256,7 +231,7 @@ class ExpertCache(ExpertSource):
 
     def _walk(self, v: _Visit, misses: list[_Member]) -> None:
         batch = v.batch
-        protected = set(batch) | set(self._guesses)
+        protected = set(batch) | self.guesses.keys()
         while v.pos < len(v.keys) and len(batch) < self.capacity:
             key, e = v.keys[v.pos], v.experts[v.pos]
             v.pos += 1
@@ -265,24 +240,19 @@ class ExpertCache(ExpertSource):
                     self.policy.on_hit(key)
                 self.stats.extra["reuse"] += 1
                 continue
-            slot = self.slot_of.get(key)
             if key in v.done:
                 # served by an earlier batch of this visit: ``use`` has all its positions, so
                 # it is neither read nor used again (the policy hears of it while resident)
-                if slot is not None:
+                if key in self.slot_of:
                     self.policy.on_hit(key)
                 self.stats.extra["reuse"] += 1
                 continue
-            guess = self._guesses.pop(key, None)
-            if guess is not None and (guess.future.cancelled() or (
-                    guess.future.done() and guess.future.exception() is not None)):
-                self._drop_guess(key, guess)  # never read, or failed: read it for real
-                slot = None
+            guess = self.guesses.claim(key)  # one never read, or failed, is read for real
+            slot = self.slot_of.get(key)
             if slot is not None:
                 self.policy.on_hit(key)
                 if guess is not None:  # a guessed read, adopted: waited for like our own
                     self.stats.extra["reuse"] += 1
-                    self.stats.extra["lookahead_used"] += 1
                     m = _Member(e, guess.ref, self._slot_buf(slot, guess.ref), slot, guess.future)
                     batch[key] = m
                     protected.add(key)
@@ -490,11 +460,17 @@ class ExpertCache(ExpertSource):
         v.batch.clear()
 
     def _drop(self, key: int, m: _Member, reuse: bool = True) -> None:
-        if m.slot is not None and self.slot_of.get(key) == m.slot:
+        if m.slot is not None:
+            self._free(key, m.slot, reuse)
+
+    def _free(self, key: int, slot: int, reuse: bool = True) -> None:
+        """``key``'s ``slot`` goes back EMPTY (``reuse`` False: retired, a read still under
+        way writes into it) and the policy hears ``on_evict``."""
+        if self.slot_of.get(key) == slot:
             del self.slot_of[key]
-            self.key_of[m.slot] = None
+            self.key_of[slot] = None
             if reuse:
-                self.free.append(m.slot)
+                self.free.append(slot)
             self.published.pop(key, None)
             self.policy.on_evict(key)
 
@@ -507,108 +483,43 @@ class ExpertCache(ExpertSource):
             finally:
                 v.batch.clear()
 
-    # ---- lookahead (guessed reads) -------------------------------------------------------
+    # ---- the router lookahead (k3core/experts/lookahead.py) ---------------------------------
     def lookahead(self, layer: int, guess: Sequence[int]) -> None:
-        """Read the experts of ``guess`` (for ``layer``, a layer not yet served this step) that
-        are not resident, at low priority; see the module docstring for what they may evict."""
-        self._settle()
-        experts = list(dict.fromkeys(int(e) for e in guess))
-        self._guessed[layer] = set(experts)
-        if self.recorder is not None:
-            self.recorder.record_guess(layer, experts)  # type: ignore[attr-defined]
-        x = self.stats.extra
-        x["lookahead_layers"] += 1
-        x["lookahead_guessed"] += len(experts)
-        due: set[int] | None = None
-        for e in experts:
-            key = make_key(layer, e)
-            if key in self.slot_of:
-                x["lookahead_resident"] += 1
-                continue
-            if len(self._guesses) >= self.capacity // 2:  # leave the real requests room
-                x["lookahead_skipped"] += 1
-                continue
-            ref = self.locator.ref(layer, e)
-            if ref.nbytes > self.slot_bytes:
-                continue
-            if due is None:
-                due = self._due_or_in_use(layer)
-            slot = self._reserve_guess(key, due)
-            if slot is None:
-                x["lookahead_skipped"] += 1
-                continue
-            due.add(key)
-            self.await_arena()
-            fut = self._pool.submit(self._read_guess, ref, self._slot_buf(slot, ref))
-            self._guesses[key] = _Guess(layer, ref, slot, fut, self.step)
-            x["lookahead_reads"] += 1
+        """A guess of ``layer``'s experts: read at low priority (:class:`GuessedReads`)."""
+        self.guesses.guess(layer, guess)
 
-    def _due_or_in_use(self, layer: int) -> set[int]:
-        """Keys a guess for ``layer`` must not evict: in use, guessed, or due this step."""
+    # GuessSlots: what the guessed reads may ask of the slots
+    def is_resident(self, key: int) -> bool:
+        return key in self.slot_of
+
+    def kept_from(self, layer: int) -> set[int]:
         keep = {k for k in self.slot_of if key_layer(k) >= layer}
-        keep |= set(self._guesses)
         if self._visit is not None:
             keep |= set(self._visit.keys) | set(self._visit.batch)
         return keep
 
-    def _reserve_guess(self, key: int, keep: set[int]) -> int | None:
+    def guess_ref(self, layer: int, expert: int) -> ExpertRef | None:
+        ref = self.locator.ref(layer, expert)
+        return ref if ref.nbytes <= self.slot_bytes else None
+
+    def reserve_guess(self, key: int, keep: set[int]) -> int | None:
         if not self.free and all(k in keep for k in self.slot_of):
             return None  # nothing a guess may evict
         return self._place(key, keep)  # a prefetch: placed, not announced as a request
 
-    def _read_guess(self, ref: ExpertRef, buf: np.ndarray) -> float:
-        dt = self._read(ref, buf)
-        with self._lock:
-            self.stats.extra["lookahead_bytes"] += ref.nbytes
-        return dt
+    def read_slot(self, ref: ExpertRef, slot: int) -> float:
+        return self._read(ref, self._slot_buf(slot, ref))
 
-    def _resolve_guesses(self, layer: int, wanted: set[int]) -> None:
-        """The real request of ``layer`` arrived: score the guess, drop what it does not want."""
-        guessed = self._guessed.pop(layer, None)
-        if guessed is not None:
-            real = {key_expert(k) for k in wanted}
-            self.stats.extra["lookahead_real"] += len(real)
-            self.stats.extra["lookahead_recalled"] += len(real & guessed)
-        for key, g in list(self._guesses.items()):
-            if g.wanted is None and (g.layer != layer or key not in wanted):
-                g.wanted = False
-                if g.future.cancel():
-                    del self._guesses[key]
-                    self._drop_guess(key, g)
-                    self.stats.extra["lookahead_cancelled"] += 1
-                else:
-                    self.stats.extra["lookahead_wasted_bytes"] += g.ref.nbytes
-        self._settle()
+    def submit_read(self, fn: Callable[[ExpertRef, int], float], ref: ExpertRef,
+                    slot: int) -> Future[float]:
+        self.await_arena()  # no read may land in the arena while it is being faulted in
+        return self._pool.submit(fn, ref, slot)
 
-    def _settle(self, final: bool = False) -> None:
-        """Publish unwanted guessed reads that completed (``final``: wait for every one)."""
-        for key, g in list(self._guesses.items()):
-            if final and g.wanted is None:
-                g.wanted = False
-                if g.future.cancel():
-                    del self._guesses[key]
-                    self._drop_guess(key, g)
-                    self.stats.extra["lookahead_cancelled"] += 1
-                    continue
-                self.stats.extra["lookahead_wasted_bytes"] += g.ref.nbytes
-            if g.wanted is not False or not (final or g.future.done()):
-                continue
-            del self._guesses[key]
-            try:
-                g.future.result()
-            except Exception:  # a failed guess is only a guess: its slot goes back EMPTY
-                self._drop_guess(key, g)
-                self.stats.extra["lookahead_failed"] += 1
-            else:
-                self.published[key] = g.step
+    def publish(self, key: int, step: int) -> None:
+        self.published[key] = step
 
-    def _drop_guess(self, key: int, g: _Guess) -> None:
-        if self.slot_of.get(key) == g.slot:
-            del self.slot_of[key]
-            self.key_of[g.slot] = None
-            self.free.append(g.slot)
-            self.published.pop(key, None)
-            self.policy.on_evict(key)
+    def release(self, key: int, slot: int) -> None:
+        self._free(key, slot)
 
     # ---- reporting ---------------------------------------------------------------------------
     @property

@@ -54,7 +54,7 @@ def serve(rig: Rig, layer: int, requests: list[int]) -> list[int]:
 
 
 def settle(rig: Rig) -> None:
-    for g in list(rig.cache._guesses.values()):
+    for g in list(rig.cache.guesses.pending.values()):
         try:
             g.future.result(timeout=30)
         except Exception:
@@ -114,7 +114,7 @@ def test_unwanted_guesses_are_cancelled_or_counted_as_wasted(model: Path) -> Non
         assert x["lookahead_used"] == 2
         unwanted = 2 * c.locator.ref(2, 30).nbytes
         assert x["lookahead_wasted_bytes"] + x["lookahead_cancelled"] * unwanted // 2 == unwanted
-        assert not c._guesses
+        assert not c.guesses.pending
         check_resident(rig)
         # what a kept guess left is an ordinary resident expert: a hit in a later step
         if make_key(2, 30) in c.slot_of:
@@ -158,7 +158,7 @@ def test_lookahead_of_a_layer_already_resident_reads_nothing(model: Path) -> Non
         c.begin_step()
         before = c.stats.bytes_read
         c.lookahead(2, [1, 2, 3, 4])
-        assert c.stats.extra["lookahead_resident"] == 4 and not c._guesses
+        assert c.stats.extra["lookahead_resident"] == 4 and not c.guesses.pending
         assert c.stats.bytes_read == before
     finally:
         rig.close()
