@@ -23,7 +23,8 @@
 #define XBLOCK_BYTES (640 << 10)
 /* Software prefetch into L2 this many bytes ahead of the weight stream. Measured on a
  * Zen 4 core: the hardware prefetchers alone leave a 1-thread bf16 matvec at ~60% of its
- * in-cache speed; an L2 prefetch 4 KiB ahead brings it to ~90% (docs/avx2-backend.md). */
+ * in-cache speed; an L2 prefetch 4 KiB ahead brings it to ~90%
+ * (docs/measurements/2026-11-29-avx2-kernels-zen4.md). */
 #define PREFETCH_AHEAD 4096
 #define ROW_CHUNK 16 /* rows per scheduling chunk (at least, row_chunk) */
 #define ROWS_CLAIMS 4 /* claims per thread of a job at least (row_chunk) */
