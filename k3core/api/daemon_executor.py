@@ -53,7 +53,7 @@ class DaemonExecutor(Executor):
             if fut.set_running_or_notify_cancel():
                 try:
                     fut.set_result(fn(*args))
-                except BaseException as exc:  # noqa: BLE001 - handed to the waiting caller
+                except BaseException as exc:  # handed to the waiting caller
                     fut.set_exception(exc)
                     del exc
             del fut, fn, args

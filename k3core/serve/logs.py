@@ -22,7 +22,7 @@ class OneLine(logging.Formatter):
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__("k3 serve: %(levelname)s: %(message)s")
 
-    def formatException(self, ei: Any) -> str:  # noqa: N802 - logging's name
+    def formatException(self, ei: Any) -> str:  # logging's name
         exc = ei[1]
         return f"({type(exc).__name__}: {exc})" if exc is not None else ""
 

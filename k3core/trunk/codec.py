@@ -169,7 +169,7 @@ class Codec:
                 got = bytes(data)
         except CodecError:
             raise
-        except Exception as exc:  # noqa: BLE001 - any library error is a damaged window
+        except Exception as exc:  # any library error is a damaged window
             raise CodecError(f"{self.name} cannot decode it ({type(exc).__name__}: {exc})") from None
         if len(got) != n:
             raise CodecError(f"{self.name} decodes it to {len(got)} bytes, not {n}")

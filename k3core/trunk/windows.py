@@ -351,7 +351,7 @@ class Landing:
                         return
                 try:
                     read(k)
-                except BaseException as exc:  # noqa: BLE001 - raised where chunk k is awaited
+                except BaseException as exc:  # raised where chunk k is awaited
                     with self._cond:
                         self._error = exc
                     return

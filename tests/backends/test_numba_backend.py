@@ -13,10 +13,10 @@ import pytest
 
 pytest.importorskip("numba")
 
-from k3_backends import numba_backend  # noqa: E402
-from k3_backends.numba_kernels import cache  # noqa: E402
+from k3_backends import numba_backend
+from k3_backends.numba_kernels import cache
 
-from k3core.testing.kernel_conformance import KernelConformance  # noqa: E402
+from k3core.testing.kernel_conformance import KernelConformance
 
 
 class TestEveryKernelSplitAcrossThreads(KernelConformance):

@@ -8,7 +8,7 @@ import pytest
 
 pytest.importorskip("numba")
 
-from k3_backends.numba_kernels import cache  # noqa: E402
+from k3_backends.numba_kernels import cache
 
 
 def fake(path):

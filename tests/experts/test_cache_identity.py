@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 from k3core.cli.app import app
 from k3core.model.config import ModelConfig
 from k3core.model.shapes import size_config
-from k3core.model.sizes import slot_bytes  # noqa: E402
+from k3core.model.sizes import slot_bytes
 from k3core.plugins.registry import get_registry
 from k3core.testing.disk import disk_tmpdir
 from k3core.testing.expert_cache_conformance import scatter_experts

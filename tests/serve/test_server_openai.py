@@ -186,7 +186,7 @@ def test_load_64_requests_from_8_clients(client, engine, server):
                 with lock:
                     got[i] = ids
                     lat.append(time.perf_counter() - t0)
-        except BaseException as exc:  # noqa: BLE001 - reported below
+        except BaseException as exc:  # reported below
             errors.append(exc)
 
     threads = [threading.Thread(target=worker, args=(w,)) for w in range(8)]
