@@ -2,11 +2,13 @@
 
 :class:`k3core.trunk.stream.StreamedTrunk` keeps one :class:`TrunkStats`; the run report prints
 its lines (``trunk [final]``, docs/engine-behaviours.md §3) and ``--out`` carries its JSON.
+The counters the trunk's threads share are added to under :attr:`TrunkStats.lock`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 
 from k3core.api.units import human
 
@@ -38,6 +40,8 @@ class TrunkStats:
     n_units: int = 0  # streaming units (a layer's parts, or whole layers)
     pinned_units: int = 0
     small_slot_bytes: int = 0  # the second, smaller slot of an unequal ring (0: none)
+    #: held while a thread adds to the counters other threads add to too
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     @property
     def overlapped_seconds(self) -> float:

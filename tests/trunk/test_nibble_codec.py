@@ -25,6 +25,7 @@ from k3core.testing.faulty_backend import disk_backed_dir
 from k3core.trunk import nibble
 from k3core.trunk.codec import CodecError, parse_codec
 from k3core.trunk.manifest import MANIFEST_NAME, open_trunk
+from k3core.trunk.part_readers import CodedPartReader
 from k3core.trunk.stream import StreamedTrunk
 from k3core.trunk.windows import Window, in_place_offset, linear_bytes
 
@@ -266,18 +267,21 @@ def test_ring_slots_decode_in_place_and_give_the_raw_bytes(nib_trunk, tmp_path) 
     probe.close()
     # one slot, no reader thread: this thread is the only one reading into it
     trunk = StreamedTrunk(cfg, man, PlainStorage(), floor, ring=1, split=True)
+    f = PlainStorage().open(man.bin_path)
     try:
-        assert getattr(trunk._local, "staging", None) is None  # the opening staging is gone
+        reader = trunk.reader
+        assert isinstance(reader, CodedPartReader)
+        assert not reader.has_staging()  # the opening staging is gone
         raw_bytes = (raw_dir / "trunk.bin").read_bytes()
         slot = trunk.slots[0].buf
-        assert trunk._file is not None
         for part in trunk.units:
             lay = man.layers[part.layer]
-            trunk._read(trunk._file, lay, slot, part.start, part.nbytes)
+            reader.read_part(f, lay, slot, part.start, part.nbytes)
             rl = raw_man.layers[part.layer]
             want = raw_bytes[rl.file_off + part.start : rl.file_off + part.end]
             assert slot[: part.nbytes].tobytes() == want, part
         # every part fit in place: no staging buffer was ever made on this thread
-        assert getattr(trunk._local, "staging", None) is None
+        assert not reader.has_staging()
     finally:
+        f.close()
         trunk.close()

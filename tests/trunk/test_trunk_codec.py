@@ -385,7 +385,7 @@ def test_the_prefetcher_hands_back_results_and_errors_and_stops() -> None:
 # ---- a layer read in many chunks --------------------------------------------------------------
 def _small_chunks(monkeypatch, limit: int = 96 << 10) -> None:
     """Chunks of ``limit`` stored bytes: every layer of the demo is several chunks, so the
-    ring's in-place reads take the one-job chunk reader (``_Landing``) and the pinned
+    ring's in-place reads take the one-job chunk reader (``Landing``) and the pinned
     layers the two-halves staging."""
     from k3core.trunk import windows
 
@@ -404,7 +404,7 @@ def test_layers_read_in_many_chunks_give_the_same_bits(work, sizes, resident, co
 
 
 #: the threads that read a coded layer's chunks ahead: the ring's I/O thread, and the
-#: prefetch thread beside it in a layer's first read (k3core/trunk/stream.py)
+#: prefetch thread beside it in a layer's first read (k3core/trunk/read_ahead.py)
 CHUNK_THREADS = ("k3-trunk-prefetch", "k3-trunk-io")
 
 

@@ -262,8 +262,8 @@ def test_trunk_bin_truncated_between_tokens(model, trunk, work, doc, storage) ->
     finally:
         engine.close()
     assert engine.model.layers_completed <= 6  # step 1 stopped at the first missing layer
-    thread = engine.model.trunk._thread  # type: ignore[attr-defined]
-    assert thread is not None and not thread.is_alive()  # close() stopped the reader
+    threads = engine.model.trunk.threads  # type: ignore[attr-defined]
+    assert threads and not any(t.is_alive() for t in threads)  # close() stopped the reader
 
 
 # ---- fuzz: every mutated manifest is accepted (and then safe) or refused with a K3Error -------

@@ -27,7 +27,7 @@ from k3core.checkpoint.index import CheckpointIndex
 from k3core.cli.app import app
 from k3core.model.config import load_config
 from k3core.testing.faulty_backend import FaultyStorage, disk_backed_dir
-from k3core.trunk import stream, windows
+from k3core.trunk import read_ahead, windows
 from k3core.trunk.manifest import MANIFEST_NAME, open_trunk
 from k3core.trunk.stream import StreamedTrunk
 
@@ -91,7 +91,7 @@ def test_the_next_part_is_read_while_the_last_one_decodes(packed, monkeypatch) -
         # the walk is past layer 7 (released): the ring holds 0, 1 and 2
         assert sorted(L for L, _ in tr.slot_states()) == [0, 1, 2]
         held, release = threading.Event(), threading.Event()
-        real = stream.decode_chunk
+        real = read_ahead.decode_chunk
 
         def slow(buf, start, wins, a, b, codec, dest, bin_path, layer):
             if layer == 3 and threading.current_thread().name == "k3-trunk-reader":
@@ -99,7 +99,7 @@ def test_the_next_part_is_read_while_the_last_one_decodes(packed, monkeypatch) -
                 assert release.wait(20)
             yield from real(buf, start, wins, a, b, codec, dest, bin_path, layer)
 
-        monkeypatch.setattr(stream, "decode_chunk", slow)
+        monkeypatch.setattr(read_ahead, "decode_chunk", slow)
         lay4 = man.layers[4]
         before = len(faulty.log)
         tr.acquire(1)  # wanted 1, 2, 3: layer 3 is read and its decode held
@@ -157,7 +157,7 @@ def test_a_window_failing_to_decode_is_that_layers_error(packed, monkeypatch) ->
     tr, idx, _ = _open(packed, PlainStorage())
     try:
         _walk(tr, range(tr.stats.n_layers))
-        real = stream.decode_chunk
+        real = read_ahead.decode_chunk
         broken = {"on": True}
 
         def bad(buf, start, wins, a, b, codec, dest, bin_path, layer):
@@ -165,7 +165,7 @@ def test_a_window_failing_to_decode_is_that_layers_error(packed, monkeypatch) ->
                 raise CheckpointError(f"{bin_path}: layer {layer} window {a} does not decode")
             yield from real(buf, start, wins, a, b, codec, dest, bin_path, layer)
 
-        monkeypatch.setattr(stream, "decode_chunk", bad)
+        monkeypatch.setattr(read_ahead, "decode_chunk", bad)
         _walk(tr, range(4))
         with pytest.raises(CheckpointError, match="layer 4 window"):
             tr.acquire(4)

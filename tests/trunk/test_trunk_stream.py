@@ -336,10 +336,10 @@ def test_pinned_layers_are_read_once_and_close_stops_the_reader(model, trunk, si
         assert sorted(reads) == sorted(pinned_offs)
         assert tr.stats.pin_bytes == sum(sizes[L] for L in pinned)
     finally:
-        thread = tr._thread
+        threads = tr.threads
         tr.close()
         idx.close()
-    assert thread is None or not thread.is_alive()
+    assert not any(t.is_alive() for t in threads)
 
 
 # ---- ultra-low-memory parts ----------------------------------------------------------------
