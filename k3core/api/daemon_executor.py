@@ -7,7 +7,7 @@ started on the first submit; ``shutdown`` stops it with a bounded join. While it
 the next job it holds no reference to the last one, so an owner dropped without
 ``shutdown`` can be collected (and a finalizer of the owner's may then stop the thread).
 The trunk's chunk reads ahead (k3core/trunk/windows.py) and the MoE's read scheduling beside
-the shared experts (k3core/model/forward.py) use it.
+the shared experts (k3core/model/local_experts.py) use it.
 """
 
 from __future__ import annotations

@@ -5,9 +5,9 @@ back their weights exactly as stored (MXFP4 packed bytes and scales, or dense fl
 the oracle). The in-memory source here serves a model whose experts are all resident; the
 expert cache (``k3core.experts.cache``) serves them from disk through a policy plugin.
 
-An :class:`ExpertExecutor` goes one step further: it computes a layer's routed-expert
-outputs elsewhere (other processes or machines, ``k3core.cluster``), from the same latent
-rows, so the forward pass only sums what comes back.
+An :class:`ExpertExecutor` computes a layer's routed-expert outputs from the latent rows:
+here from a source (``k3core.model.local_experts``), or elsewhere (other processes or
+machines, ``k3core.cluster``), so the forward pass only sums what comes back.
 """
 
 from __future__ import annotations
@@ -127,21 +127,40 @@ class InMemoryExperts(ExpertSource):
 
 
 class ExpertExecutor(ABC):
-    """Computes one MoE layer's routed-expert outputs somewhere else.
+    """Computes one MoE layer's routed-expert outputs: in this process from an
+    :class:`ExpertSource` (``k3core.model.local_experts``), or somewhere else
+    (``k3core.cluster``). The forward pass calls :meth:`run` once a MoE layer.
 
-    The contract that keeps the logits byte-identical to computing them in place: for every
+    The contract that keeps the logits byte-identical wherever they are computed: for every
     distinct expert ``e`` of ``idx``, its output rows are the kernel backend's
     ``situ_mlp(w1, w3, w2, z[rows])`` where ``rows`` are the rows routed to ``e`` in
     ascending order (exactly what :meth:`ExpertSource.run_layer`'s ``use`` computes), with
     the same kernel backend.
     """
 
+    #: the router lookahead's guesses reach a source that may read them (the model computes
+    #: a guess only for an executor that takes them)
+    takes_guesses: bool = False
+
     @abstractmethod
-    def submit(self, layer: int, idx: np.ndarray, z: np.ndarray) -> Callable[[], np.ndarray]:
-        """Send the work for ``layer`` (``idx`` ``[T, topk]`` expert ids, ``z`` ``[T, latent]``
-        float32) without waiting; the returned callable waits and returns ``outs``
-        ``[T, topk, latent]`` float32 (``outs[t, j]`` is expert ``idx[t, j]`` applied to
-        ``z[t]``). Raises ``K3Error`` when an expert cannot be computed (never partial)."""
+    def run(self, layer: int, idx: np.ndarray, z: np.ndarray,
+            beside: Callable[[], np.ndarray] | None = None,
+            guess: tuple[int, list[int]] | None = None,
+            ) -> tuple[np.ndarray, np.ndarray | None]:
+        """The outputs of ``layer``'s routed experts (``idx`` ``[T, topk]`` expert ids, ``z``
+        ``[T, latent]`` float32): ``outs`` ``[T, topk, latent]`` float32 (``outs[t, j]`` is
+        expert ``idx[t, j]`` applied to ``z[t]``), and what ``beside`` returned: the work the
+        caller does meanwhile (the shared experts), run on the calling thread while the
+        experts' reads or calls are under way. ``guess`` (a later layer and its guessed
+        experts, router lookahead) is handed on behind this layer's own reads. Raises
+        ``K3Error`` when an expert cannot be computed (never partial outputs)."""
+
+    def lookahead(self, layer: int, experts: Sequence[int]) -> None:  # noqa: B027
+        """A guess of a later ``layer``'s experts, handed on now (optional; nothing may
+        depend on it)."""
+
+    def begin_step(self) -> None:  # noqa: B027
+        """Called at the start of every forward call."""
 
     def start(self, engine: Any, line: Callable[[str], None]) -> None:  # noqa: B027
         """Called once the engine is open, before the first token: bind the workers and
@@ -152,4 +171,4 @@ class ExpertExecutor(ABC):
         return {}
 
     def close(self) -> None:  # noqa: B027
-        """Release workers and connections."""
+        """Stop threads; release workers and connections."""

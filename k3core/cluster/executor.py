@@ -112,11 +112,23 @@ class ClusterExperts(ExpertExecutor):
         self.actors = actors
         # the workers serve every routed expert: the head's own cache is released unused
         engine.experts.close()
-        engine.experts = engine.model.experts = InMemoryExperts(_served_by_workers)
-        engine.model.executor = self
+        engine.experts = InMemoryExperts(_served_by_workers)
+        engine.model.hand_experts(self)
 
     # ---- one MoE layer -----------------------------------------------------------------------
+    def run(self, layer: int, idx: np.ndarray, z: np.ndarray,
+            beside: Callable[[], np.ndarray] | None = None,
+            guess: tuple[int, list[int]] | None = None,
+            ) -> tuple[np.ndarray, np.ndarray | None]:
+        """Every worker's calls sent at once, ``beside`` (the head's shared experts) run
+        meanwhile, then the outputs gathered; the workers take no guesses."""
+        wait = self.submit(layer, idx, z)
+        extra = beside() if beside is not None else None
+        return wait(), extra
+
     def submit(self, layer: int, idx: np.ndarray, z: np.ndarray) -> Callable[[], np.ndarray]:
+        """Send ``layer``'s work without waiting; the callable returned waits (each call
+        bounded) and places every expert's output rows at their ``[row, slot]``."""
         assert self.plan is not None and self.pool is not None
         if layer <= self._last_layer:  # layers run in ascending order: a new forward pass
             self.steps += 1

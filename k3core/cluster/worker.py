@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from k3core.api.errors import K3Error, UsageError
-from k3core.api.experts import ExpertSource, ExpertWeights
+from k3core.api.experts import ExpertSource
 from k3core.api.kernels import KernelBackend
 from k3core.checkpoint.index import CheckpointIndex
 from k3core.cluster.share import ShareDigest, share_digest
@@ -27,6 +27,7 @@ from k3core.experts.locator import ExpertLocator
 from k3core.experts.setup import CacheOptions, build_expert_cache
 from k3core.model import sizes
 from k3core.model.config import ModelConfig, load_config
+from k3core.model.local_experts import serve_experts
 from k3core.plugins.registry import get_registry
 
 
@@ -110,24 +111,19 @@ class ExpertWorker:
         stray = [e for e in experts if e not in mine]
         if stray:
             raise K3Error(f"expert worker {self.rank} does not own experts {stray} of layer {layer}")
-        c, k = self.cfg, self.kernels
         where = {e: i for i, e in enumerate(experts)}
         outs: list[np.ndarray | None] = [None] * len(experts)
 
-        def use_many(group: list[tuple[int, ExpertWeights]]) -> None:
-            # the served experts in one kernel call (situ_mlp_many: each expert's situ_mlp bits)
-            idx = [where[e] for e, _ in group]
-            ys = k.situ_mlp_many([(ew.w1, ew.w3, ew.w2) for _, ew in group],
-                                 [np.ascontiguousarray(z[rows[i]]) for i in idx],
-                                 c.situ_b1, c.situ_b2)
-            for i, y in zip(idx, ys, strict=True):
-                outs[i] = y
+        def put(e: int, y: np.ndarray) -> None:
+            outs[where[e]] = y
 
         requests = [e for e, r in zip(experts, rows, strict=True) for _ in range(len(r))]
         if step != self._step:
             self.source.begin_step()
             self._step = step
-        self.source.run_layer_many(layer, requests, use_many)
+        # the served experts as the head's own executor serves them (each one's situ_mlp bits)
+        serve_experts(self.source, self.kernels, (self.cfg.situ_b1, self.cfg.situ_b2), layer,
+                      requests, dict(zip(experts, rows, strict=True)), z, put)
         missing = [e for e, o in zip(experts, outs, strict=True) if o is None]
         if missing:
             raise K3Error(f"expert worker {self.rank}: experts {missing} of layer {layer} were not served")

@@ -4,24 +4,24 @@ The graph never asks which kernel backend, storage backend or cache policy it ru
 long reductions and transcendentals go through :class:`k3core.api.kernels.KernelBackend`;
 the float32 adds and multiplies here are NumPy elementwise ops, which IEEE rounds
 identically everywhere, so the logits are a function of the weights and the ids alone.
+Where the routed experts are computed (here, or on a cluster's workers) and how their reads
+are scheduled is an :class:`~k3core.api.experts.ExpertExecutor`'s business: the MoE step
+calls its ``run`` once a layer (``k3core/model/local_experts.py`` is the one a model has).
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import math
-import weakref
 from collections.abc import Callable
-from concurrent.futures import Future
 
 import numpy as np
 
-from k3core.api.daemon_executor import DaemonExecutor
 from k3core.api.errors import K3Error, UsageError
-from k3core.api.experts import ExpertExecutor, ExpertSource, ExpertWeights
+from k3core.api.experts import ExpertExecutor, ExpertSource
 from k3core.api.kernels import F32, U16, KernelBackend, Mxfp4
 from k3core.model.config import ModelConfig
 from k3core.model.layer_params import LayerParams
+from k3core.model.local_experts import LocalExperts
 from k3core.model.residuals import BlockStack
 from k3core.model.sources import ModelTables, TrunkSource
 from k3core.model.state import SequenceState
@@ -31,15 +31,6 @@ LayerHook = Callable[[int, np.ndarray], None]
 #: what ``--lookahead on`` means: the approximation that measured best (docs/expert-cache.md)
 LOOKAHEAD_ON = "out"
 LOOKAHEAD_MODES = ("off", "attn", "out")
-#: From this many tokens in a pass, a MoE layer schedules its routed experts' reads (the cache
-#: walk, the reads submitted, the next layer's guessed reads) on a side thread while the
-#: calling thread runs the shared experts, and waits for the scheduling before it serves an
-#: expert. The walk is Python and the shared experts release the GIL, so the two overlap; in
-#: a fresh engine's first 128-id medium prefill the walk is every expert a miss, about 4 ms a
-#: layer that the kernels' helper thread otherwise spent idle. The reads, their order and
-#: every sum are the same either way. A one-token step's walk is a few microseconds, less
-#: than the hand-off, so it stays on the calling thread.
-SIDE_SCHEDULE_TOKENS = 16
 
 
 def lookahead_mode(value: str) -> str:
@@ -66,7 +57,6 @@ class Model:
         self.k = kernels
         self.trunk = trunk
         self.tables = tables
-        self.experts = experts
         self.n_layers = n_layers or cfg.n_layers
         self.mla_scale = 1.0 / math.sqrt(cfg.qk_nope + cfg.qk_rope)
         self.q_scale = np.float32(1.0 / math.sqrt(cfg.kda_head_dim))
@@ -74,20 +64,20 @@ class Model:
         self.on_layer: LayerHook | None = None
         #: full recompute reuses one KDA state slot across layers (ultra-low-memory)
         self.shared_kda_slot = False
-        #: routed experts computed elsewhere (k3core.cluster); None computes them here
-        self.executor: ExpertExecutor | None = None
+        #: who computes the routed experts: here, from ``experts`` (the model's own, closed
+        #: by :meth:`close`), or an executor handed over by :meth:`hand_experts`
+        self._local = LocalExperts(experts, kernels, cfg.situ_b1, cfg.situ_b2)
+        self.executor: ExpertExecutor = self._local
         #: router lookahead (docs/expert-cache.md): "off", "attn" (guess layer L+1's experts
         #: from layer L's MLP input) or "out" (from layer L's output); never changes the bits
         self.lookahead = "off"
         #: guesses not made because layer L+1's trunk was not resident or read yet
         self.lookahead_unready = 0
-        self._guess: tuple[int, list[int]] | None = None
         #: feed more ids than this in chunks of at most this many (None: one pass); the
         #: logits are the unchunked ones bit for bit, the activations are one chunk's
         self.prefill_chunk: int | None = None
         #: the number of passes the last forward took (1 unless it was chunked)
         self.chunks_last = 0
-        self._side: DaemonExecutor | None = None  # see SIDE_SCHEDULE_TOKENS
 
     # ---- top level ------------------------------------------------------------------------
     def forward(self, ids: np.ndarray, state: SequenceState, all_logits: bool = False,
@@ -97,7 +87,7 @@ class Model:
         ids = np.asarray(ids, dtype=np.int64)
         T = ids.shape[0]
         state.check_room(T)
-        self.experts.begin_step()
+        self.executor.begin_step()
         want = T if all_logits else max(1, min(tail, T))  # trailing rows whose logits are asked
         n = self.prefill_chunk
         if n is None or n < 1 or T <= n:
@@ -118,7 +108,6 @@ class Model:
         """One pass over every layer for ``ids``; the logits of its last ``rows`` rows."""
         T = ids.shape[0]
         self.layers_completed = 0
-        self._guess = None  # a guess a failed pass left is never submitted
         h = self.tables.embed(ids)
         c = self.cfg
         blocks = BlockStack(T, c.hidden, len(range(0, self.n_layers, c.attn_res_block)) + 1)
@@ -171,25 +160,30 @@ class Model:
                 return a
         pref = a if pref is None else pref + a
         x_m = self.k.attn_res(blocks.sources(pref), p["fold_mlp"], eps)
-        if self.lookahead == "attn":
-            self._guess = self.guess(p.layer + 1, x_m)
+        early = self.guess(p.layer + 1, x_m) if self.lookahead == "attn" else None
         xn = self.k.rmsnorm(x_m, p["post_attention_layernorm.weight"], eps)
-        m = self.dense_mlp(p, xn) if p.dense else self.moe(p, xn)
-        self._submit_guess()  # a dense layer's (the MoE submits right after its own reads)
+        if p.dense:
+            m = self.dense_mlp(p, xn)
+            if early is not None:
+                self.executor.lookahead(*early)
+        else:
+            m = self.moe(p, xn, early)  # handed on behind the layer's own reads
         out = pref + m
         if self.lookahead == "out":
-            self._guess = self.guess(p.layer + 1, out, blocks)
-            self._submit_guess()
+            late = self.guess(p.layer + 1, out, blocks)
+            if late is not None:
+                self.executor.lookahead(*late)
         return out
 
     # ---- router lookahead (docs/expert-cache.md, "Router lookahead") ----------------------------
     def guess(self, layer: int, x: np.ndarray,
               blocks: BlockStack | None = None) -> tuple[int, list[int]] | None:
         """Layer ``layer``'s router applied to ``x``, an approximation of its MLP input: its
-        top-k ids, or ``None`` (a dense or missing layer, or its trunk not resident/read yet).
+        top-k ids, or ``None`` (a dense or missing layer, its trunk not resident/read yet, or
+        an executor that takes no guesses).
         With ``blocks`` the approximation first takes ``layer``'s MLP attention residual of
         ``blocks + [x]``. Only reads are started from a guess; the real router decides."""
-        if self.executor is not None or layer >= self.n_layers or self.cfg.is_dense(layer):
+        if not self.executor.takes_guesses or layer >= self.n_layers or self.cfg.is_dense(layer):
             return None
         q = self.trunk.peek(layer)
         if q is None:
@@ -204,25 +198,16 @@ class Model:
                           c.routed_scale)
         return layer, [int(e) for e in idx.reshape(-1)]
 
-    def _side_thread(self) -> DaemonExecutor:
-        """The thread that schedules a MoE layer's expert reads beside its shared experts
-        (started on first use, stopped by :meth:`close` or when the model is collected)."""
-        if self._side is None:
-            self._side = DaemonExecutor("k3-moe-schedule")
-            weakref.finalize(self, self._side.shutdown, False)
-        return self._side
+    def hand_experts(self, executor: ExpertExecutor) -> None:
+        """Routed experts computed by ``executor`` from now on (``k3core.cluster``; its maker
+        closes it); the model's own executor stops."""
+        self._local.close()
+        self.executor = executor
 
     def close(self) -> None:
-        """Stop the side thread, if one was started (the model stays usable: a later pass
-        starts another)."""
-        side, self._side = self._side, None
-        if side is not None:
-            side.shutdown(wait=True)
-
-    def _submit_guess(self) -> None:
-        g, self._guess = self._guess, None
-        if g is not None:
-            self.experts.lookahead(*g)
+        """Stop the model's own executor's side thread, if one was started (the model stays
+        usable: a later pass starts another)."""
+        self._local.close()
 
     # ---- KDA (docs/model.md §5.4) ---------------------------------------------------------------
     def kda(self, p: LayerParams, x: np.ndarray, st: SequenceState) -> np.ndarray:
@@ -294,56 +279,27 @@ class Model:
     def dense_mlp(self, p: LayerParams, x: np.ndarray) -> np.ndarray:
         return self.situ_mlp(p["mlp.gate_proj.weight"], p["mlp.up_proj.weight"], p["mlp.down_proj.weight"], x)
 
-    def moe(self, p: LayerParams, x: np.ndarray) -> np.ndarray:
+    def moe(self, p: LayerParams, x: np.ndarray,
+            guess: tuple[int, list[int]] | None = None) -> np.ndarray:
+        """The MoE block; the routed experts come from :attr:`executor` (computed while the
+        shared experts run), ``guess`` (router lookahead) goes to it too."""
         c, k = self.cfg, self.k
         pre = "block_sparse_moe."
         # router gate and the latent down-projection read the same x: one call
         logits, z = k.matmul_many([p[pre + "gate.weight"], p[pre + "routed_expert_down_proj.weight"]], x)
         idx, w = k.router(logits, p[pre + "gate.e_score_correction_bias"], c.topk, c.moe_renorm, c.routed_scale)
-        requests = [int(e) for e in idx.reshape(-1)]
-        remote = self.executor.submit(p.layer, idx, z) if self.executor is not None else None
+
+        def shared_experts() -> np.ndarray:
+            return self.situ_mlp(
+                p[pre + "shared_experts.gate_proj.weight"],
+                p[pre + "shared_experts.up_proj.weight"],
+                p[pre + "shared_experts.down_proj.weight"],
+                x,
+            )
+
+        outs, shared = self.executor.run(p.layer, idx, z,
+                                         shared_experts if c.n_shared > 0 else None, guess)
         T = x.shape[0]
-        side: Future[None] | None = None
-        if remote is None:
-            def schedule() -> None:
-                self.experts.prefetch(p.layer, requests)
-                self._submit_guess()  # queued behind this layer's own reads
-
-            if c.n_shared > 0 and T >= SIDE_SCHEDULE_TOKENS:
-                side = self._side_thread().submit(schedule)
-            else:
-                schedule()
-        shared = None
-        try:
-            if c.n_shared > 0:
-                shared = self.situ_mlp(
-                    p[pre + "shared_experts.gate_proj.weight"],
-                    p[pre + "shared_experts.up_proj.weight"],
-                    p[pre + "shared_experts.down_proj.weight"],
-                    x,
-                )
-        except BaseException:
-            if side is not None:  # already failing: let the scheduling end, keep this error
-                concurrent.futures.wait([side])
-            raise
-        if side is not None:  # the reads are scheduled before anything else touches the cache
-            side.result()
-        if remote is not None:
-            outs = remote()  # the workers' outputs, waited for after the shared experts
-        else:
-            outs = np.empty((T, c.topk, c.latent), dtype=np.float32)
-            where = _expert_rows(idx, c.topk)
-
-            def use_many(group: list[tuple[int, ExpertWeights]]) -> None:
-                # every expert that is ready in one kernel call, each over its own rows
-                ats = [where[e] for e, _ in group]
-                ys = k.situ_mlp_many([(ew.w1, ew.w3, ew.w2) for _, ew in group],
-                                     [z if T == len(rows) == 1 else z[rows] for rows, _ in ats],
-                                     c.situ_b1, c.situ_b2)
-                for (rows, slots), y in zip(ats, ys, strict=True):
-                    outs[rows, slots] = y
-
-            self.experts.run_layer_many(p.layer, requests, use_many)
         acc = np.zeros((T, c.latent), dtype=np.float32)
         term = np.empty_like(acc)
         for j in range(c.topk):  # slot by slot from +0.0, each float32 term rounded first
@@ -353,17 +309,3 @@ class Model:
             acc = k.rmsnorm(acc, p[pre + "routed_expert_norm.weight"], c.rms_eps)
         y = k.matmul(p[pre + "routed_expert_up_proj.weight"], acc)
         return y if shared is None else y + shared
-
-
-def _expert_rows(idx: np.ndarray, topk: int) -> dict[int, tuple[np.ndarray, np.ndarray]]:
-    """Each routed expert's ``(rows, slots)`` in the router's ``[T, topk]`` ids, rows in
-    increasing order (a stable sort of the flat ids keeps each expert's positions in order)."""
-    flat = idx.reshape(-1)
-    if not flat.size:
-        return {}
-    order = np.argsort(flat, kind="stable")
-    ids = flat[order]
-    cut = np.flatnonzero(ids[1:] != ids[:-1]) + 1
-    rows, slots = np.divmod(order, topk)
-    return {int(ids[a]): (rows[a:b], slots[a:b])
-            for a, b in zip(np.r_[0, cut], np.r_[cut, flat.size], strict=True)}

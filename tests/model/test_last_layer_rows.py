@@ -36,10 +36,10 @@ def _run(eng, ids, *, watch: bool, tail: int = 1, chunk: int | None = None, then
     mlp = m.moe if not eng.cfg.is_dense(last) else m.dense_mlp
     mla = m.mla
 
-    def spy(p, x):
+    def spy(p, x, *guess):  # the MoE also takes the router lookahead's guess
         if p.layer == last:
             seen.append(x.shape[0])
-        return mlp(p, x)
+        return mlp(p, x, *guess)
 
     def mla_spy(p, x, st, keep=None):
         out = mla(p, x, st, keep)

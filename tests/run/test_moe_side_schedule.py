@@ -1,5 +1,5 @@
 """A MoE layer of many tokens schedules its expert reads on a side thread while the shared
-experts run (``SIDE_SCHEDULE_TOKENS`` in k3core/model/forward.py): the same ids and logit
+experts run (``SIDE_SCHEDULE_TOKENS`` in k3core/model/local_experts.py): the same ids and logit
 bytes as scheduling them inline, on every kernel backend that runs here, under a small
 cache (misses, evictions, reuse) with and without router lookahead; the thread really takes
 the work and is gone when the run ends; an error on it is the run's error, never a hang."""
@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 
 from k3core.api.daemon_executor import DaemonExecutor
 from k3core.cli.app import app
-from k3core.model import forward
+from k3core.model import local_experts
 from k3core.model.config import ModelConfig
 from k3core.model.shapes import size_config
 from k3core.model.sizes import slot_bytes
@@ -65,10 +65,10 @@ def run(model: Path, work: Path, tag: str, *extra: str) -> dict[str, Any]:
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_side_scheduling_gives_the_inline_bits(model, work, monkeypatch, backend, lookahead):
     args = ("--backend", backend, "--lookahead", lookahead)
-    monkeypatch.setattr(forward, "SIDE_SCHEDULE_TOKENS", 10**9)
+    monkeypatch.setattr(local_experts, "SIDE_SCHEDULE_TOKENS", 10**9)
     inline = run(model, work, f"inline-{backend}-{lookahead}", *args)
-    monkeypatch.setattr(forward, "SIDE_SCHEDULE_TOKENS", 1)  # every pass, decode steps too
-    monkeypatch.setattr(forward, "DaemonExecutor", CountingExecutor)
+    monkeypatch.setattr(local_experts, "SIDE_SCHEDULE_TOKENS", 1)  # every pass, decode steps too
+    monkeypatch.setattr(local_experts, "DaemonExecutor", CountingExecutor)
     before, threads = CountingExecutor.submitted, _side_threads()
     side = run(model, work, f"side-{backend}-{lookahead}", *args)
     assert CountingExecutor.submitted - before >= 4 * (ModelConfig.from_json_dict(
@@ -85,7 +85,7 @@ def test_an_error_on_the_side_thread_is_the_runs_error(model, work, monkeypatch)
     def broken(self, layer, requests):  # what the walk raises for a bad expert entry
         raise CheckpointError(f"routed expert {layer}/{requests[0]}: bad entry (injected)")
 
-    monkeypatch.setattr(forward, "SIDE_SCHEDULE_TOKENS", 1)
+    monkeypatch.setattr(local_experts, "SIDE_SCHEDULE_TOKENS", 1)
     monkeypatch.setattr(ExpertCache, "prefetch", broken)
     threads = _side_threads()
     res = runner.invoke(app, ["run", str(model), "--ids", PROMPT, "--gen", "2", "--cache-gb", CACHE_GB])
@@ -143,7 +143,7 @@ def test_a_side_error_inside_an_outer_handler_is_raised_once(model, monkeypatch)
         calls["n"] += 1
         raise CheckpointError(f"routed expert {layer}/{requests[0]}: bad entry (injected)")
 
-    monkeypatch.setattr(forward, "SIDE_SCHEDULE_TOKENS", 1)
+    monkeypatch.setattr(local_experts, "SIDE_SCHEDULE_TOKENS", 1)
     monkeypatch.setattr(ExpertCache, "prefetch", broken)
     eng = open_engine(EngineOptions(model, backend="numpy"))
     try:
