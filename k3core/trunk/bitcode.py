@@ -1,19 +1,18 @@
 """The ``bp-bits`` codec: a bf16 window as 2-4 bit codes of its high bytes plus its low bytes.
 
 ``bp-nib`` (:mod:`k3core.trunk.nibble`) gives every high byte a 4-bit code into a table of
-fifteen. Bell-shaped weights need fewer: the high byte is the sign and the top seven
-exponent bits, and on the synthetic medium model seven high bytes cover 96 % of the
-elements (three exponent pairs a sign and the next one of one sign), so a 3-bit code into a
-table of seven plus the 4 % left as escapes, one byte each, is 11.3 bits an element against
-``bp-nib``'s 12: 5.9 % fewer bytes for the medium model's streamed trunk. Trained weights
-spread wider (about 3.4 bits of entropy in the high byte); there a 4-bit code wins. So each
-window takes the width, 2, 3 or 4 bits, that stores it smallest, and a table of the
-``2^b - 1`` commonest high bytes; code ``2^b - 1`` (every bit set) is an *escape*, whose high
+fifteen. Bell-shaped weights often need fewer: the high byte is the sign and the top seven
+exponent bits, and where seven high bytes cover most of a window's elements, a 3-bit code
+into a table of seven plus the rest as escapes, one byte each, stores it in fewer than
+``bp-nib``'s 12 bits an element. Where the high bytes spread wider (trained weights) a
+4-bit code wins. So each window takes the width, 2, 3 or 4 bits, that stores it smallest,
+and a table of the ``2^b - 1`` commonest high bytes; code ``2^b - 1`` (every bit set) is an *escape*, whose high
 byte follows the planes. The codes are stored as *bit planes*, 64 elements a group, so a
 decoder reads a group's ``b`` planes as ``b`` byte masks (AVX-512) or spreads them to bytes
 (AVX2), looks the codes up with one byte shuffle, and finds the group's escapes as the AND
 of its planes; their bytes are consecutive in the escape stream, so one expand puts them in
-place (``k3core/trunk/bitcode.c``: about as fast as ``bp-nib``'s shuffle).
+place (``k3core/trunk/bitcode.c``). docs/trunk.md ("Pack it smaller") has the measured
+coverage, sizes and decode speeds.
 
 A window of ``m`` little-endian 16-bit elements (``n = 2m`` raw bytes) is stored as
 

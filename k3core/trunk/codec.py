@@ -7,10 +7,10 @@ A codec is named ``NAME`` or ``NAME:LEVEL`` (``k3 pack-trunk --codec``):
   a zstd level is zstd's own, except level 0, k3's *literal mode*: the fast strategy with
   the smallest match finder (``min_match`` 7, ``hash_log`` 6, ``search_log`` 1), so zstd
   codes the window almost entirely as Huffman literals, which is what bf16 exponent bytes
-  need (it encodes at about 1 GB/s and decodes about twice as fast as level 3);
+  need (it encodes and decodes faster than level 3);
 * ``bp-zstd`` / ``bp-lz4``: for a window of a two-byte tensor (bf16, f16) the bytes are
-  first split into two planes, the high bytes (sign and exponent, about 3.4 bits of entropy
-  in trained weights) and the low bytes (mantissa, nearly 8 bits), and each plane goes
+  first split into two planes, the high bytes (sign and exponent, few bits of entropy in
+  trained weights) and the low bytes (mantissa, nearly 8 bits), and each plane goes
   through the compressor as its own stream (``u32`` length of the high plane's stream, the
   stream, then the low plane's, or the low plane raw when its encoding saves under 1/64,
   flagged by the length's top bit: one decode per window for the mantissas' nearly 8 bits
@@ -20,14 +20,13 @@ A codec is named ``NAME`` or ``NAME:LEVEL`` (``k3 pack-trunk --codec``):
   Windows of other dtypes go through the compressor as they are. ``bp-zstd`` defaults to level 0.
 * ``bp-nib``: for a window of a two-byte tensor, each element's low byte verbatim and its
   high byte as a 4-bit code into the window's table of its fifteen commonest high bytes, the
-  rest listed as escapes (:mod:`k3core.trunk.nibble`): a ratio near 4/3 against ``bp-zstd``'s
-  1.49, decoded about ten times faster (a compiled shuffle loop, NumPy where it was not
+  rest listed as escapes (:mod:`k3core.trunk.nibble`): a ratio near 4/3, below
+  ``bp-zstd``'s, decoded far faster (a compiled shuffle loop, NumPy where it was not
   built). Windows of other dtypes are stored raw.
 * ``bp-bits``: like ``bp-nib``, with each window's high bytes as 2-, 3- or 4-bit codes,
   whichever width stores the window smallest, kept as bit planes (:mod:`k3core.trunk.bitcode`):
-  bell-shaped weights take 3 bits, 11.3 bits an element against ``bp-nib``'s 12 (5.9 % fewer
-  bytes on the medium model's trunk), decoded by one byte shuffle and one expand per 64
-  elements on AVX-512.
+  bell-shaped weights take 3 bits, fewer bytes than ``bp-nib``'s 12 bits an element,
+  decoded by one byte shuffle and one expand per 64 elements on AVX-512.
 
 A window whose encoding is not smaller than its raw bytes is stored raw (the pack decides
 per window; the manifest's window table says which, see :mod:`k3core.trunk.windows`).

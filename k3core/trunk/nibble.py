@@ -1,15 +1,14 @@
 """The ``bp-nib`` codec: a bf16 window as 4-bit codes of its high bytes plus its low bytes.
 
 A bf16 weight's high byte is its sign and the top seven bits of its exponent. Bell-shaped
-weights (trained or random-normal) use only a few of those values: on the synthetic medium
-model the fifteen commonest high bytes of a 1 MiB window cover all but about 0.03 % of its
-elements. So each element keeps its low byte verbatim and trades its high byte for a 4-bit
-code into a per-window table of fifteen high bytes; code 15 marks an *escape*, whose high
-byte is listed after the planes. That is 12 bits an element, a ratio of 4/3 less the
-escapes, against ``bp-zstd``'s 1.49; but the decode is one table shuffle and an interleave
-per 16 elements (``k3core/trunk/nibble.c``, about 11 GB/s of raw bytes on one core, against
-``bp-zstd``'s 0.7-1.1), so on a disk of a few GB/s the trunk reads shrink by a quarter and
-the reader thread still has most of its time to spare.
+weights (trained or random-normal) use only a few of those values, so the fifteen commonest
+high bytes of a window cover nearly all of its elements. So each element keeps its low byte
+verbatim and trades its high byte for a 4-bit code into a per-window table of fifteen high
+bytes; code 15 marks an *escape*, whose high byte is listed after the planes. That is 12
+bits an element, a ratio of 4/3 less the escapes, fewer than ``bp-zstd`` saves; but the
+decode is one table shuffle and an interleave per 16 elements (``k3core/trunk/nibble.c``),
+far cheaper than a zstd decode. docs/trunk.md ("Pack it smaller") has the measured
+coverage, ratios and decode speeds.
 
 A window of ``m`` little-endian 16-bit elements (``n = 2m`` raw bytes) is stored as
 
