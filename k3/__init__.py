@@ -79,21 +79,19 @@ def load(
     ``lookahead`` (``"off"``, the default, ``"on"``, ``"attn"``, ``"out"``), ``expert_readers``. The memory
     plan is checked before anything large is allocated. Raises a :class:`K3Error`.
     """
-    from k3core.run.engine import Engine
-    from k3core.run.plan import plan_engine
+    from k3core.run.engine import open_engine
     from k3core.run.request import EngineRequest, build
 
     fields = {"model_dir": os.fspath(model_dir), "preset": preset, "trunk": trunk,
               "backend": backend, "storage": storage, "cache_policy": cache_policy,
               "threads": threads, **options}
-    unknown = sorted(set(fields) - set(EngineRequest.model_fields))
+    known = EngineRequest.options()
+    unknown = sorted(set(fields) - set(known))
     if unknown:
         raise UsageError(f"k3.load: unknown option(s) {', '.join(unknown)}; known: "
-                         f"{', '.join(EngineRequest.model_fields)}")
-    req = build(EngineRequest, {k: v for k, v in fields.items() if v is not None})
-    plan = plan_engine(req, given_as="keyword")
-    plan.plan_memory(prompt_len=1, gen=0)
-    return Engine.from_plan(plan)
+                         f"{', '.join(known)}")
+    given = {k: v for k, v in fields.items() if v is not None}
+    return open_engine(build(EngineRequest, {**given, "given_as": "keyword"}))
 
 
 def __getattr__(name: str) -> Any:

@@ -143,9 +143,9 @@ def codec(
 @guarded
 def decode(
     model: Path = typer.Argument(..., help="Model directory (a checkpoint in the released layout)."),
-    backend: str = typer.Option("auto", "--backend", help="Kernel backend to time."),
+    backend: str | None = typer.Option(None, "--backend", help="Kernel backend to time."),
     threads: int | None = typer.Option(None, "--threads", help="Kernel threads (and the bandwidth loop's)."),
-    storage: str = typer.Option("auto", "--storage", help="Storage backend."),
+    storage: str | None = typer.Option(None, "--storage", help="Storage backend."),
     cache_gb: float | None = typer.Option(None, "--cache-gb", help="Routed-expert cache budget in GB."),
     trunk: Path | None = typer.Option(None, "--trunk", help="Stream the trunk from this packed directory."),
     trunk_gb: float | None = typer.Option(None, "--trunk-gb", help="Trunk budget in GB (with --trunk)."),
@@ -168,20 +168,22 @@ def decode(
     """s/token, prefill tokens/s, bytes, I/O wait, calls per token, next to the bandwidth floor."""
     from k3core.api.errors import K3Error
     from k3core.model.speculative import SpecOptions
+    from k3core.run.request import EngineRequest, build
     from k3core.tools.bench.decode import _ids, format_report, run_decode_bench
 
-    check_gb(cache_gb, "--cache-gb")
-    check_gb(trunk_gb, "--trunk-gb", positive=True)
+    given = {"model_dir": model, "backend": backend, "threads": threads, "storage": storage,
+             "cache_gb": cache_gb, "trunk": trunk, "trunk_gb": trunk_gb,
+             "prefill_chunk": prefill_chunk, "expert_readers": readers,
+             "incremental": False if full_recompute else None}
+    request = build(EngineRequest, {**{k: v for k, v in given.items() if v is not None},
+                                    "given_as": "flag"})
     check_mb(bandwidth_mb, "--bandwidth-mb")
     units = {"timed": "token", "prefill": "run", "yardsticks": "loop", "check": "token"}
     with Stages("bench decode", quiet=quiet, units=units) as stages:
-        res = run_decode_bench(model, backend=backend, threads=threads, storage=storage,
-                               cache_gb=cache_gb, trunk_dir=trunk, trunk_gb=trunk_gb, ids=_ids(ids),
-                               gen=gen, prefill=prefill, repeat=repeat,
-                               incremental=not full_recompute, check=check,
-                               bandwidth_bytes=int(bandwidth_mb * 1e6), prefill_chunk=prefill_chunk,
+        res = run_decode_bench(request, ids=_ids(ids), gen=gen, prefill=prefill, repeat=repeat,
+                               check=check, bandwidth_bytes=int(bandwidth_mb * 1e6),
                                spec=SpecOptions(spec, spec_width, spec_ngram),
-                               prompt_file=prompt_file, readers=readers, progress=stages)
+                               prompt_file=prompt_file, progress=stages)
     print(res.to_json() if as_json else format_report(res))
     if res.ids_match is False:
         raise K3Error("bench decode: the generated ids differ from --backend numpy")

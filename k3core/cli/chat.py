@@ -82,16 +82,18 @@ def chat(
         raise UsageError(f"--max-tokens must be in 1..4096, got {max_tokens}")
     from k3core.model.sampling import check_sampling
     from k3core.model.speculative import DEFAULT_NGRAM, DEFAULT_WIDTH, check_spec
+    from k3core.run.engine import open_engine
     from k3core.serve.chat_format import chat_format_for, check_format_options
     from k3core.serve.conversation import Conversation
-    from k3core.serve.loading import check_context, open_engine_for
+    from k3core.serve.loading import check_context, conversation_request
 
     check_spec(spec, DEFAULT_WIDTH, DEFAULT_NGRAM)
     check_sampling(temperature, top_p, top_k, seed)  # before the engine opens, not per turn
     check_context(context)
     check_format_options(chat_format, think, thinking_effort)
-    engine = open_engine_for(model_dir, context, tok=tok, preset=preset, trunk=trunk, backend=backend,
-                             storage=storage, cache_policy=cache_policy, threads=threads)
+    engine = open_engine(conversation_request(model_dir, context, {
+        "tok": tok, "preset": preset, "trunk": trunk, "backend": backend, "storage": storage,
+        "cache_policy": cache_policy, "threads": threads}))
     try:
         if engine.tokenizer is None:
             raise UsageError(f"k3 chat needs a tokenizer: none in {model_dir}; pass --tok DIR")

@@ -11,8 +11,10 @@ import typer
 from k3core.api.errors import UsageError
 from k3core.cli.guard import guarded
 from k3core.cli.progress import Progress
-from k3core.run.engine import EngineOptions, open_engine, read_model_config
-from k3core.run.prompt import MAX_PROMPT_FILE, load_tokenizer
+from k3core.run.engine import open_engine
+from k3core.run.plan import EnginePlan
+from k3core.run.prompt import MAX_PROMPT_FILE
+from k3core.run.request import EngineRequest, build
 from k3core.tools.perplexity import check_window, perplexity
 
 
@@ -37,22 +39,24 @@ def perplexity_cmd(
     ctx: int = typer.Option(256, "--ctx", help="Window length in tokens."),
     stride: int = typer.Option(None, "--stride", help="Window step (1..ctx-1; default ctx/2)."),
     tok: Path = typer.Option(None, "--tok", help="Tokenizer directory (default MODEL_DIR)."),
-    backend: str = typer.Option("auto", "--backend", help="Kernel backend (k3 backends)."),
+    backend: str = typer.Option(None, "--backend", help="Kernel backend (k3 backends)."),
     threads: int = typer.Option(None, "--threads", help="Kernel threads."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress on stderr."),
 ) -> None:
     """Score FILE under MODEL: mean NLL per token and perplexity, as llama.cpp's tool."""
     s = check_window(ctx, stride)
-    if threads is not None and threads < 1:
-        raise UsageError(f"--threads must be >= 1, got {threads}")
+    request = build(EngineRequest, {"model_dir": model_dir, "tok": tok, "backend": backend,
+                                    "threads": threads, "positions": ctx,
+                                    "needs_tokenizer": True, "given_as": "flag"})
     data = read_text_file(file)
-    opts = EngineOptions(model_dir=model_dir, backend=backend, threads=threads)
-    cfg = read_model_config(opts)  # a missing MODEL_DIR is refused there, as for k3 run
-    tokenizer = load_tokenizer(tok or model_dir, cfg.vocab, required=True)
-    assert tokenizer is not None
-    ids = tokenizer.encode_bytes(data, allow_special=False)
-    engine = open_engine(opts, cfg)
+    ids: list[int] = []
+
+    def tokenize(plan: EnginePlan) -> None:  # before the weights are bound
+        assert plan.tokenizer is not None  # the request requires one
+        ids.extend(plan.tokenizer.encode_bytes(data, allow_special=False))
+
+    engine = open_engine(request, on_plan=tokenize)
     try:
         with Progress("perplexity", unit="window", quiet=quiet) as bar:
             res = perplexity(engine.model, ids, ctx, s, progress=bar.callback())

@@ -138,21 +138,23 @@ def serve(
 
     _Server = _server_class()
 
+    from k3core.run.engine import open_engine
     from k3core.serve.app import create_app
     from k3core.serve.chat_format import check_format_options
     from k3core.serve.connections import Connections, protocol_class
-    from k3core.serve.loading import check_context, open_engine_for
+    from k3core.serve.loading import check_context, conversation_request
     from k3core.serve.logs import log_config
     from k3core.serve.service import Service
     from k3core.serve.worker import Worker
 
     check_context(context)
     check_format_options(chat_format, think, thinking_effort)
-    engine = open_engine_for(model_dir, context, tok=tok, preset=preset, trunk=trunk,
-                             trunk_gb=trunk_gb, cache_gb=cache_gb, backend=backend,
-                             storage=storage, cache_policy=cache_policy, threads=threads)
+    engine = open_engine(conversation_request(model_dir, context, {
+        "tok": tok, "preset": preset, "trunk": trunk, "trunk_gb": trunk_gb, "cache_gb": cache_gb,
+        "backend": backend, "storage": storage, "cache_policy": cache_policy,
+        "threads": threads}))
     try:
-        assert engine.tokenizer is not None  # open_engine_for requires one
+        assert engine.tokenizer is not None  # the request requires one
         service = Service(Worker(engine, context), engine.tokenizer, model_name or model_dir.resolve().name,
                           chat_format=chat_format, thinking=think, effort=thinking_effort)
         limits, note = plan_limits(max_connections, timeout_header, timeout_idle)  # the model's files open

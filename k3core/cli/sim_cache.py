@@ -50,11 +50,11 @@ def model_shape(model_dir: Path) -> dict[str, int]:
 
     from k3core.checkpoint.index import CheckpointIndex
     from k3core.experts.locator import ExpertLocator
-    from k3core.run.engine import EngineOptions, read_model_config
+    from k3core.run.plan import read_model_config
 
     if not model_dir.is_dir():
         raise UsageError(f"--model {model_dir}: not a directory")
-    cfg = read_model_config(EngineOptions(model_dir))
+    cfg = read_model_config(model_dir)
     moe = [L for L in range(cfg.n_layers) if not cfg.is_dense(L)]
     if not moe:
         raise UsageError(f"--model {model_dir}: the model has no MoE layers")

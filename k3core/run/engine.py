@@ -1,54 +1,42 @@
 """The engine: a model opened once from its checkpoint and plugins, reusable for many calls.
 
-The third stage of request -> plan -> engine -> session -> report. :meth:`Engine.from_plan`
-opens what a checked :class:`~k3core.run.plan.EnginePlan` resolved; :func:`open_engine` is
-the same from bare :class:`EngineOptions` (tests and tools use it). The binding itself
-(plugins, index, trunk, expert cache) is :mod:`k3core.run.binding`.
+:func:`open_engine` is the one way to open one, for every caller (the command line's
+commands, ``k3.load``, the server, ``k3 tune``, the benches, ``k3 perplexity``): a request
+(:class:`~k3core.run.request.EngineRequest`, or a whole
+:class:`~k3core.run.request.RunRequest`) becomes a plan (:mod:`k3core.run.plan`: presets, the
+environment, the plugins, the memory plan), the plan is checked, and
+:func:`~k3core.run.binding.bind` opens what it resolved.
 
 An engine serves any number of generations (:meth:`Engine.generate`, :meth:`Engine.stream`,
 :meth:`Engine.logits`) and sessions (:meth:`Engine.session`), one at a time, and is closed
-once (``close()`` or a ``with`` block).
+once (``close()`` or a ``with`` block). It is the handle a caller holds, so it sits above
+the session and the report it hands out (docs/architecture.md, the stages' import order).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from k3core.api.errors import UsageError
-from k3core.model.config import ModelConfig
 from k3core.model.state import SequenceState
-from k3core.run.binding import Bound, EngineOptions, bind, read_model_config
+from k3core.run.binding import Bound, bind
 from k3core.run.generation import Generation
+from k3core.run.plan import EnginePlan, plan_engine, plan_run
 from k3core.run.prompt import check_vocab
 from k3core.run.report import run_record
+from k3core.run.request import EngineRequest, RunRequest
 from k3core.run.session import Session
 
-if TYPE_CHECKING:
-    from k3core.run.plan import EnginePlan
-
-__all__ = ["Engine", "EngineOptions", "open_engine", "read_model_config"]
+__all__ = ["Engine", "open_engine"]
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Engine(Bound):
     """An open model and the calls that use it (see the module docstring)."""
-
-    plan: EnginePlan | None = None
-
-    @classmethod
-    def from_plan(cls, plan: EnginePlan, trace_dir: Path | None = None,
-                  on_layer_bound: Callable[[int], None] | None = None) -> Engine:
-        """Open the engine a plan describes; the plan's memory check runs first."""
-        plan.check()
-        eng = open_engine(plan.options(trace_dir), plan.cfg, on_layer_bound)
-        eng.tokenizer, eng.incremental, eng.plan = plan.tokenizer, plan.incremental, plan
-        eng.notes = plan.notes + eng.notes
-        return eng
 
     def session(self, incremental: bool | None = None) -> Session:
         """A new sequence that carries its state across calls (``k3core.run.session``)."""
@@ -92,7 +80,18 @@ class Engine(Bound):
         self.close()
 
 
-def open_engine(opts: EngineOptions, cfg: ModelConfig | None = None,
+def open_engine(request: EngineRequest | RunRequest, *,
+                on_plan: Callable[[EnginePlan], None] | None = None,
                 on_layer_bound: Callable[[int], None] | None = None) -> Engine:
-    """Resolve plugins, index the checkpoint and bind the trunk; an :class:`Engine`."""
-    return bind(opts, cfg, on_layer_bound, cls=Engine)
+    """Open an engine: request -> plan -> engine.
+
+    The plan (:func:`~k3core.run.plan.plan_engine`, or :func:`~k3core.run.plan.plan_run` for
+    a whole run) resolves the preset, the environment and the plugins and sums the memory;
+    ``on_plan`` sees it before anything large is allocated (``k3 run`` prints it); then the
+    memory plan is checked (``MemoryPlanError``, exit 1) and the plan is bound.
+    ``on_layer_bound(L)`` hears each layer as it binds."""
+    plan = plan_run(request) if isinstance(request, RunRequest) else plan_engine(request)
+    if on_plan is not None:
+        on_plan(plan)
+    plan.check()
+    return bind(plan, Engine, on_layer_bound)

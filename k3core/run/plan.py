@@ -2,39 +2,55 @@
 
 The second stage of request -> plan -> engine -> session -> report. :func:`plan_engine`
 reads the model's config (small), resolves the preset and the settings (flag > environment
-> preset > default, each with its source), resolves the plugins through the registry, finds
-the tokenizer (``--tok``, ``$K3_TOK_FILES``, else MODEL_DIR's own files) and sums the memory
-plan: trunk, tables, expert cache, recurrent state, buffers and KV cache against the memory
-available. Nothing large has been allocated yet; :meth:`EnginePlan.check` refuses a plan
-that does not fit. :func:`plan_run` adds the prompt's ids and the generation for one
-command-line run.
+> preset > default, each with its source), resolves each plugin once through the registry
+(an ``auto`` choice is picked here and only here: :class:`Plugins`), finds the tokenizer
+(``tok``, ``$K3_TOK_FILES``, else MODEL_DIR's own files) and sums the memory plan for the
+positions the request asks the engine to hold: trunk, tables, expert cache, recurrent
+state, buffers and KV cache against the memory available. Nothing large has been allocated
+yet; :meth:`EnginePlan.check` refuses a plan that does not fit. :func:`plan_run` is the
+plan of one ``k3 run``: the engine's, plus the prompt's ids and the generation
+(:class:`RunPlan`), the memory summed for them.
 
 Both plans print (:meth:`lines`) and serialise (:meth:`to_json`); ``--out`` records them.
+:func:`k3core.run.engine.open_engine` makes the plan and binds it; nothing else does.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from k3core.api.errors import UsageError
+from k3core.api.specs import Kind
 from k3core.api.units import ALIGN, gb_bytes, human
 from k3core.experts.setup import CacheOptions
-from k3core.model.config import ModelConfig
+from k3core.model.config import ModelConfig, load_config
 from k3core.model.sizes import sizes_from_config
 from k3core.plugins.registry import get_registry
-from k3core.run.binding import EngineOptions, read_model_config
 from k3core.run.memory_plan import MemoryPlan, MemoryRequest, check_kv, plan_memory
 from k3core.run.model_dir import config_path
+from k3core.run.preset import Preset
 from k3core.run.presets import check_plugins, load_preset
-from k3core.run.prompt import PromptSpec, find_tokenizer, load_tokenizer, prompt_ids
+from k3core.run.prompt import PromptSpec, check_vocab, find_tokenizer, load_tokenizer, prompt_ids
 from k3core.run.request import UNTIL_END, EngineRequest, RunRequest
 from k3core.run.settings import MergedSettings, merge_settings
 from k3core.tokenizer.encoding import Tokenizer
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
+class Plugins:
+    """The plugin of each kind the plan resolved, by name: an ``auto`` choice is picked
+    once, here; :func:`k3core.run.binding.bind` creates each by that name. ``notes`` holds
+    what ``auto`` picked, by kind (``auto picked kernel backend 'numpy'``)."""
+
+    kernel: str
+    storage: str
+    cache: str
+    notes: dict[Kind, str] = field(default_factory=dict)
+
+
+@dataclass(kw_only=True)
 class EnginePlan:
     """Everything needed to open an engine, resolved and checked (see the module)."""
 
@@ -42,11 +58,13 @@ class EnginePlan:
     model_dir: Path
     cfg: ModelConfig
     merged: MergedSettings
-    preset: Any = None
+    plugins: Plugins
+    preset: Preset | None = None
     tokenizer: Tokenizer | None = None
     tok_dir: Path | None = None
-    storage: str = "auto"
     memory: MemoryPlan | None = None
+    #: where the expert cache records its trace (``k3 run --dump-cache-trace``)
+    trace_dir: Path | None = None
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -62,20 +80,33 @@ class EnginePlan:
         return self.request.layers or self.cfg.n_layers
 
     @property
+    def has_moe(self) -> bool:
+        """Whether a layer run has routed experts (else there is no expert cache)."""
+        return any(not self.cfg.is_dense(L) for L in range(self.n_layers))
+
+    @property
     def trunk_gb(self) -> float | None:
-        """The trunk budget: ``--trunk-gb`` or the preset's; without either, every layer."""
+        """The trunk budget: ``trunk_gb`` or the preset's; without either, every layer."""
         s, r = self.merged.settings, self.request
         return s.trunk_gb if self.streamed and (r.trunk_gb is not None or self.preset) else None
+
+    @property
+    def prefill_chunk(self) -> int | None:
+        """Ids per forward pass of a prompt: the memory plan's (``prefill_chunk``, else the
+        activations budget's)."""
+        return self.memory.prefill_chunk if self.memory is not None else self.request.prefill_chunk
 
     def plan_memory(self, prompt_len: int, gen: int) -> MemoryPlan:
         """Sum the run's buffers for ``prompt_len`` + ``gen`` positions (and keep the plan)."""
         s = self.merged.settings
         check_kv(self.cfg, prompt_len + gen + 1, n_layers=self.n_layers)  # every mode holds one
         budget = _trunk_budget(self.cfg, self.n_layers, self.trunk_gb) if self.streamed else None
+        remote = self.request.remote_experts  # no expert cache here: the workers hold them
         self.memory = plan_memory(self.cfg, MemoryRequest(
-            streamed=self.streamed, cache_bytes=gb_bytes(s.cache_gb), prompt_len=prompt_len,
-            gen=gen, incremental=self.incremental, n_layers=self.n_layers, trunk_budget=budget,
-            ultra=bool(s.ultra_low_memory), prefill_chunk=self.request.prefill_chunk))
+            streamed=self.streamed, cache_bytes=0 if remote else gb_bytes(s.cache_gb),
+            prompt_len=prompt_len, gen=gen, incremental=self.incremental, n_layers=self.n_layers,
+            trunk_budget=budget, ultra=bool(s.ultra_low_memory),
+            prefill_chunk=self.request.prefill_chunk), expert_bytes=0 if remote else None)
         return self.memory
 
     def check(self) -> None:
@@ -83,24 +114,20 @@ class EnginePlan:
         if self.memory is not None:
             self.memory.check()
 
-    def options(self, trace_dir: Path | None = None) -> EngineOptions:
+    def cache_options(self) -> CacheOptions:
+        """The expert cache this plan sizes: its budget, policy, readers and trace."""
         s, r = self.merged.settings, self.request
-        cache = CacheOptions(
-            cache_gb=s.cache_gb, trace_dir=trace_dir, readers=s.expert_readers,
+        return CacheOptions(
+            cache_gb=s.cache_gb, policy=self.plugins.cache, trace_dir=self.trace_dir,
+            readers=s.expert_readers,
             policy_options={"trace": str(r.cache_trace)} if r.cache_trace is not None else {})
-        return EngineOptions(
-            self.model_dir, r.config, r.layers, s.backend, self.storage, s.cache_policy or "auto",
-            s.threads, trunk_dir=r.trunk, trunk_gb=self.trunk_gb, ring=r.trunk_ring,
-            ultra_low_memory=bool(s.ultra_low_memory), verify_trunk=r.verify_trunk, cache=cache,
-            lookahead=s.lookahead,
-            prefill_chunk=self.memory.prefill_chunk if self.memory is not None else r.prefill_chunk)
 
     def inputs(self) -> list[tuple[Path | None, str]]:
         """What an engine of this plan reads, which no output may replace: MODEL_DIR, its
         config, the packed trunk, the tokenizer, a preset file, a replayed trace."""
         r = self.request
-        preset = getattr(self.preset, "origin", None)
-        preset_file = Path(preset) if preset and Path(preset).is_file() else None
+        origin = self.preset.origin if self.preset is not None else ""
+        preset_file = Path(origin) if origin and Path(origin).is_file() else None
         config = config_path(self.model_dir, r.config)  # a link out of MODEL_DIR too
         return [(self.model_dir, "MODEL_DIR"), (config, "--config" if r.config else "the config"),
                 (r.trunk, "--trunk"),
@@ -147,7 +174,7 @@ class EnginePlan:
             "preset": None if self.preset is None else self.preset.name,
             "settings": {k: {"value": d[k], "source": src} for k, src in self.merged.sources.items()},
             "incremental": self.incremental, "streamed": self.streamed, "layers": self.n_layers,
-            "storage": self.storage, "notes": list(self.notes),
+            "storage": self.plugins.storage, "notes": list(self.notes),
         }
         if self.memory is not None:
             m = self.memory
@@ -156,57 +183,85 @@ class EnginePlan:
         return plan
 
 
-def plan_engine(req: EngineRequest, needs_tokenizer: bool = False,
-                given_as: str = "flag") -> EnginePlan:
-    """Resolve ``req`` against the model (config, preset, settings, plugins, tokenizer).
+def read_model_config(model_dir: Path, config: Path | None = None,
+                      layers: int | None = None) -> ModelConfig:
+    """The model's config (``config``, else MODEL_DIR's), and ``layers`` checked against it."""
+    cfg = load_config(config_path(model_dir, config))
+    if layers is not None and not 1 <= layers <= cfg.n_layers:
+        raise UsageError(f"--layers must be in 1..{cfg.n_layers}, got {layers}")
+    return cfg
 
-    ``given_as`` says how the caller's values are named in the sources: ``"flag"`` for the
-    command line, ``"keyword"`` for ``k3.load``."""
+
+def plan_engine(req: EngineRequest) -> EnginePlan:
+    """The plan of an engine that holds ``req.positions`` ids: resolved against the model
+    (config, preset, settings, plugins, tokenizer) and its memory summed."""
+    plan = _resolve(req, req.needs_tokenizer)
+    plan.plan_memory(prompt_len=req.positions, gen=0)
+    return plan
+
+
+def _resolve(req: EngineRequest, needs_tokenizer: bool) -> EnginePlan:
+    """Resolve ``req`` against the model: config, preset, settings, plugins, tokenizer."""
+    given_as = req.given_as
     model_dir = req.model_dir or merge_settings(None, None, None, req.flags()).settings.model_dir
     if model_dir is None:
         raise UsageError("MODEL_DIR is required (or set K3_MODEL_DIR)")
     model_dir = Path(model_dir)
-    cfg = read_model_config(EngineOptions(model_dir, req.config, req.layers))
+    cfg = read_model_config(model_dir, req.config, req.layers)
+    if not model_dir.is_dir():
+        raise UsageError(f"model directory {model_dir} does not exist")
     preset = load_preset(req.preset, cfg=cfg) if req.preset else None
     merged = merge_settings(None, preset, None, req.flags(), given_as)
     s = merged.settings
     if preset is not None:
         for problem in check_plugins(preset):
             raise UsageError(f"preset {preset.name}: {problem}")
-    reg = get_registry()
-    kspec, _ = reg.resolve("kernel", s.backend)
-    kspec.load()  # import it now, so the plan's baseline (this process's RSS) includes it
-    if s.storage != "auto":
-        reg.resolve("storage", s.storage)
-    reg.resolve("cache", s.cache_policy or "auto")
+    notes: list[str] = []
+    plugins = _plugins(s.backend, _storage(s.storage, model_dir, notes), s.cache_policy or "auto")
     if s.ultra_low_memory and req.trunk is None:
         raise UsageError("--ultra-low-memory needs --trunk DIR (pack one with "
                          "`k3 pack-trunk MODEL_DIR TRUNK_DIR`)")
     tok = load_tokenizer(s.tok, cfg.vocab, required=needs_tokenizer, model_dir=model_dir)
     tok_dir = (Path(s.tok) if s.tok is not None else find_tokenizer(model_dir)) if tok else None
-    plan = EnginePlan(req, model_dir, cfg, merged, preset, tok, tok_dir)
-    plan.storage = _storage(s.storage, model_dir, plan.notes)
-    return plan
+    return EnginePlan(request=req, model_dir=model_dir, cfg=cfg, merged=merged, plugins=plugins,
+                      preset=preset, tokenizer=tok, tok_dir=tok_dir, notes=notes)
 
 
-@dataclass
-class RunPlan:
+def _plugins(kernel: str, storage: str, cache: str) -> Plugins:
+    """Resolve each kind once (an explicit name never falls back; ``auto`` picks here)."""
+    reg = get_registry()
+    names: dict[Kind, str] = {}
+    notes: dict[Kind, str] = {}
+    asked: tuple[tuple[Kind, str], ...] = (("kernel", kernel), ("storage", storage),
+                                           ("cache", cache))
+    for kind, name in asked:
+        spec, note = reg.resolve(kind, name)
+        names[kind] = spec.name
+        if note:
+            notes[kind] = note
+        if kind == "kernel":
+            spec.load()  # import it now, so the plan's baseline (this process's RSS) includes it
+    return Plugins(kernel=names["kernel"], storage=names["storage"], cache=names["cache"],
+                   notes=notes)
+
+
+@dataclass(kw_only=True)
+class RunPlan(EnginePlan):
     """One command-line run: the engine's plan, the prompt's ids, the generation."""
 
-    request: RunRequest
-    engine: EnginePlan
+    run: RunRequest
     prompt_ids: list[int]
     prompt_how: str
 
     def lines(self, verbose: bool = False, short: bool = False) -> list[str]:
-        out = self.engine.lines(verbose, short)
-        mode = " (incremental)" if self.engine.incremental else " (full recompute)"
+        out = super().lines(verbose, short)
+        mode = " (incremental)" if self.incremental else " (full recompute)"
         out.insert(3, f"prompt : {self.prompt_how}; {self.generating()}{mode}")
         return out
 
     def generating(self) -> str:
         """What ``--gen`` (and ``--context``) ask for, in words."""
-        g = self.request.generation
+        g = self.run.generation
         make, fills = g.budget(len(self.prompt_ids))
         if g.max_tokens == UNTIL_END:
             return (f"generating until the end of sequence or the context is full (at most "
@@ -215,22 +270,17 @@ class RunPlan:
             return f"generating {g.max_tokens}, at most {make} (the context holds {g.context})"
         return f"generating {g.max_tokens}"
 
-    def __str__(self) -> str:
-        return "\n".join(self.lines())
-
     def to_json(self) -> dict[str, Any]:
-        return {**self.engine.to_json(), "prompt_ids": self.prompt_ids,
-                "prompt": self.prompt_how}
+        return {**super().to_json(), "prompt_ids": self.prompt_ids, "prompt": self.prompt_how}
 
 
 def plan_run(req: RunRequest) -> RunPlan:
     """The whole plan of one ``k3 run``; raises before anything large is allocated."""
     req.check()
-    eng = plan_engine(req.engine, needs_tokenizer=req.prompt.needs_tokenizer)
+    # a run's values are the command line's: its sources say "flag --threads"
+    eng = _resolve(req.engine.model_copy(update={"given_as": "flag"}), req.prompt.needs_tokenizer)
     req.outputs.check(inputs=(*eng.inputs(), (req.prompt.file, "--prompt-file")))
     for sid in req.generation.stop_ids:
-        from k3core.run.prompt import check_vocab
-
         check_vocab([sid], eng.cfg.vocab, "--stop-id")
     tok = eng.tokenizer
     bos = tok.special_token_id("[BOS]") if tok is not None and "[BOS]" in tok.special_tokens else None
@@ -240,8 +290,11 @@ def plan_run(req: RunRequest) -> RunPlan:
     ids, how = prompt_ids(PromptSpec(p.text, p.file, ids_text, p.bos), tok, eng.cfg.vocab, bos)
     if req.outputs.load_state is not None and not eng.incremental:
         raise UsageError("--load-state needs incremental decoding (drop --full-recompute)")
-    eng.plan_memory(len(ids), req.generation.budget(len(ids))[0])
-    return RunPlan(req, eng, ids, how)
+    plan = RunPlan(**{f.name: getattr(eng, f.name) for f in fields(EnginePlan)}, run=req,
+                   prompt_ids=ids, prompt_how=how)
+    plan.trace_dir = req.outputs.dump_cache_trace
+    plan.plan_memory(len(ids), req.generation.budget(len(ids))[0])
+    return plan
 
 
 def _trunk_budget(cfg: ModelConfig, n_layers: int, trunk_gb: float | None) -> int:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -154,7 +154,14 @@ class GenerationParams(_Strict):
 
 
 class EngineRequest(_Strict):
-    """What opens an engine. ``None`` = not given (environment, preset or default decides)."""
+    """What opens an engine. ``None`` = not given (environment, preset or default decides).
+
+    The last three fields say how the engine will be used, not how it is configured (the
+    JSON record leaves them out): ``positions``, the ids a session is planned to hold (the
+    memory plan sizes the KV cache and the buffers for them); ``needs_tokenizer``, refuse
+    at the plan when there is none; ``given_as``, how the caller's values are named in the
+    plan's sources (``flag --threads`` on the command line, ``keyword threads`` in Python).
+    """
 
     model_dir: Path | None = None
     config: Path | None = None
@@ -176,6 +183,12 @@ class EngineRequest(_Strict):
     expert_readers: int | None = None
     verify_trunk: bool = False
     prefill_chunk: int | None = None
+    positions: int = Field(default=1, ge=0, exclude=True)
+    needs_tokenizer: bool = Field(default=False, exclude=True)
+    given_as: Literal["flag", "keyword"] = Field(default="keyword", exclude=True)
+    #: the routed experts are computed elsewhere (``k3core.cluster``'s workers): no expert
+    #: cache is planned or opened here, and the checkpoint may hold none (a sharded head)
+    remote_experts: bool = Field(default=False, exclude=True)
 
     @model_validator(mode="after")
     def _check(self) -> EngineRequest:
@@ -195,6 +208,11 @@ class EngineRequest(_Strict):
                             bool(self.ultra_low_memory))
         return self
 
+    @classmethod
+    def options(cls) -> list[str]:
+        """The fields a caller sets to configure the engine (``k3.load``'s keywords)."""
+        return [k for k in cls.model_fields if k not in USE_FIELDS]
+
     def flags(self) -> dict[str, Any]:
         """The values that take part in flag > environment > preset > default."""
         return {"model_dir": self.model_dir, "tok": self.tok, "trunk_gb": self.trunk_gb,
@@ -203,6 +221,10 @@ class EngineRequest(_Strict):
                 "cache_policy": self.cache_policy, "threads": self.threads,
                 "incremental": self.incremental, "lookahead": self.lookahead,
                 "expert_readers": self.expert_readers}
+
+
+#: the fields of :class:`EngineRequest` that say how the engine is used, not configured
+USE_FIELDS = ("positions", "needs_tokenizer", "given_as", "remote_experts")
 
 
 class OutputRequest(_Strict):
@@ -262,7 +284,7 @@ class RunRequest(_Strict):
         outputs = {k: take(k) for k in OutputRequest.model_fields}
         quiet, verbose = bool(take("quiet", False)), int(take("verbose", 0) or 0)
         verbosity = -1 if quiet else min(verbose, 2)
-        engine = {k: take(k) for k in EngineRequest.model_fields}
+        engine = {k: take(k) for k in EngineRequest.options()}
         engine["verify_trunk"] = bool(engine["verify_trunk"])
         if f:
             raise UsageError(f"unknown run option(s): {', '.join(sorted(f))}")

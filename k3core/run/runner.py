@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import json
 import time
+from functools import partial
 from typing import Any
 
+from k3core.api.errors import ExpertDropError
 from k3core.api.experts import ExpertExecutor
 from k3core.api.outputs import write_json_atomic, write_logits
-from k3core.run.engine import Engine
+from k3core.run.engine import Engine, open_engine
 from k3core.run.generation import Generation
-from k3core.run.plan import RunPlan, plan_run
+from k3core.run.plan import EnginePlan, RunPlan
 from k3core.run.report import RunReport, run_record
 from k3core.run.request import GenerationParams, RunRequest, spec_from_preset
 from k3core.run.session import Session, make_sampler
@@ -27,15 +29,18 @@ from k3core.run.session import Session, make_sampler
 def execute(r: RunRequest, rep: RunReport | None = None,
             remote: ExpertExecutor | None = None) -> dict[str, Any]:
     """Run the request; returns the ``--out`` record (also written when ``--out`` is given).
-    ``remote`` computes the routed experts elsewhere (``k3core.cluster``)."""
+    ``remote`` computes the routed experts elsewhere (``k3core.cluster``): the head then
+    plans and opens no expert cache, and a remote failure (exit 4) after some tokens still
+    writes ``--out`` with what was made (``stop_reason`` ``worker_lost``)."""
     rep = rep or RunReport(r.verbosity)
-    plan = plan_run(r)
-    for line in plan.lines(rep.verbose, short=not rep.detail):
-        rep.line(line)
-    rep.line(f"request: {json.dumps(r.given())}", level=1)
-    engine = Engine.from_plan(plan.engine, trace_dir=r.outputs.dump_cache_trace)
+    if remote is not None:
+        r = r.model_copy(update={"engine": r.engine.model_copy(update={"remote_experts": True})})
+    engine = open_engine(r, on_plan=partial(_show_plan, rep, r))
+    plan = engine.plan
+    assert isinstance(plan, RunPlan)
     session = engine.session()
     interrupted = False
+    lost: ExpertDropError | None = None
     try:
         if remote is not None:  # plan, bind and check the workers: before the first token
             remote.start(engine, rep.line)
@@ -48,6 +53,11 @@ def execute(r: RunRequest, rep: RunReport | None = None,
                 raise
             gen, interrupted = session.last, True
             gen.mark_interrupted()  # also when it came between steps, outside the loop
+        except ExpertDropError as exc:  # a worker lost past its retries: keep what was made
+            if remote is None or session.last is None or not session.last.ids:
+                raise
+            gen, lost = session.last, exc
+            gen.stop_reason = "worker_lost"
         if engine.tokenizer is None:  # no text to stream: stdout gets the ids instead
             rep.text(",".join(map(str, gen.ids)) + "\n" if gen.ids else "")
         rep.end_text()
@@ -58,7 +68,9 @@ def execute(r: RunRequest, rep: RunReport | None = None,
         record["memory_plan"] = record["plan"].get("memory")
         if remote is not None:
             record["cluster"] = remote.report(rep.line)
-        if not interrupted:
+        if lost is not None:
+            record["error"] = {"exit_code": int(lost.exit_code), "message": lost.message}
+        if not interrupted and lost is None:
             _save_state(session, r, rep)
     finally:
         if remote is not None:
@@ -67,20 +79,30 @@ def execute(r: RunRequest, rep: RunReport | None = None,
     _write_outputs(engine, gen, record, r, rep)
     if interrupted:
         raise KeyboardInterrupt
+    if lost is not None:
+        raise lost
     return record
 
 
+def _show_plan(rep: RunReport, r: RunRequest, plan: EnginePlan) -> None:
+    """The plan on stderr, before anything large is allocated."""
+    for line in plan.lines(rep.verbose, short=not rep.detail):
+        rep.line(line)
+    rep.line(f"request: {json.dumps(r.given())}", level=1)
+
+
 def _decode(engine: Engine, session: Session, plan: RunPlan, rep: RunReport) -> Generation:
-    r = plan.request
+    r = plan.run
     if r.outputs.load_state is not None:
         t0 = time.perf_counter()
         session.load(r.outputs.load_state)
         rep.line(f"loaded {r.outputs.load_state}: {len(session.ids)} ids, {session.positions} "
                  f"positions in {time.perf_counter() - t0:.2f} s; the prompt continues it")
-    params = spec_from_preset(r.generation, _seeded(r.generation), plan.engine.preset)
-    if params.spec != "off" and "spec" not in r.generation.model_fields_set:
+    preset = plan.preset
+    params = spec_from_preset(r.generation, _seeded(r.generation), preset)
+    if params.spec != "off" and "spec" not in r.generation.model_fields_set and preset:
         rep.line(f"speculative decoding: {params.spec}, width {params.spec_width} "
-                 f"(preset {plan.engine.preset.name})")
+                 f"(preset {preset.name})")
     sampler = make_sampler(params)
     if sampler is not None:
         rep.line(f"sampling: temperature {sampler.temperature}, top-p {sampler.top_p}, "

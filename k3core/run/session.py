@@ -316,10 +316,7 @@ class Session:
         if not self.incremental:
             raise UsageError("saving a session needs incremental decoding (full recompute "
                              "carries no state)")
-        plan = getattr(self.engine, "plan", None)
-        reads = plan.inputs() if plan is not None else [(self.engine.index.model_dir,
-                                                         "MODEL_DIR")]
-        check_output(path, "the session file", inputs=reads)
+        check_output(path, "the session file", inputs=self.engine.plan.inputs())
         return write_state(Path(path), self.engine, self.ids, self.state)
 
     def load(self, path: str | Path) -> None:

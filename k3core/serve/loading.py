@@ -1,26 +1,25 @@
-"""Open the engine ``k3 chat`` and ``k3 serve`` hold for their whole life.
+"""How long a conversation ``k3 chat`` and ``k3 serve`` hold, and the engine request for it.
 
-The same pipeline as ``k3 run`` and ``k3.load``: an :class:`~k3core.run.request.EngineRequest`
-from the command line's engine flags, resolved into a plan (config, preset, settings,
-plugins, tokenizer), the memory plan checked for the longest conversation the command may
-hold, then :meth:`~k3core.run.engine.Engine.from_plan`. A chat or a server always decodes
-incrementally: that is what carries a conversation's state from one turn to the next.
+A chat or a server opens its engine once, the way every caller does
+(:func:`k3core.run.engine.open_engine`), from :func:`conversation_request`: the command
+line's engine flags, the memory plan sized for the longest conversation the command may
+hold, a tokenizer required, and incremental decoding always (that is what carries a
+conversation's state from one turn to the next).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
 from k3core.api.errors import UsageError
-from k3core.run.engine import Engine
-from k3core.run.plan import plan_engine
 from k3core.run.prompt import MAX_PROMPT
-from k3core.run.request import EngineRequest, build
+from k3core.run.request import MAX_GEN, EngineRequest, build
 
 #: the longest conversation a chat or server keeps (the prompt ceiling; one reply fits in it)
 MAX_CONTEXT = MAX_PROMPT
-DEFAULT_CONTEXT = 4096
+#: the conversation a chat or server holds unless ``--context`` says otherwise
+DEFAULT_CONTEXT = MAX_GEN
 
 
 def check_context(context: int) -> int:
@@ -29,11 +28,12 @@ def check_context(context: int) -> int:
     return context
 
 
-def open_engine_for(model_dir: Path, context: int = DEFAULT_CONTEXT, **flags: Any) -> Engine:
-    """Open ``model_dir`` with ``k3 run``'s engine flags (``None`` = not given)."""
+def conversation_request(model_dir: Path, context: int,
+                         flags: Mapping[str, object]) -> EngineRequest:
+    """The engine of a chat or a server on ``model_dir``, for conversations of ``context``
+    ids, from ``k3 run``'s engine flags (``None`` = not given)."""
     check_context(context)
-    fields = {"model_dir": model_dir, "incremental": True, **flags}
-    req = build(EngineRequest, {k: v for k, v in fields.items() if v is not None})
-    plan = plan_engine(req, needs_tokenizer=True)
-    plan.plan_memory(prompt_len=context, gen=0)
-    return Engine.from_plan(plan)
+    given = {k: v for k, v in flags.items() if v is not None}
+    return build(EngineRequest, {**given, "model_dir": model_dir, "incremental": True,
+                                 "positions": context, "needs_tokenizer": True,
+                                 "given_as": "flag"})

@@ -49,8 +49,7 @@ from k3core.api.errors import K3Error, OutputError, UsageError
 from k3core.api.outputs import check_output, refuse_inputs, write_bytes_atomic
 from k3core.model.config import load_config
 from k3core.plugins.registry import get_registry
-from k3core.run.engine import Engine
-from k3core.run.plan import plan_engine
+from k3core.run.engine import open_engine
 from k3core.run.preset import AUTO, NAME_PATTERN, SHIPPED
 from k3core.run.presets import parse_preset, user_preset_dir
 from k3core.run.request import EngineRequest, build
@@ -296,11 +295,9 @@ def run_trial(o: TuneOptions, setting: dict[str, Any]) -> Trial:
     trunk_gb = o.trunk_gb if o.trunk is not None else None
     fields: dict[str, Any] = {"model_dir": o.model_dir, "trunk": o.trunk, "trunk_gb": trunk_gb,
                               "cache_gb": o.cache_gb, "storage": o.storage, **engine_keys}
-    req = build(EngineRequest, {k: v for k, v in fields.items() if v is not None})
-    plan = plan_engine(req, given_as="keyword")
-    plan.plan_memory(prompt_len=len(o.ids), gen=o.gen)
-    plan.check()
-    with Engine.from_plan(plan) as eng:
+    req = build(EngineRequest, {**{k: v for k, v in fields.items() if v is not None},
+                                "positions": len(o.ids) + o.gen})
+    with open_engine(req) as eng:
         t0 = time.perf_counter()
         gen = eng.generate(list(o.ids), max_tokens=o.gen, ignore_eos=True, **gen_keys)
         wall = time.perf_counter() - t0

@@ -1,7 +1,7 @@
 """Turning ``--trunk``, ``--trunk-gb``, ``--trunk-ring`` and ``--ultra-low-memory`` into parts.
 
-``open_engine`` calls :func:`check_trunk_options` before anything large happens, then
-:func:`open_streamed_trunk` when a packed trunk was given (without one the trunk stays
+The engine request calls :func:`check_trunk_options` before anything large happens, and the
+binding :func:`open_streamed_trunk` when a packed trunk was given (without one the trunk stays
 resident, as before). Budgets are decimal GB (1 GB = 10^9 bytes); without ``--trunk-gb``
 every layer is pinned (read once from ``trunk.bin``, nothing streams).
 """

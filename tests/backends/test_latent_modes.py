@@ -88,10 +88,11 @@ def _modes(model, modes: tuple[str, ...] = MODES) -> dict[str, bytes]:
 
 def _run(model_dir: Path, backend: str, threads: int, trunk: Path | None = None,
          trunk_gb: float | None = None, modes: tuple[str, ...] = MODES) -> dict[str, bytes]:
-    from k3core.run.engine import EngineOptions, open_engine
+    from k3core.run.engine import open_engine
+    from k3core.run.request import EngineRequest
 
-    eng = open_engine(EngineOptions(model_dir, backend=backend, storage="plain", threads=threads,
-                                    trunk_dir=trunk, trunk_gb=trunk_gb))
+    eng = open_engine(EngineRequest(model_dir=model_dir, backend=backend, storage="plain",
+                                    threads=threads, trunk=trunk, trunk_gb=trunk_gb))
     try:
         if backend != "numpy":
             assert eng.kernels.parallel_forced

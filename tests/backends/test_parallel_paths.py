@@ -139,10 +139,11 @@ def streamed(tmp_path_factory) -> tuple[Path, Path, float]:
 def _step_logits(model: Path, backend: str, threads: int, incremental: bool,
                  trunk: Path | None = None, trunk_gb: float | None = None) -> list[bytes]:
     from k3core.model.generate import generate
-    from k3core.run.engine import EngineOptions, open_engine
+    from k3core.run.engine import open_engine
+    from k3core.run.request import EngineRequest
 
-    opts = EngineOptions(model, backend=backend, storage="plain", threads=threads,
-                         trunk_dir=trunk, trunk_gb=trunk_gb)
+    opts = EngineRequest(model_dir=model, backend=backend, storage="plain", threads=threads,
+                         trunk=trunk, trunk_gb=trunk_gb)
     eng = open_engine(opts)
     try:
         if backend != "numpy":

@@ -15,7 +15,8 @@ import pytest
 from k3core.api.errors import CheckpointError, ExpertDropError, K3Error
 from k3core.experts.locator import ExpertLocator
 from k3core.model.generate import generate
-from k3core.run.engine import EngineOptions, open_engine
+from k3core.run.engine import open_engine
+from k3core.run.request import EngineRequest
 
 PROMPT = [3, 7, 11]
 
@@ -36,7 +37,7 @@ def fresh_pool(ray_session):
 
 
 def _engine(tiny):
-    return open_engine(EngineOptions(tiny, backend="numpy", storage="mmap"))
+    return open_engine(EngineRequest(model_dir=tiny, backend="numpy", storage="mmap"))
 
 
 def _reference(tiny) -> list[int]:

@@ -8,7 +8,8 @@ import pytest
 
 from k3core.model.generate import RunResult, generate
 from k3core.plugins.registry import get_registry
-from k3core.run.engine import EngineOptions, open_engine
+from k3core.run.engine import open_engine
+from k3core.run.request import EngineRequest
 
 PROMPT = [3, 7, 11, 5]
 GEN = 3
@@ -16,9 +17,9 @@ KERNELS = sorted(get_registry().names("kernel"))
 _reference: dict[tuple[str, bool, bool], RunResult] = {}
 
 
-def _opts(tiny, trunk, backend: str, streamed: bool) -> EngineOptions:
-    return EngineOptions(tiny, backend=backend, storage="mmap",
-                         trunk_dir=trunk if streamed else None)
+def _opts(tiny, trunk, backend: str, streamed: bool) -> EngineRequest:
+    return EngineRequest(model_dir=tiny, backend=backend, storage="mmap",
+                         trunk=trunk if streamed else None)
 
 
 def _available(backend: str) -> None:

@@ -21,6 +21,20 @@ RANK = {
     "cli": 7,
 }
 
+#: the run room's modules by pipeline stage, lowest first: a module imports modules of its
+#: own stage or a lower one, never a higher one (docs/architecture.md draws the same table)
+STAGES: dict[str, tuple[str, ...]] = {
+    "request": ("request", "settings", "prompt", "model_dir", "stops"),
+    "plan": ("plan", "memory_plan", "preset", "preset_auto", "presets"),
+    "bind": ("binding",),
+    "report": ("generation", "report"),
+    "session": ("session", "state_file"),
+    "engine": ("engine",),
+    "runner": ("runner",),
+}
+#: ``k3core.run.MODULE`` -> the rank of its stage
+STAGE = {f"k3core.run.{m}": rank for rank, mods in enumerate(STAGES.values()) for m in mods}
+
 
 @dataclass(frozen=True)
 class Edge:

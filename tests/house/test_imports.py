@@ -6,7 +6,7 @@ import json
 import subprocess
 import sys
 
-from imports import PACKAGE, RANK, cycles, edges, modules, room
+from imports import PACKAGE, RANK, STAGE, STAGES, cycles, edges, modules, room
 
 
 def _graph(lazy: bool) -> dict[str, set[str]]:
@@ -32,6 +32,36 @@ def test_lower_rooms_never_import_higher_ones():
         if src and dst and src != dst and RANK[dst] >= RANK[src]:
             bad.append(f"{e.src}:{e.line} imports {e.dst} ({src} may not import {dst})")
     assert bad == []
+
+
+def test_every_run_module_has_a_stage():
+    run = {m for m in modules() if m.startswith("k3core.run.")}
+    assert sorted(run - set(STAGE)) == [], "place it in STAGES (tests/house/imports.py)"
+    assert sorted(set(STAGE) - run) == []
+
+
+def test_the_run_stages_import_in_stage_order():
+    """request < plan < bind < report < session < engine < runner, function-level and
+    type-checking imports included: no stage reaches up to a later one."""
+    names = {rank: name for rank, name in enumerate(STAGES)}
+    bad = [f"{e.src}:{e.line} imports {e.dst} ({names[STAGE[e.src]]} may not import "
+           f"{names[STAGE[e.dst]]})"
+           for e in edges(modules())
+           if e.src in STAGE and e.dst in STAGE and STAGE[e.dst] > STAGE[e.src]]
+    assert bad == []
+
+
+def test_the_architecture_page_draws_the_same_stages():
+    """docs/architecture.md's table of the stages' import order is this one, row by row."""
+    import re
+
+    from imports import ROOT
+
+    text = (ROOT / "docs/architecture.md").read_text()
+    section = text.split("### The stages' import order", 1)[1].split("\n#", 1)[0]
+    rows = re.findall(r"^\| (\w+) \| (`.*`) \|$", section, re.M)
+    drawn = {stage: tuple(re.findall(r"`(\w+)`", mods)) for stage, mods in rows}
+    assert drawn == STAGES
 
 
 def test_every_room_is_a_known_package_with_a_docstring():

@@ -16,7 +16,8 @@ import pytest
 
 from k3core.model.generate import generate
 from k3core.model.state import SequenceState
-from k3core.run.engine import EngineOptions, open_engine
+from k3core.run.engine import open_engine
+from k3core.run.request import EngineRequest
 from k3core.tokenizer.encoding import Tokenizer
 
 DEMO = Path(__file__).resolve().parents[2] / "demo-model"
@@ -30,7 +31,7 @@ def oracle():
 
 @pytest.fixture(scope="module")
 def engine():
-    eng = open_engine(EngineOptions(model_dir=DEMO, backend="numpy"))
+    eng = open_engine(EngineRequest(model_dir=DEMO, backend="numpy"))
     yield eng
     eng.close()
 

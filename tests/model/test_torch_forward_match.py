@@ -23,7 +23,8 @@ from k3_backends.exact_numpy import mxfp4_to_f64  # noqa: E402
 from k3core.model.config import ModelConfig  # noqa: E402
 from k3core.model.shapes import size_config  # noqa: E402
 from k3core.model.state import SequenceState  # noqa: E402
-from k3core.run.engine import EngineOptions, open_engine  # noqa: E402
+from k3core.run.engine import open_engine  # noqa: E402
+from k3core.run.request import EngineRequest  # noqa: E402
 from k3core.tools.synth.writer import synthesize  # noqa: E402
 from tools.train import k3torch  # noqa: E402
 from tools.train.released import export, load_model, pack_mxfp4  # noqa: E402
@@ -38,7 +39,7 @@ def synth(tmp_path_factory):
 
 
 def k3_logits(model_dir: Path, ids: np.ndarray, incremental: bool = False) -> np.ndarray:
-    eng = open_engine(EngineOptions(model_dir=model_dir, backend="numpy"))
+    eng = open_engine(EngineRequest(model_dir=model_dir, backend="numpy"))
     try:
         st = SequenceState(eng.cfg, len(ids))
         if not incremental:

@@ -26,7 +26,8 @@ from k3core.cli.app import app
 from k3core.model.config import ModelConfig
 from k3core.model.generate import generate
 from k3core.model.shapes import size_config
-from k3core.run.engine import EngineOptions, open_engine
+from k3core.run.engine import open_engine
+from k3core.run.request import EngineRequest
 from k3core.testing.faulty_backend import disk_backed_dir
 from k3core.tokenizer.encoding import Tokenizer
 from k3core.tools.synth.writer import synthesize
@@ -118,8 +119,8 @@ def test_sigint_while_decoding(model, trunk, tmp_path, mode, delay) -> None:
 
 def test_interrupt_stops_every_thread(model, trunk) -> None:
     before = set(threading.enumerate())
-    engine = open_engine(EngineOptions(model, trunk_dir=trunk, trunk_gb=0.0005, ring=3,
-                                       cache=_small_cache()))
+    engine = open_engine(EngineRequest(model_dir=model, trunk=trunk, trunk_gb=0.0005,
+                                       trunk_ring=3, cache_gb=0.0001))
     trunk_src = engine.model.trunk
     assert trunk_src.has_reader  # type: ignore[attr-defined]
 
@@ -142,12 +143,6 @@ def test_interrupt_stops_every_thread(model, trunk) -> None:
     assert {t for t in threading.enumerate() if t.is_alive()} <= before
 
 
-def _small_cache():
-    from k3core.experts.setup import CacheOptions
-
-    return CacheOptions(cache_gb=0.0001)
-
-
 def test_ctrl_c_while_waiting_for_an_expert_read_is_an_interrupt(model, monkeypatch) -> None:
     """Ctrl-C while the decode loop waits on a routed-expert read is an interrupt (exit
     130), not a failed read: it must not be counted as a drop (exit 4), and no slot may keep
@@ -161,7 +156,7 @@ def test_ctrl_c_while_waiting_for_an_expert_read_is_an_interrupt(model, monkeypa
     monkeypatch.setenv("K3_FAULT_INNER", "plain")
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # even if started ignored
     try:
-        engine = open_engine(EngineOptions(model, storage="faulty"))
+        engine = open_engine(EngineRequest(model_dir=model, storage="faulty"))
         shard = engine.index.info(names.layer_name(moe, "input_layernorm.weight")).path
         storage = engine.storage
         storage.match = shard.name  # type: ignore[attr-defined]
@@ -187,7 +182,7 @@ def test_ctrl_c_while_waiting_for_an_expert_read_is_an_interrupt(model, monkeypa
 
 def test_an_interrupted_session_says_why_it_stopped(model) -> None:
     """The Python API: ``Session.last`` after a Ctrl-C says ``stop_reason="interrupted"``."""
-    engine = open_engine(EngineOptions(model))
+    engine = open_engine(EngineRequest(model_dir=model))
     try:
         session = engine.session()
 

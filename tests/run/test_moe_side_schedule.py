@@ -107,11 +107,11 @@ def test_a_dropped_model_lets_its_side_thread_go(model):
     import numpy as np
 
     from k3core.model.generate import generate
-    from k3core.run.binding import EngineOptions
     from k3core.run.engine import open_engine
+    from k3core.run.request import EngineRequest
 
     before = _side_threads()
-    eng = open_engine(EngineOptions(model, backend="numpy"))
+    eng = open_engine(EngineRequest(model_dir=model, backend="numpy"))
     generate(eng.model, [int(i) for i in np.arange(20) % 50], 1, incremental=True)
     assert _side_threads() - before  # the 20-id pass used a side thread
     ref = weakref.ref(eng.model)
@@ -134,8 +134,8 @@ def test_a_side_error_inside_an_outer_handler_is_raised_once(model, monkeypatch)
     from k3core.api.errors import CheckpointError
     from k3core.experts.cache import ExpertCache
     from k3core.model.generate import generate
-    from k3core.run.binding import EngineOptions
     from k3core.run.engine import open_engine
+    from k3core.run.request import EngineRequest
 
     calls = {"n": 0}
 
@@ -145,7 +145,7 @@ def test_a_side_error_inside_an_outer_handler_is_raised_once(model, monkeypatch)
 
     monkeypatch.setattr(local_experts, "SIDE_SCHEDULE_TOKENS", 1)
     monkeypatch.setattr(ExpertCache, "prefetch", broken)
-    eng = open_engine(EngineOptions(model, backend="numpy"))
+    eng = open_engine(EngineRequest(model_dir=model, backend="numpy"))
     try:
         try:
             raise ValueError("the caller's own error, being handled")

@@ -17,7 +17,8 @@ from k3core.model.config import ModelConfig
 from k3core.model.shapes import size_config
 from k3core.model.state import SequenceState
 from k3core.plugins.registry import get_registry
-from k3core.run.engine import EngineOptions, open_engine
+from k3core.run.engine import open_engine
+from k3core.run.request import EngineRequest
 from k3core.tools.perplexity import check_window, perplexity, token_nll, windows
 from k3core.tools.synth.writer import synthesize
 
@@ -58,7 +59,7 @@ def _ids(model):
 
 
 def _engine(model, backend):
-    return open_engine(EngineOptions(model_dir=model, backend=backend))
+    return open_engine(EngineRequest(model_dir=model, backend=backend))
 
 
 def test_one_window_equals_direct_computation(model):

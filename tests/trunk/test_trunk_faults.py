@@ -23,7 +23,8 @@ from k3core.cli.app import app
 from k3core.model.config import ModelConfig
 from k3core.model.generate import generate
 from k3core.model.shapes import size_config
-from k3core.run.engine import EngineOptions, open_engine
+from k3core.run.engine import open_engine
+from k3core.run.request import EngineRequest
 from k3core.testing.faulty_backend import (
     available_storage,
     disk_backed_dir,
@@ -248,7 +249,7 @@ def test_trunk_bin_truncated_between_tokens(model, trunk, work, doc, storage) ->
     raises SIGBUS, which the mmap backend's own tests cover)."""
     d = _variant(trunk, work, f"shrinks-{storage}")
     floor = max(lay["nbytes"] for lay in doc["layers"])
-    opts = EngineOptions(model, storage=storage, trunk_dir=d, trunk_gb=2 * floor / 1e9)
+    opts = EngineRequest(model_dir=model, storage=storage, trunk=d, trunk_gb=2 * floor / 1e9)
     engine = open_engine(opts)
     first_half = doc["layers"][6]["file_off"]
 

@@ -1,8 +1,9 @@
 """Decode benchmark: a whole model's speed next to the machine's bandwidth floor, same run.
 
-``run_decode_bench(model_dir, ...)`` opens the engine the way ``k3 run`` does (kernel,
-storage and cache backends through the registry; a packed trunk when ``trunk_dir`` is
-given) and measures, each ``repeat`` times from a fresh engine (medians reported):
+``run_decode_bench(request, ...)`` opens every engine the way ``k3 run`` does
+(:func:`k3core.run.engine.open_engine`: the preset, the environment, the plugins and the
+memory plan of the :class:`~k3core.run.request.EngineRequest`; a packed trunk when it names
+one) and measures, each ``repeat`` times from a fresh engine (medians reported):
 
 * **s/token**: the median decode step after the first (the first step also prefills the
   prompt), incremental by default;
@@ -64,12 +65,12 @@ import numpy as np
 
 from k3core.api.errors import K3Error, UsageError
 from k3core.api.kernels import KernelBackend
-from k3core.experts.setup import CacheOptions
 from k3core.model.generate import RunResult, Step, generate
 from k3core.model.sizes import sizes_from_config
 from k3core.model.speculative import SpecOptions
-from k3core.run.engine import Engine, EngineOptions, open_engine
+from k3core.run.engine import Engine, open_engine
 from k3core.run.memory_plan import peak_rss_bytes
+from k3core.run.request import EngineRequest, build
 from k3core.tools.bench import device_counters
 
 DEFAULT_IDS = (3, 7, 11, 5, 9)
@@ -184,12 +185,12 @@ def _counters(eng: Engine, counter: CallCounter) -> tuple[int, int, int, int, fl
             float(st.exposed_wait_seconds) + tw, distinct, tw, tr)
 
 
-def _decode_run(opts: EngineOptions, ids: list[int], gen: int, incremental: bool,
+def _decode_run(request: EngineRequest, ids: list[int], gen: int, incremental: bool,
                 spec: SpecOptions | None = None, count_macs: bool = False,
                 disk: Path | None = None,
                 on_token: Callable[[int], None] | None = None) -> RunFigures:
     """One decode from a fresh engine; ``on_token(n)`` after its n-th token."""
-    eng = open_engine(opts)
+    eng = open_engine(request.model_copy(update={"positions": len(ids) + gen}))
     fig = RunFigures()
     try:
         counter = CallCounter(eng.kernels, count_macs)
@@ -346,66 +347,48 @@ class DecodeBench:
 
 
 def run_decode_bench(
-    model_dir: Path,
+    request: EngineRequest,
     *,
-    backend: str = "auto",
-    threads: int | None = None,
-    storage: str = "auto",
-    cache_policy: str = "auto",
-    cache_gb: float | None = None,
-    trunk_dir: Path | None = None,
-    trunk_gb: float | None = None,
     ids: list[int] | None = None,
     gen: int = 32,
     prefill: int = 128,
     repeat: int = 3,
-    incremental: bool = True,
     check: bool = True,
     seed: int = 0,
     bandwidth_bytes: int = 1 << 30,
     spec: SpecOptions | None = None,
     prompt_file: Path | None = None,
-    prefill_chunk: int | None = None,
-    readers: int | None = None,
     progress: Callable[[str, int, int], None] | None = None,
 ) -> DecodeBench:
     """Measure decode and prefill ``repeat`` times each (fresh engines); see the module doc.
+
+    Every engine opens from ``request`` (its ``prefill_chunk`` applies to the prefill runs
+    only; the checks run ``--backend numpy``).
 
     ``progress(stage, done, total)`` hears each stage as it goes: ``timed`` (tokens of the
     timed decode runs), ``prefill`` (runs), ``yardsticks`` (the bandwidth and FMA loops) and
     ``check`` (tokens of the ``--backend numpy`` and ``--spec off`` runs)."""
     say = progress or (lambda stage, done, total: None)
-    from k3core.experts.readers import READERS_LIMIT
-
-    if readers is not None and not 1 <= readers <= READERS_LIMIT:
-        raise UsageError(f"--readers must be in 1..{READERS_LIMIT}, got {readers}")
     if gen < 2 or repeat < 1 or prefill < 0 or bandwidth_bytes < 1:
         raise UsageError("bench decode: --gen must be >= 2, --repeat >= 1, --prefill >= 0 and "
                          "--bandwidth-mb > 0")
-    if prefill_chunk is not None and prefill_chunk < 1:
-        raise UsageError(f"bench decode: --prefill-chunk must be >= 1, got {prefill_chunk}")
-    if threads is not None and threads < 1:
-        raise UsageError(f"bench decode: --threads must be >= 1, got {threads}")
     if ids is not None and not ids:
         raise UsageError("bench decode: --ids names no id")
     ids = list(ids or DEFAULT_IDS)
 
-    def options(name: str, chunk: int | None = None) -> EngineOptions:
-        return EngineOptions(model_dir, backend=name, storage=storage, cache_policy=cache_policy,
-                             threads=threads, trunk_dir=trunk_dir, trunk_gb=trunk_gb,
-                             cache=CacheOptions(cache_gb=cache_gb, readers=readers),
-                             prefill_chunk=chunk)
-
-    probe = open_engine(options(backend))
+    prefill_chunk, trunk_dir = request.prefill_chunk, request.trunk
+    timed = request.model_copy(update={"prefill_chunk": None, "needs_tokenizer":
+                                       prompt_file is not None})
+    checked = timed.model_copy(update={"backend": "numpy"})
+    prefilled = timed.model_copy(update={"prefill_chunk": prefill_chunk})
+    probe = open_engine(timed.model_copy(update={"positions": len(ids) + gen}))
     cfg, kname, nthreads = probe.cfg, probe.names["kernel"], probe.kernels.threads
     sname, shards = probe.names["storage"], list(probe.index.shards)
     readers_used = int(getattr(probe.experts, "readers", 0) or 0)
+    incremental, model_dir = probe.incremental, probe.plan.model_dir
     try:
         if prompt_file is not None:
-            from k3core.run.prompt import load_tokenizer
-
-            tok = load_tokenizer(None, cfg.vocab, required=True, model_dir=model_dir)
-            ids = _prompt_ids(tok, prompt_file)
+            ids = _prompt_ids(probe.tokenizer, prompt_file)
     finally:
         probe.close()
     del probe  # its buffers must not count in the timed runs' peak RSS
@@ -422,7 +405,7 @@ def run_decode_bench(
     for i in range(repeat):  # the peak of each timed run alone (the probe's is forgotten)
         gc.collect()  # the last run's engine, freed before the peak is reset
         reset = _reset_peak_rss()
-        runs.append(_decode_run(options(backend), ids, gen, incremental, spec, disk=stat,
+        runs.append(_decode_run(timed, ids, gen, incremental, spec, disk=stat,
                                 on_token=tokens_of("timed", i * gen, repeat * gen)))
         peak = max(peak, _hwm_bytes() if reset else peak_rss_bytes())
     k = [r.first_pass for r in runs]
@@ -453,7 +436,7 @@ def run_decode_bench(
     pids = [int(i) for i in rng.integers(0, cfg.vocab, prefill)] if prefill else []
     if prefill:
         say("prefill", 0, repeat)
-    pruns = ([_decode_run(options(backend, prefill_chunk), pids, 1, True, count_macs=True,
+    pruns = ([_decode_run(prefilled, pids, 1, True, count_macs=True,
                           on_token=tokens_of("prefill", i, repeat))
               for i in range(repeat)]
              if prefill else [])
@@ -481,18 +464,18 @@ def run_decode_bench(
                                                               else 0)
     if check:
         say("check", 0, checks)
-        want = _decode_run(options("numpy"), ids, gen, incremental,
+        want = _decode_run(checked, ids, gen, incremental,
                            on_token=tokens_of("check", 0, checks)).ids
         match = all(r.ids == want for r in runs)
         if prefill:
-            pwant = _decode_run(options("numpy"), pids, 1, True,
+            pwant = _decode_run(checked, pids, 1, True,
                                 on_token=tokens_of("check", gen, checks)).ids
             match = match and all(r.ids == pwant for r in pruns)
         if not match:
             notes.append("generated ids differ from --backend numpy: the kernel contract is broken")
     spec_match: bool | None = None
     if spec is not None and check:
-        spec_match = runs[0].ids == _decode_run(options(backend), ids, gen, incremental,
+        spec_match = runs[0].ids == _decode_run(timed, ids, gen, incremental,
                                                 on_token=tokens_of("check", checks - gen,
                                                                    checks)).ids
         if not spec_match:
@@ -685,9 +668,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m k3core.tools.bench.decode",
                                  description=__doc__.split("\n\n")[0])
     ap.add_argument("model", type=Path)
-    ap.add_argument("--backend", default="auto")
+    ap.add_argument("--backend", default=None)
     ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--storage", default="auto")
+    ap.add_argument("--storage", default=None)
     ap.add_argument("--cache-gb", type=float, default=None)
     ap.add_argument("--trunk", type=Path, default=None)
     ap.add_argument("--trunk-gb", type=float, default=None)
@@ -705,13 +688,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-file", type=Path, default=None)
     a = ap.parse_args(argv)
     try:
-        res = run_decode_bench(a.model, backend=a.backend, threads=a.threads, storage=a.storage,
-                               cache_gb=a.cache_gb, trunk_dir=a.trunk, trunk_gb=a.trunk_gb,
-                               ids=_ids(a.ids), gen=a.gen, prefill=a.prefill, repeat=a.repeat,
-                               incremental=not a.full_recompute, check=not a.no_check,
+        given = {"model_dir": a.model, "backend": a.backend, "threads": a.threads,
+                 "storage": a.storage, "cache_gb": a.cache_gb, "trunk": a.trunk,
+                 "trunk_gb": a.trunk_gb, "prefill_chunk": a.prefill_chunk,
+                 "incremental": False if a.full_recompute else None}
+        request = build(EngineRequest, {**{k: v for k, v in given.items() if v is not None},
+                                        "given_as": "flag"})
+        res = run_decode_bench(request, ids=_ids(a.ids), gen=a.gen, prefill=a.prefill,
+                               repeat=a.repeat, check=not a.no_check,
                                spec=SpecOptions(a.spec, a.spec_width, a.spec_ngram),
-                               prompt_file=a.prompt_file,
-                               prefill_chunk=a.prefill_chunk)
+                               prompt_file=a.prompt_file)
     except K3Error as exc:
         print(f"k3: error: {exc}", file=sys.stderr)
         return 2 if isinstance(exc, UsageError) else 1
