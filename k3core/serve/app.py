@@ -3,7 +3,11 @@
 Routes: ``GET /health``, ``GET /v1/models``, ``GET /v1/models/{id}``, ``POST
 /v1/completions``, ``POST /v1/chat/completions`` (``stream: true`` answers with server-sent
 events: one ``data: {chunk}`` per piece of text, a last chunk with the finish reason, a usage
-chunk when ``stream_options.include_usage``, then ``data: [DONE]``).
+chunk when ``stream_options.include_usage``, then ``data: [DONE]``); ``POST /tokenize`` and
+``POST /detokenize`` (``k3core.serve.tokenize_routes``), ``GET /metrics``
+(``k3core.serve.metrics``) and the chat page at ``GET /`` (``k3core.serve.page``). Every
+request is counted and logged in one line (``k3core.serve.access``); CORS is off unless
+origins are given (``k3core.serve.cors``).
 
 Generations run on one engine thread, in arrival order (a FIFO queue of at most
 ``max_queue`` waiting requests; past it a 429). A client that goes away (a closed stream,
@@ -26,20 +30,25 @@ import hmac
 import json
 import logging
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, cast
 
 from pydantic import ValidationError
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from k3core.api.errors import K3Error, UsageError
 from k3core.api.safejson import JSONRejected, parse_json
+from k3core.serve.access import RequestLog, attach
 from k3core.serve.connections import Connections
+from k3core.serve.cors import cors_middleware
+from k3core.serve.metrics import Metrics, metrics_routes
+from k3core.serve.page import page_routes
 from k3core.serve.protocol import (
     APIError,
     ChatChoice,
@@ -55,6 +64,7 @@ from k3core.serve.protocol import (
     validation_error,
 )
 from k3core.serve.service import Prepared, Service
+from k3core.serve.tokenize_routes import tokenize_routes
 from k3core.serve.worker import Outcome
 
 STOPPING = APIError(503, "the server is stopping; this generation was cancelled",
@@ -89,6 +99,7 @@ class Server:
         self.waiting = 0
         self._count = threading.Lock()
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="k3-engine")
+        self.metrics = Metrics(service, lambda: self.waiting)
 
     # ---- plumbing ---------------------------------------------------------------------------
     def check_key(self, request: Request) -> None:
@@ -139,7 +150,8 @@ class Server:
         self.service.admit(prep.job)
         with self._count:
             self.waiting += 1
-        fut = self.executor.submit(self.service.run, prep)
+        self.metrics.submitted(prep.job)
+        fut = self.executor.submit(self.metrics.run, prep)  # the service's run, measured
 
         def done(_: Future[Outcome]) -> None:
             self.service.release(prep.job)
@@ -203,7 +215,7 @@ class Server:
     def _final(self, prep: Prepared, out: Outcome) -> dict[str, Any]:
         u = usage(prep.prompt_tokens, len(out.ids), out.reused)
         finish = "stop" if out.finish == "stop" else "length"
-        ext = self.service.extension(prep, out)
+        ext = {**self.service.extension(prep, out), "figures": self.metrics.figures(prep.job)}
         name = self.service.model_name
         if prep.kind == "completion":
             choice = CompletionChoice(text=prep.sink.content, finish_reason=finish)  # type: ignore[arg-type]
@@ -223,12 +235,15 @@ class Server:
                 loop.call_soon_threadsafe(queue.put_nowait, piece)
 
             prep.sink.on_piece = post
-            afut = asyncio.wrap_future(self.submit(prep))  # a full queue is a 429 before any event
+            sfut = self.submit(prep)  # a full queue is a 429 before any event
+            attach(request, prep, sfut)  # the request's log line names the generation
+            afut = asyncio.wrap_future(sfut)
             afut.add_done_callback(lambda _: queue.put_nowait(None))
             return StreamingResponse(self._events(prep, afut, queue, include_usage),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         fut = self.submit(prep)
+        attach(request, prep, fut)
         afut = asyncio.wrap_future(fut)
         try:
             while True:
@@ -313,9 +328,9 @@ class Server:
 
 
 def create_app(service: Service, api_key: str | None = None, max_queue: int = 64,
-               connections: Connections | None = None) -> Starlette:
+               connections: Connections | None = None, cors_origins: Sequence[str] = ()) -> Starlette:
     """The ASGI app over an opened service (``connections``: the server's, for ``/health``
-    and the body timeout)."""
+    and the body timeout; ``cors_origins``: the origins whose pages may call it)."""
     srv = Server(service, api_key, max_queue, connections)
 
     async def on_api_error(request: Request, exc: Exception) -> Response:
@@ -341,8 +356,12 @@ def create_app(service: Service, api_key: str | None = None, max_queue: int = 64
         Route("/v1/models/{model:path}", srv.model, methods=["GET"]),
         Route("/v1/completions", srv.completions, methods=["POST"]),
         Route("/v1/chat/completions", srv.chat, methods=["POST"]),
+        *tokenize_routes(service, srv.check_key, srv.body),
+        *metrics_routes(srv.metrics, srv.check_key),
+        *page_routes(),
     ]
-    app = Starlette(routes=routes, exception_handlers={APIError: on_api_error, HTTPException: on_http,
-                                                       Exception: on_other})
+    middleware = [Middleware(RequestLog, metrics=srv.metrics, routes=routes), *cors_middleware(cors_origins)]
+    app = Starlette(routes=routes, middleware=middleware,
+                    exception_handlers={APIError: on_api_error, HTTPException: on_http, Exception: on_other})
     app.state.server = srv
     return app

@@ -8,7 +8,8 @@ server's stderr never carries a traceback.
 No record floods the log either: one kind of record (its logger and message template) is
 printed at most once a second (:class:`RateLimit`); the next one printed says how many like
 it were left out. Connection events are counted and summarized the same way
-(``k3core.serve.connections``).
+(``k3core.serve.connections``). The one line per request (``k3core.serve.access``, logger
+``k3.serve.requests``) is the exception: every request gets its own.
 """
 
 from __future__ import annotations
@@ -61,12 +62,16 @@ def log_config(level: str = "WARNING") -> dict[str, Any]:
     record, each kind at most once a second."""
     handler = {"class": "logging.StreamHandler", "stream": "ext://sys.stderr", "formatter": "one",
                "filters": ["rate"]}
+    loggers = {name: {"handlers": ["stderr"], "level": level, "propagate": False}
+               for name in ("uvicorn", "uvicorn.error", "uvicorn.access", "asyncio", "k3.serve")}
+    # one line per request (k3core.serve.access): not rate-limited, each request has its own
+    requests = {"class": "logging.StreamHandler", "stream": "ext://sys.stderr", "formatter": "one"}
+    loggers["k3.serve.requests"] = {"handlers": ["requests"], "level": "INFO", "propagate": False}
     return {
         "version": 1,
         "disable_existing_loggers": False,
         "formatters": {"one": {"()": OneLine}},
         "filters": {"rate": {"()": RateLimit}},
-        "handlers": {"stderr": handler},
-        "loggers": {name: {"handlers": ["stderr"], "level": level, "propagate": False}
-                    for name in ("uvicorn", "uvicorn.error", "uvicorn.access", "asyncio", "k3.serve")},
+        "handlers": {"stderr": handler, "requests": requests},
+        "loggers": loggers,
     }

@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -58,20 +59,59 @@ def engine(tiny_model: Path) -> Iterator[object]:
 
 
 class Served:
-    """A ``k3 serve`` subprocess on a free loopback port."""
+    """A ``k3 serve`` subprocess on a free loopback port.
+
+    Its stderr (the start banner, one line per request, warnings) is read as it comes by a
+    thread, so a long test never fills the pipe; :meth:`wait_line` waits for a line."""
 
     def __init__(self, model: Path, *args: str, preexec_fn: Callable[[], object] | None = None):
         self.proc = subprocess.Popen(
             [*K3, "serve", str(model), "--port", "0", *args], stdout=subprocess.PIPE,
             stderr=subprocess.PIPE, text=True, env=cli_env(), preexec_fn=preexec_fn)
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        if "http://" not in line:
+        self.lines: list[str] = []
+        self._eof = False
+        self._cond = threading.Condition()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+        try:
+            line = self.wait_line(lambda s: "http://" in s and "/v1" in s, timeout=120)
+        except AssertionError as exc:
             self.proc.kill()
-            raise AssertionError(f"k3 serve did not start: {line!r} {self.proc.stderr.read()!r}")  # type: ignore[union-attr]
+            self._reader.join(30)
+            raise AssertionError(f"k3 serve did not start: {exc}") from None
         self.base = line.split("http://", 1)[1].split()[0]  # host:port/v1
         self.url = "http://" + self.base.removesuffix("/v1")
         self.line = line
+
+    def _read(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            with self._cond:
+                self.lines.append(line)
+                self._cond.notify_all()
+        with self._cond:
+            self._eof = True
+            self._cond.notify_all()
+
+    @property
+    def log(self) -> str:
+        """Everything the server has written to stderr so far."""
+        with self._cond:
+            return "".join(self.lines)
+
+    def wait_line(self, pred: Callable[[str], bool], timeout: float = 30.0) -> str:
+        """The first stderr line (from the start) that ``pred`` accepts, waiting for it."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                for line in self.lines:
+                    if pred(line):
+                        return line
+                left = deadline - time.monotonic()
+                if self._eof or left <= 0:
+                    raise AssertionError(f"no such line on stderr ({'it ended' if self._eof else 'timed out'}): "
+                                         f"{''.join(self.lines)!r}")
+                self._cond.wait(left)
 
     def get(self, path: str) -> dict:
         with urllib.request.urlopen(self.url + path, timeout=30) as r:
@@ -88,14 +128,22 @@ class Served:
             time.sleep(0.05)
 
     def stop(self) -> tuple[int, str]:
+        """Ctrl-C, then the exit code and all of stderr (stdout must stay empty: a server
+        writes no generated text there)."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGINT)
         try:
-            _, err = self.proc.communicate(timeout=30)
+            self.proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             self.proc.kill()
-            _, err = self.proc.communicate()
-        return self.proc.returncode, err
+            self.proc.wait()
+        self._reader.join(30)
+        assert self.proc.stdout is not None and self.proc.stderr is not None
+        self.proc.stderr.close()
+        out = self.proc.stdout.read()
+        self.proc.stdout.close()
+        assert out == "", f"k3 serve wrote to stdout: {out!r}"
+        return self.proc.returncode, self.log
 
 
 @pytest.fixture(scope="session")
