@@ -39,10 +39,11 @@ def is_loopback(host: str) -> bool:
 
 def _need_extra() -> None:
     try:
+        import prometheus_client  # noqa: F401
         import starlette  # noqa: F401
         import uvicorn  # noqa: F401
     except ImportError:
-        raise UsageError("k3 serve needs the serve extra (Starlette and uvicorn): "
+        raise UsageError("k3 serve needs the serve extra (Starlette, uvicorn and prometheus_client): "
                          "pip install 'k3[serve]'") from None
 
 
@@ -107,6 +108,7 @@ def serve(
     max_connections: int = typer.Option(None, "--max-connections", help="Connections open at once (default 256, less if the file limit needs it); past it the longest-idle one is closed, or a 503 when all are busy.", rich_help_panel=_S, show_default=False),
     timeout_header: float = typer.Option(10.0, "--timeout-header", help="Seconds a connection has to send a request's head (and the longest pause in its body).", rich_help_panel=_S),
     timeout_idle: float = typer.Option(30.0, "--timeout-idle", help="Seconds a keep-alive connection may idle between requests.", rich_help_panel=_S),
+    cors_origin: list[str] = typer.Option([], "--cors-origin", help="Let pages from ORIGIN (scheme://host[:port], or *) call this server from a browser; repeatable. Off by default.", rich_help_panel=_S, show_default=False),
     chat_format: str = typer.Option("auto", "--chat-format", help="auto, xtml or plain.", rich_help_panel=_S),
     think: bool = typer.Option(True, "--think/--no-think", help="Chat replies think first (XTML); reasoning_effort overrides.", rich_help_panel=_S),
     thinking_effort: str = typer.Option("max", "--thinking-effort", help="low, high or max.", rich_help_panel=_S),
@@ -134,6 +136,9 @@ def serve(
 
     plan_limits(max_connections, timeout_header, timeout_idle)  # bad flags before the model opens
     _need_extra()
+    from k3core.serve.cors import check_origins
+
+    cors_origins = check_origins(cors_origin)
     import uvicorn
 
     _Server = _server_class()
@@ -159,12 +164,14 @@ def serve(
                           chat_format=chat_format, thinking=think, effort=thinking_effort)
         limits, note = plan_limits(max_connections, timeout_header, timeout_idle)  # the model's files open
         conns = Connections(limits)
-        app = create_app(service, api_key, max_queue, conns)
+        app = create_app(service, api_key, max_queue, conns, cors_origins)
         sock = _bind(host, port, limits.backlog)
         bound = sock.getsockname()[1]
         shown = f"[{host}]" if ":" in host else host
         print(f"k3 serve: {service.model_name} ({service.fmt.name} chat format, context {context}) on "
-              f"http://{shown}:{bound}/v1  ({engine.settings_line.removeprefix('k3: ')})", flush=True)
+              f"http://{shown}:{bound}/v1  ({engine.settings_line.removeprefix('k3: ')})",
+              file=sys.stderr, flush=True)
+        print(f"k3 serve: chat page on http://{shown}:{bound}/", file=sys.stderr, flush=True)
         if note is not None:
             print(f"k3 serve: {note}", file=sys.stderr)
         config = uvicorn.Config(app, log_config=log_config(), access_log=False, lifespan="off",
