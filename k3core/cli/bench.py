@@ -185,9 +185,9 @@ def decode(
                                spec=SpecOptions(spec, spec_width, spec_ngram),
                                prompt_file=prompt_file, progress=stages)
     print(res.to_json() if as_json else format_report(res))
-    if res.ids_match is False:
+    if res.check.ids_match is False:
         raise K3Error("bench decode: the generated ids differ from --backend numpy")
-    if res.spec_ids_match is False:
+    if res.check.spec_ids_match is False:
         raise K3Error("bench decode: the generated ids differ from --spec off")
 
 

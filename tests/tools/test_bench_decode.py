@@ -18,6 +18,30 @@ from k3core.tools.synth.writer import synthesize
 runner = CliRunner()
 
 
+#: every key of ``--json`` (``make bench`` and these tests read them; the record's parts
+#: in k3core/tools/bench/decode_record.py flatten into this one object)
+JSON_KEYS = {
+    "model", "backend", "threads", "incremental", "trunk", "ids", "gen", "repeat", "spec",
+    "expert_readers",
+    "seconds_per_token", "seconds_per_token_runs", "mean_seconds_per_token",
+    "mean_seconds_per_token_runs", "passes_per_token", "speculative", "calls_per_token",
+    "kernel_seconds_per_token", "host_seconds_per_token", "peak_rss_bytes",
+    "expert_bytes_read_per_token", "trunk_bytes_read_per_token", "bytes_touched_per_token",
+    "exposed_wait_per_token", "mean_expert_bytes_read_per_token",
+    "mean_trunk_bytes_read_per_token", "trunk_bytes_touched_per_token",
+    "expert_bytes_touched_per_token", "trunk_exposed_wait_per_token",
+    "trunk_read_seconds_per_token", "trunk_overlap",
+    "bandwidth_gb_s", "bandwidth_how", "floor_seconds_per_token", "disk_read_gb_s",
+    "disk_read_how", "io_floor_seconds_per_token", "disk_device", "disk_busy_share",
+    "disk_gb_s_while_busy", "device_floor_seconds_per_token", "fma_peak_gmacs", "fma_how",
+    "prefill_compute_floor_seconds",
+    "prefill_ids", "prefill_seconds", "prefill_seconds_runs", "prefill_tokens_per_s",
+    "prefill_expert_requests", "prefill_expert_bytes_read", "prefill_expert_bytes_if_per_token",
+    "prefill_chunk", "prefill_chunks", "prefill_calls", "prefill_generated_ids", "prefill_macs",
+    "generated_ids", "checked_against", "ids_match", "spec_ids_match", "notes",
+}
+
+
 @pytest.fixture(scope="module")
 def model(tmp_path_factory) -> Path:
     return synthesize(tmp_path_factory.mktemp("bench-decode") / "tiny",
@@ -29,6 +53,7 @@ def test_reports_every_figure_with_ids_checked(model) -> None:
                               "--prefill", "4", "--repeat", "2", "--json", "--bandwidth-mb", "32"])
     assert res.exit_code == 0, res.output
     doc = json.loads(res.output.strip().splitlines()[-1])
+    assert set(doc) == JSON_KEYS  # one flat object, the keys make bench reads
     assert doc["ids_match"] is True and doc["checked_against"] == "numpy"
     assert len(doc["seconds_per_token_runs"]) == 2 and doc["seconds_per_token"] > 0
     assert doc["calls_per_token"] > 100  # every op of 13 layers is a kernel call
@@ -133,6 +158,8 @@ def test_human_report(model) -> None:
 
 @pytest.mark.parametrize("args,msg", [
     (["--gen", "1"], "--gen must be >= 2"),
+    (["--repeat", "0"], "--repeat must be >= 1"),
+    (["--prefill", "-1"], "--prefill must be >= 0"),
     (["--ids", "1,x"], "comma-separated integers"),
     (["--ids", "99999999"], "prompt ids must be in"),
     (["--bandwidth-mb", "0"], "--bandwidth-mb must be a positive number of MB"),

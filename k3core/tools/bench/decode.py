@@ -52,12 +52,11 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import statistics
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +64,7 @@ import numpy as np
 
 from k3core.api.errors import K3Error, UsageError
 from k3core.api.kernels import KernelBackend
+from k3core.model.config import ModelConfig
 from k3core.model.generate import RunResult, Step, generate
 from k3core.model.sizes import sizes_from_config
 from k3core.model.speculative import SpecOptions
@@ -72,8 +72,19 @@ from k3core.run.engine import Engine, open_engine
 from k3core.run.memory_plan import peak_rss_bytes
 from k3core.run.request import EngineRequest, build
 from k3core.tools.bench import device_counters
+from k3core.tools.bench.decode_record import (
+    BenchSetup,
+    DecodeBench,
+    DecodeTiming,
+    Floors,
+    IdsCheck,
+    PrefillFigures,
+    TokenBytes,
+    format_report,
+)
 
 DEFAULT_IDS = (3, 7, 11, 5, 9)
+Progress = Callable[[str, int, int], None]
 #: Interface members that are not kernel calls (counted ops are every other public method).
 _NOT_OPS = {"set_threads", "set_force_parallel", "matmul", "threads", "parallel_forced", "name"}
 
@@ -150,6 +161,12 @@ class CallCounter:
         return counted
 
 
+#: a run's per-step figures (one entry a generated token; a forward pass's land on its first)
+PER_STEP = ("seconds", "calls", "expert_bytes", "expert_requests", "trunk_bytes",
+            "wait_seconds", "expert_distinct", "trunk_wait", "trunk_read", "kernel_seconds",
+            "macs", "disk_bytes", "disk_busy")
+
+
 @dataclass
 class RunFigures:
     """One decode run (steps after the first) or one prefill run."""
@@ -160,11 +177,7 @@ class RunFigures:
     expert_requests: list[int] = field(default_factory=list)
     trunk_bytes: list[int] = field(default_factory=list)
     wait_seconds: list[float] = field(default_factory=list)
-    ids: list[int] = field(default_factory=list)
-    first_pass: int = 1  # tokens the first forward pass emitted (the prefill pass)
-    spec: dict[str, Any] | None = None
     expert_distinct: list[int] = field(default_factory=list)  # distinct experts per layer visit
-    chunks: int = 0  # forward passes of a one-step (prefill) run
     trunk_wait: list[float] = field(default_factory=list)
     trunk_read: list[float] = field(default_factory=list)
     kernel_seconds: list[float] = field(default_factory=list)  # inside the kernel ops
@@ -172,17 +185,49 @@ class RunFigures:
     #: the streamed-from device's bytes read and seconds busy per step (device_counters.py)
     disk_bytes: list[int] = field(default_factory=list)
     disk_busy: list[float] = field(default_factory=list)
+    ids: list[int] = field(default_factory=list)
+    first_pass: int = 1  # tokens the first forward pass emitted (the prefill pass)
+    spec: dict[str, Any] | None = None
+    chunks: int = 0  # forward passes of a one-step (prefill) run
+
+    def steady(self) -> RunFigures:
+        """The steps after the first forward pass (the steady tokens)."""
+        f = self.first_pass
+        return replace(self, chunks=0, **{n: getattr(self, n)[f:] for n in PER_STEP})
+
+    @classmethod
+    def pooled(cls, runs: list[RunFigures]) -> RunFigures:
+        """Every step of ``runs`` in one list a figure."""
+        out = cls()
+        for n in PER_STEP:
+            setattr(out, n, [x for r in runs for x in getattr(r, n)])
+        return out
+
+    def median(self, name: str) -> float:
+        return _median([float(x) for x in getattr(self, name)])
+
+    def mean(self, name: str) -> float:
+        return _mean([float(x) for x in getattr(self, name)])
 
 
-def _counters(eng: Engine, counter: CallCounter) -> tuple[int, int, int, int, float, int, float, float]:
+def _counters(eng: Engine, counter: CallCounter) -> dict[str, float]:
+    """The whole-run counters a step's figures are differences of (named as in PER_STEP)."""
     st = eng.experts.stats
     tstats = getattr(eng.model.trunk, "stats", None)
-    tb = int(getattr(tstats, "bytes_read", 0) or 0)
-    tw = float(getattr(tstats, "exposed_wait_seconds", 0.0) or 0.0)
-    distinct = int(st.requests) - int(st.extra.get("reuse", 0))
-    tr = float(getattr(tstats, "read_seconds", 0.0) or 0.0)
-    return (counter.calls, int(st.bytes_read), int(st.requests), tb,
-            float(st.exposed_wait_seconds) + tw, distinct, tw, tr)
+    trunk_wait = float(getattr(tstats, "exposed_wait_seconds", 0.0) or 0.0)
+    return {"calls": counter.calls, "expert_bytes": int(st.bytes_read),
+            "expert_requests": int(st.requests),
+            "trunk_bytes": int(getattr(tstats, "bytes_read", 0) or 0),
+            "wait_seconds": float(st.exposed_wait_seconds) + trunk_wait,
+            "expert_distinct": int(st.requests) - int(st.extra.get("reuse", 0)),
+            "trunk_wait": trunk_wait,
+            "trunk_read": float(getattr(tstats, "read_seconds", 0.0) or 0.0),
+            "kernel_seconds": counter.seconds, "macs": counter.macs}
+
+
+def _open(request: EngineRequest, positions: int) -> Engine:
+    """Every engine the bench opens, opened here (as ``k3 run`` opens one)."""
+    return open_engine(request.model_copy(update={"positions": positions}))
 
 
 def _decode_run(request: EngineRequest, ids: list[int], gen: int, incremental: bool,
@@ -190,13 +235,11 @@ def _decode_run(request: EngineRequest, ids: list[int], gen: int, incremental: b
                 disk: Path | None = None,
                 on_token: Callable[[int], None] | None = None) -> RunFigures:
     """One decode from a fresh engine; ``on_token(n)`` after its n-th token."""
-    eng = open_engine(request.model_copy(update={"positions": len(ids) + gen}))
+    eng = _open(request, len(ids) + gen)
     fig = RunFigures()
     try:
         counter = CallCounter(eng.kernels, count_macs)
         last = [_counters(eng, counter)]
-        kernel_at = [counter.seconds]
-        macs_at = [counter.macs]
         dev_at = [device_counters.sample(disk)]
 
         def on_step(st: Step) -> None:
@@ -205,21 +248,10 @@ def _decode_run(request: EngineRequest, ids: list[int], gen: int, incremental: b
             fig.disk_bytes.append(dev.bytes_read - was.bytes_read if dev and was else 0)
             fig.disk_busy.append(dev.busy_seconds - was.busy_seconds if dev and was else 0.0)
             now = _counters(eng, counter)
-            prev = last[0]
-            last[0] = now
+            prev, last[0] = last[0], now
             fig.seconds.append(st.seconds)
-            fig.calls.append(now[0] - prev[0])
-            fig.expert_bytes.append(now[1] - prev[1])
-            fig.expert_requests.append(now[2] - prev[2])
-            fig.trunk_bytes.append(now[3] - prev[3])
-            fig.wait_seconds.append(now[4] - prev[4])
-            fig.expert_distinct.append(now[5] - prev[5])
-            fig.trunk_wait.append(now[6] - prev[6])
-            fig.trunk_read.append(now[7] - prev[7])
-            fig.kernel_seconds.append(counter.seconds - kernel_at[0])
-            kernel_at[0] = counter.seconds
-            fig.macs.append(counter.macs - macs_at[0])
-            macs_at[0] = counter.macs
+            for name, value in now.items():
+                getattr(fig, name).append(value - prev[name])
             if on_token is not None:
                 on_token(st.index + 1)
 
@@ -261,89 +293,62 @@ def _median(xs: list[float]) -> float:
     return float(statistics.median(xs)) if xs else 0.0
 
 
+@dataclass(frozen=True)
+class BenchArgs:
+    """What a decode bench measures beside its engine (the engine is the request's), checked
+    once here (every refusal exit 2)."""
+
+    ids: list[int] | None = None  # the decode prompt (default DEFAULT_IDS)
+    gen: int = 32
+    prefill: int = 128
+    repeat: int = 3
+    check: bool = True
+    seed: int = 0
+    bandwidth_bytes: int = 1 << 30
+    spec: SpecOptions | None = None
+    prompt_file: Path | None = None
+
+    def __post_init__(self) -> None:
+        for flag, value, least in (("--gen", self.gen, 2), ("--repeat", self.repeat, 1),
+                                   ("--prefill", self.prefill, 0)):
+            if value < least:
+                raise UsageError(f"bench decode: {flag} must be >= {least}, got {value}")
+        if self.bandwidth_bytes < 1:
+            raise UsageError(f"bench decode: --bandwidth-mb must be > 0, got "
+                             f"{self.bandwidth_bytes / 1e6:g}")
+        if self.ids is not None and not self.ids:
+            raise UsageError("bench decode: --ids names no id")
+
+    @property
+    def speculative(self) -> SpecOptions | None:
+        return self.spec if self.spec is not None and self.spec.on else None
+
+    @property
+    def check_tokens(self) -> int:
+        """Tokens the check runs generate (the progress of the ``check`` stage)."""
+        if not self.check:
+            return 0
+        return self.gen + (1 if self.prefill else 0) + (self.gen if self.speculative else 0)
+
+
 @dataclass
-class DecodeBench:
-    """What ``k3 bench decode`` reports (``to_json`` for ``--json``)."""
+class _Plan:
+    """The bench's engines and what the probe engine told (it is closed before any run)."""
 
-    model: str
-    backend: str
+    timed: EngineRequest  # the timed decode runs (and the --spec off check)
+    prefilled: EngineRequest  # the prefill runs (the request's prefill_chunk)
+    checked: EngineRequest  # the --backend numpy checks
+    cfg: ModelConfig
+    kernel: str
     threads: int
+    storage: str
+    shards: list[Path]
+    readers: int
     incremental: bool
-    trunk: str | None
+    model_dir: Path
+    trunk_dir: Path | None
+    stat: Path | None  # the counters of the device the runs stream from (device_counters.py)
     ids: list[int]
-    gen: int
-    repeat: int
-    seconds_per_token: float
-    seconds_per_token_runs: list[float]
-    calls_per_token: float
-    expert_bytes_read_per_token: float
-    trunk_bytes_read_per_token: float
-    exposed_wait_per_token: float
-    bytes_touched_per_token: int
-    bandwidth_gb_s: float
-    bandwidth_how: str
-    floor_seconds_per_token: float
-    prefill_ids: int
-    prefill_seconds: float
-    prefill_seconds_runs: list[float]
-    prefill_tokens_per_s: float
-    prefill_expert_requests: int
-    prefill_expert_bytes_read: int
-    prefill_expert_bytes_if_per_token: int
-    prefill_chunk: int | None
-    prefill_chunks: int
-    prefill_calls: int
-    generated_ids: list[int]
-    prefill_generated_ids: list[int]
-    checked_against: str | None
-    ids_match: bool | None
-    notes: list[str] = field(default_factory=list)
-    spec: str = "off"
-    #: means over the steady tokens (after the first pass) of the median run
-    mean_seconds_per_token: float = 0.0
-    mean_expert_bytes_read_per_token: float = 0.0
-    mean_trunk_bytes_read_per_token: float = 0.0
-    passes_per_token: float = 1.0
-    mean_seconds_per_token_runs: list[float] = field(default_factory=list)
-    #: weights multiplied per steady token: trunk layers per pass, distinct experts per visit
-    trunk_bytes_touched_per_token: float = 0.0
-    expert_bytes_touched_per_token: float = 0.0
-    speculative: dict[str, Any] | None = None
-    spec_ids_match: bool | None = None
-    #: the trunk's share of the exposed wait, and its reader's device seconds per token
-    trunk_exposed_wait_per_token: float = 0.0
-    trunk_read_seconds_per_token: float = 0.0
-    #: share of the trunk's read time that overlapped compute (1 - exposed / read)
-    trunk_overlap: float = 0.0
-    #: the peak resident set of the timed decode runs (each reset first where Linux allows)
-    peak_rss_bytes: int = 0
-    expert_readers: int = 0
-    #: wall seconds per steady token inside the kernel ops, and the rest of the token: the
-    #: engine's own work between kernel calls (Python, NumPy glue, exposed waits)
-    kernel_seconds_per_token: float = 0.0
-    host_seconds_per_token: float = 0.0
-    #: the prefill's weight-product multiply-adds, the float64 FMA peak of the same threads
-    #: (G multiply-adds/s, and how it was measured) and their quotient: the prefill's floor
-    prefill_macs: int = 0
-    fma_peak_gmacs: float = 0.0
-    fma_how: str = ""
-    prefill_compute_floor_seconds: float = 0.0
-    #: the storage read rate (GB/s, and how it was measured) and bytes read per token over
-    #: it: the disk floor of a run that reads as it decodes (0 when nothing is read)
-    disk_read_gb_s: float = 0.0
-    disk_read_how: str = ""
-    io_floor_seconds_per_token: float = 0.0
-    #: the device the run streams from, by its own counters over the steady tokens of the
-    #: timed runs (k3core/tools/bench/device_counters.py; empty and 0 where there are none):
-    #: the share of the wall time it had reads in flight, the rate it read at while busy,
-    #: and the bytes it read per token over that rate (the floor at the rate this run got)
-    disk_device: str = ""
-    disk_busy_share: float = 0.0
-    disk_gb_s_while_busy: float = 0.0
-    device_floor_seconds_per_token: float = 0.0
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self))
 
 
 def run_decode_bench(
@@ -368,165 +373,213 @@ def run_decode_bench(
     ``progress(stage, done, total)`` hears each stage as it goes: ``timed`` (tokens of the
     timed decode runs), ``prefill`` (runs), ``yardsticks`` (the bandwidth and FMA loops) and
     ``check`` (tokens of the ``--backend numpy`` and ``--spec off`` runs)."""
+    args = BenchArgs(ids, gen, prefill, repeat, check, seed, bandwidth_bytes, spec, prompt_file)
     say = progress or (lambda stage, done, total: None)
-    if gen < 2 or repeat < 1 or prefill < 0 or bandwidth_bytes < 1:
-        raise UsageError("bench decode: --gen must be >= 2, --repeat >= 1, --prefill >= 0 and "
-                         "--bandwidth-mb > 0")
-    if ids is not None and not ids:
-        raise UsageError("bench decode: --ids names no id")
-    ids = list(ids or DEFAULT_IDS)
+    plan = _probe(request, args)
+    runs, peak = _timed_runs(plan, args, say)
+    steady = [r.steady() for r in runs]
+    pids, pruns = _prefill_runs(plan, args, say)
+    floors = _yardsticks(plan, args, RunFigures.pooled(steady), pruns, say)
+    checked = _check_ids(plan, args, pids, runs, pruns, say)
+    means = [s.mean("seconds") for s in steady]
+    mid = sorted(range(len(steady)), key=lambda i: means[i])[len(steady) // 2]
+    return DecodeBench(
+        setup=BenchSetup(model=str(plan.model_dir), backend=plan.kernel, threads=plan.threads,
+                         incremental=plan.incremental,
+                         trunk=str(plan.trunk_dir) if plan.trunk_dir else None, ids=plan.ids,
+                         gen=gen, repeat=repeat,
+                         spec=args.speculative.mode if args.speculative else "off",
+                         expert_readers=plan.readers),
+        timing=_timing(steady, means, mid, peak, runs[mid].spec),
+        bytes=_token_bytes(plan, steady, mid),
+        floors=floors,
+        prefill=_prefill_figures(plan, args, pruns),
+        check=checked,
+    )
 
-    prefill_chunk, trunk_dir = request.prefill_chunk, request.trunk
+
+def _probe(request: EngineRequest, args: BenchArgs) -> _Plan:
+    """Open one engine to learn the model, the resolved plugins and the prompt, then close it
+    (its buffers must not count in the timed runs' peak RSS)."""
+    ids = list(args.ids or DEFAULT_IDS)
     timed = request.model_copy(update={"prefill_chunk": None, "needs_tokenizer":
-                                       prompt_file is not None})
-    checked = timed.model_copy(update={"backend": "numpy"})
-    prefilled = timed.model_copy(update={"prefill_chunk": prefill_chunk})
-    probe = open_engine(timed.model_copy(update={"positions": len(ids) + gen}))
-    cfg, kname, nthreads = probe.cfg, probe.names["kernel"], probe.kernels.threads
-    sname, shards = probe.names["storage"], list(probe.index.shards)
-    readers_used = int(getattr(probe.experts, "readers", 0) or 0)
-    incremental, model_dir = probe.incremental, probe.plan.model_dir
+                                       args.prompt_file is not None})
+    probe = _open(timed, len(ids) + args.gen)
     try:
-        if prompt_file is not None:
-            ids = _prompt_ids(probe.tokenizer, prompt_file)
+        if args.prompt_file is not None:
+            ids = _prompt_ids(probe.tokenizer, args.prompt_file)
+        plan = _Plan(timed=timed,
+                     prefilled=timed.model_copy(update={"prefill_chunk": request.prefill_chunk}),
+                     checked=timed.model_copy(update={"backend": "numpy"}),
+                     cfg=probe.cfg, kernel=probe.names["kernel"],
+                     threads=probe.kernels.threads, storage=probe.names["storage"],
+                     shards=list(probe.index.shards),
+                     readers=int(getattr(probe.experts, "readers", 0) or 0),
+                     incremental=probe.incremental, model_dir=probe.plan.model_dir,
+                     trunk_dir=request.trunk, ids=ids,
+                     stat=device_counters.stat_file_of(
+                         _streamed_file(request.trunk, list(probe.index.shards))))
     finally:
         probe.close()
-    del probe  # its buffers must not count in the timed runs' peak RSS
+    del probe
     gc.collect()
-    spec = spec if spec is not None and spec.on else None
-    if any(not 0 <= i < cfg.vocab for i in ids):
-        raise UsageError(f"bench decode: prompt ids must be in 0..{cfg.vocab - 1}")
-    stat = device_counters.stat_file_of(_streamed_file(trunk_dir, shards))
-    runs, peak = [], 0
-    def tokens_of(stage: str, before: int, total: int) -> Callable[[int], None]:
-        return lambda n: say(stage, before + n, total)
+    if any(not 0 <= i < plan.cfg.vocab for i in plan.ids):
+        raise UsageError(f"bench decode: prompt ids must be in 0..{plan.cfg.vocab - 1}")
+    return plan
 
-    say("timed", 0, repeat * gen)
-    for i in range(repeat):  # the peak of each timed run alone (the probe's is forgotten)
+
+def _tokens_of(say: Progress, stage: str, before: int, total: int) -> Callable[[int], None]:
+    return lambda n: say(stage, before + n, total)
+
+
+def _timed_runs(plan: _Plan, args: BenchArgs, say: Progress) -> tuple[list[RunFigures], int]:
+    """The timed decode runs, each from a fresh engine; and the peak RSS of each run alone."""
+    runs, peak, total = [], 0, args.repeat * args.gen
+    say("timed", 0, total)
+    for i in range(args.repeat):  # the peak of each timed run alone (the probe's is forgotten)
         gc.collect()  # the last run's engine, freed before the peak is reset
         reset = _reset_peak_rss()
-        runs.append(_decode_run(timed, ids, gen, incremental, spec, disk=stat,
-                                on_token=tokens_of("timed", i * gen, repeat * gen)))
+        runs.append(_decode_run(plan.timed, plan.ids, args.gen, plan.incremental,
+                                args.speculative, disk=plan.stat,
+                                on_token=_tokens_of(say, "timed", i * args.gen, total)))
         peak = max(peak, _hwm_bytes() if reset else peak_rss_bytes())
-    k = [r.first_pass for r in runs]
-    steady = [RunFigures(r.seconds[f:], r.calls[f:], r.expert_bytes[f:], r.expert_requests[f:],
-                         r.trunk_bytes[f:], r.wait_seconds[f:], r.ids, f, r.spec,
-                         r.expert_distinct[f:], 0, r.trunk_wait[f:], r.trunk_read[f:],
-                         r.kernel_seconds[f:])
-              for r, f in zip(runs, k, strict=True)]
-    for s, r, f in zip(steady, runs, k, strict=True):
-        s.disk_bytes, s.disk_busy = r.disk_bytes[f:], r.disk_busy[f:]
-    means = [_mean(s.seconds) for s in steady]
-    mid = sorted(range(len(steady)), key=lambda i: means[i])[len(steady) // 2]
-    per_run = [_median(s.seconds) for s in steady]
-    pooled = RunFigures()
-    for s in steady:
-        pooled.calls += s.calls
-        pooled.expert_bytes += s.expert_bytes
-        pooled.expert_requests += s.expert_requests
-        pooled.trunk_bytes += s.trunk_bytes
-        pooled.wait_seconds += s.wait_seconds
-        pooled.trunk_wait += s.trunk_wait
-        pooled.trunk_read += s.trunk_read
-        pooled.kernel_seconds += s.kernel_seconds
-        pooled.seconds += s.seconds
-        pooled.disk_bytes += s.disk_bytes
-        pooled.disk_busy += s.disk_busy
-    rng = np.random.default_rng(seed)
-    pids = [int(i) for i in rng.integers(0, cfg.vocab, prefill)] if prefill else []
-    if prefill:
-        say("prefill", 0, repeat)
-    pruns = ([_decode_run(prefilled, pids, 1, True, count_macs=True,
-                          on_token=tokens_of("prefill", i, repeat))
-              for i in range(repeat)]
-             if prefill else [])
-    sizes = sizes_from_config(cfg)
-    requests_per_token = _median([float(x) for x in pooled.expert_requests])
-    touched = (sizes.trunk_bytes + cfg.vocab * cfg.hidden * 2 + sizes.embed_row_bytes
-               + int(round(requests_per_token)) * sizes.expert_bytes)
+    return runs, peak
+
+
+def _prefill_runs(plan: _Plan, args: BenchArgs, say: Progress
+                  ) -> tuple[list[int], list[RunFigures]]:
+    """``prefill`` random ids (seeded) and one token, ``repeat`` times; multiply-adds counted."""
+    if not args.prefill:
+        return [], []
+    rng = np.random.default_rng(args.seed)
+    pids = [int(i) for i in rng.integers(0, plan.cfg.vocab, args.prefill)]
+    say("prefill", 0, args.repeat)
+    return pids, [_decode_run(plan.prefilled, pids, 1, True, count_macs=True,
+                              on_token=_tokens_of(say, "prefill", i, args.repeat))
+                  for i in range(args.repeat)]
+
+
+def _yardsticks(plan: _Plan, args: BenchArgs, pooled: RunFigures, pruns: list[RunFigures],
+                say: Progress) -> Floors:
+    """The memory bandwidth, the FMA peak (with a prefill) and the storage read rate, each
+    measured now on this machine, and the floors they give."""
     from k3core.tools.bench.kernels import measure_fma_peak, measure_read_bandwidth
 
     say("yardsticks", 0, 2)
-    bw, how = measure_read_bandwidth(nthreads, max(1 << 20, bandwidth_bytes))
+    bw, how = measure_read_bandwidth(plan.threads, max(1 << 20, args.bandwidth_bytes))
     say("yardsticks", 1, 2)
-    fma, fma_how = measure_fma_peak(nthreads) if prefill else (0.0, "")
+    fma, fma_how = measure_fma_peak(plan.threads) if args.prefill else (0.0, "")
     say("yardsticks", 2, 2)
+    touched = _touched_per_token(plan.cfg, pooled)
     pmacs = pruns[0].macs[0] if pruns else 0
-    read_per_token = (_median([float(b) for b in pooled.expert_bytes])
-                      + _median([float(b) for b in pooled.trunk_bytes]))
-    disk, disk_how = (_disk_rate(sname, trunk_dir, shards, readers_used)
+    read_per_token = pooled.median("expert_bytes") + pooled.median("trunk_bytes")
+    disk, disk_how = (_disk_rate(plan.storage, plan.trunk_dir, plan.shards, plan.readers)
                       if read_per_token > 0 else (0.0, ""))
     busy, dev_bytes = sum(pooled.disk_busy), sum(pooled.disk_bytes)
     while_busy = dev_bytes / busy / 1e9 if busy > 0 else 0.0
-    notes: list[str] = []
-    match: bool | None = None
-    checks = (gen + (1 if prefill else 0) if check else 0) + (gen if spec is not None and check
-                                                              else 0)
-    if check:
-        say("check", 0, checks)
-        want = _decode_run(checked, ids, gen, incremental,
-                           on_token=tokens_of("check", 0, checks)).ids
-        match = all(r.ids == want for r in runs)
-        if prefill:
-            pwant = _decode_run(checked, pids, 1, True,
-                                on_token=tokens_of("check", gen, checks)).ids
-            match = match and all(r.ids == pwant for r in pruns)
-        if not match:
-            notes.append("generated ids differ from --backend numpy: the kernel contract is broken")
-    spec_match: bool | None = None
-    if spec is not None and check:
-        spec_match = runs[0].ids == _decode_run(timed, ids, gen, incremental,
-                                                on_token=tokens_of("check", checks - gen,
-                                                                   checks)).ids
-        if not spec_match:
-            notes.append("generated ids differ from --spec off: speculation is not exact")
-    psec = [r.seconds[0] for r in pruns]
-    return DecodeBench(
-        model=str(model_dir), backend=kname, threads=nthreads, incremental=incremental,
-        trunk=str(trunk_dir) if trunk_dir else None, ids=ids, gen=gen, repeat=repeat,
-        seconds_per_token=_median(per_run), seconds_per_token_runs=per_run,
-        calls_per_token=_median([float(c) for c in pooled.calls]),
-        expert_bytes_read_per_token=_median([float(b) for b in pooled.expert_bytes]),
-        trunk_bytes_read_per_token=_median([float(b) for b in pooled.trunk_bytes]),
-        exposed_wait_per_token=_median(pooled.wait_seconds),
-        bytes_touched_per_token=touched, bandwidth_gb_s=bw, bandwidth_how=how,
+    return Floors(
+        bandwidth_gb_s=bw, bandwidth_how=how,
         floor_seconds_per_token=touched / (bw * 1e9) if bw > 0 else 0.0,
-        prefill_ids=prefill, prefill_seconds=_median(psec), prefill_seconds_runs=psec,
-        prefill_tokens_per_s=prefill / _median(psec) if psec and _median(psec) > 0 else 0.0,
-        prefill_expert_requests=pruns[0].expert_requests[0] if pruns else 0,
-        prefill_expert_bytes_read=pruns[0].expert_bytes[0] if pruns else 0,
-        prefill_expert_bytes_if_per_token=prefill * cfg.topk * sizes.n_moe_layers * sizes.expert_bytes,
-        prefill_chunk=prefill_chunk, prefill_chunks=pruns[0].chunks if pruns else 0,
-        prefill_calls=pruns[0].calls[0] if pruns else 0,
-        generated_ids=runs[0].ids, prefill_generated_ids=pruns[0].ids if pruns else [],
-        checked_against="numpy" if check else None, ids_match=match, notes=notes,
-        spec=spec.mode if spec is not None else "off",
-        mean_seconds_per_token=means[mid],
-        mean_expert_bytes_read_per_token=_mean([float(b) for b in steady[mid].expert_bytes]),
-        mean_trunk_bytes_read_per_token=_mean([float(b) for b in steady[mid].trunk_bytes]),
-        passes_per_token=_passes_per_token(steady[mid]), speculative=runs[mid].spec,
-        mean_seconds_per_token_runs=means,
-        trunk_bytes_touched_per_token=sizes.trunk_bytes * _passes_per_token(steady[mid]),
-        expert_bytes_touched_per_token=_mean([float(x) for x in steady[mid].expert_distinct])
-        * sizes.expert_bytes,
-        spec_ids_match=spec_match,
-        trunk_exposed_wait_per_token=_median(pooled.trunk_wait),
-        trunk_read_seconds_per_token=_median(pooled.trunk_read),
-        trunk_overlap=(max(0.0, 1.0 - sum(pooled.trunk_wait) / sum(pooled.trunk_read))
-                       if sum(pooled.trunk_read) > 0 else 0.0),
-        peak_rss_bytes=peak, expert_readers=readers_used,
-        prefill_macs=pmacs, fma_peak_gmacs=fma, fma_how=fma_how,
-        prefill_compute_floor_seconds=pmacs / (fma * 1e9) if fma > 0 else 0.0,
         disk_read_gb_s=disk, disk_read_how=disk_how,
         io_floor_seconds_per_token=read_per_token / (disk * 1e9) if disk > 0 else 0.0,
-        disk_device=device_counters.device_name(stat) if busy > 0 else "",
+        disk_device=device_counters.device_name(plan.stat) if busy > 0 else "",
         disk_busy_share=busy / sum(pooled.seconds) if busy > 0 and pooled.seconds else 0.0,
         disk_gb_s_while_busy=while_busy,
         device_floor_seconds_per_token=(read_per_token / (while_busy * 1e9)
                                         if while_busy > 0 else 0.0),
+        fma_peak_gmacs=fma, fma_how=fma_how,
+        prefill_compute_floor_seconds=pmacs / (fma * 1e9) if fma > 0 else 0.0,
+    )
+
+
+def _check_ids(plan: _Plan, args: BenchArgs, pids: list[int], runs: list[RunFigures],
+               pruns: list[RunFigures], say: Progress) -> IdsCheck:
+    """The same ids decoded with ``--backend numpy`` (decode and prefill), and with
+    ``--spec off`` when speculating: the ids must be the timed runs'."""
+    out = IdsCheck(generated_ids=runs[0].ids, checked_against="numpy" if args.check else None)
+    if not args.check:
+        return out
+    total = args.check_tokens
+    say("check", 0, total)
+    want = _decode_run(plan.checked, plan.ids, args.gen, plan.incremental,
+                       on_token=_tokens_of(say, "check", 0, total)).ids
+    match = all(r.ids == want for r in runs)
+    if args.prefill:
+        pwant = _decode_run(plan.checked, pids, 1, True,
+                            on_token=_tokens_of(say, "check", args.gen, total)).ids
+        match = match and all(r.ids == pwant for r in pruns)
+    out.ids_match = match
+    if not match:
+        out.notes.append("generated ids differ from --backend numpy: the kernel contract is broken")
+    if args.speculative is not None:
+        out.spec_ids_match = runs[0].ids == _decode_run(
+            plan.timed, plan.ids, args.gen, plan.incremental,
+            on_token=_tokens_of(say, "check", total - args.gen, total)).ids
+        if not out.spec_ids_match:
+            out.notes.append("generated ids differ from --spec off: speculation is not exact")
+    return out
+
+
+def _touched_per_token(cfg: ModelConfig, pooled: RunFigures) -> int:
+    """The weights one decode step multiplies: trunk layers, lm_head, one embedding row, and
+    every routed expert it requests (the median count)."""
+    sizes = sizes_from_config(cfg)
+    return (sizes.trunk_bytes + cfg.vocab * cfg.hidden * 2 + sizes.embed_row_bytes
+            + int(round(pooled.median("expert_requests"))) * sizes.expert_bytes)
+
+
+def _timing(steady: list[RunFigures], means: list[float], mid: int, peak: int,
+            spec: dict[str, Any] | None) -> DecodeTiming:
+    pooled = RunFigures.pooled(steady)
+    per_run = [s.median("seconds") for s in steady]
+    return DecodeTiming(
+        seconds_per_token=_median(per_run), seconds_per_token_runs=per_run,
+        mean_seconds_per_token=means[mid], mean_seconds_per_token_runs=means,
+        passes_per_token=_passes_per_token(steady[mid]), speculative=spec,
+        calls_per_token=pooled.median("calls"),
         kernel_seconds_per_token=_median(pooled.kernel_seconds),
         host_seconds_per_token=_median([t - kt for t, kt in
                                         zip(pooled.seconds, pooled.kernel_seconds, strict=True)]),
+        peak_rss_bytes=peak,
+    )
+
+
+def _token_bytes(plan: _Plan, steady: list[RunFigures], mid: int) -> TokenBytes:
+    pooled = RunFigures.pooled(steady)
+    sizes = sizes_from_config(plan.cfg)
+    read = sum(pooled.trunk_read)
+    return TokenBytes(
+        expert_bytes_read_per_token=pooled.median("expert_bytes"),
+        trunk_bytes_read_per_token=pooled.median("trunk_bytes"),
+        bytes_touched_per_token=_touched_per_token(plan.cfg, pooled),
+        exposed_wait_per_token=_median(pooled.wait_seconds),
+        mean_expert_bytes_read_per_token=steady[mid].mean("expert_bytes"),
+        mean_trunk_bytes_read_per_token=steady[mid].mean("trunk_bytes"),
+        trunk_bytes_touched_per_token=sizes.trunk_bytes * _passes_per_token(steady[mid]),
+        expert_bytes_touched_per_token=steady[mid].mean("expert_distinct") * sizes.expert_bytes,
+        trunk_exposed_wait_per_token=_median(pooled.trunk_wait),
+        trunk_read_seconds_per_token=_median(pooled.trunk_read),
+        trunk_overlap=max(0.0, 1.0 - sum(pooled.trunk_wait) / read) if read > 0 else 0.0,
+    )
+
+
+def _prefill_figures(plan: _Plan, args: BenchArgs, pruns: list[RunFigures]) -> PrefillFigures:
+    sizes = sizes_from_config(plan.cfg)
+    per_token = args.prefill * plan.cfg.topk * sizes.n_moe_layers * sizes.expert_bytes
+    chunk = plan.prefilled.prefill_chunk
+    if not pruns:
+        return PrefillFigures(prefill_ids=args.prefill, prefill_chunk=chunk,
+                              prefill_expert_bytes_if_per_token=per_token)
+    psec = [r.seconds[0] for r in pruns]
+    first = pruns[0]
+    return PrefillFigures(
+        prefill_ids=args.prefill, prefill_seconds=_median(psec), prefill_seconds_runs=psec,
+        prefill_tokens_per_s=args.prefill / _median(psec) if _median(psec) > 0 else 0.0,
+        prefill_expert_requests=first.expert_requests[0],
+        prefill_expert_bytes_read=first.expert_bytes[0],
+        prefill_expert_bytes_if_per_token=per_token, prefill_chunk=chunk,
+        prefill_chunks=first.chunks, prefill_calls=first.calls[0],
+        prefill_generated_ids=first.ids, prefill_macs=first.macs[0],
     )
 
 
@@ -577,86 +630,6 @@ def _prompt_ids(tokenizer: Any, path: Path) -> list[int]:
     return ids
 
 
-def format_report(b: DecodeBench) -> str:
-    mode = "incremental" if b.incremental else "full recompute"
-    gb = 1e9
-    lines = [
-        f"k3 bench decode: {b.model} ({b.backend}, {b.threads} threads, {mode}"
-        + (f", trunk {b.trunk}" if b.trunk else ", resident trunk") + ")",
-        f"decode      : {b.seconds_per_token:.4f} s/token (median of {b.repeat} runs: "
-        + ", ".join(f"{s:.4f}" for s in b.seconds_per_token_runs) + f"; {b.gen} tokens after ids "
-        + ",".join(map(str, b.ids)) + ")",
-        f"floor       : {b.floor_seconds_per_token:.4f} s/token = {b.bytes_touched_per_token / gb:.3f} GB "
-        f"touched per token / {b.bandwidth_gb_s:.1f} GB/s read bandwidth ({b.bandwidth_how}); "
-        f"decode is {b.seconds_per_token / b.floor_seconds_per_token:.2f}x the floor"
-        if b.floor_seconds_per_token > 0 else "floor       : (no bandwidth measured)",
-        f"read        : {b.expert_bytes_read_per_token / gb:.4f} GB experts + "
-        f"{b.trunk_bytes_read_per_token / gb:.4f} GB trunk per token; exposed I/O wait "
-        f"{b.exposed_wait_per_token:.4f} s/token",
-        f"calls       : {b.calls_per_token:.0f} Python->kernel calls per token; "
-        f"{b.kernel_seconds_per_token:.4f} s/token inside kernel ops, "
-        f"{b.host_seconds_per_token:.4f} s/token between them (the engine's own work)",
-    ]
-    if b.io_floor_seconds_per_token > 0:
-        lines.append(
-            f"disk floor  : {b.io_floor_seconds_per_token:.4f} s/token = "
-            f"{(b.expert_bytes_read_per_token + b.trunk_bytes_read_per_token) / gb:.3f} GB read "
-            f"per token / {b.disk_read_gb_s:.2f} GB/s ({b.disk_read_how}); decode is "
-            f"{b.seconds_per_token / b.io_floor_seconds_per_token:.2f}x that floor")
-    if b.disk_busy_share > 0 and b.device_floor_seconds_per_token > 0:
-        lines.append(
-            f"device      : {b.disk_device} had reads in flight {100 * b.disk_busy_share:.0f} % "
-            f"of the steady tokens' time and read {b.disk_gb_s_while_busy:.2f} GB/s while busy "
-            f"(its own counters); at that rate the bytes read take "
-            f"{b.device_floor_seconds_per_token:.4f} s/token, decode is "
-            f"{b.seconds_per_token / b.device_floor_seconds_per_token:.2f}x that")
-    if b.trunk:
-        lines.append(
-            f"trunk I/O   : {b.trunk_read_seconds_per_token:.4f} s/token of reads, "
-            f"{b.trunk_exposed_wait_per_token:.4f} s/token exposed, {100 * b.trunk_overlap:.0f} % "
-            f"overlapped compute; expert reads by {b.expert_readers} readers")
-    if b.peak_rss_bytes:
-        lines.append(f"memory      : peak RSS {b.peak_rss_bytes / 1e6:.0f} MB (after the timed runs)")
-    if b.prefill_ids:
-        lines.append(
-            f"prefill     : {b.prefill_ids} ids + 1 token in {b.prefill_seconds:.3f} s (median of "
-            f"{b.repeat}: " + ", ".join(f"{s:.3f}" for s in b.prefill_seconds_runs)
-            + f") = {b.prefill_tokens_per_s:.1f} tokens/s; routed experts requested "
-            f"{b.prefill_expert_requests}, read {b.prefill_expert_bytes_read / gb:.3f} GB "
-            f"(one token at a time would multiply {b.prefill_expert_bytes_if_per_token / gb:.3f} GB); "
-            f"{b.prefill_chunks} pass(es)" + (f" of at most {b.prefill_chunk} ids" if b.prefill_chunk else "")
-            + f", {b.prefill_calls} Python->kernel calls")
-        if b.prefill_compute_floor_seconds > 0:
-            lines.append(
-                f"compute     : the prefill's weight products are {b.prefill_macs / 1e9:.1f} G "
-                f"multiply-adds; at the float64 FMA peak of {b.fma_peak_gmacs:.1f} G/s "
-                f"({b.fma_how}, {b.threads} threads) no prefill takes less than "
-                f"{b.prefill_compute_floor_seconds:.3f} s; this one is "
-                f"{b.prefill_seconds / b.prefill_compute_floor_seconds:.2f}x that floor")
-    if b.checked_against:
-        lines.append(f"ids         : {'identical to' if b.ids_match else 'DIFFERENT from'} "
-                     f"--backend {b.checked_against} (decode: {','.join(map(str, b.generated_ids))})")
-    if b.speculative is not None:
-        sp = b.speculative
-        lines.append(
-            f"spec        : --spec {b.spec} (width {sp['width']}, ngram {sp['ngram']}): "
-            f"{b.passes_per_token:.3f} passes per token; drafts accepted "
-            f"{sp['drafts_accepted']}/{sp['drafts_proposed']}, mean accepted width "
-            f"{sp['mean_accepted_width']:.2f}; decisions "
-            + ", ".join(f"{k} {v}" for k, v in sorted(sp["decisions"].items()))
-            + ("; ids identical to --spec off" if b.spec_ids_match else
-               "; ids DIFFERENT from --spec off" if b.spec_ids_match is False else ""))
-    lines.append(f"mean        : {b.mean_seconds_per_token:.4f} s/token (runs: "
-                 + ", ".join(f"{s:.4f}" for s in b.mean_seconds_per_token_runs) + "), "
-                 f"{b.mean_trunk_bytes_read_per_token / gb:.4f} GB trunk + "
-                 f"{b.mean_expert_bytes_read_per_token / gb:.4f} GB experts read, "
-                 f"{b.trunk_bytes_touched_per_token / gb:.4f} GB trunk + "
-                 f"{b.expert_bytes_touched_per_token / gb:.4f} GB experts multiplied per token "
-                 "(steady tokens of the median run)")
-    lines += [f"NOTE: {n}" for n in b.notes]
-    return "\n".join(lines)
-
-
 def _ids(text: str) -> list[int]:
     try:
         return [int(x) for x in text.split(",") if x.strip()]
@@ -702,7 +675,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"k3: error: {exc}", file=sys.stderr)
         return 2 if isinstance(exc, UsageError) else 1
     print(res.to_json() if a.json else format_report(res))
-    return 0 if res.ids_match is not False and res.spec_ids_match is not False else 1
+    return 0 if res.check.ids_match is not False and res.check.spec_ids_match is not False else 1
 
 
 if __name__ == "__main__":

@@ -1,0 +1,230 @@
+"""What ``k3 bench decode`` reports: :class:`DecodeBench`, in six typed parts, and its two
+forms (one flat JSON object for ``--json``, whose keys ``make bench`` and the tests read;
+the report a person reads, :func:`format_report`). The measuring is
+``k3core/tools/bench/decode.py``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass
+class BenchSetup:
+    """What was measured: the model, the resolved engine, the prompt and the counts."""
+
+    model: str
+    backend: str
+    threads: int
+    incremental: bool
+    trunk: str | None
+    ids: list[int]
+    gen: int
+    repeat: int
+    spec: str = "off"
+    expert_readers: int = 0
+
+
+@dataclass
+class DecodeTiming:
+    """Seconds of a steady token (every token after the first pass): medians over the timed
+    runs, and means over the median run's steady tokens."""
+
+    seconds_per_token: float
+    seconds_per_token_runs: list[float]
+    mean_seconds_per_token: float = 0.0
+    mean_seconds_per_token_runs: list[float] = field(default_factory=list)
+    passes_per_token: float = 1.0
+    #: the median run's speculation record (docs/speculative.md; None without --spec)
+    speculative: dict[str, Any] | None = None
+    calls_per_token: float = 0.0
+    #: inside the kernel ops, and the rest of the token: the engine's own work between kernel
+    #: calls (Python, NumPy glue, exposed waits)
+    kernel_seconds_per_token: float = 0.0
+    host_seconds_per_token: float = 0.0
+    #: the peak resident set of the timed decode runs (each reset first where Linux allows)
+    peak_rss_bytes: int = 0
+
+
+@dataclass
+class TokenBytes:
+    """Bytes a steady token reads and multiplies, and the reads it waits for."""
+
+    expert_bytes_read_per_token: float
+    trunk_bytes_read_per_token: float
+    #: the weights one decode step multiplies: trunk layers, lm_head, one embedding row, and
+    #: every routed expert it requests
+    bytes_touched_per_token: int
+    exposed_wait_per_token: float
+    mean_expert_bytes_read_per_token: float = 0.0
+    mean_trunk_bytes_read_per_token: float = 0.0
+    #: weights multiplied per steady token: trunk layers per pass, distinct experts per visit
+    trunk_bytes_touched_per_token: float = 0.0
+    expert_bytes_touched_per_token: float = 0.0
+    #: the trunk's share of the exposed wait, and its reader's device seconds per token
+    trunk_exposed_wait_per_token: float = 0.0
+    trunk_read_seconds_per_token: float = 0.0
+    #: share of the trunk's read time that overlapped compute (1 - exposed / read)
+    trunk_overlap: float = 0.0
+
+
+@dataclass
+class Floors:
+    """The yardsticks measured in the same run and the floors they give (0 where none)."""
+
+    #: memory read bandwidth (GB/s, how) and bytes touched per token over it
+    bandwidth_gb_s: float
+    bandwidth_how: str
+    floor_seconds_per_token: float
+    #: the storage read rate (GB/s, how) and bytes read per token over it: the disk floor of
+    #: a run that reads as it decodes
+    disk_read_gb_s: float = 0.0
+    disk_read_how: str = ""
+    io_floor_seconds_per_token: float = 0.0
+    #: the device the run streams from, by its own counters over the steady tokens
+    #: (k3core/tools/bench/device_counters.py): the share of the wall time it had reads in
+    #: flight, the rate it read at while busy, and the bytes read per token over that rate
+    disk_device: str = ""
+    disk_busy_share: float = 0.0
+    disk_gb_s_while_busy: float = 0.0
+    device_floor_seconds_per_token: float = 0.0
+    #: the float64 FMA peak of the same threads (G multiply-adds/s, how) and the prefill's
+    #: multiply-adds over it: the prefill's floor
+    fma_peak_gmacs: float = 0.0
+    fma_how: str = ""
+    prefill_compute_floor_seconds: float = 0.0
+
+
+@dataclass
+class PrefillFigures:
+    """The prefill runs: ``prefill_ids`` random ids and one token (all 0 without them)."""
+
+    prefill_ids: int = 0
+    prefill_seconds: float = 0.0
+    prefill_seconds_runs: list[float] = field(default_factory=list)
+    prefill_tokens_per_s: float = 0.0
+    prefill_expert_requests: int = 0
+    prefill_expert_bytes_read: int = 0
+    prefill_expert_bytes_if_per_token: int = 0
+    prefill_chunk: int | None = None
+    prefill_chunks: int = 0
+    prefill_calls: int = 0
+    prefill_generated_ids: list[int] = field(default_factory=list)
+    #: the weight products' multiply-adds (counted at the kernel interface)
+    prefill_macs: int = 0
+
+
+@dataclass
+class IdsCheck:
+    """The ids generated and what they were checked against."""
+
+    generated_ids: list[int]
+    checked_against: str | None = None
+    ids_match: bool | None = None
+    spec_ids_match: bool | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class DecodeBench:
+    """What ``k3 bench decode`` reports (``to_json`` for ``--json``: one flat object)."""
+
+    setup: BenchSetup
+    timing: DecodeTiming
+    bytes: TokenBytes
+    floors: Floors
+    prefill: PrefillFigures
+    check: IdsCheck
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for part in (self.setup, self.timing, self.bytes, self.floors, self.prefill, self.check):
+            out.update(asdict(part))
+        return out
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict())
+
+
+def format_report(b: DecodeBench) -> str:
+    """The report a person reads."""
+    s, t, by, f, p, c = b.setup, b.timing, b.bytes, b.floors, b.prefill, b.check
+    mode = "incremental" if s.incremental else "full recompute"
+    gb = 1e9
+    lines = [
+        f"k3 bench decode: {s.model} ({s.backend}, {s.threads} threads, {mode}"
+        + (f", trunk {s.trunk}" if s.trunk else ", resident trunk") + ")",
+        f"decode      : {t.seconds_per_token:.4f} s/token (median of {s.repeat} runs: "
+        + ", ".join(f"{x:.4f}" for x in t.seconds_per_token_runs) + f"; {s.gen} tokens after ids "
+        + ",".join(map(str, s.ids)) + ")",
+        f"floor       : {f.floor_seconds_per_token:.4f} s/token = {by.bytes_touched_per_token / gb:.3f} GB "
+        f"touched per token / {f.bandwidth_gb_s:.1f} GB/s read bandwidth ({f.bandwidth_how}); "
+        f"decode is {t.seconds_per_token / f.floor_seconds_per_token:.2f}x the floor"
+        if f.floor_seconds_per_token > 0 else "floor       : (no bandwidth measured)",
+        f"read        : {by.expert_bytes_read_per_token / gb:.4f} GB experts + "
+        f"{by.trunk_bytes_read_per_token / gb:.4f} GB trunk per token; exposed I/O wait "
+        f"{by.exposed_wait_per_token:.4f} s/token",
+        f"calls       : {t.calls_per_token:.0f} Python->kernel calls per token; "
+        f"{t.kernel_seconds_per_token:.4f} s/token inside kernel ops, "
+        f"{t.host_seconds_per_token:.4f} s/token between them (the engine's own work)",
+    ]
+    if f.io_floor_seconds_per_token > 0:
+        lines.append(
+            f"disk floor  : {f.io_floor_seconds_per_token:.4f} s/token = "
+            f"{(by.expert_bytes_read_per_token + by.trunk_bytes_read_per_token) / gb:.3f} GB read "
+            f"per token / {f.disk_read_gb_s:.2f} GB/s ({f.disk_read_how}); decode is "
+            f"{t.seconds_per_token / f.io_floor_seconds_per_token:.2f}x that floor")
+    if f.disk_busy_share > 0 and f.device_floor_seconds_per_token > 0:
+        lines.append(
+            f"device      : {f.disk_device} had reads in flight {100 * f.disk_busy_share:.0f} % "
+            f"of the steady tokens' time and read {f.disk_gb_s_while_busy:.2f} GB/s while busy "
+            f"(its own counters); at that rate the bytes read take "
+            f"{f.device_floor_seconds_per_token:.4f} s/token, decode is "
+            f"{t.seconds_per_token / f.device_floor_seconds_per_token:.2f}x that")
+    if s.trunk:
+        lines.append(
+            f"trunk I/O   : {by.trunk_read_seconds_per_token:.4f} s/token of reads, "
+            f"{by.trunk_exposed_wait_per_token:.4f} s/token exposed, {100 * by.trunk_overlap:.0f} % "
+            f"overlapped compute; expert reads by {s.expert_readers} readers")
+    if t.peak_rss_bytes:
+        lines.append(f"memory      : peak RSS {t.peak_rss_bytes / 1e6:.0f} MB (after the timed runs)")
+    if p.prefill_ids:
+        lines.append(
+            f"prefill     : {p.prefill_ids} ids + 1 token in {p.prefill_seconds:.3f} s (median of "
+            f"{s.repeat}: " + ", ".join(f"{x:.3f}" for x in p.prefill_seconds_runs)
+            + f") = {p.prefill_tokens_per_s:.1f} tokens/s; routed experts requested "
+            f"{p.prefill_expert_requests}, read {p.prefill_expert_bytes_read / gb:.3f} GB "
+            f"(one token at a time would multiply {p.prefill_expert_bytes_if_per_token / gb:.3f} GB); "
+            f"{p.prefill_chunks} pass(es)" + (f" of at most {p.prefill_chunk} ids" if p.prefill_chunk else "")
+            + f", {p.prefill_calls} Python->kernel calls")
+        if f.prefill_compute_floor_seconds > 0:
+            lines.append(
+                f"compute     : the prefill's weight products are {p.prefill_macs / 1e9:.1f} G "
+                f"multiply-adds; at the float64 FMA peak of {f.fma_peak_gmacs:.1f} G/s "
+                f"({f.fma_how}, {s.threads} threads) no prefill takes less than "
+                f"{f.prefill_compute_floor_seconds:.3f} s; this one is "
+                f"{p.prefill_seconds / f.prefill_compute_floor_seconds:.2f}x that floor")
+    if c.checked_against:
+        lines.append(f"ids         : {'identical to' if c.ids_match else 'DIFFERENT from'} "
+                     f"--backend {c.checked_against} (decode: {','.join(map(str, c.generated_ids))})")
+    if t.speculative is not None:
+        sp = t.speculative
+        lines.append(
+            f"spec        : --spec {s.spec} (width {sp['width']}, ngram {sp['ngram']}): "
+            f"{t.passes_per_token:.3f} passes per token; drafts accepted "
+            f"{sp['drafts_accepted']}/{sp['drafts_proposed']}, mean accepted width "
+            f"{sp['mean_accepted_width']:.2f}; decisions "
+            + ", ".join(f"{k} {v}" for k, v in sorted(sp["decisions"].items()))
+            + ("; ids identical to --spec off" if c.spec_ids_match else
+               "; ids DIFFERENT from --spec off" if c.spec_ids_match is False else ""))
+    lines.append(f"mean        : {t.mean_seconds_per_token:.4f} s/token (runs: "
+                 + ", ".join(f"{x:.4f}" for x in t.mean_seconds_per_token_runs) + "), "
+                 f"{by.mean_trunk_bytes_read_per_token / gb:.4f} GB trunk + "
+                 f"{by.mean_expert_bytes_read_per_token / gb:.4f} GB experts read, "
+                 f"{by.trunk_bytes_touched_per_token / gb:.4f} GB trunk + "
+                 f"{by.expert_bytes_touched_per_token / gb:.4f} GB experts multiplied per token "
+                 "(steady tokens of the median run)")
+    lines += [f"NOTE: {n}" for n in c.notes]
+    return "\n".join(lines)
