@@ -1,7 +1,8 @@
 """Alignment arithmetic for unbuffered reads (O_DIRECT, FILE_FLAG_NO_BUFFERING).
 
 Pure functions, no I/O: shared by the ``direct`` and ``unbuffered`` backends and tested on
-every platform.
+every platform. :func:`align_up` is k3's own (``k3.plugin.align_up``, the one rounding rule
+of the packed trunk and the expert slots too); the rest is the unbuffered reads' own.
 
 An unbuffered read must start at an aligned file offset, ask for an aligned length and land
 in an aligned buffer. To read an arbitrary payload ``[offset, offset + nbytes)`` the read is
@@ -15,6 +16,8 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+
+from k3.plugin import align_up
 
 #: the most one read syscall may ask for (Darwin rejects >= 2 GiB; Windows takes a DWORD)
 MAX_SYSCALL_BYTES = 1 << 30
@@ -35,10 +38,6 @@ def check_align(align: int) -> int:
 
 def align_down(x: int, align: int) -> int:
     return x & ~(align - 1)
-
-
-def align_up(x: int, align: int) -> int:
-    return (x + align - 1) & ~(align - 1)
 
 
 def is_aligned(x: int, align: int) -> bool:

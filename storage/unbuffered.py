@@ -4,8 +4,9 @@ The Windows counterpart of ``direct``: ``CreateFileW`` with ``FILE_FLAG_NO_BUFFE
 FILE_FLAG_OVERLAPPED`` and ``ReadFile`` with an ``OVERLAPPED`` offset per read (so reads
 from several threads run at once and never share a file pointer). Offsets, lengths and
 buffer addresses must be multiples of the volume sector size (``GetDiskFreeSpaceW``, never
-below 4096); the widening, bounce buffers, chunking and short-read handling are the ones
-``direct`` uses (:mod:`k3_storage.aligned_file`, :mod:`k3_storage.alignment`).
+below ``ALIGN``); the options, the open and its support check, the widening, bounce
+buffers, chunking and short-read handling are the ones ``direct`` uses
+(:mod:`k3_storage.aligned_file`, :mod:`k3_storage.alignment`).
 
 Available only on Windows; elsewhere the probe says so and names the alternative.
 """
@@ -19,21 +20,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from k3_storage.aligned_file import AlignedFile, BounceBuffers
-from k3_storage.alignment import DEFAULT_CHUNK_BYTES, is_pow2
+from k3_storage.aligned_file import AlignedFile, AlignedStorage
+from k3_storage.alignment import is_pow2
 
-from k3.plugin import (
-    Availability,
-    IOStats,
-    StorageBackend,
-    StorageBackendSpec,
-    StorageError,
-    hookimpl,
-)
+from k3.plugin import ALIGN, Availability, StorageBackendSpec, StorageError, hookimpl
 
 HINT = "use --storage direct on Linux, or --storage mmap"
 NOT_WINDOWS = "Windows only: FILE_FLAG_NO_BUFFERING"
-MIN_ALIGN = 4096
 
 GENERIC_READ = 0x80000000
 FILE_SHARE_ALL = 0x1 | 0x2 | 0x4  # read, write, delete
@@ -89,35 +82,22 @@ def _last_error(what: str) -> OSError:
 
 
 def sector_size(path: str | Path) -> int:
-    """The sector size of the volume holding ``path`` (never below 4096)."""
+    """The sector size of the volume holding ``path`` (never below ``ALIGN``)."""
     k = _api()
     root = ctypes.create_unicode_buffer(1024)
     if not k.GetVolumePathNameW(str(Path(path).resolve()), root, 1024):
-        return MIN_ALIGN
+        return ALIGN
     spc, bps, free, total = (k.DWORD() for _ in range(4))
     refs = [ctypes.byref(x) for x in (spc, bps, free, total)]
     if not k.GetDiskFreeSpaceW(root.value, *refs) or not is_pow2(bps.value):
-        return MIN_ALIGN
-    return max(int(bps.value), MIN_ALIGN)
+        return ALIGN
+    return max(int(bps.value), ALIGN)
 
 
 class UnbufferedFile(AlignedFile):
     """One file opened with ``FILE_FLAG_NO_BUFFERING``; ctypes calls release the GIL."""
 
     refusal_hint = HINT
-
-    def __init__(
-        self,
-        path: Path,
-        handle: int,
-        size: int,
-        align: int,
-        max_chunk: int,
-        stats: IOStats,
-        bounce: BounceBuffers,
-    ) -> None:
-        super().__init__(path, size, align, max_chunk, stats, bounce)
-        self._h = handle
 
     def _pread(self, buf: np.ndarray, offset: int) -> int:
         k = _api()
@@ -128,13 +108,13 @@ class UnbufferedFile(AlignedFile):
             ov = k.OVERLAPPED()
             ov.Offset, ov.OffsetHigh, ov.hEvent = offset & 0xFFFFFFFF, offset >> 32, event
             n = k.DWORD(0)
-            if not k.ReadFile(self._h, buf.ctypes.data, buf.size, None, ctypes.byref(ov)):
+            if not k.ReadFile(self._handle, buf.ctypes.data, buf.size, None, ctypes.byref(ov)):
                 err = getattr(ctypes, "get_last_error")()  # noqa: B009
                 if err == ERROR_HANDLE_EOF:
                     return 0
                 if err != ERROR_IO_PENDING:
                     raise getattr(ctypes, "WinError")(err)  # noqa: B009
-            if not k.GetOverlappedResult(self._h, ctypes.byref(ov), ctypes.byref(n), True):
+            if not k.GetOverlappedResult(self._handle, ctypes.byref(ov), ctypes.byref(n), True):
                 err = getattr(ctypes, "get_last_error")()  # noqa: B009
                 if err == ERROR_HANDLE_EOF:
                     return 0
@@ -143,28 +123,26 @@ class UnbufferedFile(AlignedFile):
         finally:
             k.CloseHandle(event)
 
-    def _close_handle(self) -> None:
-        _api().CloseHandle(self._h)
+    @staticmethod
+    def release(handle: int) -> None:
+        _api().CloseHandle(handle)
 
 
-class UnbufferedStorage(StorageBackend):
+class UnbufferedStorage(AlignedStorage):
     """Windows unbuffered, overlapped reads. ``alignment=None`` asks the volume."""
 
     name = "unbuffered"
-    alignment = MIN_ALIGN
+    file_class = UnbufferedFile
+    refusal_hint = HINT
 
-    def __init__(self, alignment: int | None = None, max_chunk: int = DEFAULT_CHUNK_BYTES):
-        super().__init__()
-        self._fixed_align = alignment
-        self.max_chunk = max_chunk
-        self._bounce = BounceBuffers()
+    def _check_platform(self) -> None:
         if not _is_windows():
             raise StorageError(f"the unbuffered storage backend is {NOT_WINDOWS}", hint=HINT)
-        if alignment is not None and not (is_pow2(alignment) and alignment >= 512):
-            raise StorageError(f"unbuffered storage: bad alignment {alignment}")
 
-    def open(self, path: str | Path) -> UnbufferedFile:
-        p = Path(path)
+    def native_alignment(self, path: Path) -> int:
+        return sector_size(path)
+
+    def _open_handle(self, p: Path) -> tuple[int, int]:
         if p.is_dir():
             raise StorageError(f"{p}: is a directory, not a file")
         k = _api()
@@ -181,15 +159,7 @@ class UnbufferedStorage(StorageBackend):
         if not k.GetFileSizeEx(h, ctypes.byref(size)):
             k.CloseHandle(h)
             raise StorageError(f"{p}: cannot read its size: {_last_error('GetFileSizeEx')}")
-        align = self._fixed_align or sector_size(p)
-        f = UnbufferedFile(p, h, int(size.value), align, self.max_chunk, self.stats, self._bounce)
-        try:
-            if f.size:  # the per-file support check, as for direct
-                f._bounce_read(0, np.empty(1, dtype=np.uint8))
-        except BaseException:
-            f.close()
-            raise
-        return f
+        return h, int(size.value)
 
 
 def _is_windows() -> bool:

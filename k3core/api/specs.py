@@ -47,7 +47,6 @@ class PluginSpec:
     priority: int = 0
     probe: Callable[[], Availability] = field(default=_always, compare=False)
     install_hint: str = ""
-    options_model: Any = None  # an optional pydantic model for plugin options
 
     kind: Kind = "kernel"
 
@@ -70,7 +69,11 @@ class KernelBackendSpec(PluginSpec):
 
 @dataclass(frozen=True)
 class StorageBackendSpec(PluginSpec):
-    """A storage backend: the factory builds a :class:`k3core.api.storage.StorageBackend`."""
+    """A storage backend: the factory builds a :class:`k3core.api.storage.StorageBackend`.
+
+    ``probe`` says whether it runs on this machine; whether it can read the files of one
+    model directory is its class's :meth:`~k3core.api.storage.StorageBackend.probe_path`
+    (the registry asks it when ``auto`` picks a backend for a path)."""
 
     kind: Kind = "storage"
 

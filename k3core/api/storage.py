@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from k3core.api.errors import StorageError
+from k3core.api.specs import Availability
 from k3core.api.units import ALIGN
 
 Buffer = np.ndarray | memoryview
@@ -206,6 +207,12 @@ class StorageBackend(ABC):
       buffer's length in *bytes*, and a read that raised adds nothing: exactly what
       ``with backend.timed() as t: ...; t.nbytes = n`` around the read does
       (:class:`IOTimer`). A wrapping backend may share its inner backend's ``stats``.
+    * **path probe (optional).** :meth:`probe_path` says whether the backend can read the
+      files at a path (a model directory or one file) on the filesystem they live on; the
+      default says yes. When the storage choice is ``auto``, the engine's plan asks each
+      candidate, best first, for the model directory, and skips one that says no (with its
+      reason in the plan's notes). An explicit choice is never probed: it fails at
+      :meth:`open` with its own ``StorageError``.
     """
 
     name: str = "?"
@@ -226,6 +233,17 @@ class StorageBackend(ABC):
         (a file replaced at the same path since an earlier open reads the new bytes). May
         be called from any thread.
         """
+
+    @classmethod
+    def probe_path(cls, path: Path) -> Availability:
+        """Can this backend read the files at ``path`` (a directory: the files in it)?
+
+        Optional; the default says yes. Override it where the answer depends on the
+        filesystem (``direct``: the filesystem must accept ``O_DIRECT``): open one file
+        there, never read a whole model. Called on the class, with no instance built;
+        ``Availability.no(reason, hint)`` when it cannot, never an exception.
+        """
+        return Availability.yes()
 
     def timed(self) -> IOTimer:
         """An :class:`IOTimer` over this backend's ``stats``: wrap one whole ``read_into``

@@ -46,10 +46,9 @@ def parse_numbers(text: str, flag: str, *, integer: bool) -> list[Any]:
 def model_shape(model_dir: Path) -> dict[str, int]:
     """top-k, MoE layer count, the highest layer index, experts and the largest expert's bytes
     of ``model_dir`` (the pool is MoE layers x experts, as the simulator counts Kimi K3's)."""
-    from k3_storage.plain import PlainStorage
-
     from k3core.checkpoint.index import CheckpointIndex
     from k3core.experts.locator import ExpertLocator
+    from k3core.plugins.registry import get_registry
     from k3core.run.plan import read_model_config
 
     if not model_dir.is_dir():
@@ -58,7 +57,8 @@ def model_shape(model_dir: Path) -> dict[str, int]:
     moe = [L for L in range(cfg.n_layers) if not cfg.is_dense(L)]
     if not moe:
         raise UsageError(f"--model {model_dir}: the model has no MoE layers")
-    with CheckpointIndex.open(model_dir, PlainStorage()) as index:
+    plain, _, _ = get_registry().create("storage", "plain")  # headers only: any backend reads them
+    with CheckpointIndex.open(model_dir, plain) as index:
         nbytes = ExpertLocator(cfg, index).max_bytes(range(cfg.n_layers))
     return {"topk": cfg.topk, "n_layers": len(moe), "max_layer": cfg.n_layers - 1,
             "n_experts": cfg.n_experts, "expert_bytes": nbytes}

@@ -6,7 +6,9 @@ Rules (docs/plugins.md §3):
 * an unknown name is an error listing the registered names and a close match;
 * a registered but unavailable implementation is an error with the reason and the fix;
 * an explicit choice never falls back; only ``auto`` picks (highest available priority)
-  and says what it picked;
+  and says what it picked; given a path (the model directory), ``auto`` also skips a
+  storage backend whose class says it cannot read there (``probe_path``, the storage
+  contract's optional hook) and says why;
 * two plugins claiming one name is an error naming both;
 * ``K3_DISABLE_PLUGINS=1`` loads only the plugins shipped with k3 itself;
   ``K3_DISABLE_BACKENDS=a,b`` marks those implementations unavailable (tests use it to
@@ -19,6 +21,7 @@ import difflib
 import os
 from dataclasses import dataclass, field
 from importlib import metadata
+from pathlib import Path
 from typing import Any
 
 import pluggy
@@ -120,15 +123,6 @@ class Registry:
         if problem:
             self.broken.append(BrokenPlugin(plugin_name, origin, f"{HOOKS[kind]}() {problem}"))
             return
-        if spec.kind != kind:
-            self.broken.append(
-                BrokenPlugin(
-                    plugin_name,
-                    origin,
-                    f"returned a {spec.kind} spec '{spec.name}' from {HOOKS[kind]}()",
-                )
-            )
-            return
         table = self.entries.setdefault(kind, {})
         existing = table.get(spec.name)
         if existing is not None:
@@ -210,17 +204,56 @@ class Registry:
                                    "be strings)")
         return result
 
-    def resolve(self, kind: Kind, name: str) -> tuple[PluginSpec, str]:
-        """Return ``(spec, note)`` for ``name`` (or ``auto``); never falls back."""
+    def probe_path(self, kind: Kind, name: str, path: Path) -> Availability:
+        """Whether ``name`` can work on the files at ``path``: its factory's optional
+        ``probe_path(path)`` (the storage contract's hook; yes where there is none). A
+        factory that cannot be imported, or a path probe that raises or answers something
+        other than an ``Availability``, counts as no."""
+        entry = self.entries.get(kind, {}).get(name)
+        if entry is None:
+            return Availability.no(f"no {KIND_WORDS[kind]} named '{name}' is registered")
+        problem = self.check_factory(kind, name)
+        if problem:
+            return Availability.no(problem, self.hint(kind, name))
+        hook = getattr(entry.spec.load(), "probe_path", None)
+        if hook is None:
+            return Availability.yes()
+        try:
+            result = hook(Path(path))
+        except (Exception, SystemExit) as exc:
+            return Availability.no(f"its probe_path raised {_brief(exc)}", self.hint(kind, name))
+        if not isinstance(result, Availability):
+            return Availability.no(f"its probe_path returned {_brief(result)}, not an "
+                                   "Availability")
+        return result
+
+    def resolve(self, kind: Kind, name: str, *,
+                for_path: Path | None = None) -> tuple[PluginSpec, str]:
+        """Return ``(spec, note)`` for ``name`` (or ``auto``); never falls back.
+
+        ``for_path`` (the model directory): ``auto`` skips an implementation that says it
+        cannot work there (:meth:`probe_path`), and the note says which and why. An
+        explicit name is not path-probed: it fails when it is used, with its own error.
+        """
         word = KIND_WORDS[kind]
         table = self.entries.get(kind, {})
         if name == "auto":
             ranked = sorted(table.values(), key=lambda e: (-e.spec.priority, e.spec.name))
+            skipped: list[str] = []
             for ranked_entry in ranked:
                 spec = ranked_entry.spec
-                if ranked_entry.conflict_with is None and self.probe(kind, spec.name).ok:
-                    return spec, f"auto picked {word} '{spec.name}'"
-            raise PluginError(f"no {word} is available on this machine", hint="run `k3 backends`")
+                if ranked_entry.conflict_with is not None or not self.probe(kind, spec.name).ok:
+                    continue
+                if for_path is not None:
+                    there = self.probe_path(kind, spec.name, for_path)
+                    if not there.ok:
+                        skipped.append(f"{word} '{spec.name}' cannot read {for_path} "
+                                       f"({there.reason})")
+                        continue
+                return spec, "; ".join([*skipped, f"auto picked {word} '{spec.name}'"])
+            why = f" ({'; '.join(skipped)})" if skipped else ""
+            raise PluginError(f"no {word} is available on this machine{why}",
+                              hint="run `k3 backends`")
         entry = table.get(name)
         if entry is None:
             choices = ", ".join(self.names(kind)) or "(none)"
@@ -246,9 +279,11 @@ class Registry:
             )
         return entry.spec, ""
 
-    def create(self, kind: Kind, name: str, **kwargs: Any) -> tuple[Any, str, str]:
-        """Resolve and instantiate; returns ``(instance, resolved_name, note)``."""
-        spec, note = self.resolve(kind, name)
+    def create(self, kind: Kind, name: str, *, for_path: Path | None = None,
+               **kwargs: Any) -> tuple[Any, str, str]:
+        """Resolve (``for_path``: see :meth:`resolve`) and instantiate with ``kwargs``;
+        returns ``(instance, resolved_name, note)``."""
+        spec, note = self.resolve(kind, name, for_path=for_path)
         try:
             factory = spec.load()
             instance = factory(**kwargs)

@@ -217,7 +217,7 @@ def _resolve(req: EngineRequest, needs_tokenizer: bool) -> EnginePlan:
         for problem in check_plugins(preset):
             raise UsageError(f"preset {preset.name}: {problem}")
     notes: list[str] = []
-    plugins = _plugins(s.backend, _storage(s.storage, model_dir, notes), s.cache_policy or "auto")
+    plugins = _plugins(s.backend, s.storage, s.cache_policy or "auto", model_dir)
     if s.ultra_low_memory and req.trunk is None:
         raise UsageError("--ultra-low-memory needs --trunk DIR (pack one with "
                          "`k3 pack-trunk MODEL_DIR TRUNK_DIR`)")
@@ -227,15 +227,16 @@ def _resolve(req: EngineRequest, needs_tokenizer: bool) -> EnginePlan:
                       preset=preset, tokenizer=tok, tok_dir=tok_dir, notes=notes)
 
 
-def _plugins(kernel: str, storage: str, cache: str) -> Plugins:
-    """Resolve each kind once (an explicit name never falls back; ``auto`` picks here)."""
+def _plugins(kernel: str, storage: str, cache: str, model_dir: Path) -> Plugins:
+    """Resolve each kind once (an explicit name never falls back; ``auto`` picks here, a
+    storage backend that can read ``model_dir``: the storage contract's ``probe_path``)."""
     reg = get_registry()
     names: dict[Kind, str] = {}
     notes: dict[Kind, str] = {}
     asked: tuple[tuple[Kind, str], ...] = (("kernel", kernel), ("storage", storage),
                                            ("cache", cache))
     for kind, name in asked:
-        spec, note = reg.resolve(kind, name)
+        spec, note = reg.resolve(kind, name, for_path=model_dir if kind == "storage" else None)
         names[kind] = spec.name
         if note:
             notes[kind] = note
@@ -302,16 +303,3 @@ def _trunk_budget(cfg: ModelConfig, n_layers: int, trunk_gb: float | None) -> in
     if trunk_gb is not None:
         return int(trunk_gb * 1e9)
     return sizes_from_config(cfg).first(n_layers).trunk_bytes + ALIGN * n_layers
-
-
-def _storage(storage: str, model_dir: Path, notes: list[str]) -> str:
-    if storage != "auto":
-        return storage
-    from k3_storage.direct import supports_direct
-
-    avail = supports_direct(model_dir)
-    if avail.ok:
-        return "auto"
-    notes.append(f"O_DIRECT is not usable for {model_dir} ({avail.reason}); auto picked "
-                 "storage 'mmap'")
-    return "mmap"

@@ -28,7 +28,6 @@ if sys.platform.startswith("linux"):
         DirectStorage,
         direct_alignment,
         logical_block_size,
-        supports_direct,
     )
 
 
@@ -63,7 +62,7 @@ def preads(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int, int]]:
 
 def test_opened_with_o_direct(data: tuple[Path, bytes]) -> None:
     with DirectStorage().open(data[0]) as f:
-        assert fcntl.fcntl(f._fd, fcntl.F_GETFL) & os.O_DIRECT
+        assert fcntl.fcntl(f._handle, fcntl.F_GETFL) & os.O_DIRECT
         assert f.alignment >= 4096 and f.alignment == direct_alignment(data[0])
 
 
@@ -197,7 +196,7 @@ def test_einval_on_open_refused_with_fix(data: tuple[Path, bytes], monkeypatch: 
     with pytest.raises(StorageError) as ei:
         DirectStorage().open(data[0])
     assert ei.value.hint == DIRECT_HINT and "O_DIRECT" in ei.value.message
-    avail = supports_direct(data[0])
+    avail = DirectStorage.probe_path(data[0])
     assert not avail.ok and avail.hint == DIRECT_HINT
 
 
@@ -218,15 +217,15 @@ def test_einval_on_first_read_refused_at_open(
     assert len(closed) == 1  # the descriptor is not leaked
 
 
-def test_supports_direct(data: tuple[Path, bytes]) -> None:
+def test_probe_path(data: tuple[Path, bytes]) -> None:
     path = data[0]
-    assert supports_direct(path).ok
-    assert supports_direct(path.parent).ok  # a directory: one of its files is tried
+    assert DirectStorage.probe_path(path).ok
+    assert DirectStorage.probe_path(path.parent).ok  # a directory: one of its files is tried
     empty = path.parent / "empty-dir"
     empty.mkdir()
-    assert supports_direct(empty).ok  # tested with a temporary file, removed again
+    assert DirectStorage.probe_path(empty).ok  # tested with a temporary file, removed again
     assert list(empty.iterdir()) == []
-    missing = supports_direct(path.parent / "nope.bin")
+    missing = DirectStorage.probe_path(path.parent / "nope.bin")
     assert not missing.ok and "no such file" in missing.reason
 
 
@@ -241,3 +240,24 @@ def test_large_read_chunked(monkeypatch: pytest.MonkeyPatch, preads: list[tuple[
                 f.read_into(off, out)
                 assert out.tobytes() == expected[off:]
     assert max(n for _, _, n in preads) <= (1 << 20) + 2 * 4096
+
+
+@pytest.mark.parametrize("options, words", [
+    ({"alignment": 1000}, "alignment 1000 is not a power of two of at least 512"),
+    ({"alignment": 256}, "alignment 256 is not a power of two of at least 512"),
+    ({"max_chunk": 0}, "max_chunk must be positive, got 0"),
+])
+def test_bad_options_refused_when_built(options: dict[str, int], words: str) -> None:
+    """Refused with a StorageError when the backend is built (a zero chunk was a bare
+    ValueError at the first open)."""
+    with pytest.raises(StorageError, match=words):
+        DirectStorage(**options)
+
+
+def test_a_fixed_alignment_is_the_backends_and_each_files(data: tuple[Path, bytes]) -> None:
+    backend = DirectStorage(alignment=8192)
+    with backend.open(data[0]) as f:
+        assert backend.alignment == f.alignment == 8192
+        out = np.empty(100, dtype=np.uint8)
+        f.read_into(8191, out)
+        assert out.tobytes() == data[1][8191:8291]
