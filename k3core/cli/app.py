@@ -29,6 +29,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("serve", "Serve MODEL_DIR over an OpenAI-compatible HTTP API."),
     "synth": ("synth", "Write a deterministic synthetic checkpoint (random weights)."),
     "pack-trunk": ("pack_trunk", "Pack every layer's trunk into one aligned file."),
+    "shard-experts": ("shard_experts", "Cut a checkpoint into a head and one expert share per worker."),
     "backends": ("backends", "List every kernel backend, storage backend and cache policy."),
     "presets": ("presets", "List, show and validate memory presets."),
     "doctor": ("doctor", "Check this machine (and a model), then print the next command."),

@@ -67,19 +67,27 @@ def run(
     verbose: int = typer.Option(0, "--verbose", "-v", count=True, help="More detail on stderr: every setting and its source, the request.", rich_help_panel=_O),
     expert_workers: int = typer.Option(None, "--expert-workers", help="Routed experts on N Ray workers (a local cluster unless --ray-address; needs k3[ray]).", rich_help_panel=_C),
     ray_address: str = typer.Option(None, "--ray-address", help="Join this Ray cluster (ray start --head) for the expert workers.", rich_help_panel=_C),
+    expert_shares: str = typer.Option(None, "--expert-shares", help="Where worker-0 ... (k3 shard-experts) lie on the worker nodes; MODEL_DIR is then its head/ ($K3_EXPERT_SHARES on a node overrides it there).", rich_help_panel=_C),
+    worker_retries: int = typer.Option(2, "--worker-retries", help="Times a MoE layer's call is sent again to a worker that died and was restarted (0..100).", rich_help_panel=_C),
 ) -> None:
     """Generate tokens from MODEL_DIR (greedy unless a sampling flag is given)."""
     flags = dict(locals())
     workers, address = flags.pop("expert_workers"), flags.pop("ray_address")
+    shares, retries = flags.pop("expert_shares"), flags.pop("worker_retries")
     from k3core.run.request import RunRequest
     from k3core.run.runner import execute
 
     request = RunRequest.from_flags(flags)
     remote = None
-    if workers is not None or address is not None:
+    if workers is not None or address is not None or shares is not None:
         from k3core.cluster.executor import ClusterExperts
 
-        remote = ClusterExperts(workers, address, cache_gb=cache_gb)
+        remote = ClusterExperts(workers, address, cache_gb=cache_gb, shares=shares,
+                                retries=retries)
+    elif model_dir is not None:
+        from k3core.cluster.shares import refuse_head_alone
+
+        refuse_head_alone(model_dir)
     execute(request, remote=remote)
 
 

@@ -8,10 +8,12 @@ layer's remainder. The plan is fixed for the run, printed and recorded in ``--ou
 
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from k3core.api.errors import UsageError
+from k3core.api.errors import CheckpointError, UsageError
 from k3core.api.units import human
 from k3core.experts.locator import ExpertLocator
 from k3core.model.config import ModelConfig
@@ -46,6 +48,42 @@ class SharePlan:
             "experts_per_worker": self.experts_per_worker,
             "ranges": {str(L): _ranges(ws, self.n_workers) for L, ws in self.owner.items()},
         }
+
+    def fingerprint(self, model: str) -> str:
+        """SHA-256 of the model's fingerprint, the worker count and every expert's owner:
+        two shares agree on their plan exactly when these agree."""
+        body = json.dumps({"model": model, "workers": self.n_workers,
+                           "owner": {str(L): ws for L, ws in sorted(self.owner.items())}},
+                          sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(body.encode()).hexdigest()
+
+    @classmethod
+    def from_json(cls, d: Any, where: str) -> SharePlan:
+        """The plan :meth:`to_json` wrote (``where`` names the file in a refusal, exit 1):
+        every layer's runs must cover its experts once."""
+        try:
+            n = int(d["workers"])
+            ranges = {int(L): [(int(a), int(b)) for a, b in rs] for L, rs in d["ranges"].items()}
+            nbytes = [int(x) for x in d["bytes_per_worker"]]
+            count = [int(x) for x in d["experts_per_worker"]]
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CheckpointError(f"{where}: the expert plan is malformed ({exc!r})") from None
+        owner: dict[int, list[int]] = {}
+        for L, rs in sorted(ranges.items()):
+            total = max((b for _, b in rs), default=0)
+            ws = [-1] * total
+            for w, (a, b) in enumerate(rs):
+                for e in range(a, b):
+                    if ws[e] != -1:
+                        raise CheckpointError(f"{where}: expert {L}/{e} has two owners")
+                    ws[e] = w
+            if len(rs) != n or not ws or -1 in ws:
+                raise CheckpointError(f"{where}: layer {L}'s runs do not cover its experts once")
+            owner[L] = ws
+        if len(nbytes) != n or len(count) != n:
+            raise CheckpointError(f"{where}: the expert plan lists {len(nbytes)} shares for {n} "
+                                  "workers")
+        return cls(n, owner, nbytes, count)
 
 
 def _ranges(ws: list[int], n: int) -> list[list[int]]:

@@ -3,10 +3,14 @@
 Without an address a local cluster is started for the run: a bounded number of CPUs (one
 per worker), no dashboard, quiet logs, every file under a fresh temporary directory that
 is removed afterwards. With ``--ray-address`` the run joins an existing cluster (``ray
-start --head`` on one machine, ``ray start --address`` on the others) and the workers are
-spread over its nodes; an address nothing answers on is refused at once (a TCP probe with
-a 5 s timeout) rather than left to Ray's minutes of retries. A process that already called
-``ray.init`` is reused as it is (and left running). Ray is imported here only, and only when a pool is asked for.
+start --head`` on one machine, ``ray start --address`` on the others) and each worker is
+placed as :mod:`k3core.cluster.placement` says (on the node offering its ``k3_worker_<i>``
+resource, else spread one per node); an address nothing answers on is refused at once (a
+TCP probe with a 5 s timeout) rather than left to Ray's minutes of retries. A process that
+already called ``ray.init`` is reused as it is (and left running). With ``restarts`` the
+actors are restarted when they die (Ray's ``max_restarts``; a restarted worker holds
+nothing until it is opened again, :mod:`k3core.cluster.retry`). Ray is imported here
+only, and only when a pool is asked for.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from k3core.api.errors import K3Error, UsageError
+from k3core.cluster.placement import Placement, alive_nodes, default_workers, place
 from k3core.cluster.worker import ExpertWorker
 
 INSTALL_HINT = "install the extra: pip install 'k3[ray]'"
@@ -46,11 +51,24 @@ class WorkerPool:
     info: list[dict[str, Any]]
     started: bool = False
     temp_dir: str | None = None
+    placements: list[Placement] = field(default_factory=list)
     closed: bool = field(default=False, repr=False)
 
     def name(self, w: int) -> str:
+        """``expert worker W (HOST, node ID, pid P)``: who, on which node, which process."""
         i = self.info[w] if w < len(self.info) else {}
-        return f"expert worker {w} ({i.get('host', '?')}, pid {i.get('pid', '?')})"
+        node = str(i.get("node") or "?")[:8]
+        return f"expert worker {w} ({i.get('host', '?')}, node {node}, pid {i.get('pid', '?')})"
+
+    def lines(self) -> list[str]:
+        """Where each worker runs (printed before the first token)."""
+        return [p.line() for p in self.placements]
+
+    def describe(self, w: int, timeout_s: float) -> dict[str, Any]:
+        """Ask worker ``w`` who it is now (after a restart: a new pid, maybe a new node)."""
+        info = self.ray.get(self.actors[w].describe.remote(), timeout=timeout_s)
+        self.info[w] = info
+        return info
 
     def close(self) -> None:
         if self.closed:
@@ -98,6 +116,7 @@ def _init(ray: Any, workers: int | None, address: str | None) -> tuple[bool, str
             raise UsageError(f"--ray-address {address}: cannot join the Ray cluster "
                              f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})",
                              hint="start it with `ray start --head` and pass the address it prints") from None
+        _quiet_raylet(ray)
         return True, None
     tmp = tempfile.mkdtemp(prefix="k3ray-")
     try:
@@ -105,11 +124,32 @@ def _init(ray: Any, workers: int | None, address: str | None) -> tuple[bool, str
     except Exception as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         raise K3Error(f"could not start a local Ray cluster: {type(exc).__name__}: {exc}") from None
+    _quiet_raylet(ray)
     return True, tmp
 
 
-def start_pool(workers: int | None, address: str | None, timeout_s: float = START_TIMEOUT_S) -> WorkerPool:
-    """Create ``workers`` actors (default: one per alive node of the cluster)."""
+def _quiet_raylet(ray: Any) -> None:
+    """Keep the raylet's notices (a worker died, ...) off stdout, which carries the generated
+    text: Ray's driver prints them there. The run says what happened in its own lines."""
+    mod = getattr(getattr(ray, "_private", None), "worker", None)
+    fn = getattr(mod, "print_to_stdstream", None)
+    if mod is None or fn is None or getattr(fn, "_k3_quiet", False):
+        return
+
+    def quiet(data: dict[str, Any], *args: Any, **kwargs: Any) -> None:
+        if data.get("pid") == "raylet":
+            return
+        fn(data, *args, **kwargs)
+
+    quiet._k3_quiet = True  # type: ignore[attr-defined]
+    mod.print_to_stdstream = quiet
+
+
+def start_pool(workers: int | None, address: str | None, timeout_s: float = START_TIMEOUT_S,
+               restarts: int = 0) -> WorkerPool:
+    """Create ``workers`` actors (default: one per ``k3_worker_<i>`` resource the cluster
+    offers, else one per alive node), each restarted up to ``restarts`` times when it dies
+    (-1: every time)."""
     ray = import_ray()
     if workers is not None and workers < 1:
         raise UsageError(f"--expert-workers must be >= 1, got {workers}")
@@ -118,9 +158,12 @@ def start_pool(workers: int | None, address: str | None, timeout_s: float = STAR
     started, tmp = _init(ray, workers, address)
     pool = WorkerPool(ray, [], [], started, tmp)
     try:
-        n = workers or max(1, sum(1 for node in ray.nodes() if node.get("Alive")))
-        cls = ray.remote(num_cpus=1, max_restarts=0, max_task_retries=0)(ExpertWorker)
-        pool.actors = [cls.options(scheduling_strategy="SPREAD").remote(w) for w in range(n)]
+        nodes = alive_nodes(ray.nodes())
+        n = workers or default_workers(nodes)
+        where = f"the Ray cluster at {address}" if address is not None else "the Ray cluster"
+        pool.placements = place(nodes, n, where)
+        cls = ray.remote(num_cpus=1, max_restarts=restarts, max_task_retries=0)(ExpertWorker)
+        pool.actors = [cls.options(**_options(ray, p)).remote(p.worker) for p in pool.placements]
         try:
             pool.info = ray.get([a.describe.remote() for a in pool.actors], timeout=timeout_s)
         except ray.exceptions.GetTimeoutError:
@@ -132,3 +175,12 @@ def start_pool(workers: int | None, address: str | None, timeout_s: float = STAR
         pool.close()
         raise
     return pool
+
+
+def _options(ray: Any, p: Placement) -> dict[str, Any]:
+    """Ray's scheduling options for one placement."""
+    if p.resource is not None:
+        return {"resources": {p.resource: 1}}
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    return {"scheduling_strategy": NodeAffinitySchedulingStrategy(p.node.node_id, soft=False)}

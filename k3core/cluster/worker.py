@@ -6,12 +6,21 @@ policy the head resolved, ``digest`` checksums its share, ``compute`` runs one M
 owned experts over the latent rows the head sent. Each output is the kernel backend's
 ``situ_mlp`` over exactly the rows the head would have used (same bytes, same order), so
 it is byte-identical to computing it on the head.
+
+The model directory is the head's path (a whole checkpoint on every node), or, with an
+expert share (``WorkerSpec.share``, ``k3 shard-experts``), ``worker-i`` under the node's
+``$K3_EXPERT_SHARES`` or the head's ``--expert-shares`` directory, checked against the
+head's record before anything is bound (:func:`k3core.cluster.shares.verify_share`). A
+worker that Ray restarted holds nothing: ``compute`` raises :class:`WorkerNotOpen` until
+the head opens it again.
 """
 
 from __future__ import annotations
 
 import os
 import socket
+import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,6 +32,7 @@ from k3core.api.experts import ExpertSource
 from k3core.api.kernels import KernelBackend
 from k3core.checkpoint.index import CheckpointIndex
 from k3core.cluster.share import ShareDigest, share_digest
+from k3core.cluster.shares import ShareExpectation, share_root, verify_share, worker_name
 from k3core.experts.locator import ExpertLocator
 from k3core.experts.setup import CacheOptions, build_expert_cache
 from k3core.model import sizes
@@ -44,6 +54,42 @@ class WorkerSpec:
     cache_gb: float | None  # this worker's cache; None holds its whole share
     threads: int | None
     owned: dict[int, list[int]]
+    #: an expert share to read instead of ``model_dir`` (its directory of shares, and what
+    #: the head expects of it); ``None`` reads the whole checkpoint at ``model_dir``
+    share: ShareExpectation | None = None
+    share_dir: str | None = None
+    #: a test hook (:func:`hold_point`): a directory of arm files; ``None`` in every real run
+    hold_dir: str | None = None
+
+
+class WorkerNotOpen(K3Error):
+    """A worker with nothing bound (Ray restarted it): the head opens it again and retries."""
+
+
+#: the longest :func:`hold_point` waits
+HOLD_MAX_S = 60.0
+
+
+def hold_point(hold_dir: str, rank: int, step: int, layer: int) -> None:
+    """A test hook that makes "inside a layer" deterministic without changing a byte: when
+    ``HOLD/arm-S-L`` exists, the first worker to reach MoE layer L of the head's forward
+    pass S (1 is the prompt's) renames it (atomically, so one worker takes it) to
+    ``HOLD/held-R``, writes its pid to ``HOLD/inside-R`` and waits, inside that layer's call
+    and before it computes, until ``held-R`` is removed (at most :data:`HOLD_MAX_S`).
+    Without the arm file it returns at once."""
+    d = os.fspath(hold_dir)
+    held = os.path.join(d, f"held-{rank}")
+    try:
+        os.rename(os.path.join(d, f"arm-{step}-{layer}"), held)
+    except OSError:
+        return
+    tmp = os.path.join(d, f".inside-{rank}")
+    with open(tmp, "w") as f:
+        f.write(str(os.getpid()))
+    os.replace(tmp, os.path.join(d, f"inside-{rank}"))
+    deadline = time.monotonic() + HOLD_MAX_S
+    while os.path.exists(held) and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 class ExpertWorker:
@@ -61,14 +107,31 @@ class ExpertWorker:
         self._step = -1
 
     def describe(self) -> dict[str, Any]:
-        return {"rank": self.rank, "pid": os.getpid(), "host": socket.gethostname()}
+        """Who this worker is: its rank, process, host and (under Ray) node id and address."""
+        out: dict[str, Any] = {"rank": self.rank, "pid": os.getpid(),
+                               "host": socket.gethostname(), "node": None, "address": None}
+        ray = sys.modules.get("ray")  # imported in an actor; never imported here
+        if ray is not None and ray.is_initialized():
+            out["node"] = ray.get_runtime_context().get_node_id()
+            out["address"] = ray.util.get_node_ip_address()
+        return out
 
     def open(self, spec: WorkerSpec) -> dict[str, Any]:
         """Bind ``spec`` (closing whatever was bound); returns the names it resolved."""
         self.close()
-        root = Path(spec.model_dir)
-        if not root.is_dir():
-            raise UsageError(f"model directory {root} does not exist on this worker")
+        checked: dict[str, Any] = {}
+        if spec.share is not None:  # this worker's share on this node, checked first
+            where = share_root(spec.share_dir)
+            if where is None:
+                raise UsageError("no --expert-shares directory given and K3_EXPERT_SHARES is "
+                                 "not set on this node")
+            root = Path(where) / worker_name(spec.share.worker)
+            v = verify_share(root, spec.share)
+            checked = {"share": v.directory, "share_check": v.mode, "share_bytes": v.nbytes}
+        else:
+            root = Path(spec.model_dir)
+            if not root.is_dir():
+                raise UsageError(f"model directory {root} does not exist on this worker")
         cfg = load_config(Path(spec.config) if spec.config else root / "config.json")
         reg = get_registry()
         kernels, kname, _ = reg.create("kernel", spec.kernel)
@@ -95,7 +158,7 @@ class ExpertWorker:
         self.source, self.locator = cache, locator
         self._owned = {L: set(es) for L, es in spec.owned.items()}
         return {"kernel": kname, "storage": sname, "cache": pname,
-                "slots": getattr(cache, "capacity", 0), **self.describe()}
+                "slots": getattr(cache, "capacity", 0), **checked, **self.describe()}
 
     def digest(self) -> ShareDigest:
         assert self.index is not None and self.locator is not None and self.spec is not None
@@ -105,8 +168,10 @@ class ExpertWorker:
                 z: np.ndarray) -> list[np.ndarray]:
         """Outputs of ``experts`` of ``layer``: expert ``experts[i]`` over ``z[rows[i]]``
         (``step`` counts the head's forward passes: the cache's hit accounting)."""
-        if self.source is None or self.cfg is None or self.kernels is None:
-            raise K3Error(f"expert worker {self.rank} has no model bound")
+        if self.source is None or self.cfg is None or self.kernels is None or self.spec is None:
+            raise WorkerNotOpen(f"expert worker {self.rank} has no model bound (restarted?)")
+        if self.spec.hold_dir is not None:
+            hold_point(self.spec.hold_dir, self.rank, step, layer)
         mine = self._owned.get(layer, set())
         stray = [e for e in experts if e not in mine]
         if stray:

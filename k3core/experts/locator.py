@@ -87,9 +87,20 @@ class ExpertLocator:
         return r
 
     def max_bytes(self, layers: range) -> int:
-        """Slot size: the largest expert over ``layers`` (checks every MoE layer's expert 0)."""
-        sizes = [self.ref(L, 0).nbytes for L in layers if not self.cfg.is_dense(L)]
+        """Slot size: the largest expert over ``layers`` (checks every MoE layer's first
+        expert the checkpoint holds: expert 0, or in an expert share (``k3 shard-experts``)
+        the first one that share owns)."""
+        sizes = [self.ref(L, self._first_held(L)).nbytes for L in layers if not self.cfg.is_dense(L)]
         return max(sizes) if sizes else 0
+
+    def _first_held(self, layer: int) -> int:
+        """The lowest expert id of ``layer`` with tensors in the index (0 when none has:
+        its lookup then names the missing tensor)."""
+        for e in range(self.cfg.n_experts):
+            base = names.expert_name(layer, e, names.EXPERT_PARTS[0], "")
+            if f"{base}weight_packed" in self.index or f"{base}weight" in self.index:
+                return e
+        return 0
 
     def _infos(self, layer: int, expert: int) -> list[tuple[str, TensorInfo]]:
         out = []

@@ -69,3 +69,24 @@ def tiny_trunk(tiny, tmp_path_factory) -> Path:
     res = CliRunner().invoke(app, ["pack-trunk", str(tiny), str(out)])
     assert res.exit_code == 0, res.output
     return out
+
+
+@pytest.fixture(scope="package")
+def tiny_shares(tiny, tmp_path_factory):
+    """``k3 shard-experts`` of the tiny model for 2 and 3 workers: ``{n: OUT_DIR}``."""
+    out = {}
+    for n in (2, 3):
+        d = tmp_path_factory.mktemp("shares") / f"n{n}"
+        res = CliRunner().invoke(app, ["shard-experts", str(tiny), str(d), "--workers", str(n),
+                                       "--storage", "mmap", "-q"])
+        assert res.exit_code == 0, res.output
+        out[n] = d
+    return out
+
+
+@pytest.fixture(scope="package")
+def other_tiny(tmp_path_factory) -> Path:
+    """The tiny shape with other weights: another model."""
+    out = tmp_path_factory.mktemp("cluster") / "other"
+    synthesize(out, ModelConfig.from_json_dict(size_config("tiny")), seed=6)
+    return out
