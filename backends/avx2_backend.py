@@ -29,8 +29,17 @@ import numpy as np
 from k3_backends import avx2_probe
 from numpy.typing import NDArray
 
-from k3.plugin import F32, U16, KernelBackend, KernelBackendSpec, Mxfp4, PluginError, hookimpl
-from k3core.api.kernels import force_parallel_from_env, latent_shapes
+from k3.plugin import (
+    F32,
+    U16,
+    KernelBackend,
+    KernelBackendSpec,
+    Mxfp4,
+    PluginError,
+    force_parallel_from_env,
+    hookimpl,
+    latent_shapes,
+)
 
 _ENOMEM = -1
 
@@ -130,6 +139,24 @@ class Avx2Backend(KernelBackend):
     @property
     def parallel_forced(self) -> bool:
         return self._forced
+
+    # --- the machine's ceilings (not ops of the contract: `k3 bench` reads them) ---------
+    def read_bandwidth_seconds(self, view: NDArray[np.uint8], passes: int) -> float:
+        """The best of ``passes`` timed 256-bit read loops over ``view`` (64-byte aligned,
+        a multiple of 128 bytes long) on this backend's threads, in seconds."""
+        self._sync_threads()
+        checksum = self._ffi.new("uint64_t *")
+        return float(self._lib.k3_read_bandwidth(self._p("uint8_t[]", view), view.size, passes,
+                                                 checksum))
+
+    def fma_peak_seconds(self, iters: int, passes: int) -> tuple[float, int]:
+        """The best of ``passes`` timed runs of ``iters`` steps of 12 independent float64
+        FMA chains on each of this backend's threads, in seconds, and the float64 lanes of
+        one chain (4: 256-bit, 8: 512-bit)."""
+        self._sync_threads()
+        sink = self._ffi.new("double *")
+        seconds = float(self._lib.k3_fma_peak(iters, passes, sink))
+        return seconds, 8 if self._lib.k3_has_avx512() else 4
 
     # --- plumbing ----------------------------------------------------------------------
     def _p(self, ctype: str, a: np.ndarray) -> Any:

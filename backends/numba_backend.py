@@ -38,9 +38,10 @@ from k3.plugin import (
     KernelBackend,
     KernelBackendSpec,
     Mxfp4,
+    force_parallel_from_env,
     hookimpl,
+    latent_shapes,
 )
-from k3core.api.kernels import force_parallel_from_env, latent_shapes
 
 _INSTALL_HINT = "pip install numba"
 #: Bytes of weights (or equivalent work) per thread below which extra threads are not woken.

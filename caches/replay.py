@@ -44,12 +44,10 @@ from typing import Any
 import numpy as np
 from k3_caches.lazy_heap import top_unprotected
 
-from k3.plugin import CachePolicy, PluginError
+from k3.plugin import CachePolicy, PluginError, next_use, read_trace, trace_keys
 
 
 def _load_keys(trace: Any, n_layers: int, n_experts: int) -> np.ndarray:
-    from k3core.experts.trace import read_trace, trace_keys
-
     if trace is None:
         raise PluginError(
             "cache policy 'replay' needs a trace recorded by an earlier run of the same "
@@ -88,8 +86,6 @@ class ReplayPolicy(CachePolicy):
         self._tkeys: list[int] = keys.tolist()
         self._n = len(self._tkeys)
         self._inf = self._n  # "never used again" (larger than any index)
-        from k3core.experts.simulator import next_use
-
         self._nxt: list[int] = next_use(keys).tolist()  # next index of the same key
         order = np.argsort(keys, kind="stable")
         sorted_keys = keys[order]

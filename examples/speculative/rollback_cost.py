@@ -23,8 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from k3core.model.shapes import SIZES
-from k3core.plugins.registry import get_registry
+from k3.plugin import MODEL_SIZES, create
 
 
 def _time(fn: Any, repeat: int = 20) -> float:
@@ -54,14 +53,14 @@ def main() -> None:
     ap.add_argument("--backend", default="avx2")
     ap.add_argument("--width", type=int, default=4)
     a = ap.parse_args()
-    kern, _, _ = get_registry().create("kernel", a.backend)
+    kern = create("kernel", a.backend)
     k = a.width
     rng = np.random.default_rng(0)
     print(f"backend {a.backend}, width {k}: microseconds per KDA layer and pass")
     print(f"{'shape':>7} {'H x D':>9} {'one call':>9} {'recompute: copy':>16} {'+ worst':>8} "
           f"{'per-row snapshots':>18}")
     for name in ("tiny", "small", "medium", "real"):
-        H, D = SIZES[name]["kda_num_heads"], SIZES[name]["kda_head_dim"]
+        H, D = MODEL_SIZES[name]["kda_num_heads"], MODEL_SIZES[name]["kda_head_dim"]
 
         def arr(*shape: int) -> np.ndarray:
             return rng.standard_normal(shape, dtype=np.float32) * np.float32(0.1)

@@ -44,6 +44,7 @@ import pytest
 
 from k3core.api.kernels import KernelBackend, Mxfp4
 from k3core.testing import adversarial
+from k3core.testing.reference import reference
 from k3core.testing.threads import thread_errors_fail
 
 F32_EDGES = np.array(
@@ -104,14 +105,6 @@ def assert_same_bits(got: Any, want: Any, what: str) -> None:
             f"first at index {list(where)} (flat {i}): got {gv!r} (0x{int(g.reshape(-1)[i]):x}), "
             f"reference {wv!r} (0x{int(w.reshape(-1)[i]):x})"
         )
-
-
-@functools.lru_cache(maxsize=1)
-def reference() -> KernelBackend:
-    """The NumPy reference backend (the bits every backend must produce)."""
-    from k3_backends.numpy_backend import NumpyBackend
-
-    return NumpyBackend()
 
 
 def _rng(*key: Any) -> np.random.Generator:

@@ -12,23 +12,22 @@ from __future__ import annotations
 from typing import Any
 
 from k3core.api.hookspecs import hookimpl
-from k3core.api.kernels import F32
+from k3core.api.kernels import F32, KernelBackend
 from k3core.api.specs import KernelBackendSpec
 from k3core.plugins.registry import Registry, get_registry
+from k3core.testing.reference import reference_class
 
 WRONG = "wrong-sign"
 
 
 def _factory(threads: int = 1, **_: Any) -> Any:
-    from k3_backends.numpy_backend import NumpyBackend
+    base = reference_class()
 
-    class WrongSignBackend(NumpyBackend):
-        name = WRONG
+    def rmsnorm(self: KernelBackend, x: F32, w: F32 | None, eps: float) -> F32:
+        return -base.rmsnorm(self, x, w, eps)
 
-        def rmsnorm(self, x: F32, w: F32 | None, eps: float) -> F32:
-            return -super().rmsnorm(x, w, eps)
-
-    return WrongSignBackend(threads)
+    wrong = type("WrongSignBackend", (base,), {"name": WRONG, "rmsnorm": rmsnorm})
+    return wrong(threads)
 
 
 class _WrongPlugin:

@@ -18,10 +18,11 @@ the model streams different experts). Every backend gets the same inputs; a shor
 of each output is recorded and outputs that differ between backends are flagged (they
 must not: the kernel contract is bit-exact).
 
-Memory bandwidth: a read-reduction loop in C (the avx2 module's ``k3_read_bandwidth``:
-256-bit loads, each thread streaming its own slice) over a buffer of ``max(2^30 bytes,
-8 x LLC)``, best of 5 passes. When that module cannot run here, NumPy's single-threaded
-XOR reduction is used instead and the result says so.
+Memory bandwidth: a read-reduction loop in C (the ``avx2`` backend's
+``read_bandwidth_seconds``, the backend built through the registry: 256-bit loads, each
+thread streaming its own slice) over a buffer of ``max(2^30 bytes, 8 x LLC)``, best of 5
+passes. When that backend cannot run here, NumPy's single-threaded XOR reduction is used
+instead and the result says so.
 
 ``python -m k3core.tools.bench.kernels [--backends avx2,numpy] [--threads N] [--repeat R] [--json]``
 """
@@ -30,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import importlib
 import json
 import statistics
 import sys
@@ -139,13 +139,18 @@ def llc_bytes() -> int:
     return best or 32 << 20
 
 
-def _avx2_module() -> Any:
-    """The avx2 backend's compiled module (its probes), or ``None`` where it cannot run."""
-    try:
-        probe = importlib.import_module("k3_backends.avx2_probe")
-        return probe.load_module() if probe.probe().ok else None
-    except ImportError:
+def _ceilings(threads: int) -> Any:
+    """The ``avx2`` kernel backend on ``threads`` threads, through the registry: it also
+    measures the machine's ceilings (``read_bandwidth_seconds``, ``fma_peak_seconds``);
+    ``None`` where it cannot run here."""
+    reg = get_registry()
+    if not reg.probe("kernel", "avx2").ok:
         return None
+    try:
+        backend, _, _ = reg.create("kernel", "avx2", threads=threads)
+    except K3Error:
+        return None
+    return backend if hasattr(backend, "fma_peak_seconds") else None
 
 
 def measure_read_bandwidth(threads: int, nbytes: int, passes: int = 5) -> tuple[float, str]:
@@ -156,34 +161,27 @@ def measure_read_bandwidth(threads: int, nbytes: int, passes: int = 5) -> tuple[
     view = buf[off : off + nbytes]
     view.fill(1)  # touch every page before timing
     view[::4096] = np.arange(view[::4096].size, dtype=np.uint8)
-    mod = _avx2_module()
-    if mod is None:
+    ceilings = _ceilings(threads)
+    if ceilings is None:
         words = view.view(np.uint64)
         best = float("inf")
         for _ in range(passes):
             t0 = time.perf_counter()
             np.bitwise_xor.reduce(words)
             best = min(best, time.perf_counter() - t0)
-        return nbytes / best / 1e9, "NumPy XOR reduction, 1 thread (avx2 module unavailable)"
-    mod.lib.k3_set_threads(threads)
-    checksum = mod.ffi.new("uint64_t *")
-    seconds = mod.lib.k3_read_bandwidth(mod.ffi.from_buffer("uint8_t[]", view), nbytes, passes,
-                                        checksum)
-    return nbytes / seconds / 1e9, "C 256-bit read loop (k3_backends._k3avx2)"
+        return nbytes / best / 1e9, "NumPy XOR reduction, 1 thread (the avx2 backend cannot run here)"
+    seconds = ceilings.read_bandwidth_seconds(view, passes)
+    return nbytes / seconds / 1e9, "C 256-bit read loop (the avx2 backend's)"
 
 
 def measure_fma_peak(threads: int, iters: int = 20_000_000, passes: int = 3) -> tuple[float, str]:
     """Float64 multiply-adds per second on ``threads`` threads (the products' compute ceiling
-    under the kernel contract), and how; ``(0.0, why)`` without the avx2 module."""
-    mod = _avx2_module()
-    if mod is None:
-        return 0.0, "avx2 module unavailable"
-    mod.lib.k3_set_threads(threads)
-    wide = bool(mod.lib.k3_has_avx512())
-    sink = mod.ffi.new("double *")
-    seconds = mod.lib.k3_fma_peak(iters, passes, sink)
-    lanes = 8 if wide else 4
-    how = f"12 independent {'512' if wide else '256'}-bit FMA chains per thread (k3_backends._k3avx2)"
+    under the kernel contract), and how; ``(0.0, why)`` without the avx2 backend."""
+    ceilings = _ceilings(threads)
+    if ceilings is None:
+        return 0.0, "the avx2 backend cannot run here"
+    seconds, lanes = ceilings.fma_peak_seconds(iters, passes)
+    how = f"12 independent {64 * lanes}-bit FMA chains per thread (the avx2 backend's)"
     return threads * iters * 12 * lanes / seconds / 1e9, how
 
 
