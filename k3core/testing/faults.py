@@ -1,6 +1,6 @@
-"""Test support: a storage backend that fails chosen reads on purpose.
+"""Test support: a storage backend that fails chosen reads on purpose, in-process.
 
-:class:`FaultyStorage` wraps a real backend. A read it is told to fail raises
+:class:`FaultInjector` wraps a real backend object. A read it is told to fail raises
 ``StorageError`` (as a real failed or short read does) after scribbling ``0xA5`` over the
 destination, so a consumer that serves a failed read anyway gets visibly wrong bytes
 instead of stale right ones. Everything else passes through to the wrapped backend.
@@ -9,9 +9,12 @@ Faults are chosen by read number (1-based, counted over every file this wrapper 
 the order ``read_into`` is entered) and/or by file byte range (any read overlapping
 ``[lo, hi)`` fails), optionally only for files whose name contains a string::
 
-    storage = FaultyStorage(MmapStorage(), fail_calls={3}, fail_range=(4096, 8192))
+    storage = FaultInjector(MmapStorage(), fail_calls={3}, fail_range=(4096, 8192))
 
-Not a product backend: it is not registered as a plugin.
+Not a product backend: it is not registered as a plugin. The registered test backend
+``faulty`` (:class:`k3core.testing.faulty_backend.FaultyStorage`, reached by name from the
+command line, configured by ``K3_FAULT_*``) is the other one: torn reads after a count, at
+offsets or in a range of one file, and reads held for a test.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from k3core.api.storage import Buffer, StorageBackend, StorageFile, byte_view
 SCRIBBLE = 0xA5
 
 
-class FaultyStorage(StorageBackend):
+class FaultInjector(StorageBackend):
     """Wraps ``inner``; see the module docstring. Attributes may be changed between reads."""
 
     def __init__(
@@ -56,8 +59,8 @@ class FaultyStorage(StorageBackend):
         self.fail_calls = set()
         self.fail_range = None
 
-    def open(self, path: str | Path) -> FaultyFile:
-        return FaultyFile(self.inner.open(path), self)
+    def open(self, path: str | Path) -> _InjectorFile:
+        return _InjectorFile(self.inner.open(path), self)
 
     def _should_fail(self, path: Path, offset: int, nbytes: int) -> int | None:
         """Count this read; return its number if it must fail, else ``None``."""
@@ -75,8 +78,8 @@ class FaultyStorage(StorageBackend):
         return None
 
 
-class FaultyFile(StorageFile):
-    def __init__(self, inner: StorageFile, owner: FaultyStorage) -> None:
+class _InjectorFile(StorageFile):
+    def __init__(self, inner: StorageFile, owner: FaultInjector) -> None:
         self.inner = inner
         self.owner = owner
         self.path = inner.path

@@ -1,4 +1,6 @@
-"""Fault injection for storage tests: a real backend wrapped so reads can fail or wait.
+"""Fault injection for storage tests: the registered ``faulty`` backend, whose reads can
+fail or wait (an object wrapped in-process to fail reads by number or byte range is
+:class:`k3core.testing.faults.FaultInjector`).
 
 :class:`FaultyStorage` delegates to a registered storage backend and, for files whose name
 matches ``match``, can fail the ``n``-th and later reads (after scribbling over part of the

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -65,11 +64,6 @@ class LogitComparison:
 def compare_logits(a: np.ndarray, b: np.ndarray, top_k: int = 10) -> LogitComparison:
     """Compare two in-memory dumps (see :func:`compare_pair`)."""
     return compare_pair(DumpPair.of(a, b), top_k)
-
-
-def compare_files(a: str | Path, b: str | Path, top_k: int = 10) -> LogitComparison:
-    with DumpPair.open(a, b) as pair:
-        return compare_pair(pair, top_k)
 
 
 def compare_pair(pair: DumpPair, top_k: int = 10) -> LogitComparison:

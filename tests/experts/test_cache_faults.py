@@ -33,7 +33,7 @@ from k3core.testing.expert_cache_conformance import (
     model_cache,
     scatter_experts,
 )
-from k3core.testing.faults import SCRIBBLE, FaultyStorage
+from k3core.testing.faults import SCRIBBLE, FaultInjector
 from k3core.testing.faulty_backend import available_storage, env, register_faulty, unregister_faulty
 from k3core.tools.synth.writer import synthesize
 
@@ -75,7 +75,7 @@ def slot_bytes(rig: Rig, slot: int, layer: int, expert: int) -> np.ndarray:
 def test_failed_read_is_dropped_and_never_served(work: Path, storage: str, policy: str) -> None:
     truth = ShardTruth(cache_fixture(work / "truth"))
     _, lo, _ = expert_start(truth, 0, 7)
-    faulty = FaultyStorage(make_storage(storage), fail_range=(lo, lo + 1))
+    faulty = FaultInjector(make_storage(storage), fail_range=(lo, lo + 1))
     rig = fixture_cache(work / f"fx-{storage}-{policy}", faulty, policy, 5)
     try:
         with pytest.raises(ExpertDropError, match=r"routed expert 0/7 could not be read") as err:
@@ -111,7 +111,7 @@ def test_one_failed_tensor_of_a_scattered_expert(work: Path, model: Path, storag
         scatter_experts(model, scattered)
     truth = ShardTruth(scattered)
     shard, off, n, _ = truth.where[names.expert_name(2, 5, "w3", "weight_scale")]
-    faulty = FaultyStorage(make_storage(storage), fail_range=(off, off + n), path_contains=shard.name)
+    faulty = FaultInjector(make_storage(storage), fail_range=(off, off + n), path_contains=shard.name)
     rig = model_cache(scattered, faulty, "lru", 5)
     try:
         assert not rig.cache.locator.ref(2, 5).contiguous
@@ -219,11 +219,11 @@ def test_an_expert_is_used_as_soon_as_its_read_completes(work: Path, storage: st
     """While one expert's read is held, an expert whose read completed is already multiplied."""
     import threading
 
-    from k3core.testing.faulty_backend import FaultyStorage as GatedStorage
+    from k3core.testing.faulty_backend import FaultyStorage
 
     truth = ShardTruth(cache_fixture(work / "truth"))
     shard, lo, _ = expert_start(truth, 0, 9)
-    faulty = GatedStorage(make_storage(storage), match=shard.name)
+    faulty = FaultyStorage(make_storage(storage), match=shard.name)
     gate = threading.Event()
     faulty.gates[lo] = gate
     rig = fixture_cache(work / f"asap-{storage}", faulty, "lru", 5)

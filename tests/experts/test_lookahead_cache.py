@@ -26,7 +26,7 @@ from k3core.testing.expert_cache_conformance import (
     model_cache,
     served_bytes,
 )
-from k3core.testing.faults import FaultyStorage
+from k3core.testing.faults import FaultInjector
 from k3core.tools.synth.writer import synthesize
 
 TOPK = 4
@@ -130,7 +130,7 @@ def test_a_failed_guess_is_dropped_and_the_real_request_reads_again(model: Path)
     probe = model_cache(model, make_storage("plain"), "lru", 8)
     ref = probe.cache.locator.ref(2, 9)
     probe.close()
-    faulty = FaultyStorage(make_storage("plain"), fail_range=(ref.offset, ref.offset + 1))
+    faulty = FaultInjector(make_storage("plain"), fail_range=(ref.offset, ref.offset + 1))
     rig = model_cache(model, faulty, "lru", 8)
     c = rig.cache
     try:

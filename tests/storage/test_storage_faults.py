@@ -1,4 +1,4 @@
-"""k3core.testing.faults.FaultyStorage: injected read failures, for other components' tests."""
+"""k3core.testing.faults.FaultInjector: injected read failures, for other components' tests."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from k3_storage.mmap_backend import MmapStorage
 from k3core.api.errors import StorageError
 from k3core.api.storage import StorageBackend, aligned_empty
 from k3core.testing.disk import disk_tmpdir
-from k3core.testing.faults import SCRIBBLE, FaultyStorage
+from k3core.testing.faults import SCRIBBLE, FaultInjector
 from k3core.testing.storage_conformance import SIZE, StorageConformance, write_random_file
 
 
@@ -21,7 +21,7 @@ class TestFaultyPassThrough(StorageConformance):
 
     @pytest.fixture
     def storage_backend(self) -> StorageBackend:
-        return FaultyStorage(MmapStorage())
+        return FaultInjector(MmapStorage())
 
 
 @pytest.fixture
@@ -33,7 +33,7 @@ def data() -> Iterator[tuple[Path, bytes]]:
 
 def test_fail_nth_read(data: tuple[Path, bytes]) -> None:
     path, expected = data
-    storage = FaultyStorage(MmapStorage(), fail_calls={2})
+    storage = FaultInjector(MmapStorage(), fail_calls={2})
     with storage.open(path) as f:
         a = aligned_empty(100)
         f.read_into(0, a)
@@ -49,7 +49,7 @@ def test_fail_nth_read(data: tuple[Path, bytes]) -> None:
 
 def test_fail_byte_range(data: tuple[Path, bytes]) -> None:
     path, expected = data
-    storage = FaultyStorage(MmapStorage(), fail_range=(4096, 8192), scribble=False)
+    storage = FaultInjector(MmapStorage(), fail_range=(4096, 8192), scribble=False)
     with storage.open(path) as f:
         out = aligned_empty(96)
         for off in (4001, 4096, 8191):  # touching the range fails
@@ -67,7 +67,7 @@ def test_path_filter_and_read_many(data: tuple[Path, bytes]) -> None:
     path, expected = data
     other = path.parent / "other.bin"
     write_random_file(other, 1000)
-    storage = FaultyStorage(MmapStorage(), fail_range=(0, 50), path_contains="shard-")
+    storage = FaultInjector(MmapStorage(), fail_range=(0, 50), path_contains="shard-")
     with storage.open(other) as f:
         f.read_into(0, aligned_empty(10))  # not a shard: no fault
     bufs = [np.zeros(40, np.uint8) for _ in range(4)]
