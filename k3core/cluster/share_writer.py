@@ -94,7 +94,6 @@ def write_shares(model_dir: Path, out_dir: Path, workers: int, storage: StorageB
         raise UsageError(f"{model_dir} has no MoE layer: there are no routed experts to shard")
     with CheckpointIndex.open(model_dir, storage) as index:
         plan = plan_shares(cfg, ExpertLocator(cfg, index), cfg.n_layers, workers)
-        model = index.fingerprint()
         if out.parent.is_dir():
             sweep_stale(out.parent, [out.name])
         with Partials() as parts:
@@ -104,6 +103,7 @@ def write_shares(model_dir: Path, out_dir: Path, workers: int, storage: StorageB
                 tmp.mkdir(parents=True)
                 records = _write_all(index, plan, model_dir, cfg_file, tmp, progress)
                 head, shares = records[HEAD], [records[w] for w in range(workers)]
+                model = model_identity(index.fingerprint(), records)
                 fp = plan.fingerprint(model)
                 manifest = HeadManifest(model, fp, plan, shares, head)
                 write_manifest(tmp / HEAD_NAME / HEAD_MANIFEST, manifest.to_json())
@@ -121,6 +121,17 @@ def write_shares(model_dir: Path, out_dir: Path, workers: int, storage: StorageB
                 raise OutputError(f"cannot write OUT_DIR {out}: {exc.strerror or exc}"
                                   + (f" ({note})" if note else "")) from exc
     return WrittenShares(out, plan, head, shares)
+
+
+def model_identity(headers: str, records: dict[int, ShareRecord]) -> str:
+    """What the manifests call the model: SHA-256 of the source's header fingerprint and of
+    every file written (head and shares, by directory and name), so two models of the same
+    shape (equal headers) differ, and one model sharded for N workers is always the same."""
+    h = hashlib.sha256(headers.encode())
+    for d in sorted(records):
+        for name, f in sorted(records[d].files.items()):
+            h.update(f"{d}/{name}:{f.nbytes}:{f.sha256};".encode())
+    return h.hexdigest()
 
 
 class _Shard:

@@ -5,10 +5,10 @@ writes ``OUT_DIR/head/`` (every tensor but the routed experts) and ``OUT_DIR/wor
 (worker i's routed experts under the plan of :mod:`k3core.cluster.plan`), each in the
 released layout. Two manifests tie them together:
 
-* ``head/expert-shares.json`` (:data:`HEAD_MANIFEST`): the source model's fingerprint
-  (``CheckpointIndex.fingerprint``: its shard names, sizes and headers), the plan and its
-  fingerprint (:meth:`SharePlan.fingerprint`), and every share's files with their sizes and
-  checksums;
+* ``head/expert-shares.json`` (:data:`HEAD_MANIFEST`): the model's identity (its headers'
+  fingerprint and the checksum of every file written, so two models of one shape differ:
+  :func:`k3core.cluster.share_writer.model_identity`), the plan and its fingerprint
+  (:meth:`SharePlan.fingerprint`), and every share's files with their sizes and checksums;
 * ``worker-i/share.json`` (:data:`SHARE_MANIFEST`): the same model and plan fingerprints,
   the worker's number and the worker count, and its own files.
 
@@ -244,16 +244,16 @@ def verify_share(directory: Path, expect: ShareExpectation) -> VerifiedShare:
                               "k3 shard-experts")
     m = _load(path, "a share manifest")
     where = f"share {d}: {path.name}"
-    if m.get("model") != expect.model:
-        raise CheckpointError(f"{where} is of another model than the head's (model fingerprint "
-                              f"{str(m.get('model'))[:12]}, the head's {expect.model[:12]})",
-                              hint="give every worker the share written with this head")
     if m.get("workers") != expect.workers or m.get("worker") != expect.worker:
         raise CheckpointError(f"{where} is the share of worker {m.get('worker')!r} of "
                               f"{m.get('workers')!r}; this run needs worker {expect.worker} of "
                               f"{expect.workers}",
                               hint="shard the model again for this many workers, or run with "
                                    "the worker count the shares were written for")
+    if m.get("model") != expect.model:
+        raise CheckpointError(f"{where} is of another model than the head's (model "
+                              f"{str(m.get('model'))[:12]}, the head's {expect.model[:12]})",
+                              hint="give every worker the share written with this head")
     if m.get("plan_fingerprint") != expect.plan:
         raise CheckpointError(f"{where} was written under another expert plan than the head's")
     try:
