@@ -56,6 +56,7 @@ import pytest
 
 from k3core.api.errors import StorageError
 from k3core.api.storage import Buffer, StorageBackend, aligned_empty
+from k3core.api.units import ALIGN
 from k3core.testing.disk import describe_scratch_root, disk_tmpdir
 from k3core.testing.process import MemoryWatch, open_handles
 from k3core.testing.storage_data import (
@@ -117,17 +118,17 @@ BAD_RANGES: dict[str, tuple[int, int]] = {
 
 
 def _numpy_aligned(n: int, offset: int) -> Buffer:
-    return aligned_empty(n, 4096)
+    return aligned_empty(n, ALIGN)
 
 
 def _numpy_unaligned(n: int, offset: int) -> Buffer:
-    return aligned_empty(n + 1, 4096)[1:]
+    return aligned_empty(n + 1, ALIGN)[1:]
 
 
 def _numpy_congruent(n: int, offset: int) -> Buffer:
-    """Address congruent to the file offset modulo 4096 (body readable in place)."""
-    k = offset % 4096
-    return aligned_empty(n + k, 4096)[k:]
+    """Address congruent to the file offset modulo ALIGN (body readable in place)."""
+    k = offset % ALIGN
+    return aligned_empty(n + k, ALIGN)[k:]
 
 
 def _memoryview_bytearray(n: int, offset: int) -> Buffer:
@@ -135,11 +136,11 @@ def _memoryview_bytearray(n: int, offset: int) -> Buffer:
 
 
 def _memoryview_aligned(n: int, offset: int) -> Buffer:
-    return aligned_empty(n, 4096).data
+    return aligned_empty(n, ALIGN).data
 
 
 def _memoryview_unaligned(n: int, offset: int) -> Buffer:
-    return aligned_empty(n + 3, 4096)[3:].data
+    return aligned_empty(n + 3, ALIGN)[3:].data
 
 
 DESTINATIONS: dict[str, Callable[[int, int], Buffer]] = {
@@ -339,7 +340,7 @@ class StorageConformance:
         path = data_dir / "huge.bin"
         write_sparse_pattern_file(path, HUGE_SIZE, islands)
         offset, n = 4093, HUGE_SIZE - 4093 - 11
-        out = aligned_empty(n + 1, 4096)[1:]
+        out = aligned_empty(n + 1, ALIGN)[1:]
         with storage_backend.open(path) as f:
             f.read_into(offset, out)
         op = read_op(path, offset, n, "numpy-unaligned")
@@ -409,8 +410,8 @@ class StorageConformance:
 
     def test_read_many(self, storage_backend: StorageBackend, data_file: Path) -> None:
         whole = data_file.read_bytes()
-        reqs = [(o, aligned_empty(n, 4096)) for o, n in [(70000, 9000), (0, 4096), (1, 50000)]]
-        reqs.append((SIZE - 3, aligned_empty(10, 4096)))  # outside: only this one fails
+        reqs = [(o, aligned_empty(n, ALIGN)) for o, n in [(70000, 9000), (0, 4096), (1, 50000)]]
+        reqs.append((SIZE - 3, aligned_empty(10, ALIGN)))  # outside: only this one fails
         with storage_backend.open(data_file) as f:
             results = f.read_many(reqs, depth=4)
         got = ["ok" if r is None else type(r).__name__ for r in results]
@@ -432,7 +433,7 @@ class StorageConformance:
             with storage_backend.open(path) as f:
                 assert f.size == len(expect), (
                     f"{how}: open({path.name}).size is {f.size}, the file now has {len(expect)} bytes")
-                out = aligned_empty(len(expect), 4096)
+                out = aligned_empty(len(expect), ALIGN)
                 f.read_into(0, out)
             check_read(out, expect, f"{how}: {read_op(path, 0, len(expect))}", 0, old=old)
 
@@ -461,7 +462,7 @@ class StorageConformance:
         (Windows: handle) count where it was."""
         if open_handles() is None:
             pytest.skip("this platform does not report a process's open handles")
-        out = aligned_empty(4096, 4096)
+        out = aligned_empty(4096, ALIGN)
         for _ in range(3):  # warm up: whatever a backend opens once (and keeps) opens now
             with storage_backend.open(data_file) as f:
                 f.read_into(0, out)
@@ -508,18 +509,18 @@ class StorageConformance:
         """Read six times ``resident_allowance`` through one open file (1 MiB + 4099 bytes a
         read into one reused buffer): the resident set grows by less than the allowance."""
         chunk = MiB + 4099
-        buf = aligned_empty(chunk + 4096, 4096)
+        buf = aligned_empty(chunk + ALIGN, ALIGN)
         budget = self.resident_allowance
         goal = 6 * budget
         with storage_backend.open(big_file) as f:
             for off in (0, chunk):  # warm up: scratch a backend keeps and reuses is made now
-                f.read_into(off, buf[off % 4096 : off % 4096 + chunk])
+                f.read_into(off, buf[off % ALIGN : off % ALIGN + chunk])
             rss, traced, done, off = 0, 0, 0, 0
             with MemoryWatch() as watch:
                 while done < goal:
                     if off + chunk > BIG_SIZE:
                         off = (off + 4097) % 8192
-                    k = off % 4096
+                    k = off % ALIGN
                     dst = buf[k : k + chunk]
                     f.read_into(off, dst)
                     for at in (0, chunk - 64):  # a cheap check that each read read something
@@ -547,7 +548,7 @@ class StorageConformance:
         with storage_backend.open(data_file) as f:
             refused(f"{read_op(data_file, offset, n)} ({SIZE} bytes)",
                     "a range outside the file is refused, never read short or zero-filled",
-                    lambda: f.read_into(offset, aligned_empty(n, 4096)))
+                    lambda: f.read_into(offset, aligned_empty(n, ALIGN)))
 
     def test_truncated_after_open(self, storage_backend: StorageBackend, data_file: Path) -> None:
         keep = SIZE // 2
@@ -559,11 +560,11 @@ class StorageConformance:
                 pytest.skip(f"the OS refuses to truncate the open file: {exc}")
             for offset, n in [(keep + 100, 1000), (keep - 100, 200), (keep & ~4095, 8192)]:
                 def gone(offset: int = offset, n: int = n) -> None:
-                    f.read_into(offset, aligned_empty(n, 4096))
+                    f.read_into(offset, aligned_empty(n, ALIGN))
 
                 refused(f"{read_op(data_file, offset, n)} after the file was truncated to "
                         f"{keep} bytes", "bytes that are gone cannot be read", gone)
-            out = aligned_empty(4096, 4096)  # what is still there still reads correctly
+            out = aligned_empty(4096, ALIGN)  # what is still there still reads correctly
             f.read_into(0, out)
             check_read(out, expected, read_op(data_file, 0, 4096) + " after truncation", 0)
 
@@ -584,17 +585,17 @@ class StorageConformance:
         f.close()
         f.close()  # idempotent
         refused(f"{read_op(data_file, 0, 16)} after close()", "a closed file reads nothing",
-                lambda: f.read_into(0, aligned_empty(16, 4096)))
+                lambda: f.read_into(0, aligned_empty(16, ALIGN)))
 
     @pytest.mark.parametrize("kind", ["read-only", "non-contiguous"])
     def test_bad_destination_refused(self, storage_backend: StorageBackend, data_file: Path,
                                      kind: str) -> None:
         out: Any
         if kind == "read-only":
-            out = aligned_empty(100, 4096)
+            out = aligned_empty(100, ALIGN)
             out.setflags(write=False)
         else:
-            out = aligned_empty(200, 4096)[::2]
+            out = aligned_empty(200, ALIGN)[::2]
         with storage_backend.open(data_file) as f:
             refused(f"{read_op(data_file, 0, 100, f'a {kind} array')}",
                     "only a writable contiguous buffer is filled", lambda: f.read_into(0, out))
@@ -604,9 +605,9 @@ class StorageConformance:
         path.write_bytes(b"")
         with storage_backend.open(path) as f:
             assert f.size == 0, f"open(an empty file).size is {f.size}"
-            f.read_into(0, aligned_empty(0, 4096))
+            f.read_into(0, aligned_empty(0, ALIGN))
             refused(read_op(path, 0, 1) + " (an empty file)", "nothing is there to read",
-                    lambda: f.read_into(0, aligned_empty(1, 4096)))
+                    lambda: f.read_into(0, aligned_empty(1, ALIGN)))
 
     # ---- stats ------------------------------------------------------------------------
     def test_stats_count_bytes_and_calls(
@@ -616,9 +617,9 @@ class StorageConformance:
         sizes = [(0, 4096), (5, 10), (SIZE - 100, 100), (12345, 54321), (77, 0)]
         with storage_backend.open(data_file) as f:
             for offset, n in sizes:
-                f.read_into(offset, aligned_empty(n, 4096))
+                f.read_into(offset, aligned_empty(n, ALIGN))
             try:  # a refused read counts nothing
-                f.read_into(SIZE - 5, aligned_empty(10, 4096))
+                f.read_into(SIZE - 5, aligned_empty(10, ALIGN))
             except StorageError:
                 pass
         b1, seconds, c1 = storage_backend.stats.snapshot()
