@@ -272,10 +272,14 @@ class AlignedStorage(StorageBackend):
             return Availability.no(exc.message, exc.hint or cls.refusal_hint)
         p = Path(path)
         if p.is_dir():
-            files = sorted(
-                (c for c in p.iterdir() if c.is_file() and c.stat().st_size > 0),
-                key=lambda c: (c.suffix != ".safetensors", c.name),
-            )
+            try:
+                files = sorted(
+                    (c for c in p.iterdir() if c.is_file() and c.stat().st_size > 0),
+                    key=lambda c: (c.suffix != ".safetensors", c.name),
+                )
+            except OSError as exc:
+                return Availability.no(f"cannot list {p}: {exc.strerror or exc}",
+                                       cls.refusal_hint)
             if not files:
                 return backend._probe_temp(p)
             p = files[0]

@@ -261,3 +261,22 @@ def test_a_fixed_alignment_is_the_backends_and_each_files(data: tuple[Path, byte
         out = np.empty(100, dtype=np.uint8)
         f.read_into(8191, out)
         assert out.tobytes() == data[1][8191:8291]
+
+
+def test_probe_path_of_an_unlistable_directory_says_no(
+    data: tuple[Path, bytes], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A directory it cannot list is a no with the reason, never an exception (the path
+    probe's contract)."""
+    folder = data[0].parent
+    real = Path.iterdir
+
+    def refuse(self: Path) -> Iterator[Path]:
+        if self == folder:
+            raise PermissionError(errno.EACCES, "Permission denied")
+        return real(self)
+
+    monkeypatch.setattr(Path, "iterdir", refuse)
+    avail = DirectStorage.probe_path(folder)
+    assert not avail.ok and avail.reason == f"cannot list {folder}: Permission denied"
+    assert avail.hint == DIRECT_HINT
