@@ -115,3 +115,19 @@ def test_the_boundary_check_sees_every_kind_of_import(tmp_path):
     found = {mod for _, mod in imported(src)}
     assert {"k3core.api", "k3_storage.plain.PlainStorage", "k3core.experts.trace",
             "k3_backends.avx2_probe", "."} <= found
+
+
+def test_every_public_plugin_name_resolves_and_the_trace_readers_load_on_first_use():
+    """Each name ``k3.plugin`` and ``k3.testing`` list is there (the lazy ones too), and
+    importing ``k3.plugin`` loads no trace reader (nor what it needs) until one is asked for."""
+    import subprocess
+    import sys
+
+    probe = ("import sys, k3.plugin\n"
+             "loaded = sorted(m for m in sys.modules if m.startswith('k3core.experts'))\n"
+             "import k3.plugin as P, k3.testing as T\n"
+             "missing = [n for m in (P, T) for n in m.__all__ if getattr(m, n, None) is None]\n"
+             "print(loaded, missing)")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.split() == ["[]", "[]"], out.stdout
