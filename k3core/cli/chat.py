@@ -17,7 +17,7 @@ from typing import Any
 import typer
 
 from k3core.api.errors import K3Error, UsageError
-from k3core.cli.guard import guarded
+from k3core.cli.guard import guarded, in_flags
 from k3core.cli.line_input import LineReader
 
 _C = "Conversation"
@@ -170,7 +170,7 @@ def _command(conv: Any, text: str) -> bool:
         else:
             raise UsageError(f"unknown command {name}; {HELP}")
     except K3Error as exc:
-        print(f"k3: error: {exc}", file=sys.stderr)
+        print(f"k3: error: {in_flags(exc)}", file=sys.stderr)
     return False
 
 
@@ -185,7 +185,7 @@ def _turn(conv: Any, text: str, max_tokens: int, sampling: dict[str, Any]) -> No
     try:
         res = conv.say(text, max_tokens, sampling, on_piece=printer, cancel=cancel)
     except K3Error as exc:
-        print(f"k3: error: {exc}", file=sys.stderr)
+        print(f"k3: error: {in_flags(exc)}", file=sys.stderr)
         return
     finally:
         signal.signal(signal.SIGINT, previous)

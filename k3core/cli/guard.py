@@ -1,7 +1,8 @@
 """How every command fails: one ``k3: error: ...`` line and the error's exit code.
 
-Every refusal is a ``K3Error``: the message is printed once to stderr and the process exits
-with the error's code (see ``docs/exit-codes.md``). Ctrl-C stops cleanly with exit 130 after
+Every refusal is a ``K3Error``: the message is printed once to stderr, each parameter it
+names shown as its flag (``k3core.cli.options.FLAGS``), and the process exits with the
+error's code (see ``docs/exit-codes.md``). Ctrl-C stops cleanly with exit 130 after
 output files are either complete or absent.
 """
 
@@ -25,6 +26,13 @@ def fail(message: str, code: int) -> typer.Exit:
     return typer.Exit(code)
 
 
+def in_flags(exc: K3Error) -> str:
+    """``exc``'s message (and fix) with each parameter named as the command line's flag."""
+    from k3core.cli.options import FLAG_WORDS
+
+    return exc.in_words(FLAG_WORDS)
+
+
 def guarded(fn: F) -> F:
     """Turn K3Error into one message and its exit code; Ctrl-C into exit 130."""
 
@@ -34,7 +42,7 @@ def guarded(fn: F) -> F:
         try:
             return fn(*args, **kwargs)
         except K3Error as exc:
-            raise fail(str(exc), int(exc.exit_code)) from None
+            raise fail(in_flags(exc), int(exc.exit_code)) from None
         except KeyboardInterrupt:
             raise fail("interrupted", 130) from None
 

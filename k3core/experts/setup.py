@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from k3core.api.errors import UsageError
+from k3core.api.errors import UsageError, param
 from k3core.api.units import check_gb, gb_bytes
 from k3core.checkpoint.index import CheckpointIndex
 from k3core.experts.cache import ExpertCache
@@ -41,27 +41,29 @@ def expert_slots(cfg: ModelConfig, n_layers: int, slot_bytes: int, cache_gb: flo
     stride = sizes.slot_bytes(slot_bytes)
     if cache_gb is None:
         return total
-    check_gb(cache_gb, "--cache-gb")
+    check_gb(cache_gb, param("cache_gb"))
     slots = sizes.cache_slots(gb_bytes(cache_gb), slot_bytes, total)
     if slots < cfg.topk + 1:
         need = (cfg.topk + 1) * stride / 1e9
         raise UsageError(
-            f"--cache-gb {cache_gb:g} gives {slots} expert slots of {stride / 1e6:.2f} MB; "
+            f"{param('cache_gb')} {cache_gb:g} gives {slots} expert slots of "
+            f"{stride / 1e6:.2f} MB; "
             f"at least top-k + 1 = {cfg.topk + 1} are needed ({need:.3f} GB)"
         )
     return slots
 
 
 def check_replay_trace(cfg: ModelConfig, policy: str, trace: object) -> None:
-    """``--cache-trace`` only with ``--cache-policy replay``, and only a trace of this model.
+    """``cache_trace`` only with ``cache_policy`` replay, and only a trace of this model.
 
     A trace of another model is caught by its ``expert_hist.json`` (written beside every
     trace k3 records: the recording model's layer and expert counts), by layers or experts
     out of this model's range, and by layer visits that are not whole positions of top-k.
     """
     if policy != "replay":
-        raise UsageError(f"--cache-trace is read only by --cache-policy replay (this run uses "
-                         f"'{policy}'): add --cache-policy replay, or drop --cache-trace")
+        raise UsageError(f"{param('cache_trace')} is read only by {param('cache_policy')} "
+                         f"replay (this run uses '{policy}'): add {param('cache_policy')} "
+                         f"replay, or drop {param('cache_trace')}")
     if not isinstance(trace, (str, Path)):
         return
     path = Path(trace)
@@ -70,7 +72,7 @@ def check_replay_trace(cfg: ModelConfig, policy: str, trace: object) -> None:
     if hist_path.is_file():
         hist = read_hist(hist_path)
         if (hist["n_layers"], hist["n_experts"]) != (cfg.n_layers, cfg.n_experts):
-            raise TraceError(f"--cache-trace {path}: recorded from a model with "
+            raise TraceError(f"{param('cache_trace')} {path}: recorded from a model with "
                              f"{hist['n_layers']} layers and {hist['n_experts']} experts "
                              f"({hist_path}); this model has {cfg.n_layers} and "
                              f"{cfg.n_experts}: a trace of another model")
@@ -78,7 +80,8 @@ def check_replay_trace(cfg: ModelConfig, policy: str, trace: object) -> None:
     cuts = np.r_[0, np.flatnonzero(np.diff(layers)) + 1, len(layers)]
     for s, e in zip(cuts[:-1], cuts[1:], strict=True):
         if (e - s) % cfg.topk:
-            raise TraceError(f"--cache-trace {path}: the visit of layer {int(layers[s])} at "
+            raise TraceError(f"{param('cache_trace')} {path}: the visit of layer "
+                             f"{int(layers[s])} at "
                              f"request {int(s)} has {int(e - s)} requests, not a multiple of "
                              f"this model's top-k {cfg.topk}: a trace of another model")
 

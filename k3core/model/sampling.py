@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from k3core.api.contract import EXP_COEF, EXP_HI, EXP_LO, LANES, LN2_HI, LN2_LO, LOG2E
-from k3core.api.errors import K3Error, UsageError
+from k3core.api.errors import K3Error, UsageError, param
 
 #: temperatures below this (0 included) choose greedily: the documented minimum
 #: (docs/cli.md, docs/server.md, docs/python-api.md)
@@ -46,17 +46,17 @@ def is_greedy_temperature(temperature: float) -> bool:
 
 def check_sampling(temperature: float | None, top_p: float | None, top_k: int | None,
                    seed: int | None) -> None:
-    """Refuse, naming the flag, a sampling value that is out of range, NaN or infinite
+    """Refuse, naming the parameter, a sampling value that is out of range, NaN or infinite
     (``None``: not given)."""
     if temperature is not None and not (math.isfinite(temperature) and temperature >= 0):
-        raise UsageError(f"--temperature must be finite and >= 0 (below {MIN_TEMPERATURE:g} "
-                         f"= greedy), got {temperature}")
+        raise UsageError(f"{param('temperature')} must be finite and >= 0 (below "
+                         f"{MIN_TEMPERATURE:g} = greedy), got {temperature}")
     if top_p is not None and not 0 < top_p <= 1:  # NaN fails both comparisons
-        raise UsageError(f"--top-p must be in (0, 1], got {top_p}")
+        raise UsageError(f"{param('top_p')} must be in (0, 1], got {top_p}")
     if top_k is not None and top_k < 1:
-        raise UsageError(f"--top-k must be >= 1, got {top_k}")
+        raise UsageError(f"{param('top_k')} must be >= 1, got {top_k}")
     if seed is not None and seed < 0:
-        raise UsageError(f"--seed must be a non-negative integer, got {seed}")
+        raise UsageError(f"{param('seed')} must be a non-negative integer, got {seed}")
 
 
 def argmax(logits: np.ndarray) -> int:

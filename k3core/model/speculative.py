@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from k3core.api.errors import UsageError
+from k3core.api.errors import UsageError, param
 from k3core.model.forward import Model
 from k3core.model.rollback import begin, truncate
 from k3core.model.state import SequenceState
@@ -59,11 +59,11 @@ class SpecOptions:
 
 def check_spec(mode: str, width: int, ngram: int) -> None:
     if mode not in MODES:
-        raise UsageError(f"--spec must be one of {', '.join(MODES)}, got {mode!r}")
+        raise UsageError(f"{param('spec')} must be one of {', '.join(MODES)}, got {mode!r}")
     if not 1 <= width <= MAX_WIDTH:
-        raise UsageError(f"--spec-width must be in 1..{MAX_WIDTH}, got {width}")
+        raise UsageError(f"{param('spec_width')} must be in 1..{MAX_WIDTH}, got {width}")
     if not 1 <= ngram <= MAX_NGRAM:
-        raise UsageError(f"--spec-ngram must be in 1..{MAX_NGRAM}, got {ngram}")
+        raise UsageError(f"{param('spec_ngram')} must be in 1..{MAX_NGRAM}, got {ngram}")
 
 
 def ngram_draft(ids: Sequence[int], ngram: int, width: int) -> tuple[list[int], int]:

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 
 import psutil
 
-from k3core.api.errors import MemoryPlanError, UsageError
+from k3core.api.errors import MemoryPlanError, UsageError, param
 from k3core.api.units import ALIGN, human
 from k3core.model.config import ModelConfig
 from k3core.model.sizes import ModelSizes, cache_slots, sizes_from_config, slot_bytes
@@ -145,7 +145,8 @@ class MemoryPlan:
         raise MemoryPlanError(
             f"REFUSING TO START: this needs {human(self.total)} and the machine has "
             f"{human(self.available)} available, {shortfall}. Options: a larger box, a smaller "
-            "--cache-gb or --trunk-gb (or a smaller --preset), or fewer --layers."
+            f"{param('cache_gb')} or {param('trunk_gb')} (or a smaller {param('preset')}), or "
+            f"fewer {param('layers')}."
         )
 
 
@@ -162,8 +163,8 @@ def check_kv(cfg: ModelConfig, positions: int, available: int | None = None,
             f"the KV cache for {positions} positions needs {human(kv)} "
             f"({kv_bytes(cfg, 1, n_layers) / 1e6:.2f} MB/position) and the machine has "
             f"{human(avail)} available: this is a memory limit, not an engine ceiling; ask for a "
-            "shorter request (fewer prompt tokens or a smaller --gen); every decoding mode, "
-            "--full-recompute included, holds this latent cache"
+            f"shorter request (fewer prompt tokens or a smaller {param('max_tokens')}); every "
+            "decoding mode, full recompute included, holds this latent cache"
         )
     return kv
 
@@ -248,16 +249,18 @@ def plan_memory(
     incremental, n_layers, ultra = req.incremental, req.n_layers, req.ultra
     trunk_budget, trunk_bytes_resident = req.trunk_budget, req.trunk_bytes_resident
     if prompt_len < 0 or gen < 0 or cache_bytes < 0:
-        raise UsageError("prompt length, --gen and --cache-gb must not be negative")
+        raise UsageError(f"prompt length, {param('max_tokens')} and {param('cache_gb')} must "
+                         "not be negative")
     L = cfg.n_layers if n_layers is None else n_layers
     if not 1 <= L <= cfg.n_layers:
-        raise UsageError(f"--layers must be in 1..{cfg.n_layers}, got {L}")
+        raise UsageError(f"{param('layers')} must be in 1..{cfg.n_layers}, got {L}")
     sz = (sizes or sizes_from_config(cfg)).first(L)
     notes: list[str] = []
     whole = sz.trunk_bytes
     if streamed:
         if trunk_budget is None or trunk_budget < 0:
-            raise UsageError("a streamed trunk needs a non-negative trunk budget (--trunk-gb)")
+            raise UsageError(f"a streamed trunk needs a non-negative trunk budget "
+                             f"({param('trunk_gb')})")
         trunk = min(trunk_budget, whole + ALIGN * L)
         if trunk < trunk_budget:
             notes.append(f"trunk budget {human(trunk_budget)} exceeds the whole trunk; planning "
@@ -278,7 +281,7 @@ def plan_memory(
     per_layer = recurrent_bytes_per_layer(cfg)
     recurrent = per_layer * (min(n_kda, 1) if ultra and not incremental else n_kda)
     if req.prefill_chunk is not None and req.prefill_chunk < 1:
-        raise UsageError(f"--prefill-chunk must be >= 1, got {req.prefill_chunk}")
+        raise UsageError(f"{param('prefill_chunk')} must be >= 1, got {req.prefill_chunk}")
     avail = available_bytes() if available is None else available
     chunk = req.prefill_chunk or prefill_chunk(cfg, avail, L)
     T = prompt_len + gen + 1

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from k3core.api.errors import UsageError
+from k3core.api.errors import UsageError, param
 
 CONFIG_NAME = "config.json"
 #: subdirectories looked at for a model, at most
@@ -22,14 +22,14 @@ def config_path(model_dir: Path, config: Path | None = None) -> Path:
     """The config to read; ``UsageError`` naming the problem when there is none."""
     if config is not None:
         if not config.exists():
-            raise UsageError(f"--config {config} does not exist")
+            raise UsageError(f"{param('config')} {config} does not exist")
         if not config.is_file():
-            raise UsageError(f"--config {config} is not a file")
+            raise UsageError(f"{param('config')} {config} is not a file")
         return config
     if not model_dir.exists():
         raise UsageError(f"model directory {model_dir} does not exist")
     if not model_dir.is_dir():
-        raise UsageError(f"MODEL_DIR {model_dir} is not a directory")
+        raise UsageError(f"{param('model_dir')} {model_dir} is not a directory")
     path = model_dir / CONFIG_NAME
     if path.is_file():
         return path
@@ -37,7 +37,7 @@ def config_path(model_dir: Path, config: Path | None = None) -> Path:
     if found:
         return _raise_nested(model_dir, found)
     raise UsageError(f"{model_dir} holds no model: there is no {CONFIG_NAME} in it (pass "
-                     "--config PATH if the config lives elsewhere)")
+                     f"{param('config')} PATH if the config lives elsewhere)")
 
 
 def _raise_nested(model_dir: Path, found: list[Path]) -> Path:

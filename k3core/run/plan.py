@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from k3core.api.errors import UsageError
+from k3core.api.errors import UsageError, param
 from k3core.api.specs import Kind
 from k3core.api.units import ALIGN, gb_bytes, human
 from k3core.experts.setup import CacheOptions
@@ -188,7 +188,7 @@ def read_model_config(model_dir: Path, config: Path | None = None,
     """The model's config (``config``, else MODEL_DIR's), and ``layers`` checked against it."""
     cfg = load_config(config_path(model_dir, config))
     if layers is not None and not 1 <= layers <= cfg.n_layers:
-        raise UsageError(f"--layers must be in 1..{cfg.n_layers}, got {layers}")
+        raise UsageError(f"{param('layers')} must be in 1..{cfg.n_layers}, got {layers}")
     return cfg
 
 
@@ -205,7 +205,7 @@ def _resolve(req: EngineRequest, needs_tokenizer: bool) -> EnginePlan:
     given_as = req.given_as
     model_dir = req.model_dir or merge_settings(None, None, None, req.flags()).settings.model_dir
     if model_dir is None:
-        raise UsageError("MODEL_DIR is required (or set K3_MODEL_DIR)")
+        raise UsageError(f"{param('model_dir')} is required (or set K3_MODEL_DIR)")
     model_dir = Path(model_dir)
     cfg = read_model_config(model_dir, req.config, req.layers)
     if not model_dir.is_dir():
@@ -219,8 +219,8 @@ def _resolve(req: EngineRequest, needs_tokenizer: bool) -> EnginePlan:
     notes: list[str] = []
     plugins = _plugins(s.backend, s.storage, s.cache_policy or "auto", model_dir)
     if s.ultra_low_memory and req.trunk is None:
-        raise UsageError("--ultra-low-memory needs --trunk DIR (pack one with "
-                         "`k3 pack-trunk MODEL_DIR TRUNK_DIR`)")
+        raise UsageError(f"{param('ultra_low_memory')} needs {param('trunk')} DIR (pack one "
+                         "with `k3 pack-trunk MODEL_DIR TRUNK_DIR`)")
     tok = load_tokenizer(s.tok, cfg.vocab, required=needs_tokenizer, model_dir=model_dir)
     tok_dir = (Path(s.tok) if s.tok is not None else find_tokenizer(model_dir)) if tok else None
     return EnginePlan(request=req, model_dir=model_dir, cfg=cfg, merged=merged, plugins=plugins,
@@ -282,7 +282,7 @@ def plan_run(req: RunRequest) -> RunPlan:
     eng = _resolve(req.engine.model_copy(update={"given_as": "flag"}), req.prompt.needs_tokenizer)
     req.outputs.check(inputs=(*eng.inputs(), (req.prompt.file, "--prompt-file")))
     for sid in req.generation.stop_ids:
-        check_vocab([sid], eng.cfg.vocab, "--stop-id")
+        check_vocab([sid], eng.cfg.vocab, param("stop_ids"))
     tok = eng.tokenizer
     bos = tok.special_token_id("[BOS]") if tok is not None and "[BOS]" in tok.special_tokens else None
     bos = bos if bos is not None else eng.cfg.bos_token_id

@@ -12,21 +12,24 @@ It has three parts, each usable alone:
 * :class:`GenerationParams`: one generation (prompt-independent: length, sampling, stops);
 * :class:`OutputRequest`: the files a command-line run writes.
 
-Every refusal is a ``UsageError`` (exit 2) with the flag's name, checked in the reference
-engine's order before any file is opened. The whole request serialises to JSON
+Every refusal is a ``UsageError`` (exit 2) naming the parameter (:func:`~k3core.api.errors.param`:
+``max_tokens`` from Python, ``--gen`` on the command line), checked in the reference engine's
+order before any file is opened. The whole request serialises to JSON
 (:meth:`RunRequest.to_json`) and ``--out`` records it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from k3core.api.errors import UsageError
+from k3core.api.errors import UsageError, param
 from k3core.api.units import check_gb
+from k3core.experts.readers import READERS_LIMIT
+from k3core.run.settings import LOOKAHEAD_MODES
 
 #: the most tokens one generation may ask for, and the most stop ids / stop strings
 MAX_GEN = 4096
@@ -108,21 +111,22 @@ class GenerationParams(_Strict):
         from k3core.model.speculative import check_spec
 
         if not (0 <= self.max_tokens <= MAX_GEN or self.max_tokens == UNTIL_END):
-            raise UsageError(f"--gen must be in 0..{MAX_GEN}, or {UNTIL_END} to generate until "
-                             f"the end of sequence or the context is full; got "
+            raise UsageError(f"{param('max_tokens')} must be in 0..{MAX_GEN}, or {UNTIL_END} to "
+                             f"generate until the end of sequence or the context is full; got "
                              f"{self.max_tokens} (refusing rather than clamping)")
         if self.context is not None and not 1 <= self.context <= max_context():
-            raise UsageError(f"--context must be in 1..{max_context()}, got {self.context}")
+            raise UsageError(f"{param('context')} must be in 1..{max_context()}, got "
+                             f"{self.context}")
         if len(self.stop_ids) > MAX_STOP_IDS:
-            raise UsageError(f"--stop-id may be given at most {MAX_STOP_IDS} times")
+            raise UsageError(f"{param('stop_ids')} may be given at most {MAX_STOP_IDS} times")
         if any(s < 0 for s in self.stop_ids):
-            raise UsageError("--stop-id must be a non-negative integer")
+            raise UsageError(f"{param('stop_ids')} must be a non-negative integer")
         if len(self.stop) > MAX_STOP_TEXTS:
-            raise UsageError(f"--stop may be given at most {MAX_STOP_TEXTS} times")
+            raise UsageError(f"{param('stop')} may be given at most {MAX_STOP_TEXTS} times")
         for s in self.stop:
             if not s or len(s) > MAX_STOP_CHARS:
-                raise UsageError(f"--stop needs a non-empty text of at most {MAX_STOP_CHARS} "
-                                 f"characters, got {s!r:.40}")
+                raise UsageError(f"{param('stop')} needs a non-empty text of at most "
+                                 f"{MAX_STOP_CHARS} characters, got {s!r:.40}")
         check_sampling(self.temperature, self.top_p, self.top_k, self.seed)
         check_spec(self.spec, self.spec_width, self.spec_ngram)
         return self
@@ -138,8 +142,8 @@ class GenerationParams(_Strict):
             return 0, False
         if room <= 0:
             raise UsageError(f"the sequence holds {held} ids, which fills the context of "
-                             f"{limit}: no room to generate (a larger --context, or a "
-                             "shorter prompt)")
+                             f"{limit}: no room to generate (a larger {param('context')}, or "
+                             "a shorter prompt)")
         if self.max_tokens == UNTIL_END or self.max_tokens > room:
             return room, True
         return self.max_tokens, False
@@ -192,21 +196,29 @@ class EngineRequest(_Strict):
 
     @model_validator(mode="after")
     def _check(self) -> EngineRequest:
-        from k3core.experts.readers import READERS_LIMIT
         from k3core.trunk.source import check_trunk_options
 
-        if self.threads is not None and self.threads < 1:
-            raise UsageError(f"--threads must be >= 1, got {self.threads}")
-        if self.expert_readers is not None and not 1 <= self.expert_readers <= READERS_LIMIT:
-            raise UsageError(f"--expert-readers/--readers must be in 1..{READERS_LIMIT}, "
-                             f"got {self.expert_readers}")
-        if self.prefill_chunk is not None and self.prefill_chunk < 1:
-            raise UsageError(f"--prefill-chunk must be >= 1, got {self.prefill_chunk}")
-        check_gb(self.cache_gb, "--cache-gb")
-        check_gb(self.trunk_gb, "--trunk-gb", positive=True)
+        for name, check in VALUE_CHECKS.items():
+            check(getattr(self, name))
         check_trunk_options(self.trunk, self.trunk_gb, self.trunk_ring,
                             bool(self.ultra_low_memory))
         return self
+
+    @classmethod
+    def check_value(cls, name: str, value: object) -> None:
+        """Refuse ``value`` for the field ``name`` as a request would, alone (``k3 tune``
+        checks each candidate it is given this way): its type, then its range."""
+        from pydantic import TypeAdapter
+
+        try:
+            kind = cls.model_fields[name].annotation
+            value = TypeAdapter(kind).validate_python(value)  # type: ignore[arg-type]
+        except ValidationError as exc:
+            msg = exc.errors(include_input=False, include_url=False)[0]["msg"]
+            raise UsageError(f"{param(name)}: {msg}") from None
+        check = VALUE_CHECKS.get(name)
+        if check is not None:
+            check(value)
 
     @classmethod
     def options(cls) -> list[str]:
@@ -222,6 +234,43 @@ class EngineRequest(_Strict):
                 "incremental": self.incremental, "lookahead": self.lookahead,
                 "expert_readers": self.expert_readers}
 
+
+def _at_least_one(name: str) -> Callable[[int | None], None]:
+    def check(v: int | None) -> None:
+        if v is not None and v < 1:
+            raise UsageError(f"{param(name)} must be >= 1, got {v}")
+    return check
+
+
+def _readers(v: int | None) -> None:
+    if v is not None and not 1 <= v <= READERS_LIMIT:
+        raise UsageError(f"{param('expert_readers')} must be in 1..{READERS_LIMIT}, got {v}")
+
+
+def _cache_gb(v: float | None) -> None:
+    check_gb(v, param("cache_gb"))
+
+
+def _trunk_gb(v: float | None) -> None:
+    check_gb(v, param("trunk_gb"), positive=True)
+
+
+def _lookahead(v: str | None) -> None:
+    if v is not None and v not in LOOKAHEAD_MODES:
+        raise UsageError(f"{param('lookahead')} must be {', '.join(LOOKAHEAD_MODES[:-1])} or "
+                         f"{LOOKAHEAD_MODES[-1]}, got {v!r}")
+
+
+#: each engine field's own check (its range), in the reference's order; the combinations
+#: (a trunk budget needs a trunk, ...) are :func:`k3core.trunk.source.check_trunk_options`'
+VALUE_CHECKS: dict[str, Callable[[Any], None]] = {
+    "threads": _at_least_one("threads"),
+    "expert_readers": _readers,
+    "prefill_chunk": _at_least_one("prefill_chunk"),
+    "cache_gb": _cache_gb,
+    "trunk_gb": _trunk_gb,
+    "lookahead": _lookahead,
+}
 
 #: the fields of :class:`EngineRequest` that say how the engine is used, not configured
 USE_FIELDS = ("positions", "needs_tokenizer", "given_as", "remote_experts")

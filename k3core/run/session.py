@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from k3core.api.errors import UsageError
+from k3core.api.errors import UsageError, param
 from k3core.model.generate import Step
 from k3core.model.sampling import Sampler, argmax
 from k3core.model.speculative import SpecOptions, Speculator
@@ -132,7 +132,7 @@ class Session:
             raise UsageError(f"the sequence would hold {len(self.ids) + len(prompt)} ids; the "
                              f"limit is {MAX_PROMPT}")
         for sid in p.stop_ids:
-            check_vocab([sid], eng.cfg.vocab, "--stop-id")
+            check_vocab([sid], eng.cfg.vocab, param("stop_ids"))
         if self.incremental and not prompt and not self.pending:
             raise UsageError("nothing to feed: the session's ids are all consumed; give a prompt")
         gen = Generation(prompt_ids=prompt, sampler=make_sampler(p))
@@ -324,7 +324,8 @@ class Session:
         from k3core.run.state_file import read_state
 
         if not self.incremental:
-            raise UsageError("--load-state needs incremental decoding (drop --full-recompute)")
+            raise UsageError("loading a session needs incremental decoding (this engine "
+                             "recomputes in full: incremental=False)")
         self.ids, self.state = read_state(Path(path), self.engine)
         self.last = None
 

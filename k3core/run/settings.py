@@ -28,7 +28,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from k3core.api.errors import UsageError
+from k3core.api.errors import UsageError, param
 from k3core.api.units import MAX_GB
 
 #: environment variable -> setting, highest priority first within one setting
@@ -41,8 +41,9 @@ ENV_VARS: tuple[tuple[str, str], ...] = (
 #: preset keys that are settings (the rest, like notes, describe the preset)
 PRESET_KEYS = ("trunk_gb", "cache_gb", "ultra_low_memory", "backend", "storage",
                "cache_policy", "threads", "incremental", "lookahead", "expert_readers")
-#: ``--lookahead`` values: ``on`` is :data:`LOOKAHEAD_ON` (docs/expert-cache.md)
-LOOKAHEAD_PATTERN = r"^(on|off|attn|out)$"
+#: ``lookahead`` values (docs/expert-cache.md), and the pattern a settings value matches
+LOOKAHEAD_MODES = ("on", "off", "attn", "out")
+LOOKAHEAD_PATTERN = rf"^({'|'.join(LOOKAHEAD_MODES)})$"
 
 
 class Settings(BaseModel):
@@ -157,8 +158,9 @@ def merge_settings(
         key = str(err["loc"][0]) if err["loc"] else "?"
         raise UsageError(f"{key} (from {sources.get(key, '?')}): {err['msg']}") from None
     if settings.preset == "auto" and settings.ultra_low_memory:
-        raise UsageError("--ultra-low-memory cannot be combined with the auto preset; "
-                         "use --preset ultra, or explicit --trunk-gb/--cache-gb")
+        raise UsageError(f"{param('ultra_low_memory')} cannot be combined with the auto "
+                         f"preset; use {param('preset')} ultra, or explicit "
+                         f"{param('trunk_gb')}/{param('cache_gb')}")
     return MergedSettings(settings, sources)
 
 

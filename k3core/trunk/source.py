@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from k3core.api.errors import UsageError
+from k3core.api.errors import UsageError, param
 from k3core.api.storage import StorageBackend
 from k3core.api.units import check_gb, human
 from k3core.checkpoint.index import CheckpointIndex
@@ -27,16 +27,17 @@ from k3core.trunk.tables import StreamedTables
 def check_trunk_options(trunk_dir: Path | None, trunk_gb: float | None, ring: int | None,
                         ultra_low_memory: bool, incremental: bool | None = None) -> None:
     """Refuse impossible values and combinations with ``UsageError`` (exit 2)."""
-    check_gb(trunk_gb, "--trunk-gb", positive=True)
+    check_gb(trunk_gb, param("trunk_gb"), positive=True)
     if trunk_dir is None:
-        for flag, value in (("--trunk-gb", trunk_gb), ("--trunk-ring", ring)):
+        for name, value in (("trunk_gb", trunk_gb), ("trunk_ring", ring)):
             if value is not None:
-                raise UsageError(f"{flag} needs --trunk DIR (a packed trunk to stream from)")
+                raise UsageError(f"{param(name)} needs {param('trunk')} DIR (a packed trunk to "
+                                 "stream from)")
         if ultra_low_memory:
-            raise UsageError("--ultra-low-memory needs --trunk DIR (pack one with "
-                             "`k3 pack-trunk MODEL_DIR TRUNK_DIR`)")
+            raise UsageError(f"{param('ultra_low_memory')} needs {param('trunk')} DIR (pack one "
+                             "with `k3 pack-trunk MODEL_DIR TRUNK_DIR`)")
     if ring is not None and not 1 <= ring <= MAX_RING:
-        raise UsageError(f"--trunk-ring must be in 1..{MAX_RING}, got {ring}")
+        raise UsageError(f"{param('trunk_ring')} must be in 1..{MAX_RING}, got {ring}")
 
 
 def open_streamed_trunk(

@@ -131,7 +131,8 @@ def test_kv_refusal_is_a_usage_error():
         check_kv(K3, 1_000_000, available=50 * GB)  # 55.3 GB > 45 GB
     msg = str(exc.value)
     assert exc.value.exit_code == 2
-    assert "memory limit" in msg and "--full-recompute included" in msg and "GB" in msg
+    assert "memory limit" in msg and "full recompute included" in msg and "GB" in msg
+    assert "a smaller max_tokens" in msg  # the keyword: the command line says --gen
     assert "0.06 MB/position" in msg
 
 

@@ -78,5 +78,5 @@ def test_plan_chunk_from_the_activations_budget() -> None:
     assert long.buffers == buffer_bytes(cfg, n), "a long prompt plans one chunk's buffers"
     assert any("chunks of" in note for note in long.notes)
     assert plan(100, chunk=8).buffers == buffer_bytes(cfg, 8)
-    with pytest.raises(UsageError, match="--prefill-chunk must be >= 1"):
+    with pytest.raises(UsageError, match="prefill_chunk must be >= 1"):
         plan(100, chunk=0)

@@ -154,7 +154,7 @@ def test_errors_are_k3_errors(engine, model, tmp_path):
         engine.generate([5000])
     with pytest.raises(k3.UsageError, match="empty"):
         engine.generate([])
-    with pytest.raises(k3.UsageError, match="--top-p"):
+    with pytest.raises(k3.UsageError, match="^top_p must be in"):
         engine.generate(IDS, top_p=2.0)
     with pytest.raises(k3.UsageError, match="either a GenerationParams or keywords"):
         engine.session().generate(IDS, GenerationParams(max_tokens=1), max_tokens=2)

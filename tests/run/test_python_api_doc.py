@@ -23,6 +23,6 @@ def test_every_example_runs(tmp_path, capsys):
     for i, code in enumerate(BLOCK.findall(DOC.read_text())):
         exec(compile(code, f"{DOC.name} block {i + 1}", "exec"), scope)
     out = capsys.readouterr().out
-    assert "k3: kernel=" in out and "refused: --gen must be in 0..4096" in out
+    assert "k3: kernel=" in out and "refused: max_tokens must be in 0..4096" in out
     engine = scope["engine"]
     assert engine.closed  # type: ignore[attr-defined]
