@@ -114,6 +114,50 @@ class SequenceState:
             )
 
 
+@dataclass
+class StateSnapshot:
+    """A copy of a :class:`SequenceState`'s consumed positions (:func:`snapshot`)."""
+
+    pos: int
+    kda: dict[int, tuple[np.ndarray, dict[str, np.ndarray]]]
+    kv: dict[int, np.ndarray]  # layer -> rows[:pos]
+
+
+def snapshot(state: SequenceState) -> StateSnapshot:
+    """A copy of what ``state`` holds after ``pos`` positions: every KDA layer's ``S`` and
+    conv history, every MLA layer's first ``pos`` cache rows (the rows beyond are never
+    read). Restoring it (:func:`restore`) gives the same bytes, so a sequence continued from
+    a restored state gives the logits it gives from the original."""
+    if state.shared_kda_slot:
+        raise K3Error("a shared KDA slot (full recompute) carries no state to copy")
+    return StateSnapshot(
+        state.pos,
+        {layer: (st.S.copy(), {n: h.copy() for n, h in st.conv.items()})
+         for layer, st in state.kda.items()},
+        {layer: kv.rows[: state.pos].copy() for layer, kv in state.kv.items()})
+
+
+def restore(state: SequenceState, snap: StateSnapshot) -> None:
+    """Put ``snap`` back into ``state`` (the same model's state, its capacity at least
+    ``snap.pos``), in place: layers the snapshot lacks are dropped, the rest overwritten."""
+    if snap.pos > state.capacity:
+        raise K3Error(f"a snapshot of {snap.pos} positions does not fit a state of capacity "
+                      f"{state.capacity}")
+    for layer in [x for x in state.kda if x not in snap.kda]:
+        del state.kda[layer]
+    for layer in [x for x in state.kv if x not in snap.kv]:
+        del state.kv[layer]
+    for layer, (S, conv) in snap.kda.items():
+        st = state.kda_state(layer)
+        np.copyto(st.S, S)
+        for n, h in conv.items():
+            np.copyto(st.conv[n], h)
+    for layer, rows in snap.kv.items():
+        state.kv_cache(layer).rows[: snap.pos] = rows
+    state.pos = snap.pos
+    state.trail = None
+
+
 def _new_kda(c: ModelConfig) -> KDAState:
     H, D, K = c.kda_heads, c.kda_head_dim, c.conv_k
     return KDAState(

@@ -46,6 +46,12 @@ if TYPE_CHECKING:
     from k3core.run.binding import Bound
 
 
+#: wraps a generation's pick (``Session.steps``' ``around``)
+PickWrap = Callable[[Callable[[np.ndarray], int]], Callable[[np.ndarray], int]]
+#: the most ids one pass of :meth:`Session.prefill` feeds when it hands out every row's logits
+ROWS_PASS = 64
+
+
 def make_sampler(p: GenerationParams) -> Sampler | None:
     """``None`` for greedy (a temperature below ``MIN_TEMPERATURE``, 0 included, or no
     sampling keyword), else the seeded sampler."""
@@ -118,12 +124,16 @@ class Session:
         check_vocab(ids, self.engine.cfg.vocab, "prompt")
         return ids
 
-    def steps(self, prompt_ids: Sequence[int], p: GenerationParams
-              ) -> Generator[tuple[Step | None, str], None, None]:
+    def steps(self, prompt_ids: Sequence[int], p: GenerationParams,
+              around: PickWrap | None = None) -> Generator[tuple[Step | None, str], None, None]:
         """The decode loop as a generator of ``(step, text piece)``; fills :attr:`last`.
 
         The last item may be ``(None, text)``: text held back until the end (an incomplete
-        character, or the start of a stop string that never completed)."""
+        character, or the start of a stop string that never completed). ``around`` wraps the
+        pick (greedy or the sampler): the wrapper is handed each step's exact logits, in step
+        order, and returns the id chosen (the server's penalties and logprobs); speculative
+        verify rows are picked in the same order, so a wrapper sees what plain decoding
+        shows it, plus at most the rows of one pass past a stop string."""
         eng = self.engine
         prompt = [int(i) for i in prompt_ids]
         if not prompt and not self.ids:
@@ -143,7 +153,9 @@ class Session:
         self._reserve(len(self.ids) + len(prompt) + max(make, 1))
         self.last = gen
         self.ids = self.ids + prompt
-        pick = gen.sampler or argmax
+        pick: Callable[[np.ndarray], int] = gen.sampler or argmax
+        if around is not None:
+            pick = around(pick)
         spec = (Speculator(eng.model, SpecOptions(p.spec, p.spec_width, p.spec_ngram))
                 if p.spec != "off" else None)
         text = TextStream(eng.tokenizer, p.stop)
@@ -169,6 +181,37 @@ class Session:
             raise
         finally:
             gen.text = text.text if text.enabled else None
+
+    def prefill(self, prompt_ids: Sequence[int],
+                on_rows: Callable[[int, np.ndarray], None] | None = None) -> None:
+        """Feed ``prompt_ids`` after the session's ids without generating: the state then
+        holds every id, none pending (incremental sessions only). ``on_rows(pos, rows)`` is
+        handed the logits of every position fed, in passes of at most :data:`ROWS_PASS` ids
+        (``rows[j]`` is position ``pos + j``'s, predicting the id after it): each row the
+        bytes a one-pass run gives, as for any split of a sequence into calls."""
+        if not self.incremental:
+            raise UsageError("prefill needs incremental decoding (full recompute carries no state)")
+        prompt = [int(i) for i in prompt_ids]
+        check_vocab(prompt, self.engine.cfg.vocab, "prompt")
+        if len(self.ids) + len(prompt) > MAX_PROMPT:
+            raise UsageError(f"the sequence would hold {len(self.ids) + len(prompt)} ids; the "
+                             f"limit is {MAX_PROMPT}")
+        self._reserve(len(self.ids) + len(prompt) + 1)
+        self.ids = self.ids + prompt
+        state = self.state
+        assert state is not None
+        model = self.engine.model
+        try:
+            while state.pos < len(self.ids):
+                start = state.pos
+                end = len(self.ids) if on_rows is None else start + ROWS_PASS
+                rows = model.forward(np.array(self.ids[start:end]), state,
+                                     all_logits=on_rows is not None)
+                if on_rows is not None:
+                    on_rows(start, rows)
+        except BaseException:
+            self.state = None  # as _forward: the next call prefills the session's ids again
+            raise
 
     def _plain(self, gen: Generation, p: GenerationParams, pick: Callable[[np.ndarray], int],
                text: TextStream, stops: set[int], eos: set[int]

@@ -30,9 +30,9 @@ import hmac
 import json
 import logging
 import threading
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, cast
+from typing import Any, Literal, cast
 
 from pydantic import ValidationError
 from starlette.applications import Starlette
@@ -47,6 +47,7 @@ from k3core.api.safejson import JSONRejected, parse_json
 from k3core.serve.access import RequestLog, attach
 from k3core.serve.connections import Connections
 from k3core.serve.cors import cors_middleware
+from k3core.serve.logprobs import CompletionLogprobs, TokenLogprob, chat_logprobs
 from k3core.serve.metrics import Metrics, metrics_routes
 from k3core.serve.page import page_routes
 from k3core.serve.protocol import (
@@ -63,7 +64,7 @@ from k3core.serve.protocol import (
     usage,
     validation_error,
 )
-from k3core.serve.service import Prepared, Service
+from k3core.serve.service import Prepared, Service, TextSink, thinking_note
 from k3core.serve.tokenize_routes import tokenize_routes
 from k3core.serve.worker import Outcome
 
@@ -214,27 +215,51 @@ class Server:
     # ---- answers ---------------------------------------------------------------------------
     def _final(self, prep: Prepared, out: Outcome) -> dict[str, Any]:
         u = usage(prep.prompt_tokens, len(out.ids), out.reused)
-        finish = "stop" if out.finish == "stop" else "length"
         ext = {**self.service.extension(prep, out), "figures": self.metrics.figures(prep.job)}
         name = self.service.model_name
+        tok = self.service.tok
         if prep.kind == "completion":
-            choice = CompletionChoice(text=prep.sink.content, finish_reason=finish)  # type: ignore[arg-type]
-            return Completion(id=prep.id, created=prep.created, model=name, choices=[choice], usage=u,
+            choices = []
+            for i, (sink, row) in enumerate(zip(prep.sinks, out.rows, strict=False)):
+                lp = None
+                if sink.recorder is not None:
+                    shaper = CompletionLogprobs(tok)
+                    lp = shaper.shape(*self._completion_records(prep, sink, row.ids, echo=True))
+                choices.append(CompletionChoice(index=i, text=(prep.echo or "") + sink.content,
+                                                finish_reason=_finish(row.finish), logprobs=lp))
+            return Completion(id=prep.id, created=prep.created, model=name, choices=choices, usage=u,
                               k3=ext).model_dump()
-        msg = ChatMessageOut(content=prep.sink.content, reasoning_content=prep.sink.reasoning or None)
-        chat = ChatChoice(message=msg, finish_reason=finish)  # type: ignore[arg-type]
-        return ChatCompletion(id=prep.id, created=prep.created, model=name, choices=[chat], usage=u,
+        chats = []
+        for i, (sink, row) in enumerate(zip(prep.sinks, out.rows, strict=False)):
+            msg = ChatMessageOut(content=sink.content, reasoning_content=sink.reasoning or None,
+                                 k3_note=thinking_note(sink, row))
+            lp = (chat_logprobs(tok, sink.recorder.records[: len(row.ids)])
+                  if sink.recorder is not None else None)
+            chats.append(ChatChoice(index=i, message=msg, finish_reason=_finish(row.finish), logprobs=lp))
+        body = ChatCompletion(id=prep.id, created=prep.created, model=name, choices=chats, usage=u,
                               k3=ext).model_dump()
+        for c in body["choices"]:  # k3_note only where there is one
+            if c["message"]["k3_note"] is None:
+                del c["message"]["k3_note"]
+        return body
+
+    @staticmethod
+    def _completion_records(prep: Prepared, sink: TextSink, ids: list[int], echo: bool
+                            ) -> tuple[list[int], list[TokenLogprob | None]]:
+        """The ids and records a completion's logprobs list: the prompt's first when echoed
+        (``echo``) with its logprobs, then the row's own."""
+        assert sink.recorder is not None
+        recs: list[TokenLogprob | None] = list(sink.recorder.records[: len(ids)])
+        if echo and prep.prompt_logprobs is not None:
+            return list(prep.job.prompt_ids) + ids, list(prep.prompt_logprobs.records) + recs
+        return ids, recs
 
     async def _answer(self, request: Request, prep: Prepared, stream: bool, include_usage: bool) -> Response:
         if stream:
             loop = asyncio.get_running_loop()
-            queue: asyncio.Queue[dict[str, str] | None] = asyncio.Queue()
-
-            def post(piece: dict[str, str]) -> None:
-                loop.call_soon_threadsafe(queue.put_nowait, piece)
-
-            prep.sink.on_piece = post
+            queue: asyncio.Queue[Piece | None] = asyncio.Queue()
+            for row, sink in enumerate(prep.sinks):
+                sink.on_piece = _poster(loop, queue, row, sink)
             sfut = self.submit(prep)  # a full queue is a 429 before any event
             attach(request, prep, sfut)  # the request's log line names the generation
             afut = asyncio.wrap_future(sfut)
@@ -256,13 +281,14 @@ class Server:
         except asyncio.CancelledError:
             prep.job.cancel.set()
             raise
-        out = self._outcome(afut)
+        out = self.outcome(afut)
         if out.finish == "cancelled":  # not by this client (it is still here): the server stops
             raise STOPPING
         return JSONResponse(self._final(prep, out))
 
     @staticmethod
-    def _outcome(afut: asyncio.Future[Outcome]) -> Outcome:
+    def outcome(afut: asyncio.Future[Outcome]) -> Outcome:
+        """The generation's outcome, or its failure as an :class:`APIError`."""
         try:
             return afut.result()
         except UsageError as exc:
@@ -274,12 +300,13 @@ class Server:
             raise APIError(500, f"internal error: {type(exc).__name__}", type_="server_error",
                            code="internal_error") from None
 
-    def _chunk(self, prep: Prepared, piece: dict[str, str] | None, finish: str | None) -> dict[str, Any]:
+    def _chunk(self, prep: Prepared, row: int, piece: dict[str, str] | None, finish: str | None,
+               logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
         base = {"id": prep.id, "created": prep.created, "model": self.service.model_name}
         if prep.kind == "completion":
             text = (piece or {}).get("content", "")
             return {**base, "object": "text_completion",
-                    "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}]}
+                    "choices": [{"index": row, "text": text, "finish_reason": finish, "logprobs": logprobs}]}
         delta: dict[str, Any] = {}
         if piece is not None:
             if "reasoning" in piece:
@@ -287,26 +314,60 @@ class Server:
             if "content" in piece:
                 delta["content"] = piece["content"]
         return {**base, "object": "chat.completion.chunk",
-                "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]}
+                "choices": [{"index": row, "delta": delta, "finish_reason": finish, "logprobs": logprobs}]}
 
     async def _events(self, prep: Prepared, afut: asyncio.Future[Outcome],
-                      queue: asyncio.Queue[dict[str, str] | None], include_usage: bool) -> AsyncIterator[bytes]:
+                      queue: asyncio.Queue[Piece | None], include_usage: bool) -> AsyncIterator[bytes]:
+        tok = self.service.tok
+        sent = [0] * len(prep.sinks)  # records sent, per row
+        shapers = [CompletionLogprobs(tok) for _ in prep.sinks]
+
+        def logprobs(row: int, upto: int | None, echo: bool = False) -> dict[str, Any] | None:
+            sink = prep.sinks[row]
+            if sink.recorder is None:
+                return None
+            ids = [r.id for r in sink.recorder.records[sent[row]:upto]]
+            sent[row] += len(ids)
+            if prep.kind == "chat":
+                return chat_logprobs(tok, sink.recorder.records[sent[row] - len(ids):sent[row]])
+            recs: list[TokenLogprob | None] = list(sink.recorder.records[sent[row] - len(ids):sent[row]])
+            if echo and prep.prompt_logprobs is not None:
+                return shapers[row].shape(list(prep.job.prompt_ids) + ids,
+                                          list(prep.prompt_logprobs.records) + recs)
+            return shapers[row].shape(ids, recs)
+
+        echoed = [prep.echo is None] * len(prep.sinks)
+
+        def echo(row: int) -> bytes:
+            """A completion's echo, before the row's first piece (its prompt's logprobs are
+            all known by then: the prompt is fed before the first token)."""
+            if echoed[row]:
+                return b""
+            echoed[row] = True
+            return _sse(self._chunk(prep, row, {"content": prep.echo or ""}, None,
+                                    logprobs(row, 0, echo=True)))
+
+        def piece_event(item: Piece) -> bytes:
+            row, piece, seen = item
+            return echo(row) + _sse(self._chunk(prep, row, piece, None, logprobs(row, seen)))
+
         try:
             if prep.kind == "chat":
-                first = self._chunk(prep, None, None)
-                first["choices"][0]["delta"] = {"role": "assistant", "content": ""}
-                yield _sse(first)
+                for row in range(len(prep.sinks)):
+                    first = self._chunk(prep, row, None, None)
+                    first["choices"][0]["delta"] = {"role": "assistant", "content": ""}
+                    yield _sse(first)
             while True:
-                piece = await queue.get()
-                if piece is None:
+                item = await queue.get()
+                if item is None:
                     break
-                yield _sse(self._chunk(prep, piece, None))
+                yield piece_event(item)
             while not queue.empty():  # pieces posted after the job's end marker
-                piece = queue.get_nowait()
-                if piece is not None:
-                    yield _sse(self._chunk(prep, piece, None))
+                item = queue.get_nowait()
+                if item is not None:
+                    yield piece_event(item)
             try:
-                out = self._outcome(afut)
+                out = self.outcome(afut)
             except APIError as exc:
                 yield _sse(exc.body())
                 yield b"data: [DONE]\n\n"
@@ -315,7 +376,14 @@ class Server:
                 yield _sse(STOPPING.body())
                 yield b"data: [DONE]\n\n"
                 return
-            yield _sse(self._chunk(prep, None, "stop" if out.finish == "stop" else "length"))
+            for row, r in enumerate(out.rows):
+                if not echoed[row]:
+                    yield echo(row)
+                last = self._chunk(prep, row, None, _finish(r.finish), logprobs(row, len(r.ids)))
+                note = thinking_note(prep.sinks[row], r) if prep.kind == "chat" else None
+                if note is not None:
+                    last["choices"][0]["delta"]["k3_note"] = note
+                yield _sse(last)
             if include_usage:
                 final = self._final(prep, out)
                 tail = {"id": prep.id, "created": prep.created, "model": self.service.model_name,
@@ -325,6 +393,24 @@ class Server:
             yield b"data: [DONE]\n\n"
         finally:
             prep.job.cancel.set()  # the client went away (or we are done: then it is a no-op)
+
+
+#: a piece of a stream: the row, its text, the steps its sink had seen
+Piece = tuple[int, dict[str, str], int]
+
+
+def _poster(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue[Piece | None], row: int,
+            sink: TextSink) -> Callable[[dict[str, str]], None]:
+    """A row's ``on_piece``: from the engine thread to the event loop's queue."""
+
+    def post(piece: dict[str, str]) -> None:
+        loop.call_soon_threadsafe(queue.put_nowait, (row, piece, sink.seen))
+
+    return post
+
+
+def _finish(finish: str) -> Literal["stop", "length"]:
+    return "stop" if finish == "stop" else "length"
 
 
 def create_app(service: Service, api_key: str | None = None, max_queue: int = 64,

@@ -4,9 +4,11 @@ Requests are checked strictly: an unknown field, a wrong type or an out-of-range
 400 with an OpenAI-style error body (``{"error": {"message", "type", "param", "code"}}``)
 naming the field. Types are JSON's own, never coerced: a string where a number or a boolean
 belongs is refused, a boolean is not a number (``"max_tokens": true``, ``"n": true``), a
-number is not a boolean (``"echo": 0``); a whole-number float is not an integer. Fields OpenAI clients commonly send are accepted at the values k3 can
-honour (``n`` 1, ``echo`` false, penalties 0, no logprobs, no tools) and refused otherwise,
-so a request is never silently answered as something else.
+number is not a boolean (``"echo": 0``); a whole-number float is not an integer. Fields that
+do not change the answer (``store``, ``metadata``, ``user``, ``service_tier``,
+``prediction``, ...) are accepted and ignored; anything k3 cannot honour (image or audio
+input, ``suffix``, ``best_of`` other than ``n``) is refused in words that say so, so a
+request is never silently answered as something else.
 
 Sampling follows ``k3 run``: greedy unless ``temperature`` (> 0), ``top_p``, ``top_k`` or
 ``seed`` is given; ``temperature`` 0 is greedy.
@@ -16,10 +18,25 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+)
 
 MAX_STOP_STRINGS = 4
 MAX_STOP_CHARS = 256
+#: the most rows one request may ask for (``n``): they are decoded one after the other
+MAX_N = 16
+#: the most alternatives per token (``top_logprobs``, a completion's ``logprobs``)
+MAX_TOP_LOGPROBS = 20
+#: content part types and what k3 says of them
+_NOT_TEXT = {"image_url": "image", "input_image": "image", "image": "image",
+             "input_audio": "audio", "audio": "audio", "file": "file", "input_file": "file"}
 
 
 class APIError(Exception):
@@ -81,6 +98,9 @@ def validation_error(exc: ValidationError) -> APIError:
     elif kind == "missing":
         msg = f"missing required field {loc!r}"
         code = "missing_field"
+    elif kind == "none_required":
+        msg = f"{loc}: k3 does not support this field (send null or leave it out)"
+        code = "invalid_value"
     else:
         text = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
         got = err.get("input")
@@ -93,24 +113,6 @@ def validation_error(exc: ValidationError) -> APIError:
     return APIError(400, msg, param=loc or None, code=code)
 
 
-def _not_a_number(v: Any) -> Any:
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise ValueError(f"Input should be a number, got {json_kind(v)}")
-    return v
-
-
-def _not_a_bool(v: Any) -> Any:
-    if v is not None and not isinstance(v, bool):
-        raise ValueError(f"Input should be a boolean, got {json_kind(v)}")
-    return v
-
-
-#: literal fields checked for their JSON type first (a literal alone takes ``true`` for ``1``)
-One = Annotated[Literal[1], BeforeValidator(_not_a_number)]
-Zero = Annotated[Literal[0], BeforeValidator(_not_a_number)]
-No = Annotated[Literal[False], BeforeValidator(_not_a_bool)]
-
-
 class _Strict(BaseModel):
     """JSON types as they are: pydantic's strict mode (no string to number or boolean, no
     boolean to number)."""
@@ -120,6 +122,7 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    include_obfuscation: bool | None = None  # ignored: k3 pads no stream chunks
 
 
 class _Sampling(_Strict):
@@ -132,11 +135,17 @@ class _Sampling(_Strict):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: One = 1
-    user: str | None = None
-    presence_penalty: Zero = 0
-    frequency_penalty: Zero = 0
+    n: int = Field(1, ge=1, le=MAX_N)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
     logit_bias: dict[str, float] | None = None
+    # accepted and ignored: they do not change the answer
+    user: str | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
     stop_token_ids: list[int] | None = Field(None, max_length=8)
     ignore_eos: bool = False
     spec: Literal["off", "ngram", "auto"] | None = None  # k3's speculative decoding
@@ -155,10 +164,18 @@ class _Sampling(_Strict):
 
     @field_validator("logit_bias")
     @classmethod
-    def _bias(cls, v: dict[str, float] | None) -> None:
-        if v:
-            raise ValueError("logit_bias is not supported")
-        return None
+    def _bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (v or {}).items():
+            if not (key.isascii() and key.isdigit()):
+                raise ValueError(f"keys are token ids written as decimal strings (\"42\"), got {key[:40]!r}")
+            if not -100 <= bias <= 100:
+                raise ValueError(f"the bias of token {key} must be in -100..100, got {bias}")
+        return v
+
+    @property
+    def bias(self) -> dict[int, float]:
+        """``logit_bias`` by id (zero biases left out)."""
+        return {int(k): v for k, v in (self.logit_bias or {}).items() if v}
 
     @property
     def stops(self) -> list[str]:
@@ -171,10 +188,27 @@ class _Sampling(_Strict):
 
 class CompletionRequest(_Sampling):
     prompt: str | list[int] | list[str] | list[list[int]]
-    echo: No = False
-    logprobs: None = None
-    best_of: One | None = None
-    suffix: None = None
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    best_of: int | None = Field(None, ge=1, le=MAX_N)
+    suffix: str | None = None
+
+    @field_validator("suffix")
+    @classmethod
+    def _suffix(cls, v: str | None) -> None:
+        if v:
+            raise ValueError("k3 does not fill in the middle: a suffix after the completion is not "
+                             "supported (put everything in prompt)")
+        return None
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of(cls, v: int | None, info: ValidationInfo) -> int | None:
+        n = info.data.get("n", 1)
+        if v is not None and v != n:
+            raise ValueError(f"{v} with n {n}: k3 returns every row it generates, so "
+                             "best_of must equal n (or be left out)")
+        return v
 
     @field_validator("prompt")
     @classmethod
@@ -191,9 +225,21 @@ class TextPart(_Strict):
     text: str
 
 
+def _text_parts(v: Any) -> Any:
+    """Content parts k3 cannot read (an image, audio, a file) refused in words."""
+    if isinstance(v, list):
+        for i, part in enumerate(v):
+            kind = part.get("type") if isinstance(part, dict) else None
+            what = _NOT_TEXT.get(kind) if isinstance(kind, str) else None
+            if what is not None:
+                raise ValueError(f"k3 does not take {what} input: part {i} is of type {kind!r}; "
+                                 "this model reads text only (send text parts)")
+    return v
+
+
 class ChatMessageIn(_Strict):
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart] | None = None
+    content: Annotated[str | list[TextPart] | None, BeforeValidator(_text_parts)] = None
     reasoning_content: str | None = None
     name: str | None = None
 
@@ -210,16 +256,39 @@ class ResponseFormat(_Strict):
     type: Literal["text"]
 
 
+class Prediction(_Strict):
+    """Predicted output (accepted and ignored: it may make OpenAI faster, never other)."""
+
+    type: Literal["content"]
+    content: str | list[TextPart]
+
+
+def _text_only(v: Any) -> Any:
+    if isinstance(v, list) and any(m != "text" for m in v):
+        raise ValueError("k3 answers in text only (audio output is not supported): send "
+                         "[\"text\"] or leave modalities out")
+    return v
+
+
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessageIn] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=0)
     reasoning_effort: Literal["none", "low", "high", "max"] | None = None
-    logprobs: No | None = None
-    top_logprobs: None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     response_format: ResponseFormat | None = None
     tools: None = None
     tool_choice: Literal["none"] | None = None
-    parallel_tool_calls: None = None
+    parallel_tool_calls: bool | None = None
+    prediction: Prediction | None = None
+    modalities: Annotated[list[str] | None, BeforeValidator(_text_only)] = None
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top(cls, v: int | None, info: ValidationInfo) -> int | None:
+        if v is not None and not info.data.get("logprobs"):
+            raise ValueError("needs logprobs: true")
+        return v
 
     @property
     def limit(self) -> int | None:
@@ -242,7 +311,7 @@ class CompletionChoice(BaseModel):
     index: int = 0
     text: str
     finish_reason: Literal["stop", "length"] | None
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None
 
 
 class Completion(BaseModel):
@@ -259,13 +328,15 @@ class ChatMessageOut(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str
     reasoning_content: str | None = None
+    #: k3's word on the reply, when there is one to say (max_tokens spent thinking)
+    k3_note: str | None = None
 
 
 class ChatChoice(BaseModel):
     index: int = 0
     message: ChatMessageOut
     finish_reason: Literal["stop", "length"] | None
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None
 
 
 class ChatCompletion(BaseModel):

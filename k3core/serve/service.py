@@ -7,6 +7,10 @@ context) and build a :class:`Prepared`: the worker job plus a :class:`TextSink` 
 the generated ids into text pieces as they arrive (cut before a stop string, never inside a
 UTF-8 character; for chat, split into the reasoning and response channels). Streamed and
 non-streamed answers are built from the same pieces, so they carry the same text.
+
+A request of ``n`` rows has one sink per row (the job's ``row`` says which runs); the
+penalties (``k3core.model.penalties``) and the logprob recorder (``k3core.serve.logprobs``)
+wrap each row's pick, the recorder outside, so it reads the exact logits.
 """
 
 from __future__ import annotations
@@ -18,13 +22,18 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NoReturn, cast
 
+import numpy as np
+
 from k3core.api.errors import UsageError
 from k3core.model.generate import Step
+from k3core.model.penalties import Penalties
 from k3core.run.request import GenerationParams, build
+from k3core.run.session import PickWrap
 from k3core.run.stops import TextStream
 from k3core.serve.chat_format import ChatFormat, Message, ReplyStream, chat_format_for
+from k3core.serve.logprobs import PromptRecorder, Recorder
 from k3core.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest
-from k3core.serve.worker import Job, Outcome, Worker
+from k3core.serve.worker import Job, Outcome, Row, Worker
 from k3core.tokenizer.encoding import Tokenizer, TokenLimitExceeded
 
 #: the most tokens one request may generate (``k3 run --gen``'s ceiling)
@@ -36,11 +45,19 @@ DEFAULT_COMPLETION_TOKENS = 16
 @dataclass
 class Prepared:
     job: Job
-    sink: TextSink
+    sinks: list[TextSink]  # one per row
     prompt_tokens: int
     kind: str  # "completion" or "chat"
     id: str
     created: int
+    #: a completion's ``echo``: the prompt's text, shown before each row's
+    echo: str | None = None
+    #: the prompt's logprobs (a completion's ``echo`` with ``logprobs``)
+    prompt_logprobs: PromptRecorder | None = None
+
+    @property
+    def sink(self) -> TextSink:
+        return self.sinks[0]
 
 
 class TextSink:
@@ -52,18 +69,33 @@ class TextSink:
     to the response channel only (``on_step`` returns False once one appears).
     """
 
-    def __init__(self, tok: Tokenizer, stops: list[str], fmt: ChatFormat | None):
+    def __init__(self, tok: Tokenizer, stops: list[str], fmt: ChatFormat | None,
+                 recorder: Recorder | None = None):
         self.reply: ReplyStream | None = fmt.stream() if fmt is not None else None
         self.texts = {"reasoning": TextStream(tok), "content": TextStream(tok, stops)}
         self.content = ""
         self.reasoning = ""
         self.on_piece: Callable[[dict[str, str]], None] | None = None
+        #: the logprobs of this row's tokens, when asked
+        self.recorder = recorder
+        #: the steps seen so far (a piece shows the text of at most these)
+        self.seen = 0
+        #: the channel the reply was in when it ended (``None``: closed, or no chat format)
+        self.ended_in: str | None = None
+        self.finished = False
 
     @property
     def hit(self) -> bool:
         return self.texts["content"].hit is not None
 
+    @property
+    def stop_string(self) -> str | None:
+        """The stop string that ended the reply, if one did."""
+        return self.texts["content"].hit
+
     def on_step(self, step: Step | None, piece: str) -> bool:
+        if step is not None:
+            self.seen += 1
         if self.reply is None:
             if piece:
                 self._out({"content": piece})
@@ -73,8 +105,12 @@ class TextSink:
         return not self.hit
 
     def finish(self) -> None:
-        """The generation is over: release what a chat reply still holds."""
+        """The generation is over: release what a chat reply still holds (once)."""
+        if self.finished:
+            return
+        self.finished = True
         if self.reply is not None:
+            self.ended_in = None if self.reply.finished else self.reply.channel
             self._channels(self.reply.close())
 
     def _channels(self, parts: list[tuple[str, list[int], bool]]) -> None:
@@ -157,7 +193,14 @@ class Service:
             if bad:
                 raise APIError(400, f"token id {bad[0]} is outside the vocabulary 0..{self.vocab - 1}",
                                param="prompt", code="invalid_value")
-        return self._prepare("completion", ids, max_tokens, req, list(req.stop_token_ids or []), None)
+        prep = self._prepare("completion", ids, max_tokens, req, list(req.stop_token_ids or []), None,
+                             req.logprobs)
+        if req.echo:
+            prep.echo = prompt if isinstance(prompt, str) else self.tok.decode(ids)
+            if req.logprobs is not None:
+                prep.prompt_logprobs = PromptRecorder(ids, req.logprobs)
+                prep.job.on_prompt_rows = prep.prompt_logprobs.on_rows
+        return prep
 
     def chat_job(self, req: ChatCompletionRequest) -> Prepared:
         self.check_model(req.model)
@@ -180,7 +223,8 @@ class Service:
         if limit is None:
             limit = min(MAX_GEN, self.worker.context - len(ids))
         stop_ids = list(fmt.stop_ids) + list(req.stop_token_ids or [])
-        return self._prepare("chat", ids, limit, req, stop_ids, fmt)
+        top = (req.top_logprobs or 0) if req.logprobs else None
+        return self._prepare("chat", ids, limit, req, stop_ids, fmt, top)
 
     @staticmethod
     def _check_gen(max_tokens: int) -> None:
@@ -203,7 +247,9 @@ class Service:
 
     def _prepare(self, kind: str, ids: list[int], max_tokens: int,
                  req: CompletionRequest | ChatCompletionRequest, stop_ids: list[int],
-                 fmt: ChatFormat | None) -> Prepared:
+                 fmt: ChatFormat | None, top: int | None = None) -> Prepared:
+        """The job and its sinks; ``top``: record each token's logprob and that many
+        alternatives (``None``: no logprobs)."""
         if not ids:
             raise APIError(400, "the prompt is empty: nothing to feed the model", param="prompt",
                            code="invalid_value")
@@ -220,12 +266,18 @@ class Service:
                   "stop": req.stops if fmt is None else []}  # a chat applies them to its response
         try:
             params = build(GenerationParams, {k: v for k, v in fields.items() if v is not None})
+            penalties = Penalties(req.presence_penalty or 0.0, req.frequency_penalty or 0.0, req.bias)
+            penalties.check_vocab(self.vocab)
         except UsageError as exc:
             raise APIError(400, str(exc), code="invalid_value") from None
-        sink = TextSink(self.tok, req.stops, fmt)
-        job = Job(ids, params, on_step=sink.on_step)
+        sinks = [TextSink(self.tok, req.stops, fmt, Recorder(top) if top is not None else None)
+                 for _ in range(req.n)]
+        job = Job(ids, params, n=req.n)
+        job.on_step = _by_row(job, sinks)
+        if top is not None or penalties.active:
+            job.around = _wraps(sinks, penalties)
         prefix = "cmpl" if kind == "completion" else "chatcmpl"
-        return Prepared(job, sink, len(ids), kind, f"{prefix}-{uuid.uuid4().hex[:24]}",
+        return Prepared(job, sinks, len(ids), kind, f"{prefix}-{uuid.uuid4().hex[:24]}",
                         int(time.time()))
 
     # ---- running ------------------------------------------------------------------------
@@ -233,7 +285,8 @@ class Service:
         """Run on the worker (blocks; the app calls it on its one engine thread)."""
         out = self.worker.run(prep.job)
         if out.finish != "cancelled":
-            prep.sink.finish()
+            for sink in prep.sinks[: len(out.rows)]:
+                sink.finish()
         return out
 
     def admit(self, job: Job) -> None:
@@ -255,6 +308,49 @@ class Service:
                 job.cancel.set()
 
     def extension(self, prep: Prepared, out: Outcome) -> dict[str, Any]:
-        """The ``k3`` field of a response: the ids, the reused prefix, the seed."""
-        return {"prompt_ids": prep.job.prompt_ids, "completion_ids": out.ids,
-                "reused_tokens": out.reused, "seed": out.seed, "seconds": round(out.seconds, 6)}
+        """The ``k3`` field of a response: the ids, the reused prefix, the seed (the first
+        row's; with ``n`` > 1 ``rows`` holds each row's ids and seed)."""
+        first = out.rows[0].ids if out.rows else out.ids
+        ext = {"prompt_ids": prep.job.prompt_ids, "completion_ids": first,
+               "reused_tokens": out.reused, "seed": out.seed, "seconds": round(out.seconds, 6)}
+        if prep.job.n > 1:
+            ext["rows"] = [{"completion_ids": r.ids, "seed": r.seed} for r in out.rows]
+        return ext
+
+
+def thinking_note(sink: TextSink, row: Row) -> str | None:
+    """What a chat reply says when ``max_tokens`` ran out in its thinking channel (``None``
+    otherwise): no answer was written, and how to get one."""
+    if row.finish != "length" or sink.ended_in != "reasoning":
+        return None
+    return (f"max_tokens ran out while the model was thinking: all {len(row.ids)} tokens went to "
+            "reasoning_content and no answer was written; raise max_tokens, or send "
+            "reasoning_effort \"none\" to answer without thinking")
+
+
+def _by_row(job: Job, sinks: list[TextSink]) -> Callable[[Step | None, str], bool]:
+    """A job's ``on_step``: each row's steps to its own sink, the sink of a row that has
+    ended finished before the next row's first piece."""
+
+    def on_step(step: Step | None, piece: str) -> bool:
+        for done in sinks[: job.row]:
+            done.finish()
+        return sinks[job.row].on_step(step, piece)
+
+    return on_step
+
+
+def _wraps(sinks: list[TextSink], penalties: Penalties) -> Callable[[int], PickWrap]:
+    """Each row's pick wrapped: the penalties inside, the logprob recorder outside it (so the
+    recorder reads the exact logits)."""
+
+    def around(row: int) -> PickWrap:
+        rec = sinks[row].recorder
+
+        def wrap(pick: Callable[[np.ndarray], int]) -> Callable[[np.ndarray], int]:
+            inner = penalties.wrap(pick)
+            return rec.wrap(inner) if rec is not None else inner
+
+        return wrap
+
+    return around

@@ -53,7 +53,7 @@ CASES = [
      400, "context_length_exceeded", "context"),
     ("/v1/completions", {"model": "tiny", "prompt": [1, 99999]}, 400, "invalid_value", "vocabulary"),
     ("/v1/completions", {"model": "tiny", "prompt": ""}, 400, "invalid_value", "empty"),
-    ("/v1/completions", {"model": "tiny", "prompt": "a", "n": 2}, 400, "invalid_value", "n"),
+    ("/v1/completions", {"model": "tiny", "prompt": "a", "n": 17}, 400, "invalid_value", "n"),
     ("/v1/completions", {"model": "tiny", "prompt": "a", "temperature": -1}, 400, "invalid_value", "temperature"),
     ("/v1/completions", {"model": "tiny", "prompt": "a", "top_p": 0}, 400, "invalid_value", "top_p"),
     ("/v1/completions", {"model": "tiny", "prompt": "a", "stop": ["a", "b", "c", "d", "e"]}, 400,
