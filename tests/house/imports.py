@@ -13,7 +13,7 @@ PACKAGE = ROOT / "k3core"
 RANK = {
     "api": 0,
     "plugins": 1, "model": 1, "tokenizer": 1,
-    "checkpoint": 2,
+    "checkpoint": 2, "constrain": 2,
     "trunk": 3, "experts": 3,
     "run": 4,
     "serve": 5, "tools": 5, "cluster": 5,

@@ -45,6 +45,8 @@ def test_medium_effort_and_missing_control_tokens_are_refused(tok):
     with pytest.raises(UsageError, match="unknown chat format"):
         chat_format_for(tok, "chatml")
     with pytest.raises(UsageError, match="role"):
+        Message("robot", "x")
+    with pytest.raises(UsageError, match="tool's name"):
         Message("tool", "x")
     with pytest.raises(UsageError, match="reasoning"):
         Message("user", "x", "y")
