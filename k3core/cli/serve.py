@@ -110,7 +110,7 @@ def serve(
     timeout_idle: float = typer.Option(30.0, "--timeout-idle", help="Seconds a keep-alive connection may idle between requests.", rich_help_panel=_S),
     cors_origin: list[str] = typer.Option([], "--cors-origin", help="Let pages from ORIGIN (scheme://host[:port], or *) call this server from a browser; repeatable. Off by default.", rich_help_panel=_S, show_default=False),
     chat_format: str = typer.Option("auto", "--chat-format", help="auto, xtml or plain.", rich_help_panel=_S),
-    think: bool = typer.Option(True, "--think/--no-think", help="Chat replies think first (XTML); reasoning_effort overrides.", rich_help_panel=_S),
+    think: bool = typer.Option(None, "--think/--no-think", help="Chat replies think first (XTML); reasoning_effort overrides. Default: on, off for a model without chat training (the demo model).", rich_help_panel=_S, show_default=False),
     thinking_effort: str = typer.Option("max", "--thinking-effort", help="low, high or max.", rich_help_panel=_S),
     tok: Path = typer.Option(None, "--tok", help="Tokenizer directory (default: MODEL_DIR).", rich_help_panel=_X),
     trunk: Path = typer.Option(None, "--trunk", help="Stream the trunk from this packed directory.", rich_help_panel=_X),
@@ -147,19 +147,21 @@ def serve(
     from k3core.serve.app import create_app
     from k3core.serve.chat_format import check_format_options
     from k3core.serve.connections import Connections, protocol_class
-    from k3core.serve.loading import check_context, conversation_request
+    from k3core.serve.loading import check_context, conversation_request, default_thinking
     from k3core.serve.logs import log_config
     from k3core.serve.service import Service
     from k3core.serve.worker import Worker
 
     check_context(context)
-    check_format_options(chat_format, think, thinking_effort)
+    check_format_options(chat_format, think is not False, thinking_effort)
     engine = open_engine(conversation_request(model_dir, context, {
         "tok": tok, "preset": preset, "trunk": trunk, "trunk_gb": trunk_gb, "cache_gb": cache_gb,
         "backend": backend, "storage": storage, "cache_policy": cache_policy,
         "threads": threads}))
     try:
         assert engine.tokenizer is not None  # the request requires one
+        if think is None:  # the model says (the demo model was not trained on conversations)
+            think = default_thinking(engine.cfg.source)
         service = Service(Worker(engine, context), engine.tokenizer, model_name or model_dir.resolve().name,
                           chat_format=chat_format, thinking=think, effort=thinking_effort)
         limits, note = plan_limits(max_connections, timeout_header, timeout_idle)  # the model's files open
@@ -168,7 +170,8 @@ def serve(
         sock = _bind(host, port, limits.backlog)
         bound = sock.getsockname()[1]
         shown = f"[{host}]" if ":" in host else host
-        print(f"k3 serve: {service.model_name} ({service.fmt.name} chat format, context {context}) on "
+        thinks = "" if think or service.fmt.name != "xtml" else ", no thinking unless asked"
+        print(f"k3 serve: {service.model_name} ({service.fmt.name} chat format{thinks}, context {context}) on "
               f"http://{shown}:{bound}/v1  ({engine.settings_line.removeprefix('k3: ')})",
               file=sys.stderr, flush=True)
         print(f"k3 serve: chat page on http://{shown}:{bound}/", file=sys.stderr, flush=True)

@@ -318,14 +318,28 @@ class Service:
         return ext
 
 
-def thinking_note(sink: TextSink, row: Row) -> str | None:
+def thinking_note(sink: TextSink, row: Row, channel: str = "reasoning_content",
+                  off: str = 'reasoning_effort "none"') -> str | None:
     """What a chat reply says when ``max_tokens`` ran out in its thinking channel (``None``
-    otherwise): no answer was written, and how to get one."""
+    otherwise): no answer was written, and how to get one (``channel`` and ``off``: the
+    API's words for the thinking channel and for turning it off)."""
     if row.finish != "length" or sink.ended_in != "reasoning":
         return None
     return (f"max_tokens ran out while the model was thinking: all {len(row.ids)} tokens went to "
-            "reasoning_content and no answer was written; raise max_tokens, or send "
-            "reasoning_effort \"none\" to answer without thinking")
+            f"{channel} and no answer was written; raise max_tokens, or send {off} to answer "
+            "without thinking")
+
+
+def _constraint(grammar: str, tok: Tokenizer, fast_forward: bool) -> Callable[[int], GrammarConstraint]:
+    """Each row's own matcher of ``grammar``; without ``fast_forward`` every id is picked in a
+    pass of its own (so logprobs have a row of logits for every token)."""
+
+    def make(row: int) -> GrammarConstraint:
+        c = GrammarConstraint(grammar, tok)
+        c.fast_forward = fast_forward
+        return c
+
+    return make
 
 
 def _by_row(job: Job, sinks: list[TextSink]) -> Callable[[Step | None, str], bool]:
