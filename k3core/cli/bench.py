@@ -25,6 +25,7 @@ from k3core.api.errors import UsageError
 from k3core.api.units import ALIGN, check_gb, check_mb
 from k3core.cli.bench_ladder import bench_ladder
 from k3core.cli.guard import guarded
+from k3core.cli.options import EngineFlags, engine_flags
 from k3core.cli.progress import Stages
 from k3core.model.sizes import EXPERT_BYTES
 from k3core.tools.bench.codec import (
@@ -139,22 +140,24 @@ def codec(
     print(res.to_json() if as_json else "\n".join(codec_lines(res)))
 
 
+#: what the engine flags mean to k3 bench decode, beyond a run's meaning
+DECODE_NOTES = {
+    "backend": "the backend timed (the ids are checked against numpy)",
+    "threads": "the bandwidth loop's too",
+    "prefill_chunk": "the prefill runs only (checked against one numpy pass)",
+    "incremental": "the mode timed",
+}
+
+
 @bench_app.command("decode")
 @guarded
+@engine_flags(after="model", notes=DECODE_NOTES)
 def decode(
     model: Path = typer.Argument(..., help="Model directory (a checkpoint in the released layout)."),
-    backend: str | None = typer.Option(None, "--backend", help="Kernel backend to time."),
-    threads: int | None = typer.Option(None, "--threads", help="Kernel threads (and the bandwidth loop's)."),
-    storage: str | None = typer.Option(None, "--storage", help="Storage backend."),
-    cache_gb: float | None = typer.Option(None, "--cache-gb", help="Routed-expert cache budget in GB."),
-    trunk: Path | None = typer.Option(None, "--trunk", help="Stream the trunk from this packed directory."),
-    trunk_gb: float | None = typer.Option(None, "--trunk-gb", help="Trunk budget in GB (with --trunk)."),
     ids: str = typer.Option("3,7,11,5,9", "--ids", help="Prompt ids of the decode runs."),
     gen: int = typer.Option(32, "--gen", help="Tokens per decode run (the first is not timed)."),
     prefill: int = typer.Option(128, "--prefill", help="Random prompt ids of the prefill runs (0: none)."),
-    prefill_chunk: int | None = typer.Option(None, "--prefill-chunk", help="Feed the prefill prompt in chunks of N ids (checked against one numpy pass)."),
     repeat: int = typer.Option(3, "--repeat", help="Runs of each kind, each from a fresh engine (medians)."),
-    full_recompute: bool = typer.Option(False, "--full-recompute", help="Time full recompute, not incremental."),
     check: bool = typer.Option(True, "--check/--no-check", help="Check the ids against --backend numpy."),
     bandwidth_mb: float = typer.Option(1024.0, "--bandwidth-mb", help="Buffer of the read-bandwidth loop (MB)."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
@@ -162,21 +165,16 @@ def decode(
     spec_width: int = typer.Option(4, "--spec-width", help="Drafts verified per pass at most (1..16)."),
     spec_ngram: int = typer.Option(3, "--spec-ngram", help="Longest context suffix looked up (1..8)."),
     prompt_file: Path | None = typer.Option(None, "--prompt-file", help="Decode prompt as text (the model's tokenizer), instead of --ids."),
-    readers: int | None = typer.Option(None, "--readers", help="Expert reader threads (default: sized by the storage device)."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress on stderr."),
+    *,
+    flags: EngineFlags,
 ) -> None:
     """s/token, prefill tokens/s, bytes, I/O wait, calls per token, next to the bandwidth floor."""
     from k3core.api.errors import K3Error
     from k3core.model.speculative import SpecOptions
-    from k3core.run.request import EngineRequest, build
     from k3core.tools.bench.decode import _ids, format_report, run_decode_bench
 
-    given = {"model_dir": model, "backend": backend, "threads": threads, "storage": storage,
-             "cache_gb": cache_gb, "trunk": trunk, "trunk_gb": trunk_gb,
-             "prefill_chunk": prefill_chunk, "expert_readers": readers,
-             "incremental": False if full_recompute else None}
-    request = build(EngineRequest, {**{k: v for k, v in given.items() if v is not None},
-                                    "given_as": "flag"})
+    request = flags.request(model_dir=model)
     check_mb(bandwidth_mb, "--bandwidth-mb")
     units = {"timed": "token", "prefill": "run", "yardsticks": "loop", "check": "token"}
     with Stages("bench decode", quiet=quiet, units=units) as stages:

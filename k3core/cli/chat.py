@@ -19,6 +19,9 @@ import typer
 from k3core.api.errors import K3Error, UsageError
 from k3core.cli.guard import guarded, in_flags
 from k3core.cli.line_input import LineReader
+from k3core.cli.options import EngineFlags, engine_flags
+from k3core.run.request import MAX_GEN
+from k3core.serve.loading import DEFAULT_CONTEXT
 
 _C = "Conversation"
 _G = "Generation"
@@ -54,6 +57,7 @@ class Printer:
 
 
 @guarded
+@engine_flags(omit=("incremental",), panel=_X)
 def chat(
     model_dir: Path = typer.Argument(..., help="Directory with the safetensors shards (and the tokenizer)."),
     system: str = typer.Option(None, "--system", help="A system message to open the conversation with.", rich_help_panel=_C),
@@ -61,25 +65,20 @@ def chat(
     think: bool = typer.Option(True, "--think/--no-think", help="Let the model think before it answers (XTML).", rich_help_panel=_C),
     thinking_effort: str = typer.Option("max", "--thinking-effort", help="low, high or max.", rich_help_panel=_C),
     load: Path = typer.Option(None, "--load", help="Resume the conversation saved in this file (/save).", rich_help_panel=_C),
-    context: int = typer.Option(4096, "--context", help="Tokens the conversation may hold.", rich_help_panel=_C),
-    max_tokens: int = typer.Option(512, "--max-tokens", help="Most tokens one reply may have (1..4096).", rich_help_panel=_G),
+    context: int = typer.Option(DEFAULT_CONTEXT, "--context", help="Tokens the conversation may hold.", rich_help_panel=_C),
+    max_tokens: int = typer.Option(512, "--max-tokens", help=f"Most tokens one reply may have (1..{MAX_GEN}).", rich_help_panel=_G),
     temperature: float = typer.Option(None, "--temperature", help="Sample with this temperature (0 = greedy).", rich_help_panel=_G),
     top_p: float = typer.Option(None, "--top-p", help="Sample from the top-p mass.", rich_help_panel=_G),
     top_k: int = typer.Option(None, "--top-k", help="Sample from the k most likely ids.", rich_help_panel=_G),
     seed: int = typer.Option(None, "--seed", help="Sampling seed (turn k uses seed + k).", rich_help_panel=_G),
     spec: str = typer.Option("off", "--spec", help="Speculative decoding: off, ngram or auto (the same replies; docs/speculative.md).", rich_help_panel=_G),
-    tok: Path = typer.Option(None, "--tok", help="Tokenizer directory (default: MODEL_DIR).", rich_help_panel=_X),
-    preset: str = typer.Option(None, "--preset", help="Memory preset (k3 presets).", rich_help_panel=_X),
-    trunk: Path = typer.Option(None, "--trunk", help="Stream the trunk from this packed directory.", rich_help_panel=_X),
-    backend: str = typer.Option(None, "--backend", help="Kernel backend (k3 backends).", rich_help_panel=_X),
-    storage: str = typer.Option(None, "--storage", help="Storage backend.", rich_help_panel=_X),
-    cache_policy: str = typer.Option(None, "--cache-policy", help="Expert-cache policy.", rich_help_panel=_X),
-    threads: int = typer.Option(None, "--threads", help="Kernel threads.", rich_help_panel=_X),
     no_history: bool = typer.Option(False, "--no-history", help="Read and write no history file (in a terminal, Up still recalls this session's lines; $K3_CHAT_HISTORY names the file).", rich_help_panel=_C),
+    *,
+    flags: EngineFlags,
 ) -> None:
     """Talk with MODEL_DIR: state carried between turns, /save and /load."""
-    if not 1 <= max_tokens <= 4096:
-        raise UsageError(f"--max-tokens must be in 1..4096, got {max_tokens}")
+    if not 1 <= max_tokens <= MAX_GEN:
+        raise UsageError(f"--max-tokens must be in 1..{MAX_GEN}, got {max_tokens}")
     from k3core.model.sampling import check_sampling
     from k3core.model.speculative import DEFAULT_NGRAM, DEFAULT_WIDTH, check_spec
     from k3core.run.engine import open_engine
@@ -91,9 +90,7 @@ def chat(
     check_sampling(temperature, top_p, top_k, seed)  # before the engine opens, not per turn
     check_context(context)
     check_format_options(chat_format, think, thinking_effort)
-    engine = open_engine(conversation_request(model_dir, context, {
-        "tok": tok, "preset": preset, "trunk": trunk, "backend": backend, "storage": storage,
-        "cache_policy": cache_policy, "threads": threads}))
+    engine = open_engine(conversation_request(model_dir, context, flags.given))
     try:
         if engine.tokenizer is None:
             raise UsageError(f"k3 chat needs a tokenizer: none in {model_dir}; pass --tok DIR")

@@ -10,11 +10,11 @@ import typer
 
 from k3core.api.errors import UsageError
 from k3core.cli.guard import guarded
+from k3core.cli.options import EngineFlags, engine_flags
 from k3core.cli.progress import Progress
 from k3core.run.engine import open_engine
 from k3core.run.plan import EnginePlan
 from k3core.run.prompt import MAX_PROMPT_FILE
-from k3core.run.request import EngineRequest, build
 from k3core.tools.perplexity import check_window, perplexity
 
 
@@ -33,22 +33,20 @@ def read_text_file(path: Path) -> bytes:
 
 
 @guarded
+@engine_flags(omit=("incremental",), after="stride")
 def perplexity_cmd(
     model_dir: Path = typer.Argument(..., help="Model directory (safetensors shards, config.json)."),
     file: Path = typer.Argument(..., help="Text file to score (its bytes, verbatim)."),
     ctx: int = typer.Option(256, "--ctx", help="Window length in tokens."),
     stride: int = typer.Option(None, "--stride", help="Window step (1..ctx-1; default ctx/2)."),
-    tok: Path = typer.Option(None, "--tok", help="Tokenizer directory (default MODEL_DIR)."),
-    backend: str = typer.Option(None, "--backend", help="Kernel backend (k3 backends)."),
-    threads: int = typer.Option(None, "--threads", help="Kernel threads."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress on stderr."),
+    *,
+    flags: EngineFlags,
 ) -> None:
     """Score FILE under MODEL: mean NLL per token and perplexity, as llama.cpp's tool."""
     s = check_window(ctx, stride)
-    request = build(EngineRequest, {"model_dir": model_dir, "tok": tok, "backend": backend,
-                                    "threads": threads, "positions": ctx,
-                                    "needs_tokenizer": True, "given_as": "flag"})
+    request = flags.request(model_dir=model_dir, positions=ctx, needs_tokenizer=True)
     data = read_text_file(file)
     ids: list[int] = []
 

@@ -11,6 +11,8 @@ from pathlib import Path
 import typer
 
 from k3core.cli.guard import guarded
+from k3core.cli.options import EngineFlags, engine_flags
+from k3core.run.request import MAX_GEN
 
 _P = "Prompt"
 _M = "Memory"
@@ -18,26 +20,24 @@ _G = "Generation"
 _X = "Plugins"
 _O = "Outputs and diagnostics"
 _C = "Cluster (docs/cluster.md)"
+#: where each engine flag shows in ``k3 run --help``, and the panels in their order
+PANELS = {"tok": _P, "preset": _M, "trunk": _M, "trunk_gb": _M, "trunk_ring": _M,
+          "cache_gb": _M, "ultra_low_memory": _M, "prefill_chunk": _M, "incremental": _G,
+          "backend": _X, "storage": _X, "cache_policy": _X, "cache_trace": _X, "threads": _X,
+          "lookahead": _X, "expert_readers": _X, "config": _O, "layers": _O, "verify_trunk": _O}
+ORDER = (_P, _M, _G, _X, _O, _C)
 
 
 @guarded
+@engine_flags(panel=PANELS, order=ORDER)
 def run(
     model_dir: Path = typer.Argument(None, help="Directory with the safetensors shards (or $K3_MODEL_DIR).", show_default=False),
     prompt: str = typer.Option(None, "--prompt", "-p", help="Prompt text (tokenizer: --tok, or the files in MODEL_DIR).", rich_help_panel=_P),
     prompt_file: Path = typer.Option(None, "--prompt-file", "-f", help="Prompt file, its bytes taken verbatim; - reads standard input.", rich_help_panel=_P),
     ids: str = typer.Option(None, "--ids", help="Prompt token ids, e.g. 3,7,11 (no tokenizer needed).", rich_help_panel=_P),
-    tok: Path = typer.Option(None, "--tok", help="Directory with tiktoken.model and tokenizer_config.json (or $K3_TOK_FILES; default: MODEL_DIR when it has them).", rich_help_panel=_P),
     bos: bool = typer.Option(False, "--bos", help="Prepend the BOS token (never added otherwise).", rich_help_panel=_P),
-    preset: str = typer.Option(None, "--preset", help="Memory preset name or YAML path (see k3 presets).", rich_help_panel=_M),
-    trunk: Path = typer.Option(None, "--trunk", help="Stream the trunk from this packed directory (k3 pack-trunk).", rich_help_panel=_M),
-    trunk_gb: float = typer.Option(None, "--trunk-gb", help="Trunk budget in GB (1e9 B): pinned layers + ring.", rich_help_panel=_M),
-    trunk_ring: int = typer.Option(None, "--trunk-ring", help="Ring slots wanted (1..8, default 2; the budget wins).", rich_help_panel=_M),
-    cache_gb: float = typer.Option(None, "--cache-gb", help="Routed-expert cache budget in GB.", rich_help_panel=_M),
-    ultra_low_memory: bool = typer.Option(None, "--ultra-low-memory", help="Stream embedding and lm_head too (needs --trunk).", rich_help_panel=_M, show_default=False),
-    prefill_chunk: int = typer.Option(None, "--prefill-chunk", help="Feed a longer prompt in chunks of N ids (default: the memory plan's activations budget; same logits).", rich_help_panel=_M),
-    gen: int = typer.Option(8, "--gen", "-n", help="Tokens to generate (0..4096; 0 = prefill only; -1 = until the end of sequence or the context is full).", rich_help_panel=_G),
-    context: int = typer.Option(None, "--context", "-c", help="Ids the sequence may hold, the prompt included; generation stops when it is full (default: the prompt + 4096).", rich_help_panel=_G),
-    incremental: bool = typer.Option(None, "--incremental/--full-recompute", help="Carry KV cache and KDA state (the default), or re-run the whole prefix every step.", rich_help_panel=_G, show_default=False),
+    gen: int = typer.Option(8, "--gen", "-n", help=f"Tokens to generate (0..{MAX_GEN}; 0 = prefill only; -1 = until the end of sequence or the context is full).", rich_help_panel=_G),
+    context: int = typer.Option(None, "--context", "-c", help=f"Ids the sequence may hold, the prompt included; generation stops when it is full (default: the prompt + {MAX_GEN}).", rich_help_panel=_G),
     stop_id: list[int] = typer.Option([], "--stop-id", help="Stop after emitting this id (repeatable, up to 8).", rich_help_panel=_G),
     stop: list[str] = typer.Option([], "--stop", help="Stop when the text contains TEXT, cut before it (repeatable, up to 8).", rich_help_panel=_G),
     ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Run past the tokenizer's end-of-sequence id.", rich_help_panel=_G),
@@ -50,40 +50,36 @@ def run(
     spec_ngram: int = typer.Option(3, "--spec-ngram", help="Longest context suffix looked up for a draft (1..8).", rich_help_panel=_G),
     save_state: Path = typer.Option(None, "--save-state", help="After the run, write the session (ids, KV and recurrent state) here.", rich_help_panel=_G),
     load_state: Path = typer.Option(None, "--load-state", help="Resume a saved session: the prompt continues it (same model and config only).", rich_help_panel=_G),
-    backend: str = typer.Option(None, "--backend", help="Kernel backend: auto, numpy, numba, avx2, ... (k3 backends).", rich_help_panel=_X),
-    storage: str = typer.Option(None, "--storage", help="Storage backend: auto, direct, mmap, ...", rich_help_panel=_X),
-    cache_policy: str = typer.Option(None, "--cache-policy", help="Expert-cache policy: auto, cycle-eta, lru, s3fifo, replay.", rich_help_panel=_X),
-    cache_trace: Path = typer.Option(None, "--cache-trace", help="expert_trace.bin from an earlier run, for --cache-policy replay.", rich_help_panel=_X),
-    threads: int = typer.Option(None, "--threads", "-t", help="Kernel threads (or $K3_THREADS / $OMP_NUM_THREADS).", rich_help_panel=_X),
-    lookahead: str = typer.Option(None, "--lookahead", help="Router lookahead prefetch: off (the default), on, attn, out (docs/expert-cache.md).", rich_help_panel=_X),
-    expert_readers: int = typer.Option(None, "--expert-readers", "--readers", help="Expert-cache reader threads (1..64; default: sized by the storage device's queue).", rich_help_panel=_X),
-    config: Path = typer.Option(None, "--config", help="Model config (default MODEL_DIR/config.json).", rich_help_panel=_O),
-    layers: int = typer.Option(None, "--layers", help="Run only the first N layers (not the full model).", rich_help_panel=_O),
     out: Path = typer.Option(None, "--out", help="Write the result, the request and the plan as JSON.", rich_help_panel=_O),
     dump_logits: Path = typer.Option(None, "--dump-logits", help="Write step 0's logits as raw float32.", rich_help_panel=_O),
     dump_cache_trace: Path = typer.Option(None, "--dump-cache-trace", help="Write expert_trace.bin and expert_hist.json into this directory.", rich_help_panel=_O),
-    verify_trunk: bool = typer.Option(False, "--verify-trunk", help="Re-checksum every packed layer at open.", rich_help_panel=_O),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Only the generated text (nothing on stderr but errors).", rich_help_panel=_O),
     verbose: int = typer.Option(0, "--verbose", "-v", count=True, help="More detail on stderr: every setting and its source, the request.", rich_help_panel=_O),
     expert_workers: int = typer.Option(None, "--expert-workers", help="Routed experts on N Ray workers (a local cluster unless --ray-address; needs k3[ray]).", rich_help_panel=_C),
     ray_address: str = typer.Option(None, "--ray-address", help="Join this Ray cluster (ray start --head) for the expert workers.", rich_help_panel=_C),
     expert_shares: str = typer.Option(None, "--expert-shares", help="Where worker-0 ... (k3 shard-experts) lie on the worker nodes; MODEL_DIR is then its head/ ($K3_EXPERT_SHARES on a node overrides it there).", rich_help_panel=_C),
     worker_retries: int = typer.Option(2, "--worker-retries", help="Times a MoE layer's call is sent again to a worker that died and was restarted (0..100).", rich_help_panel=_C),
+    *,
+    flags: EngineFlags,
 ) -> None:
     """Generate tokens from MODEL_DIR (greedy unless a sampling flag is given)."""
-    flags = dict(locals())
-    workers, address = flags.pop("expert_workers"), flags.pop("ray_address")
-    shares, retries = flags.pop("expert_shares"), flags.pop("worker_retries")
     from k3core.run.request import RunRequest
     from k3core.run.runner import execute
 
-    request = RunRequest.from_flags(flags)
+    request = RunRequest.from_flags({
+        **flags.given, "model_dir": model_dir, "prompt": prompt, "prompt_file": prompt_file,
+        "ids": ids, "bos": bos, "gen": gen, "context": context, "stop_id": stop_id,
+        "stop": stop, "ignore_eos": ignore_eos, "temperature": temperature, "top_p": top_p,
+        "top_k": top_k, "seed": seed, "spec": spec, "spec_width": spec_width,
+        "spec_ngram": spec_ngram, "save_state": save_state, "load_state": load_state,
+        "out": out, "dump_logits": dump_logits, "dump_cache_trace": dump_cache_trace,
+        "quiet": quiet, "verbose": verbose})
     remote = None
-    if workers is not None or address is not None or shares is not None:
+    if expert_workers is not None or ray_address is not None or expert_shares is not None:
         from k3core.cluster.executor import ClusterExperts
 
-        remote = ClusterExperts(workers, address, cache_gb=cache_gb, shares=shares,
-                                retries=retries)
+        remote = ClusterExperts(expert_workers, ray_address, cache_gb=request.engine.cache_gb,
+                                shares=expert_shares, retries=worker_retries)
     elif model_dir is not None:
         from k3core.cluster.shares import refuse_head_alone
 

@@ -23,6 +23,8 @@ import typer
 
 from k3core.api.errors import K3Error, UsageError
 from k3core.cli.guard import guarded
+from k3core.cli.options import EngineFlags, engine_flags
+from k3core.serve.loading import DEFAULT_CONTEXT
 
 _S = "Server"
 _X = "Engine"
@@ -97,13 +99,14 @@ def _server_class() -> Any:
 
 
 @guarded
+@engine_flags(omit=("incremental",), panel=_X)
 def serve(
     model_dir: Path = typer.Argument(..., help="Directory with the safetensors shards (and the tokenizer)."),
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (non-loopback needs --api-key).", rich_help_panel=_S),
     port: int = typer.Option(8000, "--port", help="Port (0 = any free port; the one chosen is printed).", rich_help_panel=_S),
     api_key: str = typer.Option(None, "--api-key", envvar="K3_API_KEY", help="Require Authorization: Bearer KEY (or $K3_API_KEY).", rich_help_panel=_S, show_default=False),
     model_name: str = typer.Option(None, "--model-name", help="The model id clients ask for (default: MODEL_DIR's name).", rich_help_panel=_S),
-    context: int = typer.Option(4096, "--context", help="Tokens one conversation may hold (prompt + reply).", rich_help_panel=_S),
+    context: int = typer.Option(DEFAULT_CONTEXT, "--context", help="Tokens one conversation may hold (prompt + reply).", rich_help_panel=_S),
     max_queue: int = typer.Option(64, "--max-queue", help="Requests that may wait for the engine (then 429).", rich_help_panel=_S),
     max_connections: int = typer.Option(None, "--max-connections", help="Connections open at once (default 256, less if the file limit needs it); past it the longest-idle one is closed, or a 503 when all are busy.", rich_help_panel=_S, show_default=False),
     timeout_header: float = typer.Option(10.0, "--timeout-header", help="Seconds a connection has to send a request's head (and the longest pause in its body).", rich_help_panel=_S),
@@ -112,15 +115,8 @@ def serve(
     chat_format: str = typer.Option("auto", "--chat-format", help="auto, xtml or plain.", rich_help_panel=_S),
     think: bool = typer.Option(None, "--think/--no-think", help="Chat replies think first (XTML); reasoning_effort overrides. Default: on, off for a model without chat training (the demo model).", rich_help_panel=_S, show_default=False),
     thinking_effort: str = typer.Option("max", "--thinking-effort", help="low, high or max.", rich_help_panel=_S),
-    tok: Path = typer.Option(None, "--tok", help="Tokenizer directory (default: MODEL_DIR).", rich_help_panel=_X),
-    trunk: Path = typer.Option(None, "--trunk", help="Stream the trunk from this packed directory.", rich_help_panel=_X),
-    trunk_gb: float = typer.Option(None, "--trunk-gb", help="Trunk budget in GB.", rich_help_panel=_X),
-    cache_gb: float = typer.Option(None, "--cache-gb", help="Routed-expert cache budget in GB.", rich_help_panel=_X),
-    preset: str = typer.Option(None, "--preset", help="Memory preset (k3 presets).", rich_help_panel=_X),
-    backend: str = typer.Option(None, "--backend", help="Kernel backend (k3 backends).", rich_help_panel=_X),
-    storage: str = typer.Option(None, "--storage", help="Storage backend.", rich_help_panel=_X),
-    cache_policy: str = typer.Option(None, "--cache-policy", help="Expert-cache policy.", rich_help_panel=_X),
-    threads: int = typer.Option(None, "--threads", help="Kernel threads.", rich_help_panel=_X),
+    *,
+    flags: EngineFlags,
 ) -> None:
     """Serve MODEL_DIR over an OpenAI-compatible HTTP API (one generation at a time)."""
     if api_key is not None and not api_key.strip():
@@ -154,10 +150,7 @@ def serve(
 
     check_context(context)
     check_format_options(chat_format, think is not False, thinking_effort)
-    engine = open_engine(conversation_request(model_dir, context, {
-        "tok": tok, "preset": preset, "trunk": trunk, "trunk_gb": trunk_gb, "cache_gb": cache_gb,
-        "backend": backend, "storage": storage, "cache_policy": cache_policy,
-        "threads": threads}))
+    engine = open_engine(conversation_request(model_dir, context, flags.given))
     try:
         assert engine.tokenizer is not None  # the request requires one
         if think is None:  # the model says (the demo model was not trained on conversations)

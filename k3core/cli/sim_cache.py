@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import typer
@@ -23,6 +23,9 @@ import typer
 from k3core.api.errors import UsageError
 from k3core.api.units import check_gb
 from k3core.cli.guard import guarded
+
+if TYPE_CHECKING:
+    from k3core.experts.locator import PoolShape
 
 
 def parse_numbers(text: str, flag: str, *, integer: bool) -> list[Any]:
@@ -43,37 +46,16 @@ def parse_numbers(text: str, flag: str, *, integer: bool) -> list[Any]:
     return out
 
 
-def model_shape(model_dir: Path) -> dict[str, int]:
-    """top-k, MoE layer count, the highest layer index, experts and the largest expert's bytes
-    of ``model_dir`` (the pool is MoE layers x experts, as the simulator counts Kimi K3's)."""
-    from k3core.checkpoint.index import CheckpointIndex
-    from k3core.experts.locator import ExpertLocator
-    from k3core.plugins.registry import get_registry
-    from k3core.run.plan import read_model_config
-
-    if not model_dir.is_dir():
-        raise UsageError(f"--model {model_dir}: not a directory")
-    cfg = read_model_config(model_dir)
-    moe = [L for L in range(cfg.n_layers) if not cfg.is_dense(L)]
-    if not moe:
-        raise UsageError(f"--model {model_dir}: the model has no MoE layers")
-    plain, _, _ = get_registry().create("storage", "plain")  # headers only: any backend reads them
-    with CheckpointIndex.open(model_dir, plain) as index:
-        nbytes = ExpertLocator(cfg, index).max_bytes(range(cfg.n_layers))
-    return {"topk": cfg.topk, "n_layers": len(moe), "max_layer": cfg.n_layers - 1,
-            "n_experts": cfg.n_experts, "expert_bytes": nbytes}
-
-
 def read_guess_file(trace: Path, given: Path | None, requests: int,
-                    shape: dict[str, int] | None) -> np.ndarray | None:
+                    shape: PoolShape | None) -> np.ndarray | None:
     """The lookahead's guesses: ``--guesses``, else ``expert_guess.bin`` beside the trace."""
     from k3core.experts.guess_trace import GUESS_NAME, read_guesses
 
     path = given if given is not None else trace.parent / GUESS_NAME
     if given is None and not path.is_file():
         return None
-    return read_guesses(path, requests, n_layers=shape["max_layer"] if shape else None,
-                        n_experts=shape["n_experts"] if shape else None)
+    return read_guesses(path, requests, n_layers=shape.max_layer if shape else None,
+                        n_experts=shape.n_experts if shape else None)
 
 
 def check_visits(pairs: np.ndarray, topk: int) -> None:
@@ -132,6 +114,7 @@ def sim_cache(
     no_lookahead: bool = typer.Option(False, "--no-lookahead", help="Ignore the lookahead's guesses."),
 ) -> None:
     """Replay TRACE under every cache policy and Belady: hit rate and bytes read per token."""
+    from k3core.experts.locator import pool_shape
     from k3core.experts.simulator import EXPERT_BYTES, MODEL_TOPK, simulate
     from k3core.experts.trace import read_trace
 
@@ -146,16 +129,16 @@ def sim_cache(
             raise UsageError(f"{flag} must be a positive whole number, got {v}")
     if plot is not None:
         check_plot(plot, trace, guesses, model)
-    shape = model_shape(model) if model is not None else None
-    k = topk or (shape["topk"] if shape else MODEL_TOPK)
-    nbytes = expert_bytes or (shape["expert_bytes"] if shape else EXPERT_BYTES)
-    pairs = read_trace(trace, n_layers=shape["max_layer"] if shape else None,
-                       n_experts=shape["n_experts"] if shape else None)
+    shape = pool_shape(model) if model is not None else None
+    k = topk or (shape.topk if shape else MODEL_TOPK)
+    nbytes = expert_bytes or (shape.expert_bytes if shape else EXPERT_BYTES)
+    pairs = read_trace(trace, n_layers=shape.max_layer if shape else None,
+                       n_experts=shape.n_experts if shape else None)
     if shape is not None:
-        check_hist(trace, shape["max_layer"] + 1, shape["n_experts"])
+        check_hist(trace, shape.max_layer + 1, shape.n_experts)
     check_visits(pairs, k)
     guess_rows = None if no_lookahead else read_guess_file(trace, guesses, len(pairs), shape)
-    moe_layers = shape["n_layers"] if shape else len(np.unique(pairs[:, 0]))
+    moe_layers = shape.n_layers if shape else len(np.unique(pairs[:, 0]))
     sizes = slot_list if slot_list is not None else None
     if sizes is not None and all(s < k + 1 for s in sizes):
         raise UsageError(f"every size is under top-k + 1 = {k + 1} slots (the engine refuses those)")
@@ -166,8 +149,8 @@ def sim_cache(
         result = simulate(
             pairs, slots_list=sizes, cache_gb=gb_list if sizes is None else None,
             policies=policy or None, expert_bytes=nbytes, requests_per_token=k * moe_layers,
-            topk=k, n_layers=shape["n_layers"] if shape else None,
-            n_experts=shape["n_experts"] if shape else None,
+            topk=k, n_layers=shape.n_layers if shape else None,
+            n_experts=shape.n_experts if shape else None,
             progress=lambda name, n: st.update(f"replaying {name} at {n} slots"),
         )
     if not result.rows:

@@ -13,22 +13,31 @@ from pathlib import Path
 import typer
 
 from k3core.api.errors import UsageError
-from k3core.api.units import check_gb
 from k3core.cli.guard import guarded
+from k3core.cli.options import EngineFlags, engine_flags
 from k3core.cli.progress import Progress
+
+_KEPT = "kept in the preset"
+#: the engine flags k3 tune takes, and what each means here
+NOTES = {
+    "trunk_gb": f"{_KEPT} (default: sized to the model and the memory available; never more "
+                "than the model can use)",
+    "cache_gb": f"{_KEPT} (default: sized like --trunk-gb)",
+    "storage": _KEPT,
+    "backend": "a candidate to try, repeatable (default: every available one)",
+    "threads": "a candidate to try, repeatable (default 1, 2, 4, ... up to the CPU count)",
+    "expert_readers": "a candidate to try, repeatable (default 1, 2, 4, 8)",
+    "lookahead": "a candidate to try, repeatable (default off, on)",
+}
 
 
 @guarded
+@engine_flags(only=("trunk", "trunk_gb", "cache_gb", "storage", "backend", "threads",
+                    "expert_readers", "lookahead"),
+              repeatable=("backend", "threads", "expert_readers", "lookahead"), notes=NOTES,
+              after="model_dir")
 def tune(
     model_dir: Path = typer.Argument(..., help="Directory with the safetensors shards."),
-    trunk: Path = typer.Option(None, "--trunk", help="Stream the trunk from this packed directory (k3 pack-trunk)."),
-    trunk_gb: float = typer.Option(None, "--trunk-gb", help="Trunk budget in GB (1e9 B), kept in the preset (default: sized to the model and the memory available; never more than the model can use)."),
-    cache_gb: float = typer.Option(None, "--cache-gb", help="Routed-expert cache budget in GB, kept in the preset (default: sized like --trunk-gb)."),
-    storage: str = typer.Option(None, "--storage", help="Storage backend (kept in the preset)."),
-    backend: list[str] = typer.Option([], "--backend", help="A kernel backend to try (repeatable; default: every available one)."),
-    threads: list[int] = typer.Option([], "--threads", help="A thread count to try (repeatable; default 1, 2, 4, ... up to the CPU count)."),
-    expert_readers: list[int] = typer.Option([], "--expert-readers", help="An expert reader count to try (repeatable; default 1, 2, 4, 8)."),
-    lookahead: list[str] = typer.Option([], "--lookahead", help="A router lookahead to try (repeatable; default off, on)."),
     spec: list[str] = typer.Option([], "--spec", help="A speculative decoding mode to try (repeatable; default off, ngram)."),
     spec_width: list[int] = typer.Option([], "--spec-width", help="A draft width to try once spec is on (repeatable; default 2, 4, 8)."),
     name: str = typer.Option("tuned", "--name", help="The preset to write (a user preset: k3 presets show NAME)."),
@@ -38,34 +47,30 @@ def tune(
     force: bool = typer.Option(False, "--force", help="Replace a preset of that name."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress and no timing table on stderr (--json still has the timings)."),
+    *,
+    flags: EngineFlags,
 ) -> None:
     """Time short decodes per candidate setting; write what wins beyond noise with the reference's ids."""
     from k3core.run.prompt import parse_ids
-    from k3core.tools.tune import DEFAULT_IDS, TuneOptions
+    from k3core.tools.tune import DEFAULT_IDS, TuneOptions, check_engine_values
     from k3core.tools.tune import tune as run_tune
 
-    check_gb(trunk_gb, "--trunk-gb", positive=True)
-    check_gb(cache_gb, "--cache-gb")
+    check_engine_values(flags.given)
     if not 2 <= gen <= 64:
         raise UsageError(f"--gen must be in 2..64, got {gen}")
-    if any(t < 1 for t in threads):
-        raise UsageError("--threads must be >= 1")
-    if any(not 1 <= r <= 64 for r in expert_readers):
-        raise UsageError("--expert-readers must be in 1..64")
-    bad = [v for v in lookahead if v not in ("on", "off", "attn", "out")]
-    if bad:
-        raise UsageError(f"--lookahead must be on, off, attn or out, got {bad[0]!r}")
     bad = [v for v in spec if v not in ("off", "ngram", "auto")]
     if bad:
         raise UsageError(f"--spec must be off, ngram or auto, got {bad[0]!r}")
     if any(not 1 <= w <= 16 for w in spec_width):
         raise UsageError("--spec-width must be in 1..16")
     prompt = parse_ids(ids) if ids is not None else list(DEFAULT_IDS)
-    opts = TuneOptions(model_dir, trunk=trunk, trunk_gb=trunk_gb, cache_gb=cache_gb,
-                       storage=storage, backends=backend, threads=threads,
-                       expert_readers=expert_readers, lookahead=lookahead, spec=spec,
-                       spec_width=spec_width, name=name,
-                       ids=prompt, gen=gen, repeat=repeat, force=force)
+    given = flags.given
+    opts = TuneOptions(model_dir=model_dir, trunk=given["trunk"], trunk_gb=given["trunk_gb"],
+                       cache_gb=given["cache_gb"], storage=given["storage"],
+                       backends=given["backend"], threads=given["threads"],
+                       expert_readers=given["expert_readers"], lookahead=given["lookahead"],
+                       spec=spec, spec_width=spec_width, name=name, ids=prompt, gen=gen,
+                       repeat=repeat, force=force)
     with Progress("tune", unit="run", quiet=quiet) as bar:
         result = run_tune(opts, progress=lambda s: bar.note(f"tune: {s}"),
                           on_run=lambda done, planned: bar.update(done, planned))

@@ -209,3 +209,36 @@ def _build(plan: _Plan, buf: np.ndarray) -> Mxfp4 | np.ndarray:
         return Mxfp4(np.ndarray(ps, pd, buf, po), np.ndarray(ss, sd, buf, so))
     off, _, dt, shape = plan[0]
     return np.ndarray(shape, dt, buf, off)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PoolShape:
+    """The routed-expert pool of a model, as the simulator counts it (MoE layers x
+    experts): top-k, the MoE layers, the highest layer index, the experts of a layer and the
+    largest expert's bytes."""
+
+    topk: int
+    n_layers: int
+    max_layer: int
+    n_experts: int
+    expert_bytes: int
+
+
+def pool_shape(model_dir: Path) -> PoolShape:
+    """The expert pool of the model in ``model_dir``, from its config and its shards' headers
+    (read through the ``plain`` storage backend: no tensor is read)."""
+    from k3core.api.errors import UsageError
+    from k3core.model.config import load_config
+    from k3core.plugins.registry import get_registry
+
+    if not model_dir.is_dir():
+        raise UsageError(f"{model_dir} is not a directory (a model directory is)")
+    cfg = load_config(model_dir)
+    moe = [L for L in range(cfg.n_layers) if not cfg.is_dense(L)]
+    if not moe:
+        raise UsageError(f"{model_dir}: the model has no MoE layers")
+    plain, _, _ = get_registry().create("storage", "plain")  # headers only: any backend reads them
+    with CheckpointIndex.open(model_dir, plain) as index:
+        nbytes = ExpertLocator(cfg, index).max_bytes(range(cfg.n_layers))
+    return PoolShape(topk=cfg.topk, n_layers=len(moe), max_layer=cfg.n_layers - 1,
+                     n_experts=cfg.n_experts, expert_bytes=nbytes)

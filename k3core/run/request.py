@@ -30,6 +30,7 @@ from k3core.api.errors import UsageError, param
 from k3core.api.units import check_gb
 from k3core.experts.readers import READERS_LIMIT
 from k3core.run.settings import LOOKAHEAD_MODES
+from k3core.trunk.plan import DEFAULT_RING, MAX_RING
 
 #: the most tokens one generation may ask for, and the most stop ids / stop strings
 MAX_GEN = 4096
@@ -160,33 +161,57 @@ class GenerationParams(_Strict):
 class EngineRequest(_Strict):
     """What opens an engine. ``None`` = not given (environment, preset or default decides).
 
-    The last three fields say how the engine will be used, not how it is configured (the
-    JSON record leaves them out): ``positions``, the ids a session is planned to hold (the
+    Each field's description is its help text: the command line's engine flags are made
+    from these fields (``k3core/cli/options.py``), so every command that opens an engine
+    takes them with one help text, one default and one check each; a backquoted name in a
+    description is another field (``--trunk`` on the command line).
+
+    The fields after ``prefill_chunk`` say how the engine will be used, not how it is
+    configured (the JSON record leaves them out): ``positions``, the ids a session is planned to hold (the
     memory plan sizes the KV cache and the buffers for them); ``needs_tokenizer``, refuse
     at the plan when there is none; ``given_as``, how the caller's values are named in the
     plan's sources (``flag --threads`` on the command line, ``keyword threads`` in Python).
     """
 
-    model_dir: Path | None = None
-    config: Path | None = None
-    layers: int | None = None
-    tok: Path | None = None
-    preset: str | None = None
-    trunk: Path | None = None
-    trunk_gb: float | None = None
-    trunk_ring: int | None = None
-    cache_gb: float | None = None
-    ultra_low_memory: bool | None = None
-    backend: str | None = None
-    storage: str | None = None
-    cache_policy: str | None = None
-    cache_trace: Path | None = None
-    threads: int | None = None
-    incremental: bool | None = None
-    lookahead: str | None = None
-    expert_readers: int | None = None
-    verify_trunk: bool = False
-    prefill_chunk: int | None = None
+    model_dir: Path | None = Field(default=None, description="Directory with the safetensors shards "
+                                   "(or $K3_MODEL_DIR).")
+    config: Path | None = Field(default=None, description="Model config (default MODEL_DIR/config.json).")
+    layers: int | None = Field(default=None, description="Run only the first N layers (not the full "
+                               "model).")
+    tok: Path | None = Field(default=None, description="Directory with tiktoken.model and "
+                             "tokenizer_config.json (or $K3_TOK_FILES; default: MODEL_DIR when "
+                             "it has them).")
+    preset: str | None = Field(default=None, description="Memory preset name or YAML path (see k3 "
+                               "presets).")
+    trunk: Path | None = Field(default=None, description="Stream the trunk from this packed directory "
+                               "(k3 pack-trunk).")
+    trunk_gb: float | None = Field(default=None, description="Trunk budget in GB (1e9 B): pinned layers "
+                                   "+ ring.")
+    trunk_ring: int | None = Field(default=None, description=f"Ring slots wanted (1..{MAX_RING}, "
+                                   f"default {DEFAULT_RING}; the budget wins).")
+    cache_gb: float | None = Field(default=None, description="Routed-expert cache budget in GB.")
+    ultra_low_memory: bool | None = Field(default=None, description="Stream embedding and lm_head too "
+                                          "(needs `trunk`).")
+    backend: str | None = Field(default=None, description="Kernel backend: auto, numpy, numba, avx2, "
+                                "... (k3 backends).")
+    storage: str | None = Field(default=None, description="Storage backend: auto, direct, mmap, ...")
+    cache_policy: str | None = Field(default=None, description="Expert-cache policy: auto, cycle-eta, "
+                                     "lru, s3fifo, replay.")
+    cache_trace: Path | None = Field(default=None, description="expert_trace.bin from an earlier run, "
+                                     "for `cache_policy` replay.")
+    threads: int | None = Field(default=None, description="Kernel threads (or $K3_THREADS / "
+                                "$OMP_NUM_THREADS).")
+    incremental: bool | None = Field(default=None, description="Carry KV cache and KDA state (the "
+                                     "default), or re-run the whole prefix every step.")
+    lookahead: str | None = Field(default=None, description="Router lookahead prefetch: off (the "
+                                  "default), on, attn, out (docs/expert-cache.md).")
+    expert_readers: int | None = Field(default=None, description=f"Expert-cache reader threads "
+                                       f"(1..{READERS_LIMIT}; default: sized by the storage "
+                                       "device's queue).")
+    verify_trunk: bool = Field(default=False, description="Re-checksum every packed layer at open.")
+    prefill_chunk: int | None = Field(default=None, description="Feed a longer prompt in chunks of N "
+                                      "ids (default: the memory plan's activations budget; same "
+                                      "logits).")
     positions: int = Field(default=1, ge=0, exclude=True)
     needs_tokenizer: bool = Field(default=False, exclude=True)
     given_as: Literal["flag", "keyword"] = Field(default="keyword", exclude=True)

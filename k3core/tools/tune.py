@@ -38,7 +38,7 @@ from __future__ import annotations
 import os
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -65,7 +65,7 @@ Progress = Callable[[str], None]
 OnRun = Callable[[int, int], None]
 
 
-@dataclass
+@dataclass(kw_only=True)
 class TuneOptions:
     """What ``k3 tune`` was asked for (``None``: not given, sized or the engine's default)."""
 
@@ -103,6 +103,15 @@ class Knob:
     def values(self, o: TuneOptions) -> list[Any]:
         """The candidate values: those named, else the defaults."""
         return list(dict.fromkeys(self.named(o))) or self.default_values(o)
+
+
+def check_engine_values(given: Mapping[str, Any]) -> None:
+    """Refuse what a run would refuse among the engine values ``k3 tune`` was given: each
+    single value, and each candidate of a list (``EngineRequest.check_value``)."""
+    for name, value in given.items():
+        for v in value if isinstance(value, (list, tuple)) else [value]:
+            if v is not None:
+                EngineRequest.check_value(name, v)
 
 
 def thread_counts(n: int | None = None) -> list[int]:

@@ -402,3 +402,117 @@ def check_same_ids(rungs: Sequence[Rung]) -> None:
 
 def write_tsv(path: Path, rungs: Sequence[Rung]) -> None:
     write_bytes_atomic(path, tsv_text(rungs).encode(), "ladder.tsv")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LadderOptions:
+    """What ``k3 bench-ladder`` was asked for (``None``: the default said beside it)."""
+
+    model_dir: Path
+    trunk_dir: Path
+    budgets: str | None = None  # trunk budgets in GB, "0.2,0.4,1" (None: default_budgets)
+    gen: int = 6
+    ids: str = "3,7,11,5,9"
+    out_dir: Path = Path("build/ladder")
+    storage: str = "auto"
+    backend: str = "auto"
+    threads: int | None = None
+    ring: int | None = None
+    limit: bool = True  # cap each rung's memory
+    headroom_gb: float | None = None
+    timeout: float | None = None
+    codec_trunk: Path | None = None
+    cache_gb: float | None = None  # None: top-k + 1 slots, the smallest legal cache
+
+
+def run_ladder(o: LadderOptions, say: Callable[[str], None] = print) -> list[Rung]:
+    """Check the request, run every rung (and its coded twin), write ``ladder.tsv`` and
+    ``ladder.png``, say what bounds each rung; refuses (exit 1) unless every rung generated
+    the same ids. ``say`` hears each line of the report."""
+    from k3core.api.outputs import Output, check_outputs
+    from k3core.api.units import human
+    from k3core.checkpoint.index import CheckpointIndex
+    from k3core.experts.locator import ExpertLocator
+    from k3core.model.config import load_config
+    from k3core.model.sizes import slot_bytes
+    from k3core.plugins.registry import get_registry
+    from k3core.run.prompt import check_vocab, parse_ids
+    from k3core.trunk.manifest import open_trunk
+    from k3core.trunk.parts import stream_unit_sizes
+    from k3core.trunk.plan import trunk_floor
+
+    check_gb(o.headroom_gb, "--headroom-gb")
+    check_gb(o.cache_gb, "--cache-gb", positive=True)
+    given_budgets = parse_budgets(o.budgets) if o.budgets else None
+    if o.gen < 2:
+        raise UsageError(f"--gen must be >= 2 (step 0 is excluded from s/token), got {o.gen}")
+    prompt = parse_ids(o.ids)
+    cfg = load_config(o.model_dir / "config.json")
+    check_vocab(prompt, cfg.vocab)
+    cache_gb = o.cache_gb
+    backend_obj, _, _ = get_registry().create("storage", o.storage)
+    with CheckpointIndex.open(o.model_dir, backend_obj) as index:
+        man = open_trunk(o.trunk_dir, index, cfg)
+        coded_man = open_trunk(o.codec_trunk, index, cfg) if o.codec_trunk is not None else None
+        if coded_man is not None and not coded_man.compressed:
+            raise UsageError(f"--codec-trunk {o.codec_trunk} was packed without a codec; pack "
+                             "it with `k3 pack-trunk MODEL_DIR DIR --codec NAME`")
+        rest = fixed_bytes(cfg, index, len(prompt) + o.gen + 1)
+        if cache_gb is None:
+            stride = slot_bytes(ExpertLocator(cfg, index).max_bytes(range(cfg.n_layers)))
+            cache_gb = (cfg.topk + 1) * stride / 1e9 * 1.001
+    sizes = [lay.nbytes for lay in man.layers[: cfg.n_layers]]
+    rung_budgets = given_budgets or default_budgets(sizes)
+    if len(rung_budgets) < MIN_RUNGS:
+        say(f"note: {len(rung_budgets)} budgets; a ladder wants at least {MIN_RUNGS}")
+    check_outputs([Output(o.out_dir, "--out-dir", directory=True,
+                          files=("ladder.tsv", "ladder.png"))],
+                  inputs=[(o.model_dir, "MODEL_DIR"), (o.trunk_dir, "TRUNK_DIR"),
+                          (o.codec_trunk, "--codec-trunk")])
+    base = [*K3_CMD, "run", str(o.model_dir), "--ids", o.ids,
+            "--gen", str(o.gen), "--incremental", "--trunk", str(o.trunk_dir),
+            "--storage", o.storage, "--backend", o.backend, "--cache-gb", f"{cache_gb:.6f}"]
+    if o.threads is not None:
+        base += ["--threads", str(o.threads)]
+    if o.ring is not None:
+        base += ["--trunk-ring", str(o.ring)]
+    positions = len(prompt) + o.gen + 1
+    headroom = None if o.headroom_gb is None else int(o.headroom_gb * 1e9)
+    say(f"ladder: {len(rung_budgets)} rungs over {human(man.total_bytes)} packed "
+        f"(floor {human(trunk_floor(stream_unit_sizes(man, cfg.n_layers)))}), {o.gen} tokens "
+        "each, incremental")
+    rungs = []
+    for i, b in enumerate(rung_budgets):
+        r = run_rung(i, b, cfg, base, o.out_dir, positions, int(b * 1e9) + rest, o.limit,
+                     o.timeout, headroom)
+        rungs.append(r)
+        status = (f"{r.s_per_token:.3f} s/token, {r.pinned}/{r.n_layers} pinned, ring {r.ring}, "
+                  f"{r.trunk_bytes_per_token / 1e9:.3f} GB trunk/token, peak RSS "
+                  f"{r.peak_rss / 1e9:.2f} GB (plan {r.plan_total / 1e9:.2f}), "
+                  f"limit {r.limit_kind}") if r.ok else f"FAILED: {r.error}"
+        say(f"  rung {i}: --trunk-gb {b:g}: {status}")
+        if o.codec_trunk is not None:
+            coded_base = [str(o.codec_trunk) if x == str(o.trunk_dir) else x for x in base]
+            c = r.coded = run_rung(i, b, cfg, coded_base, o.out_dir, positions,
+                                   int(b * 1e9) + rest, o.limit, o.timeout, headroom,
+                                   tag="-codec")
+            status = (f"{c.s_per_token:.3f} s/token, {c.trunk_bytes_per_token / 1e9:.3f} GB "
+                      f"trunk/token read, {c.read_s_per_token:.3f} s/token reading and "
+                      f"decoding, peak RSS {c.peak_rss / 1e9:.2f} GB") if c.ok else (
+                          f"FAILED: {c.error}")
+            say(f"  rung {i}: --trunk-gb {b:g}, {c.codec} trunk: {status}")
+    write_tsv(o.out_dir / "ladder.tsv", rungs)
+    say(f"wrote {o.out_dir / 'ladder.tsv'}")
+    ok = [r for r in rungs if r.ok]
+    if ok:
+        same = "same" if len({tuple(r.ids) for r in ok}) == 1 else "DIFFER"
+        write_plot(o.out_dir / "ladder.png", rungs,
+                   f"k3 memory ladder: {cfg.hidden} hidden x {cfg.n_layers} layers, "
+                   f"{o.gen} tokens, ids {same}")
+        say(f"wrote {o.out_dir / 'ladder.png'}")
+    say("what bounds time per token (steady-state means, step 0 excluded):")
+    for line in bound_lines(rungs):
+        say(line)
+    check_same_ids(rungs)
+    say(f"every rung generated {','.join(map(str, rungs[0].ids))}")
+    return rungs
