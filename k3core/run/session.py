@@ -15,7 +15,11 @@ One step, in order: ``before_step`` (a hook, for fault tests), the forward pass,
 id (unless ``ignore_eos``; its text is not shown), a stop string (the text is cut before it),
 ``max_tokens``. With ``spec`` (``ngram``/``auto``) a step is a verify pass that may emit
 several tokens (the same ids, each checked against the stops in turn; the state keeps only
-what was emitted: :mod:`k3core.model.speculative`). A Ctrl-C inside the loop leaves what
+what was emitted: :mod:`k3core.model.speculative`). With a ``constraint``
+(:mod:`k3core.model.constraint`) the pick is restricted to the ids it allows (the logits stay
+exact), and the ids it then forces are emitted as steps of their own without a pick and
+fed with the next pass, several ids in one pass; a constraint that is complete ends the
+generation (``stop``). A Ctrl-C inside the loop leaves what
 was made in :attr:`Session.last` (``interrupted=True``, ``stop_reason="interrupted"``) and propagates; the session stays usable (a forward pass cut short
 drops the carried state, and the next call prefills the session's ids again).
 """
@@ -32,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from k3core.api.errors import UsageError, param
+from k3core.model.constraint import Constraint, masked, take_forced
 from k3core.model.generate import Step
 from k3core.model.sampling import Sampler, argmax
 from k3core.model.speculative import SpecOptions, Speculator
@@ -125,7 +130,8 @@ class Session:
         return ids
 
     def steps(self, prompt_ids: Sequence[int], p: GenerationParams,
-              around: PickWrap | None = None) -> Generator[tuple[Step | None, str], None, None]:
+              around: PickWrap | None = None, constraint: Constraint | None = None
+              ) -> Generator[tuple[Step | None, str], None, None]:
         """The decode loop as a generator of ``(step, text piece)``; fills :attr:`last`.
 
         The last item may be ``(None, text)``: text held back until the end (an incomplete
@@ -133,8 +139,13 @@ class Session:
         pick (greedy or the sampler): the wrapper is handed each step's exact logits, in step
         order, and returns the id chosen (the server's penalties and logprobs); speculative
         verify rows are picked in the same order, so a wrapper sees what plain decoding
-        shows it, plus at most the rows of one pass past a stop string."""
+        shows it, plus at most the rows of one pass past a stop string. ``constraint``
+        restricts the choice to the ids it allows (inside ``around``) and forces ids (module
+        docstring)."""
         eng = self.engine
+        if constraint is not None and p.spec != "off":
+            raise UsageError(f"a constrained generation decodes one token a pass: set "
+                             f"{param('spec')} off (got {p.spec!r})")
         prompt = [int(i) for i in prompt_ids]
         if not prompt and not self.ids:
             raise UsageError("the prompt is empty: nothing to feed the model")
@@ -154,6 +165,8 @@ class Session:
         self.last = gen
         self.ids = self.ids + prompt
         pick: Callable[[np.ndarray], int] = gen.sampler or argmax
+        if constraint is not None:
+            pick = masked(pick, constraint)
         if around is not None:
             pick = around(pick)
         spec = (Speculator(eng.model, SpecOptions(p.spec, p.spec_width, p.spec_ngram))
@@ -170,7 +183,7 @@ class Session:
             if spec is not None:
                 yield from self._speculate(gen, p, spec, pick, text, stops, eos)
             else:
-                yield from self._plain(gen, p, pick, text, stops, eos)
+                yield from self._plain(gen, p, pick, text, stops, eos, constraint)
             if fills and gen.stop_reason == "length" and len(gen.ids) >= make:
                 gen.stop_reason = "context"
             tail = text.finish()
@@ -214,32 +227,44 @@ class Session:
             raise
 
     def _plain(self, gen: Generation, p: GenerationParams, pick: Callable[[np.ndarray], int],
-               text: TextStream, stops: set[int], eos: set[int]
+               text: TextStream, stops: set[int], eos: set[int],
+               constraint: Constraint | None = None
                ) -> Generator[tuple[Step | None, str], None, None]:
-        """One token per forward pass."""
-        for g in range(p.max_tokens):
+        """One forward pass per step; with a ``constraint``, the ids it forces after a pick
+        follow as steps of their own (their pass's seconds shared among them), fed together
+        with the next pass."""
+        g = 0
+        while g < p.max_tokens:
             self.before_step(g)
             t0 = time.perf_counter()
             logits = self._prefill(gen) if g == 0 else self._forward()
             if g == 0:
                 gen.first_logits = logits
-            tok = pick(logits)
-            self.ids.append(tok)
-            gen.ids.append(tok)
-            step = Step(g, tok, time.perf_counter() - t0)
-            gen.steps.append(step)
-            piece = "" if tok in eos and tok not in stops else text.push(tok)
-            gen.text = text.text if text.enabled else None
-            yield step, piece
-            if tok in stops:
-                gen.stopped_at, gen.stop_reason = tok, "stop_id"
-                break
-            if tok in eos:
-                gen.stopped_at, gen.stop_reason = tok, "eos"
-                break
-            if text.hit is not None:
+            toks = [pick(logits)]
+            if constraint is not None:
+                toks += take_forced(constraint, p.max_tokens - g - 1)
+            seconds = time.perf_counter() - t0
+            for tok in toks:
+                self.ids.append(tok)
+                gen.ids.append(tok)
+                step = Step(g, tok, seconds / len(toks))
+                g += 1
+                gen.steps.append(step)
+                piece = "" if tok in eos and tok not in stops else text.push(tok)
+                gen.text = text.text if text.enabled else None
+                yield step, piece
+                if tok in stops:
+                    gen.stopped_at, gen.stop_reason = tok, "stop_id"
+                    return
+                if tok in eos:
+                    gen.stopped_at, gen.stop_reason = tok, "eos"
+                    return
+                if text.hit is not None:
+                    gen.stop_reason = "stop"
+                    return
+            if constraint is not None and constraint.done:
                 gen.stop_reason = "stop"
-                break
+                return
 
     def _speculate(self, gen: Generation, p: GenerationParams, spec: Speculator,
                    pick: Callable[[np.ndarray], int], text: TextStream, stops: set[int],

@@ -237,16 +237,21 @@ class Server:
                               k3=ext).model_dump()
         chats = []
         for i, (sink, row) in enumerate(zip(prep.sinks, out.rows, strict=False)):
-            msg = ChatMessageOut(content=sink.content, reasoning_content=sink.reasoning or None,
-                                 k3_note=thinking_note(sink, row))
+            calls = sink.tool_calls()
+            msg = ChatMessageOut(content=sink.content if sink.content or not calls else None,
+                                 reasoning_content=sink.reasoning or None, tool_calls=calls,
+                                 k3_note=thinking_note(sink, row),
+                                 k3_warning=" ".join(sink.warnings) or None)
             lp = (chat_logprobs(tok, sink.recorder.records[: len(row.ids)])
                   if sink.recorder is not None else None)
-            chats.append(ChatChoice(index=i, message=msg, finish_reason=_finish(row.finish), logprobs=lp))
+            chats.append(ChatChoice(index=i, message=msg, finish_reason=_chat_finish(sink, row.finish),
+                                    logprobs=lp))
         body = ChatCompletion(id=prep.id, created=prep.created, model=name, choices=chats, usage=u,
                               k3=ext).model_dump()
-        for c in body["choices"]:  # k3_note only where there is one
-            if c["message"]["k3_note"] is None:
-                del c["message"]["k3_note"]
+        for c in body["choices"]:  # k3_note, k3_warning and tool_calls only where there are some
+            for key in ("k3_note", "k3_warning", "tool_calls"):
+                if c["message"][key] is None:
+                    del c["message"][key]
         return body
 
     @staticmethod
@@ -306,7 +311,7 @@ class Server:
             raise APIError(500, f"internal error: {type(exc).__name__}", type_="server_error",
                            code="internal_error") from None
 
-    def _chunk(self, prep: Prepared, row: int, piece: dict[str, str] | None, finish: str | None,
+    def _chunk(self, prep: Prepared, row: int, piece: dict[str, Any] | None, finish: str | None,
                logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
         base = {"id": prep.id, "created": prep.created, "model": self.service.model_name}
         if prep.kind == "completion":
@@ -319,6 +324,8 @@ class Server:
                 delta["reasoning_content"] = piece["reasoning"]
             if "content" in piece:
                 delta["content"] = piece["content"]
+            if "tool_calls" in piece:
+                delta["tool_calls"] = piece["tool_calls"]
         return {**base, "object": "chat.completion.chunk",
                 "choices": [{"index": row, "delta": delta, "finish_reason": finish, "logprobs": logprobs}]}
 
@@ -385,10 +392,14 @@ class Server:
             for row, r in enumerate(out.rows):
                 if not echoed[row]:
                     yield echo(row)
-                last = self._chunk(prep, row, None, _finish(r.finish), logprobs(row, len(r.ids)))
-                note = thinking_note(prep.sinks[row], r) if prep.kind == "chat" else None
+                sink = prep.sinks[row]
+                finish = _chat_finish(sink, r.finish) if prep.kind == "chat" else _finish(r.finish)
+                last = self._chunk(prep, row, None, finish, logprobs(row, len(r.ids)))
+                note = thinking_note(sink, r) if prep.kind == "chat" else None
                 if note is not None:
                     last["choices"][0]["delta"]["k3_note"] = note
+                if prep.kind == "chat" and sink.warnings:
+                    last["choices"][0]["delta"]["k3_warning"] = " ".join(sink.warnings)
                 yield _sse(last)
             if include_usage:
                 final = self._final(prep, out)
@@ -402,14 +413,14 @@ class Server:
 
 
 #: a piece of a stream: the row, its text, the steps its sink had seen
-Piece = tuple[int, dict[str, str], int]
+Piece = tuple[int, dict[str, Any], int]
 
 
 def _poster(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue[Piece | None], row: int,
-            sink: TextSink) -> Callable[[dict[str, str]], None]:
+            sink: TextSink) -> Callable[[dict[str, Any]], None]:
     """A row's ``on_piece``: from the engine thread to the event loop's queue."""
 
-    def post(piece: dict[str, str]) -> None:
+    def post(piece: dict[str, Any]) -> None:
         loop.call_soon_threadsafe(queue.put_nowait, (row, piece, sink.seen))
 
     return post
@@ -417,6 +428,11 @@ def _poster(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue[Piece | None],
 
 def _finish(finish: str) -> Literal["stop", "length"]:
     return "stop" if finish == "stop" else "length"
+
+
+def _chat_finish(sink: TextSink, finish: str) -> Literal["stop", "length", "tool_calls"]:
+    """A chat row's finish reason: ``tool_calls`` for a reply that ended after calling tools."""
+    return "tool_calls" if finish == "stop" and sink.calls else _finish(finish)
 
 
 def create_app(service: Service, api_key: str | None = None, max_queue: int = 64,

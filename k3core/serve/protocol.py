@@ -16,6 +16,7 @@ Sampling follows ``k3 run``: greedy unless ``temperature`` (> 0), ``top_p``, ``t
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -29,6 +30,9 @@ from pydantic import (
 )
 
 MAX_STOP_STRINGS = 4
+#: the most tools one request may declare
+MAX_TOOLS = 128
+TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 MAX_STOP_CHARS = 256
 #: the most rows one request may ask for (``n``): they are decoded one after the other
 MAX_N = 16
@@ -237,11 +241,41 @@ def _text_parts(v: Any) -> Any:
     return v
 
 
+class FunctionCallIn(_Strict):
+    name: str
+    arguments: str | dict[str, Any] = "{}"  # JSON text, as OpenAI sends it (an object taken too)
+
+
+class ToolCallIn(_Strict):
+    """An assistant message's call, sent back in the history."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
 class ChatMessageIn(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Annotated[str | list[TextPart] | None, BeforeValidator(_text_parts)] = None
     reasoning_content: str | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
+
+    @field_validator("tool_call_id")
+    @classmethod
+    def _answer(cls, v: str | None, info: ValidationInfo) -> str | None:
+        role = info.data.get("role")
+        if v is not None and role != "tool":
+            raise ValueError("only a tool message carries a tool_call_id")
+        return v
+
+    @field_validator("tool_calls")
+    @classmethod
+    def _calls(cls, v: list[ToolCallIn] | None, info: ValidationInfo) -> list[ToolCallIn] | None:
+        if v and info.data.get("role") != "assistant":
+            raise ValueError("only an assistant message carries tool_calls")
+        return v
 
     @property
     def text(self) -> str:
@@ -252,8 +286,55 @@ class ChatMessageIn(_Strict):
         return "".join(p.text for p in self.content)
 
 
+class FunctionDef(_Strict):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if not v:
+            raise ValueError("a tool needs a name")
+        if not TOOL_NAME.fullmatch(v):
+            raise ValueError(f"a tool's name is 1 to 64 letters, digits, _ or -, got {v[:70]!r}")
+        return v
+
+
+class ToolDef(_Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JsonSchemaFormat(_Strict):
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+
 class ResponseFormat(_Strict):
-    type: Literal["text"]
+    """``text``, ``json_object`` (any JSON object) or ``json_schema`` (constrained to the schema)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @field_validator("json_schema")
+    @classmethod
+    def _schema(cls, v: JsonSchemaFormat | None, info: ValidationInfo) -> JsonSchemaFormat | None:
+        if (v is not None) != (info.data.get("type") == "json_schema"):
+            raise ValueError("json_schema goes with type json_schema (and only with it)")
+        return v
 
 
 class Prediction(_Strict):
@@ -277,8 +358,8 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     response_format: ResponseFormat | None = None
-    tools: None = None
-    tool_choice: Literal["none"] | None = None
+    tools: list[ToolDef] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     prediction: Prediction | None = None
     modalities: Annotated[list[str] | None, BeforeValidator(_text_only)] = None
@@ -326,16 +407,20 @@ class Completion(BaseModel):
 
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
     reasoning_content: str | None = None
+    #: the calls the model made (``finish_reason`` ``tool_calls``)
+    tool_calls: list[dict[str, Any]] | None = None
     #: k3's word on the reply, when there is one to say (max_tokens spent thinking)
     k3_note: str | None = None
+    #: what k3 could not read of the reply (a malformed tool call, returned as text)
+    k3_warning: str | None = None
 
 
 class ChatChoice(BaseModel):
     index: int = 0
     message: ChatMessageOut
-    finish_reason: Literal["stop", "length"] | None
+    finish_reason: Literal["stop", "length", "tool_calls"] | None
     logprobs: dict[str, Any] | None = None
 
 

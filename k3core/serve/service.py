@@ -15,6 +15,7 @@ wrap each row's pick, the recorder outside, so it reads the exact logits.
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 import uuid
@@ -25,19 +26,35 @@ from typing import Any, NoReturn, cast
 import numpy as np
 
 from k3core.api.errors import UsageError
+from k3core.constrain.grammar import GrammarConstraint, lark_grammar
 from k3core.model.generate import Step
 from k3core.model.penalties import Penalties
-from k3core.run.request import GenerationParams, build
+from k3core.run.request import MAX_GEN, GenerationParams, build
 from k3core.run.session import PickWrap
 from k3core.run.stops import TextStream
-from k3core.serve.chat_format import ChatFormat, Message, ReplyStream, chat_format_for
+from k3core.serve.chat_format import (
+    ChatFormat,
+    Message,
+    ReplyStream,
+    ToolCall,
+    XtmlFormat,
+    chat_format_for,
+)
 from k3core.serve.logprobs import PromptRecorder, Recorder
 from k3core.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from k3core.serve.reply_grammar import forced_calls, json_reply
+from k3core.serve.tool_calls import (
+    Parsed,
+    Pending,
+    ToolStream,
+    bind_answers,
+    choice_note,
+    format_note,
+    render_request,
+)
 from k3core.serve.worker import Job, Outcome, Row, Worker
 from k3core.tokenizer.encoding import Tokenizer, TokenLimitExceeded
 
-#: the most tokens one request may generate (``k3 run --gen``'s ceiling)
-MAX_GEN = 4096
 #: what ``/v1/completions`` generates when ``max_tokens`` is not given (OpenAI's default)
 DEFAULT_COMPLETION_TOKENS = 16
 
@@ -66,16 +83,24 @@ class TextSink:
     A completion shows the session's own text (the run pipeline's stop strings, never half a
     UTF-8 character). A chat reply is read by its format's :class:`ReplyStream`: each
     channel's ids become text through their own :class:`TextStream`, and stop strings apply
-    to the response channel only (``on_step`` returns False once one appears).
+    to the response channel only (``on_step`` returns False once one appears). Its tools
+    channel is read into calls (``tools``: a reader that knows the declared names); a call
+    that does not read, or a tools channel nobody asked for, becomes content text and a
+    warning.
     """
 
     def __init__(self, tok: Tokenizer, stops: list[str], fmt: ChatFormat | None,
-                 recorder: Recorder | None = None):
+                 recorder: Recorder | None = None, tools: ToolStream | None = None):
         self.reply: ReplyStream | None = fmt.stream() if fmt is not None else None
+        self.tok = tok
+        self.tools = tools
+        #: the calls read so far, and what could not be read
+        self.calls: list[ToolCall] = []
+        self.warnings: list[str] = []
         self.texts = {"reasoning": TextStream(tok), "content": TextStream(tok, stops)}
         self.content = ""
         self.reasoning = ""
-        self.on_piece: Callable[[dict[str, str]], None] | None = None
+        self.on_piece: Callable[[dict[str, Any]], None] | None = None
         #: the logprobs of this row's tokens, when asked
         self.recorder = recorder
         #: the steps seen so far (a piece shows the text of at most these)
@@ -112,11 +137,21 @@ class TextSink:
         if self.reply is not None:
             self.ended_in = None if self.reply.finished else self.reply.channel
             self._channels(self.reply.close())
+            if self.tools is not None:
+                self._calls(self.tools.finish(cut=not self.reply.closed))
 
     def _channels(self, parts: list[tuple[str, list[int], bool]]) -> None:
         for name, ids, closed in parts:
             if self.hit:
                 return
+            if name == "tools":
+                if self.tools is not None:
+                    self._calls(self.tools.push(ids))
+                elif ids:
+                    self._calls(Parsed(text=self.tok.decode(ids), warnings=[
+                        "the model wrote a tools channel, but this request declares no tools it "
+                        "may call; it is returned as text"]))
+                continue
             ts = self.texts[name]
             text = "".join(ts.push(i) for i in ids)
             if closed:
@@ -124,7 +159,31 @@ class TextSink:
             if text:
                 self._out({name: text})
 
-    def _out(self, out: dict[str, str]) -> None:
+    def _calls(self, got: Parsed) -> None:
+        for w in got.warnings:
+            if w not in self.warnings:
+                self.warnings.append(w)
+        if got.text:
+            self._out({"content": got.text})
+        if got.calls:
+            first = len(self.calls)
+            self.calls += got.calls
+            deltas: list[dict[str, Any]] = []
+            for i, c in enumerate(got.calls, start=first):
+                deltas.append({"index": i, "id": c.id, "type": "function",
+                               "function": {"name": c.name, "arguments": ""}})
+                deltas.append({"index": i, "function": {"arguments": c.arguments_json()}})
+            if self.on_piece is not None:
+                self.on_piece({"tool_calls": deltas})
+
+    def tool_calls(self) -> list[dict[str, Any]] | None:
+        """The calls read, as OpenAI's ``message.tool_calls`` (``None``: none)."""
+        if not self.calls:
+            return None
+        return [{"id": c.id, "type": "function",
+                 "function": {"name": c.name, "arguments": c.arguments_json()}} for c in self.calls]
+
+    def _out(self, out: dict[str, Any]) -> None:
         self.content += out.get("content", "")
         self.reasoning += out.get("reasoning", "")
         if self.on_piece is not None:
@@ -205,26 +264,113 @@ class Service:
     def chat_job(self, req: ChatCompletionRequest) -> Prepared:
         self.check_model(req.model)
         fmt = self.format_for(req.reasoning_effort)
-        messages = []
-        for m in req.messages:
-            role = "system" if m.role == "developer" else m.role
-            if m.reasoning_content is not None and role != "assistant":
-                raise APIError(400, "reasoning_content is only for assistant messages",
-                               param="messages", code="invalid_value")
-            messages.append(Message(role, m.text, m.reasoning_content))
+        messages = self._messages(req)
+        tools, notes, grammar, names = self._tools(req, fmt)
         limit = req.limit
         if limit is not None:
             self._check_gen(limit)
         fits = max(self.worker.context - (1 if limit is None else limit), 0)
         try:
-            ids = fmt.render(messages, limit=fits)
+            if tools or notes:
+                ids = render_request(fmt, messages, tools=tools, notes=notes, limit=fits)
+            else:
+                ids = fmt.render(messages, limit=fits)
         except TokenLimitExceeded as exc:
             self._too_long(exc, 1 if limit is None else limit, "messages")
         if limit is None:
             limit = min(MAX_GEN, self.worker.context - len(ids))
         stop_ids = list(fmt.stop_ids) + list(req.stop_token_ids or [])
         top = (req.top_logprobs or 0) if req.logprobs else None
-        return self._prepare("chat", ids, limit, req, stop_ids, fmt, top)
+        return self._prepare("chat", ids, limit, req, stop_ids, fmt, top, grammar=grammar,
+                             tool_names=names)
+
+    @staticmethod
+    def _messages(req: ChatCompletionRequest) -> list[Message]:
+        """The request's messages, tool answers bound to their calls (``k3core.serve.tool_calls``)."""
+        pending = []
+        for i, m in enumerate(req.messages):
+            role = "system" if m.role == "developer" else m.role
+            if m.reasoning_content is not None and role != "assistant":
+                raise APIError(400, "reasoning_content is only for assistant messages",
+                               param="messages", code="invalid_value")
+            if role == "tool" and m.tool_call_id is None:
+                raise APIError(400, f"messages.{i}: a tool message needs the tool_call_id of the "
+                                    "call it answers", param=f"messages.{i}.tool_call_id",
+                               code="invalid_value")
+            calls = []
+            for j, c in enumerate(m.tool_calls or []):
+                args: dict[str, Any] | str = c.function.arguments
+                if isinstance(args, str) and args.strip():
+                    try:
+                        parsed = json.loads(args)
+                    except ValueError:
+                        parsed = None  # kept as the text it is (the encoder's json element)
+                    if parsed is not None and not isinstance(parsed, dict):
+                        raise APIError(400, f"messages.{i}.tool_calls.{j}.function.arguments must be "
+                                            "a JSON object", param=f"messages.{i}.tool_calls",
+                                       code="invalid_value")
+                    args = parsed if isinstance(parsed, dict) else args
+                elif isinstance(args, str):
+                    args = {}
+                calls.append(ToolCall(c.function.name, args, c.id))
+            pending.append(Pending(role, m.text, m.reasoning_content, tuple(calls), m.tool_call_id,
+                                   f"messages.{i}"))
+        try:
+            return bind_answers(pending)
+        except UsageError as exc:
+            raise APIError(400, str(exc), param="messages", code="invalid_value") from None
+
+    def _tools(self, req: ChatCompletionRequest, fmt: ChatFormat
+               ) -> tuple[list[dict[str, Any]], list[Message], str | None, set[str] | None]:
+        """The declared tools (as sent), the notes after the conversation, the grammar the
+        reply is constrained to (``None``: free) and the names a call may use (``None``: no
+        tools channel is expected)."""
+        tools = [t.model_dump(exclude_none=True) for t in req.tools or []]
+        functions = [t["function"] for t in tools]
+        names = {f["name"] for f in functions}
+        if len(names) != len(functions):
+            raise APIError(400, "two tools share one name", param="tools", code="invalid_value")
+        choice = req.tool_choice
+        named = None if choice is None or isinstance(choice, str) else choice.function.name
+        if choice is not None and choice not in ("none", "auto") and not tools:
+            raise APIError(400, "tool_choice asks for a tool call, but the request declares no tools",
+                           param="tool_choice", code="invalid_value")
+        if named is not None and named not in names:
+            raise APIError(400, f"tool_choice names the function {named!r}, which is not among the "
+                                f"tools ({', '.join(sorted(names))})", param="tool_choice",
+                           code="invalid_value")
+        if tools and not isinstance(fmt, XtmlFormat):
+            raise APIError(400, "tools need the XTML chat format; this server renders plain text "
+                                "(its tokenizer lacks the XTML control tokens)", param="tools",
+                           code="invalid_value")
+        forced = choice == "required" or named is not None
+        rf = req.response_format
+        json_kind = rf.type if rf is not None and rf.type != "text" else None
+        if forced and json_kind is not None:
+            raise APIError(400, f"tool_choice {'required' if named is None else 'a named function'} "
+                                f"and response_format {json_kind} ask for two different replies; "
+                                "send one of them", param="response_format", code="invalid_value")
+        if (forced or json_kind is not None) and req.spec not in (None, "off"):
+            raise APIError(400, "a constrained reply decodes one token a pass: leave spec out "
+                                "(or send \"off\")", param="spec", code="invalid_value")
+        notes = []
+        note = choice_note("required" if forced else choice if isinstance(choice, str) else "auto")
+        if note is not None and tools:
+            notes.append(note)
+        grammar = None
+        try:
+            if json_kind is not None:
+                assert rf is not None
+                schema = rf.json_schema.schema_ if rf.json_schema is not None else {"type": "object"}
+                notes.append(format_note(json_kind, schema if json_kind == "json_schema" else None))
+                grammar = lark_grammar(json_reply(fmt, schema), self.tok, "the response format's grammar")
+            elif forced:
+                grammar = lark_grammar(forced_calls(fmt, functions, named, req.parallel_tool_calls is not False),
+                                       self.tok, "the tool call's grammar")
+        except UsageError as exc:
+            param = "response_format" if json_kind is not None else "tools"
+            raise APIError(400, str(exc), param=param, code="invalid_value") from None
+        return tools, notes, grammar, (names if tools and choice != "none" else None)
 
     @staticmethod
     def _check_gen(max_tokens: int) -> None:
@@ -247,9 +393,11 @@ class Service:
 
     def _prepare(self, kind: str, ids: list[int], max_tokens: int,
                  req: CompletionRequest | ChatCompletionRequest, stop_ids: list[int],
-                 fmt: ChatFormat | None, top: int | None = None) -> Prepared:
+                 fmt: ChatFormat | None, top: int | None = None, *, grammar: str | None = None,
+                 tool_names: set[str] | None = None) -> Prepared:
         """The job and its sinks; ``top``: record each token's logprob and that many
-        alternatives (``None``: no logprobs)."""
+        alternatives (``None``: no logprobs); ``grammar``: each row's reply constrained to it;
+        ``tool_names``: the tools a reply may call (its tools channel is read)."""
         if not ids:
             raise APIError(400, "the prompt is empty: nothing to feed the model", param="prompt",
                            code="invalid_value")
@@ -270,9 +418,13 @@ class Service:
             penalties.check_vocab(self.vocab)
         except UsageError as exc:
             raise APIError(400, str(exc), code="invalid_value") from None
-        sinks = [TextSink(self.tok, req.stops, fmt, Recorder(top) if top is not None else None)
+        xtml = fmt if isinstance(fmt, XtmlFormat) else None
+        sinks = [TextSink(self.tok, req.stops, fmt, Recorder(top) if top is not None else None,
+                          ToolStream(xtml, tool_names) if xtml is not None and tool_names else None)
                  for _ in range(req.n)]
         job = Job(ids, params, n=req.n)
+        if grammar is not None:
+            job.constraint = _constraint(grammar, self.tok, fast_forward=top is None)
         job.on_step = _by_row(job, sinks)
         if top is not None or penalties.active:
             job.around = _wraps(sinks, penalties)

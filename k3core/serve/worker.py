@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from k3core.api.errors import UsageError
+from k3core.model.constraint import Constraint
 from k3core.model.generate import Step
 from k3core.model.state import restore, snapshot
 from k3core.run.engine import Engine
@@ -56,7 +57,8 @@ class Job:
     ``n`` rows are decoded one after the other; ``row`` is the one running (``on_step`` is
     called for every row's steps). ``around(row)`` may wrap each row's pick
     (``Session.steps``); ``on_prompt_rows(pos, rows)`` is handed the logits of every prompt
-    position but the last (``Session.prefill``)."""
+    position but the last (``Session.prefill``); ``constraint(row)`` gives each row its own
+    constraint (a JSON reply, a forced tool call: ``k3core.model.constraint``)."""
 
     prompt_ids: list[int]
     params: GenerationParams
@@ -66,6 +68,7 @@ class Job:
     around: Callable[[int], PickWrap | None] | None = None
     on_prompt_rows: Callable[[int, np.ndarray], None] | None = None
     row: int = 0
+    constraint: Callable[[int], Constraint | None] | None = None
 
 
 @dataclass
@@ -177,7 +180,8 @@ class Worker:
         around = job.around(row) if job.around is not None else None
         out: list[int] = []
         finish = "length"
-        steps = s.steps(feed, params, around)
+        constraint = job.constraint(row) if job.constraint is not None else None
+        steps = s.steps(feed, params, around, constraint)
         try:
             for step, piece in steps:
                 if step is not None:

@@ -63,6 +63,8 @@ CASES = [
      "vocabulary"),
     ("/v1/chat/completions", {"model": "tiny", "messages": []}, 400, "invalid_value", "messages"),
     ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "tool", "content": "a"}]}, 400,
+     "invalid_value", "needs the tool_call_id"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "robot", "content": "a"}]}, 400,
      "invalid_value", "role"),
     ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "a",
                                                              "reasoning_content": "b"}]},
@@ -70,7 +72,7 @@ CASES = [
     ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "a"}],
                               "reasoning_effort": "medium"}, 400, "invalid_value", "reasoning_effort"),
     ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "a"}],
-                              "tools": [{"type": "function"}]}, 400, "invalid_value", "tools"),
+                              "tools": [{"type": "function"}]}, 400, "missing_field", "tools.0.function"),
 ]
 
 
