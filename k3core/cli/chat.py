@@ -62,7 +62,7 @@ def chat(
     model_dir: Path = typer.Argument(..., help="Directory with the safetensors shards (and the tokenizer)."),
     system: str = typer.Option(None, "--system", help="A system message to open the conversation with.", rich_help_panel=_C),
     chat_format: str = typer.Option("auto", "--chat-format", help="auto (XTML when the tokenizer has its tokens), xtml or plain.", rich_help_panel=_C),
-    think: bool = typer.Option(True, "--think/--no-think", help="Let the model think before it answers (XTML).", rich_help_panel=_C),
+    think: bool = typer.Option(None, "--think/--no-think", help="Let the model think before it answers (XTML). Default: on, off for a model without chat training (the demo model).", rich_help_panel=_C, show_default=False),
     thinking_effort: str = typer.Option("max", "--thinking-effort", help="low, high or max.", rich_help_panel=_C),
     load: Path = typer.Option(None, "--load", help="Resume the conversation saved in this file (/save).", rich_help_panel=_C),
     context: int = typer.Option(DEFAULT_CONTEXT, "--context", help="Tokens the conversation may hold.", rich_help_panel=_C),
@@ -84,16 +84,18 @@ def chat(
     from k3core.run.engine import open_engine
     from k3core.serve.chat_format import chat_format_for, check_format_options
     from k3core.serve.conversation import Conversation
-    from k3core.serve.loading import check_context, conversation_request
+    from k3core.serve.loading import check_context, conversation_request, default_thinking
 
     check_spec(spec, DEFAULT_WIDTH, DEFAULT_NGRAM)
     check_sampling(temperature, top_p, top_k, seed)  # before the engine opens, not per turn
     check_context(context)
-    check_format_options(chat_format, think, thinking_effort)
+    check_format_options(chat_format, think is not False, thinking_effort)
     engine = open_engine(conversation_request(model_dir, context, flags.given))
     try:
         if engine.tokenizer is None:
             raise UsageError(f"k3 chat needs a tokenizer: none in {model_dir}; pass --tok DIR")
+        if think is None:  # the model says (the demo model was not trained on conversations)
+            think = default_thinking(engine.cfg.source)
         fmt = chat_format_for(engine.tokenizer, chat_format, thinking=think, effort=thinking_effort)
         conv = Conversation(engine.session(), fmt, system, context)
         if load is not None:

@@ -1,12 +1,14 @@
 """A model without chat training (the demo model) answers without thinking unless asked;
-any other model thinks by default; ``--think``/``--no-think`` and ``reasoning_effort`` win."""
+any other model thinks by default; ``--think``/``--no-think`` and ``reasoning_effort`` win.
+``k3 serve`` and ``k3 chat`` alike."""
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 
 import httpx
-from conftest import Served
+from conftest import K3, Served, cli_env
 
 from k3core.serve.chat_format import Message, chat_format_for
 from k3core.serve.loading import default_thinking
@@ -53,3 +55,15 @@ def test_the_demo_model_answers_without_thinking_unless_asked():
     finally:
         rc, err = forced.stop()
     assert rc == 0 and "Traceback" not in err
+
+
+def test_k3_chat_takes_the_same_default(tiny_model):
+    def banner(model: Path, *args: str) -> str:
+        r = subprocess.run([*K3, "chat", str(model), "--max-tokens", "2", *args], input="/exit\n",
+                           capture_output=True, text=True, env=cli_env(), timeout=120)
+        assert r.returncode == 0, r.stderr
+        return r.stderr.splitlines()[0]
+
+    assert "no thinking" in banner(DEMO)
+    assert "thinking max" in banner(DEMO, "--think")
+    assert "thinking max" in banner(tiny_model)
