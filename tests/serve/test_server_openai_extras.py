@@ -265,3 +265,14 @@ def test_openai_client_errors_are_typed(client):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=MODEL, messages=MESSAGES, n=17)
     assert e.value.code == "invalid_value"
+
+
+def test_n_rows_continue_a_reused_prefix_exactly(client, engine):
+    first = client.completions.create(model=MODEL, prompt=[21, 22, 23, 24, 25], max_tokens=3)
+    longer = [21, 22, 23, 24, 25] + k3_ext(first)["completion_ids"] + [26, 27]
+    resp = client.completions.create(model=MODEL, prompt=longer, max_tokens=4, n=2,
+                                     temperature=0.7, seed=9)
+    assert k3_ext(resp)["reused_tokens"] > 0
+    for i, row in enumerate(k3_ext(resp)["rows"]):
+        assert row["completion_ids"] == engine.generate(longer, max_tokens=4, temperature=0.7,
+                                                        seed=9 + i).ids
