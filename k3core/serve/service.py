@@ -424,7 +424,9 @@ class Service:
                  for _ in range(req.n)]
         job = Job(ids, params, n=req.n)
         if grammar is not None:
-            job.constraint = _constraint(grammar, self.tok, fast_forward=top is None)
+            # logprobs and penalties see every id: no forced id may skip the pick
+            job.constraint = _constraint(grammar, self.tok,
+                                         fast_forward=top is None and not penalties.active)
         job.on_step = _by_row(job, sinks)
         if top is not None or penalties.active:
             job.around = _wraps(sinks, penalties)
@@ -484,7 +486,8 @@ def thinking_note(sink: TextSink, row: Row, channel: str = "reasoning_content",
 
 def _constraint(grammar: str, tok: Tokenizer, fast_forward: bool) -> Callable[[int], GrammarConstraint]:
     """Each row's own matcher of ``grammar``; without ``fast_forward`` every id is picked in a
-    pass of its own (so logprobs have a row of logits for every token)."""
+    pass of its own (so logprobs have a row of logits for every token, and the penalties
+    count every id)."""
 
     def make(row: int) -> GrammarConstraint:
         c = GrammarConstraint(grammar, tok)

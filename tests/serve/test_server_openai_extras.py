@@ -276,3 +276,29 @@ def test_n_rows_continue_a_reused_prefix_exactly(client, engine):
     for i, row in enumerate(k3_ext(resp)["rows"]):
         assert row["completion_ids"] == engine.generate(longer, max_tokens=4, temperature=0.7,
                                                         seed=9 + i).ids
+
+
+def test_penalties_count_the_ids_a_grammar_forces(client, engine):
+    """A constrained reply with penalties picks every id (none fast-forwarded), so the
+    counts hold the forced ids too: the ids of a plain loop that picks each one."""
+    from k3core.constrain.grammar import GrammarConstraint, lark_grammar
+    from k3core.run.request import GenerationParams
+    from k3core.serve.reply_grammar import json_reply
+
+    # a negative penalty favours the ids already written: the forced '"' closes the string
+    schema = {"type": "object", "properties": {"word": {"type": "string"}}, "required": ["word"],
+              "additionalProperties": False}
+    resp = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=24, reasoning_effort="none", frequency_penalty=-2.0,
+        response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": schema}})
+    ext = k3_ext(resp)
+    fmt = chat_format_for(engine.tokenizer, thinking=False)
+    constraint = GrammarConstraint(lark_grammar(json_reply(fmt, schema), engine.tokenizer), engine.tokenizer)
+    constraint.fast_forward = False
+    pen = Penalties(0.0, -2.0)
+    session = engine.session()
+    params = GenerationParams(max_tokens=24, stop_ids=list(fmt.stop_ids))
+    ref = [s.token for s, _ in session.steps(ext["prompt_ids"], params, pen.wrap, constraint) if s is not None]
+    assert ext["completion_ids"] == ref
+    assert resp.choices[0].finish_reason == "stop"
+    assert isinstance(json.loads(resp.choices[0].message.content)["word"], str)
