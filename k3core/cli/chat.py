@@ -32,13 +32,15 @@ HELP = ("commands: /reset (start over, keep the system message), /save FILE, /lo
 
 
 class Printer:
-    """Writes a reply's pieces as they arrive: the thinking first, then the answer."""
+    """Writes a reply's pieces as they arrive: the thinking first, then the answer, then each
+    tool call the model makes (``tool> NAME {arguments}``, a line each)."""
 
     def __init__(self, out: Any):
         self.out = out
         self.channel: str | None = None
+        self.tools: dict[int, str] = {}  # call index -> the tool's name
 
-    def __call__(self, piece: dict[str, str]) -> None:
+    def __call__(self, piece: dict[str, Any]) -> None:
         for name, label in (("reasoning", "think> "), ("content", "k3> ")):
             text = piece.get(name)
             if not text:
@@ -47,6 +49,14 @@ class Printer:
                 self.out.write(("\n" if self.channel else "") + label)
                 self.channel = name
             self.out.write(text)
+        for delta in piece.get("tool_calls") or []:
+            fn = delta.get("function", {})
+            if "id" in delta:
+                self.tools[delta["index"]] = fn.get("name", "")
+            elif fn.get("arguments"):
+                self.out.write(("\n" if self.channel else "")
+                               + f"tool> {self.tools.get(delta['index'], '')} {fn['arguments']}")
+                self.channel = "tools"
         self.out.flush()
 
     def end(self) -> None:

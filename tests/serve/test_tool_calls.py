@@ -174,3 +174,25 @@ def test_json_reply_grammar_and_refusals(tok):
     with pytest.raises(UsageError, match="XTML"):
         forced_calls(chat_format_for(tok, "plain"), [WEATHER])
     assert Message("system", "x", kind="tool-declare").kind == "tool-declare"
+
+
+def test_k3_chat_prints_the_calls_a_reply_makes(tok):
+    """The chat's printer shows each call on a ``tool>`` line, after the answer's text."""
+    import io
+
+    from k3core.cli.chat import Printer
+    from k3core.model.generate import Step
+    from k3core.serve.service import TextSink
+
+    fmt = chat_format_for(tok, thinking=False)
+    sink = TextSink(tok, [], fmt, tools=ToolStream(fmt, None))
+    out = io.StringIO()
+    sink.on_piece = Printer(out)
+    reply = (fmt.text("Checking.") + fmt._close("response")
+             + fmt.tools_channel([ToolCall("get_weather", {"city": "Oslo"}), ToolCall("now", {})])
+             + fmt._close("message") + [fmt.eom_id])
+    for i, t in enumerate(reply):
+        sink.on_step(Step(i, t, 0.0), "")
+    sink.finish()
+    assert out.getvalue() == 'k3> Checking.\ntool> get_weather {"city": "Oslo"}\ntool> now {}'
+    assert [c.name for c in sink.calls] == ["get_weather", "now"] and sink.warnings == []
