@@ -10,13 +10,22 @@ assistant's ``thinking`` blocks as its ``reasoning_content``; ``max_tokens`` (re
 ``enabled`` (its ``budget_tokens`` is not enforced) or ``adaptive`` the server's effort,
 absent the server's default. So the same conversation gives the same ids on either API.
 
+Tools go the same way: ``tools`` (``name``, ``description``, ``input_schema``) become
+OpenAI function tools, ``tool_choice`` ``auto``/``any``/``tool``/``none`` the chat's
+``auto``/``required``/a named function/``none`` (``disable_parallel_tool_use``: no parallel
+calls), an assistant's ``tool_use`` blocks its ``tool_calls``, a user's ``tool_result``
+blocks ``role: "tool"`` messages before the rest of its text (each must answer a
+``tool_use`` of the assistant message before it). The model's calls come back as
+``tool_use`` blocks (``stop_reason`` ``tool_use``), streamed as ``input_json_delta``.
+
 The answer is a ``message``: a ``thinking`` block (the thinking channel, when there is
 one; ``signature`` empty), a ``text`` block, ``stop_reason`` (``end_turn``, ``max_tokens``,
 ``stop_sequence`` with the string in ``stop_sequence``), ``usage`` (``input_tokens`` the
 prompt tokens fed, ``cache_read_input_tokens`` those the resident session already held,
 ``output_tokens``) and k3's own ``k3`` field. ``stream: true`` sends Anthropic's events:
 ``message_start``, ``ping``, then per block ``content_block_start``,
-``content_block_delta`` (``thinking_delta``, ``text_delta``), ``content_block_stop``, then
+``content_block_delta`` (``thinking_delta``, ``text_delta``, ``input_json_delta``),
+``content_block_stop``, then
 ``message_delta`` (stop reason and usage) and ``message_stop``; a failure after the stream
 began is an ``error`` event.
 
@@ -35,7 +44,15 @@ from collections.abc import AsyncIterator, Awaitable
 from concurrent.futures import Future
 from typing import Annotated, Any, Literal, Protocol
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+)
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -45,6 +62,8 @@ from k3core.serve.access import attach
 from k3core.serve.protocol import (
     MAX_STOP_CHARS,
     MAX_STOP_STRINGS,
+    MAX_TOOLS,
+    TOOL_NAME,
     APIError,
     ChatCompletionRequest,
     validation_error,
@@ -122,12 +141,71 @@ def _readable(v: Any) -> Any:
     return v
 
 
-Block = TextBlock | ThinkingBlock
+class ToolUseBlock(_Strict):
+    type: Literal["tool_use"]
+    id: str
+    name: str
+    input: dict[str, Any]
+    cache_control: CacheControl | None = None
+
+
+class ToolResultBlock(_Strict):
+    type: Literal["tool_result"]
+    tool_use_id: str
+    content: Annotated[str | list[TextBlock] | None, BeforeValidator(_readable)] = None
+    is_error: bool | None = None  # accepted: the Kimi K3 format has no mark for it
+    cache_control: CacheControl | None = None
+
+
+Block = Annotated[TextBlock | ThinkingBlock | ToolUseBlock | ToolResultBlock, Field(discriminator="type")]
 
 
 class MessageIn(_Strict):
     role: Literal["user", "assistant"]
     content: Annotated[str | list[Block], BeforeValidator(_readable)]
+
+
+def _custom_tools(v: Any) -> Any:
+    """Anthropic's server tools (web search, code execution, ...) refused in words."""
+    if isinstance(v, list):
+        for i, tool in enumerate(v):
+            kind = tool.get("type") if isinstance(tool, dict) else None
+            if kind not in (None, "custom"):
+                raise ValueError(f"k3 runs no server tools: tool {i} is of type {kind!r}; declare "
+                                 "your own tools (name, description, input_schema) and run them")
+    return v
+
+
+class ToolIn(_Strict):
+    name: str
+    input_schema: dict[str, Any]
+    description: str | None = None
+    type: Literal["custom"] | None = None
+    cache_control: CacheControl | None = None
+    strict: bool | None = None
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if not TOOL_NAME.fullmatch(v):
+            raise ValueError(f"a tool's name is 1..64 letters, digits, '_' or '-', got {v[:70]!r}")
+        return v
+
+
+class ToolChoice(_Strict):
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = Field(None, validate_default=True)
+    disable_parallel_tool_use: bool | None = None
+
+    @field_validator("name")
+    @classmethod
+    def _named(cls, v: str | None, info: ValidationInfo) -> str | None:
+        if (v is not None) != (info.data.get("type") == "tool"):
+            raise ValueError("a name goes with type 'tool', and only with it")
+        return v
+
+
+Tools = Annotated[list[ToolIn] | None, BeforeValidator(_custom_tools), Field(max_length=MAX_TOOLS)]
 
 
 class Thinking(_Strict):
@@ -147,6 +225,8 @@ class MessagesRequest(_Strict):
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=1)
     thinking: Thinking | None = None
+    tools: Tools = None
+    tool_choice: ToolChoice | None = None
     # accepted and not read: they do not change the answer
     metadata: dict[str, str | None] | None = None
     service_tier: str | None = None
@@ -173,6 +253,8 @@ class CountRequest(_Strict):
     messages: list[MessageIn] = Field(min_length=1)
     system: Annotated[str | list[TextBlock] | None, BeforeValidator(_readable)] = None
     thinking: Thinking | None = None
+    tools: Tools = None
+    tool_choice: ToolChoice | None = None
     cache_control: CacheControl | None = None
 
 
@@ -184,22 +266,67 @@ def _text(content: str | list[Any] | None) -> str:
     return "\n\n".join(b.text for b in content if isinstance(b, TextBlock))
 
 
+def _refuse(where: str, message: str) -> APIError:
+    return APIError(400, f"{where}: {message}", param=where, code="invalid_value")
+
+
+def _message(i: int, m: MessageIn, calls: set[str]) -> list[dict[str, Any]]:
+    """One Anthropic message as chat messages; ``calls``: the ``tool_use`` ids of the
+    assistant message before it (a ``tool_result`` answers one of them)."""
+    if isinstance(m.content, str):
+        return [{"role": m.role, "content": m.content}]
+    out: list[dict[str, Any]] = []
+    for j, b in enumerate(m.content):
+        where = f"messages.{i}.content.{j}"
+        if m.role == "user" and isinstance(b, (ThinkingBlock, ToolUseBlock)):
+            raise _refuse(where, f"a {b.type} block belongs in an assistant message")
+        if m.role == "assistant" and isinstance(b, ToolResultBlock):
+            raise _refuse(where, "a tool_result block belongs in a user message (after the "
+                                 "assistant message whose tool_use it answers)")
+        if isinstance(b, ToolResultBlock):
+            if b.tool_use_id not in calls:
+                raise _refuse(where, f"tool_result for {b.tool_use_id!r}, which matches no tool_use "
+                                     "of the assistant message before it")
+            out.append({"role": "tool", "tool_call_id": b.tool_use_id, "content": _text(b.content)})
+    text = _text(m.content)
+    if m.role == "assistant":
+        msg: dict[str, Any] = {"role": "assistant", "content": text}
+        thought = "\n\n".join(b.thinking for b in m.content if isinstance(b, ThinkingBlock))
+        if thought:
+            msg["reasoning_content"] = thought
+        uses = [{"id": b.id, "type": "function", "function": {"name": b.name, "arguments": b.input}}
+                for b in m.content if isinstance(b, ToolUseBlock)]
+        if uses:
+            msg["tool_calls"] = uses
+        return [msg]
+    if text or not out:
+        out.append({"role": "user", "content": text})
+    return out
+
+
 def to_chat(req: MessagesRequest | CountRequest, service: Service) -> dict[str, Any]:
     """The OpenAI-shaped chat request of an Anthropic one (module docstring)."""
     messages: list[dict[str, Any]] = []
     if req.system:
         messages.append({"role": "system", "content": _text(req.system)})
-    for m in req.messages:
-        out: dict[str, Any] = {"role": m.role, "content": _text(m.content)}
-        if m.role == "assistant" and not isinstance(m.content, str):
-            thought = "\n\n".join(b.thinking for b in m.content if isinstance(b, ThinkingBlock))
-            if thought:
-                out["reasoning_content"] = thought
-        elif not isinstance(m.content, str) and any(isinstance(b, ThinkingBlock) for b in m.content):
-            raise APIError(400, "a thinking block belongs in an assistant message",
-                           param="messages", code="invalid_value")
-        messages.append(out)
+    calls: set[str] = set()
+    for i, m in enumerate(req.messages):
+        messages += _message(i, m, calls)
+        if m.role == "assistant":
+            calls = ({b.id for b in m.content if isinstance(b, ToolUseBlock)}
+                     if not isinstance(m.content, str) else set())
     chat: dict[str, Any] = {"model": req.model, "messages": messages}
+    if req.tools:
+        chat["tools"] = [{"type": "function", "function": {
+            "name": t.name, "parameters": t.input_schema,
+            **({"description": t.description} if t.description is not None else {})}}
+            for t in req.tools]
+    if req.tool_choice is not None:
+        c = req.tool_choice
+        chat["tool_choice"] = ({"type": "function", "function": {"name": c.name}} if c.type == "tool"
+                               else {"auto": "auto", "any": "required", "none": "none"}[c.type])
+        if c.disable_parallel_tool_use:
+            chat["parallel_tool_calls"] = False
     if req.thinking is not None:
         chat["reasoning_effort"] = "none" if req.thinking.type == "disabled" else service.effort
     if isinstance(req, MessagesRequest):
@@ -239,6 +366,8 @@ def stop_reason(sink: TextSink, finish: str) -> tuple[str, str | None]:
         return "max_tokens", None
     if sink.stop_string is not None:
         return "stop_sequence", sink.stop_string
+    if sink.calls:
+        return "tool_use", None
     return "end_turn", None
 
 
@@ -344,7 +473,10 @@ class Messages:
         content: list[dict[str, Any]] = []
         if sink.reasoning:
             content.append({"type": "thinking", "thinking": sink.reasoning, "signature": ""})
-        content.append({"type": "text", "text": sink.content})
+        if sink.content or not sink.calls:
+            content.append({"type": "text", "text": sink.content})
+        content += [{"type": "tool_use", "id": c.id, "name": c.name, "input": c.arguments}
+                    for c in sink.calls]
         reason, seq = stop_reason(sink, row.finish)
         msg: dict[str, Any] = {
             "id": prep.id, "type": "message", "role": "assistant", "model": self.service.model_name,
@@ -354,14 +486,16 @@ class Messages:
         note = thinking_note(sink, row, *NOTE_WORDS)
         if note is not None:
             msg["k3_note"] = note
+        if sink.warnings:
+            msg["k3_warning"] = " ".join(sink.warnings)
         return msg
 
     # ---- a stream of events -------------------------------------------------------------------
     def _stream(self, request: Request, prep: Prepared) -> Response:
         loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[dict[str, str] | None] = asyncio.Queue()
+        queue: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
 
-        def post(piece: dict[str, str]) -> None:
+        def post(piece: dict[str, Any]) -> None:
             loop.call_soon_threadsafe(queue.put_nowait, piece)
 
         prep.sink.on_piece = post
@@ -373,7 +507,7 @@ class Messages:
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     async def _events(self, prep: Prepared, afut: asyncio.Future[Outcome],
-                      queue: asyncio.Queue[dict[str, str] | None]) -> AsyncIterator[bytes]:
+                      queue: asyncio.Queue[dict[str, Any] | None]) -> AsyncIterator[bytes]:
         blocks = _Blocks()
         start: dict[str, Any] = {"id": prep.id, "type": "message", "role": "assistant",
                  "model": self.service.model_name, "content": [], "stop_reason": None,
@@ -415,6 +549,8 @@ class Messages:
             note = thinking_note(prep.sink, outcome.rows[0], *NOTE_WORDS)
             if note is not None:
                 delta["k3_note"] = note
+            if prep.sink.warnings:
+                delta["k3_warning"] = " ".join(prep.sink.warnings)
             yield _event("message_delta", delta)
             yield _event("message_stop", {"type": "message_stop"})
         finally:
@@ -428,14 +564,17 @@ class _Blocks:
         self.index = -1
         self.open: str | None = None
         self.had_text = False
+        self.had_calls = False
 
-    def _start(self, kind: str) -> list[bytes]:
+    def _start(self, kind: str, block: dict[str, Any] | None = None) -> list[bytes]:
         out = self._stop()
         self.index += 1
         self.open = kind
-        block: dict[str, Any] = ({"type": "thinking", "thinking": "", "signature": ""}
-                                 if kind == "thinking" else {"type": "text", "text": ""})
+        if block is None:
+            block = ({"type": "thinking", "thinking": "", "signature": ""}
+                     if kind == "thinking" else {"type": "text", "text": ""})
         self.had_text = self.had_text or kind == "text"
+        self.had_calls = self.had_calls or kind == "tool_use"
         out.append(_event("content_block_start", {"type": "content_block_start",
                                                   "index": self.index, "content_block": block}))
         return out
@@ -446,8 +585,17 @@ class _Blocks:
         self.open = None
         return [_event("content_block_stop", {"type": "content_block_stop", "index": self.index})]
 
-    def piece(self, piece: dict[str, str]) -> list[bytes]:
+    def piece(self, piece: dict[str, Any]) -> list[bytes]:
         out: list[bytes] = []
+        for d in piece.get("tool_calls", ()):  # a whole call: its head, then its arguments
+            fn = d.get("function", {})
+            if "id" in d:
+                out += self._start("tool_use", {"type": "tool_use", "id": d["id"],
+                                                "name": fn.get("name", ""), "input": {}})
+            elif fn.get("arguments"):
+                out.append(_event("content_block_delta", {
+                    "type": "content_block_delta", "index": self.index,
+                    "delta": {"type": "input_json_delta", "partial_json": fn["arguments"]}}))
         for name, kind, delta in (("reasoning", "thinking", "thinking_delta"),
                                   ("content", "text", "text_delta")):
             text = piece.get(name)
@@ -461,8 +609,9 @@ class _Blocks:
         return out
 
     def end(self) -> list[bytes]:
-        """Close the open block; a message with no text gets an empty text block."""
-        out = [] if self.had_text else self._start("text")
+        """Close the open block; a message with neither text nor calls gets an empty text
+        block."""
+        out = [] if self.had_text or self.had_calls else self._start("text")
         return out + self._stop()
 
 

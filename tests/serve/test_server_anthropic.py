@@ -1,7 +1,8 @@
 """``POST /v1/messages`` through the official ``anthropic`` client against a real ``k3 serve``:
 the same ids as the OpenAI chat route for the same conversation, system prompts, streaming
 events in Anthropic's order, stop sequences, stop reasons, usage, thinking blocks, the key
-(``x-api-key`` or Bearer), error bodies in Anthropic's shape, count_tokens."""
+(``x-api-key`` or Bearer), error bodies in Anthropic's shape, count_tokens; tools: forced
+``tool_use`` blocks equal to the chat route's calls, streamed, ``tool_result`` history."""
 
 from __future__ import annotations
 
@@ -212,3 +213,98 @@ def test_the_key_is_taken_from_x_api_key_or_bearer(tiny_model):
     finally:
         rc, err = s.stop()
     assert rc == 0 and "Traceback" not in err
+
+
+WEATHER = {"name": "get_weather", "description": "The weather in a city.", "input_schema": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                     "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+    "required": ["city", "days"], "additionalProperties": False}}
+NOW = {"name": "now", "input_schema": {"type": "object", "properties": {}, "additionalProperties": False}}
+ASK = [{"role": "user", "content": "What is the weather in Paris for 3 days?"}]
+
+
+def _as_openai(tool: dict) -> dict:
+    fn = {"name": tool["name"], "parameters": tool["input_schema"]}
+    if "description" in tool:
+        fn["description"] = tool["description"]
+    return {"type": "function", "function": fn}
+
+
+def test_a_forced_tool_use_is_the_chat_route_s_call(claude, client):
+    import jsonschema
+
+    kw = {"model": MODEL, "max_tokens": 200, "thinking": {"type": "disabled"}}
+    for choice, openai_choice in [({"type": "tool", "name": "get_weather"},
+                                   {"type": "function", "function": {"name": "get_weather"}}),
+                                  ({"type": "any"}, "required")]:
+        msg = claude.messages.create(messages=ASK, tools=[WEATHER, NOW], tool_choice=choice, **kw)
+        chat = client.chat.completions.create(model=MODEL, max_tokens=200, reasoning_effort="none",
+                                              messages=ASK, tools=[_as_openai(t) for t in (WEATHER, NOW)],
+                                              tool_choice=openai_choice)
+        assert k3_of(msg)["prompt_ids"] == chat.model_extra["k3"]["prompt_ids"]
+        assert k3_of(msg)["completion_ids"] == chat.model_extra["k3"]["completion_ids"]
+        assert msg.stop_reason == "tool_use"
+        uses = blocks(msg, "tool_use")
+        assert [(u.name, u.input) for u in uses] == [
+            (c.function.name, json.loads(c.function.arguments)) for c in chat.choices[0].message.tool_calls]
+        for u in uses:
+            jsonschema.validate(u.input, {"get_weather": WEATHER, "now": NOW}[u.name]["input_schema"])
+            assert u.id
+        if choice["type"] == "tool":
+            assert {u.name for u in uses} == {"get_weather"}
+    # streamed: the same calls, as tool_use blocks filled by input_json_delta
+    whole = claude.messages.create(messages=ASK, tools=[WEATHER], tool_choice={"type": "any"}, **kw)
+    with claude.messages.stream(messages=ASK, tools=[WEATHER], tool_choice={"type": "any"}, **kw) as s:
+        kinds = [e.delta.type for e in s if e.type == "content_block_delta"]
+        final = s.get_final_message()
+    assert "input_json_delta" in kinds and final.stop_reason == "tool_use"
+    assert [(b.type, getattr(b, "name", None), getattr(b, "input", None)) for b in final.content] == \
+        [(b.type, getattr(b, "name", None), getattr(b, "input", None)) for b in whole.content]
+
+
+def test_tool_results_render_as_the_chat_route_s_tool_answers(claude, client):
+    turns = [*ASK,
+             {"role": "assistant", "content": [
+                 {"type": "text", "text": "Let me look."},
+                 {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris", "days": 3}},
+                 {"type": "tool_use", "id": "toolu_2", "name": "now", "input": {}}]},
+             {"role": "user", "content": [
+                 {"type": "tool_result", "tool_use_id": "toolu_2", "content": "09:00"},
+                 {"type": "tool_result", "tool_use_id": "toolu_1",
+                  "content": [{"type": "text", "text": "sunny, 21 C"}], "is_error": False},
+                 {"type": "text", "text": "Thanks."}]}]
+    msg = claude.messages.create(model=MODEL, max_tokens=4, messages=turns, tools=[WEATHER, NOW])
+    chat = client.chat.completions.create(model=MODEL, max_tokens=4, tools=[_as_openai(WEATHER), _as_openai(NOW)],
+                                          messages=[*ASK,
+        {"role": "assistant", "content": "Let me look.", "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather",
+                                                              "arguments": json.dumps({"city": "Paris", "days": 3})}},
+            {"id": "call_2", "type": "function", "function": {"name": "now", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "call_2", "content": "09:00"},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"},
+        {"role": "user", "content": "Thanks."}])
+    assert k3_of(msg)["prompt_ids"] == chat.model_extra["k3"]["prompt_ids"]
+    counted = claude.messages.count_tokens(model=MODEL, messages=turns, tools=[WEATHER, NOW])
+    assert counted.input_tokens == len(k3_of(msg)["prompt_ids"])
+
+
+@pytest.mark.parametrize("extra,words", [
+    ({"messages": [*ASK, {"role": "assistant", "content": [
+        {"type": "tool_use", "id": "toolu_1", "name": "now", "input": {}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_9", "content": "x"}]}],
+      "tools": [NOW]}, "matches no tool_use"),
+    ({"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": "x"}]}]},
+     "matches no tool_use"),
+    ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "k3 runs no server tools"),
+    ({"tools": [{"name": "bad name", "input_schema": {"type": "object"}}]}, "a tool's name"),
+    ({"tools": [NOW], "tool_choice": {"type": "tool", "name": "missing"}}, "missing"),
+    ({"tool_choice": {"type": "any"}}, "declares no tools"),
+    ({"tools": [NOW], "tool_choice": {"type": "tool"}}, "a name goes with type 'tool'"),
+    ({"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": [
+        {"type": "image", "source": {"type": "url", "url": "https://example.org/a.png"}}]}]}]},
+     "k3 does not take image input"),
+])
+def test_bad_tool_input_is_a_400_naming_the_problem(server, extra, words):
+    body = {"model": MODEL, "max_tokens": 4, "messages": ASK, **extra}
+    r = httpx.post(f"{server.url}/v1/messages", json=body, timeout=30)
+    assert words in _error(r, 400, "invalid_request_error")
