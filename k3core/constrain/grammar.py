@@ -87,8 +87,11 @@ def lark_grammar(lark: str, tok: Tokenizer, what: str = "the grammar") -> str:
 
 def gbnf_to_lark(gbnf: str) -> str:
     """A GBNF grammar (llama.cpp's) as Lark text; refused if it does not convert."""
+    _llg()
+    from llguidance.gbnf_to_lark import gbnf_to_lark as convert
+
     try:
-        return str(_llg().gbnf_to_lark(gbnf))
+        return str(convert(gbnf))
     except Exception as e:  # llguidance raises its own error types
         raise UsageError(f"the GBNF grammar does not convert: {e}") from None
 
