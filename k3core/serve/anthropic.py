@@ -309,6 +309,10 @@ def to_chat(req: MessagesRequest | CountRequest, service: Service) -> dict[str, 
     messages: list[dict[str, Any]] = []
     if req.system:
         messages.append({"role": "system", "content": _text(req.system)})
+    last = len(req.messages) - 1
+    if req.messages[last].role == "assistant":
+        raise _refuse(f"messages.{last}", "the last message is the assistant's: k3 does not continue "
+                                          "a reply given in advance (prefill); end with a user message")
     calls: set[str] = set()
     for i, m in enumerate(req.messages):
         messages += _message(i, m, calls)

@@ -160,6 +160,8 @@ def _error(r: httpx.Response, status: int, kind: str) -> str:
     ({"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": [
         {"type": "document", "source": {"type": "text", "media_type": "text/plain", "data": "x"}}]}]},
      400, "invalid_request_error", "k3 does not take document"),
+    ({"model": MODEL, "max_tokens": 4, "messages": [*HELLO, {"role": "assistant", "content": "{"}]},
+     400, "invalid_request_error", "does not continue a reply given in advance"),
     ({"model": MODEL, "max_tokens": 4, "messages": HELLO, "stop_sequences": ["a"] * 5}, 400,
      "invalid_request_error", "stop sequences"),
     ({"model": MODEL, "max_tokens": 5000, "messages": HELLO}, 400, "invalid_request_error", "4096"),
