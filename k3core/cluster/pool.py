@@ -15,11 +15,14 @@ only, and only when a pool is asked for.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
 import socket
+import sys
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -111,11 +114,17 @@ def _init(ray: Any, workers: int | None, address: str | None) -> tuple[bool, str
     quiet = {"logging_level": logging.ERROR, "log_to_driver": False, "configure_logging": True}
     if address is not None:
         try:
-            ray.init(address=address, **quiet)
+            with _stderr_muted():  # Ray's core retries a refused join loudly, line by line
+                ray.init(address=address, **quiet)
         except Exception as exc:
+            said = f"{exc!s} {exc.__cause__!s}"
+            hint = ("the cluster asks for Ray's token authentication: set RAY_AUTH_MODE=token "
+                    "and give this machine the head's token (~/.ray/auth_token or "
+                    "RAY_AUTH_TOKEN)" if "Authentication" in said or "auth token" in said.lower()
+                    else "start it with `ray start --head` and pass the address it prints")
             raise UsageError(f"--ray-address {address}: cannot join the Ray cluster "
                              f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})",
-                             hint="start it with `ray start --head` and pass the address it prints") from None
+                             hint=hint) from None
         _quiet_raylet(ray)
         return True, None
     tmp = tempfile.mkdtemp(prefix="k3ray-")
@@ -126,6 +135,28 @@ def _init(ray: Any, workers: int | None, address: str | None) -> tuple[bool, str
         raise K3Error(f"could not start a local Ray cluster: {type(exc).__name__}: {exc}") from None
     _quiet_raylet(ray)
     return True, tmp
+
+
+@contextlib.contextmanager
+def _stderr_muted() -> Iterator[None]:
+    """File descriptor 2 to /dev/null for the block: what Ray's C++ core prints there while
+    it tries to join (the run says what went wrong in its own one line)."""
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError):
+        yield
+        return
+    try:
+        null = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(null, 2)
+        finally:
+            os.close(null)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
 
 
 def _quiet_raylet(ray: Any) -> None:
