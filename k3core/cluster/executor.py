@@ -294,7 +294,7 @@ class ClusterExperts(ExpertExecutor):
                 cause = getattr(exc, "cause", None)
                 if isinstance(cause, K3Error):
                     raise type(cause)(f"{self._name(w)}: {cause.message}",
-                                      exit_code=cause.exit_code) from None
+                                      exit_code=cause.exit_code, hint=cause.hint) from None
                 raise K3Error(f"{self._name(w)} failed {doing}: {str(exc).splitlines()[0]}") from None
             except ray.exceptions.RayActorError:
                 raise K3Error(f"{self._name(w)} died {doing}") from None

@@ -107,6 +107,7 @@ def test_a_missing_share(pool, copied):
     err = _refused(pool, copied)
     assert isinstance(err, UsageError) and err.exit_code == 2
     assert "expert worker 1" in err.message and "worker-1 does not exist on this node" in err.message
+    assert "K3_EXPERT_SHARES" in (err.hint or "")  # the fix travels back from the worker
 
 
 def test_a_share_of_another_model(pool, copied, other_tiny, tmp_path):
