@@ -25,8 +25,11 @@ from k3core.model.config import ModelConfig
 from k3core.plugins.registry import Registry
 
 
-@dataclass
+@dataclass(kw_only=True)
 class CacheOptions:
+    """The expert cache a run asks for: its budget, policy (and the policy's options), where
+    it records its trace, its reader threads."""
+
     cache_gb: float | None = None
     policy: str = "auto"
     policy_options: dict[str, Any] = field(default_factory=dict)

@@ -84,7 +84,7 @@ def process_rss() -> int:
     return int(psutil.Process().memory_info().rss)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class MemoryPlan:
     """The planned bytes of one run and the memory available when it was planned."""
 
@@ -210,7 +210,7 @@ def prefill_chunk(cfg: ModelConfig, available: int, n_layers: int | None = None)
     return max(1, (budget - base) // max(per_id, 1))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class MemoryRequest:
     """The shape of a run the plan sums: budgets, positions, decoding mode."""
 

@@ -288,7 +288,8 @@ def plan_run(req: RunRequest) -> RunPlan:
     bos = bos if bos is not None else eng.cfg.bos_token_id
     p = req.prompt
     ids_text = ",".join(map(str, p.ids)) if isinstance(p.ids, list) else p.ids
-    ids, how = prompt_ids(PromptSpec(p.text, p.file, ids_text, p.bos), tok, eng.cfg.vocab, bos)
+    ids, how = prompt_ids(PromptSpec(text=p.text, file=p.file, ids=ids_text, bos=p.bos), tok,
+                          eng.cfg.vocab, bos)
     if req.outputs.load_state is not None and not eng.incremental:
         raise UsageError("--load-state needs incremental decoding (drop --full-recompute)")
     plan = RunPlan(**{f.name: getattr(eng, f.name) for f in fields(EnginePlan)}, run=req,

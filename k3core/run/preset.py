@@ -12,12 +12,14 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
 
 from k3core.api.errors import UsageError
 from k3core.api.specs import Kind
+from k3core.api.units import MAX_GB
+from k3core.experts.readers import READERS_LIMIT
+from k3core.run.settings import LOOKAHEAD_PATTERN, MAX_THREADS
 
 #: shipped presets in the order ``k3 presets`` lists them
 SHIPPED = ("ultra", "laptop", "desktop", "workstation", "server", "max")
 AUTO = "auto"
 MAX_PRESET_BYTES = 64_000
-MAX_GB = 1_000_000.0
 MAX_DEPTH = 1  # a top-level mapping of scalars: no nested values at all
 MAX_EVENTS = 2_000
 NAME_PATTERN = r"^[a-z0-9][a-z0-9_-]{0,31}$"
@@ -43,10 +45,10 @@ class Preset(BaseModel):
     backend: str | None = Field(default=None, pattern=PLUGIN_PATTERN)
     storage: str | None = Field(default=None, pattern=PLUGIN_PATTERN)
     cache_policy: str | None = Field(default=None, pattern=PLUGIN_PATTERN)
-    threads: int | None = Field(default=None, ge=1, le=4096)
+    threads: int | None = Field(default=None, ge=1, le=MAX_THREADS)
     incremental: bool | None = None
-    lookahead: str | None = Field(default=None, pattern=r"^(on|off|attn|out)$")
-    expert_readers: int | None = Field(default=None, ge=1, le=64)
+    lookahead: str | None = Field(default=None, pattern=LOOKAHEAD_PATTERN)
+    expert_readers: int | None = Field(default=None, ge=1, le=READERS_LIMIT)
     #: speculative decoding defaults of a run that does not give ``--spec``/``--spec-width``
     spec: str | None = Field(default=None, pattern=r"^(off|ngram|auto)$")
     spec_width: int | None = Field(default=None, ge=1, le=16)

@@ -185,12 +185,6 @@ def _read_bytes(p: Path) -> bytes:
         raise PresetError(f"{p}: {exc} (a preset)") from None
 
 
-def read_preset_file(path: str | Path) -> Preset:
-    """Read and validate the preset at ``path`` (contents only; see :func:`check_preset_file`)."""
-    p = Path(path)
-    return parse_preset(_read_bytes(p), str(p)).with_origin(str(p))
-
-
 def file_problems(path: str | Path, registry: Registry | None = None,
                   plugins: bool = True) -> tuple[Preset | None, list[str]]:
     """Everything wrong with the preset file at ``path``, all at once.

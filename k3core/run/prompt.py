@@ -30,23 +30,15 @@ MAX_PROMPT = 32_768
 MAX_PROMPT_FILE = 64_000_000
 
 
-@dataclass
+@dataclass(kw_only=True)
 class PromptSpec:
+    """Where a run's prompt comes from (the request checked that exactly one is given)."""
+
     text: str | None = None
     file: Path | None = None
     ids: str | None = None
     bos: bool = False
 
-    def check_sources(self) -> None:
-        given = [n for n, v in (("--prompt", self.text), ("--prompt-file", self.file), ("--ids", self.ids)) if v is not None]
-        if not given:
-            raise UsageError("one of --prompt, --prompt-file or --ids is required")
-        if len(given) > 1:
-            raise UsageError(f"{' and '.join(given)} are mutually exclusive: give exactly one prompt source")
-
-    @property
-    def needs_tokenizer(self) -> bool:
-        return self.ids is None
 
 
 #: the files that make a directory a tokenizer directory

@@ -34,6 +34,7 @@ from k3core.api.units import human
 from k3core.experts.cache import ExpertCache
 from k3core.model.sizes import sizes_from_config
 from k3core.run.memory_plan import peak_rss_bytes
+from k3core.run.request import MAX_GEN
 from k3core.trunk.source import report_json, report_lines, ultra_lines
 
 if TYPE_CHECKING:
@@ -284,7 +285,7 @@ class RunReport:
             self.line(f"stop text reached after {len(gen.ids)} of {max_tokens} tokens")
         elif gen.stop_reason == "context":
             self.line(f"the context is full after {len(gen.ids)} tokens (--context; without "
-                      "it, the prompt + 4096)")
+                      f"it, the prompt + {MAX_GEN})")
 
     def _rest_of_summary(self, engine: Bound, gen: Generation) -> None:
         model, stats = engine.model, engine.experts.stats

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -31,6 +31,12 @@ from k3core.api.units import check_gb
 from k3core.experts.readers import READERS_LIMIT
 from k3core.run.settings import LOOKAHEAD_MODES
 from k3core.trunk.plan import DEFAULT_RING, MAX_RING
+
+if TYPE_CHECKING:
+    from k3core.api.outputs import InputSpec
+    from k3core.run.preset import Preset
+
+M = TypeVar("M", bound=BaseModel)
 
 #: the most tokens one generation may ask for, and the most stop ids / stop strings
 MAX_GEN = 4096
@@ -310,7 +316,7 @@ class OutputRequest(_Strict):
     save_state: Path | None = None
     load_state: Path | None = None
 
-    def check(self, inputs: tuple[Any, ...] = ()) -> None:
+    def check(self, inputs: tuple[InputSpec, ...] = ()) -> None:
         """Refuse, before the run, every output that could not be written or would clobber
         what the run reads (``inputs``: MODEL_DIR, the packed trunk, the tokenizer, the
         prompt file, ...; the session being loaded is added here); see
@@ -374,7 +380,7 @@ class RunRequest(_Strict):
         return self.model_dump(mode="json", exclude_defaults=True)
 
 
-def build(model: type[Any], data: Mapping[str, Any]) -> Any:
+def build(model: type[M], data: Mapping[str, Any]) -> M:
     """Validate ``data`` into ``model``; a type error becomes one ``UsageError`` line."""
     try:
         return model.model_validate(dict(data))
@@ -384,15 +390,15 @@ def build(model: type[Any], data: Mapping[str, Any]) -> Any:
         raise UsageError(f"{where}: {err['msg']}") from None
 
 
-def _taker(f: dict[str, Any]) -> Any:
-    def take(name: str, default: Any = None) -> Any:
+def _taker(f: dict[str, Any]) -> Callable[..., Any]:
+    def take(name: str, default: object = None) -> object:
         v = f.pop(name, default)
         return default if v is None else v
     return take
 
 
 def spec_from_preset(given: GenerationParams, params: GenerationParams,
-                     preset: Any) -> GenerationParams:
+                     preset: Preset | None) -> GenerationParams:
     """``params`` with the preset's ``spec``/``spec_width`` where the run did not give them
     (flag > preset > default, as for the engine settings)."""
     if preset is None:

@@ -30,6 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from k3core.api.errors import UsageError, param
 from k3core.api.units import MAX_GB
+from k3core.experts.readers import READERS_LIMIT
 
 #: environment variable -> setting, highest priority first within one setting
 ENV_VARS: tuple[tuple[str, str], ...] = (
@@ -41,6 +42,8 @@ ENV_VARS: tuple[tuple[str, str], ...] = (
 #: preset keys that are settings (the rest, like notes, describe the preset)
 PRESET_KEYS = ("trunk_gb", "cache_gb", "ultra_low_memory", "backend", "storage",
                "cache_policy", "threads", "incremental", "lookahead", "expert_readers")
+#: the most kernel threads a setting (a flag, ``$K3_THREADS``, a preset) may ask for
+MAX_THREADS = 4096
 #: ``lookahead`` values (docs/expert-cache.md), and the pattern a settings value matches
 LOOKAHEAD_MODES = ("on", "off", "attn", "out")
 LOOKAHEAD_PATTERN = rf"^({'|'.join(LOOKAHEAD_MODES)})$"
@@ -61,17 +64,17 @@ class Settings(BaseModel):
     backend: str = "auto"
     storage: str = "auto"
     cache_policy: str | None = None  # None: the engine's default policy
-    threads: int | None = Field(default=None, ge=1, le=4096)
+    threads: int | None = Field(default=None, ge=1, le=MAX_THREADS)
     incremental: bool = True  # incremental decoding; --full-recompute opts out
     lookahead: str = Field(default="off", pattern=LOOKAHEAD_PATTERN)  # router lookahead
     #: expert-cache reader threads; None: sized by the storage device (k3core.experts.readers)
-    expert_readers: int | None = Field(default=None, ge=1, le=64)
+    expert_readers: int | None = Field(default=None, ge=1, le=READERS_LIMIT)
 
 
 DEFAULTS: dict[str, Any] = Settings().model_dump()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class MergedSettings:
     """The settings and, per field, which layer set it."""
 
@@ -106,7 +109,7 @@ def _positive_int(var: str, raw: str) -> int:
     return int(text)
 
 
-def _preset_layer(preset: Any) -> tuple[dict[str, Any], str]:
+def _preset_layer(preset: BaseModel | Mapping[str, Any] | None) -> tuple[dict[str, Any], str]:
     if preset is None:
         return {}, ""
     if isinstance(preset, BaseModel):
@@ -122,7 +125,7 @@ def _preset_layer(preset: Any) -> tuple[dict[str, Any], str]:
 
 def merge_settings(
     defaults: Mapping[str, Any] | None,
-    preset: Any,
+    preset: BaseModel | Mapping[str, Any] | None,
     env: Mapping[str, str] | None,
     flags: Mapping[str, Any],
     given_as: str = "flag",
@@ -161,7 +164,7 @@ def merge_settings(
         raise UsageError(f"{param('ultra_low_memory')} cannot be combined with the auto "
                          f"preset; use {param('preset')} ultra, or explicit "
                          f"{param('trunk_gb')}/{param('cache_gb')}")
-    return MergedSettings(settings, sources)
+    return MergedSettings(settings=settings, sources=sources)
 
 
 def _given(key: str, given_as: str) -> str:

@@ -10,13 +10,16 @@ concatenate to its ``text``.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from k3core.tokenizer.encoding import Tokenizer
 
 
 class TextStream:
     """Ids in, text pieces out; ``hit`` once a stop string has appeared."""
 
-    def __init__(self, tokenizer: Any, stops: Sequence[str] = ()):
+    def __init__(self, tokenizer: Tokenizer | None, stops: Sequence[str] = ()):
         self._dec = tokenizer.incremental_decoder() if tokenizer is not None else None
         self._stops = [s for s in stops if s]
         self._held = ""

@@ -24,6 +24,7 @@ from typing import Any
 
 from k3core.api.errors import UsageError
 from k3core.serve.chat_format import ChatFormat, Message, Reply
+from k3core.serve.loading import DEFAULT_CONTEXT
 from k3core.serve.service import TextSink
 from k3core.tokenizer.encoding import TokenLimitExceeded
 
@@ -40,7 +41,8 @@ class TurnResult:
 
 
 class Conversation:
-    def __init__(self, session: Any, fmt: ChatFormat, system: str | None = None, context: int = 4096):
+    def __init__(self, session: Any, fmt: ChatFormat, system: str | None = None,
+                 context: int = DEFAULT_CONTEXT):
         self.session = session
         self.fmt = fmt
         self.system = system

@@ -24,8 +24,8 @@ RANK = {
 #: the run room's modules by pipeline stage, lowest first: a module imports modules of its
 #: own stage or a lower one, never a higher one (docs/architecture.md draws the same table)
 STAGES: dict[str, tuple[str, ...]] = {
-    "request": ("request", "settings", "prompt", "model_dir", "stops"),
-    "plan": ("plan", "memory_plan", "preset", "preset_auto", "presets"),
+    "request": ("request", "settings", "preset", "prompt", "model_dir", "stops"),
+    "plan": ("plan", "memory_plan", "preset_auto", "presets"),
     "bind": ("binding",),
     "report": ("generation", "report"),
     "session": ("session", "state_file"),
