@@ -123,6 +123,8 @@ def test_interrupt_stops_every_thread(model, trunk) -> None:
                                        trunk_ring=3, cache_gb=0.0001))
     trunk_src = engine.model.trunk
     assert trunk_src.has_reader  # type: ignore[attr-defined]
+    reader_threads = trunk_src.threads  # type: ignore[attr-defined]
+    assert reader_threads
 
     def stop(step: int) -> None:
         if step == 2:
@@ -138,7 +140,7 @@ def test_interrupt_stops_every_thread(model, trunk) -> None:
         engine.close()
         took = time.monotonic() - t0
     assert took < PROMPT_SECONDS
-    assert not trunk_src._thread.is_alive()  # type: ignore[attr-defined]
+    assert not any(t.is_alive() for t in reader_threads)
     assert not any(t.is_alive() for t in pool_threads)
     assert {t for t in threading.enumerate() if t.is_alive()} <= before
 
