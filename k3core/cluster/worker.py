@@ -39,6 +39,8 @@ from k3core.model import sizes
 from k3core.model.config import ModelConfig, load_config
 from k3core.model.local_experts import serve_experts
 from k3core.plugins.registry import get_registry
+from k3core.run.binding import open_checkpoint
+from k3core.run.plan import Plugins
 
 
 @dataclass(frozen=True)
@@ -134,11 +136,10 @@ class ExpertWorker:
                 raise UsageError(f"model directory {root} does not exist on this worker")
         cfg = load_config(Path(spec.config) if spec.config else root / "config.json")
         reg = get_registry()
-        kernels, kname, _ = reg.create("kernel", spec.kernel)
-        if spec.threads is not None:
-            kernels.set_threads(spec.threads)
-        storage, sname, _ = reg.create("storage", spec.storage)
-        index = CheckpointIndex.open(root, storage)
+        # the head's resolved plugins, opened the way every engine opens them
+        kname, sname = spec.kernel, spec.storage
+        kernels, _, index = open_checkpoint(root, Plugins(kernel=kname, storage=sname,
+                                                          cache=spec.cache_policy), spec.threads)
         try:
             locator = ExpertLocator(cfg, index)
             owned = sum(len(v) for v in spec.owned.values())

@@ -15,6 +15,7 @@ import gc
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
 from k3core.api.errors import K3Error
@@ -28,7 +29,7 @@ from k3core.model.config import ModelConfig
 from k3core.model.forward import Model, lookahead_mode
 from k3core.model.sources import ModelTables, ResidentTrunk, TrunkSource, expert_from_reader
 from k3core.plugins.registry import get_registry
-from k3core.run.plan import EnginePlan
+from k3core.run.plan import EnginePlan, Plugins
 from k3core.trunk.source import open_streamed_trunk
 from k3core.trunk.tables import StreamedTables
 
@@ -109,20 +110,30 @@ def _elsewhere(layer: int, expert: int) -> ExpertWeights:
                   "serve them (remote_experts)")
 
 
+def open_checkpoint(model_dir: Path, plugins: Plugins, threads: int | None
+                    ) -> tuple[KernelBackend, StorageBackend, CheckpointIndex]:
+    """The kernel and storage backends the plan resolved (created by name) and ``model_dir``
+    indexed through that storage backend: what every engine opens first (:func:`bind`), and
+    all a cluster's expert worker opens besides its expert cache (``k3core.cluster.worker``,
+    with the plugins the head's plan resolved)."""
+    reg = get_registry()
+    kernels, _, _ = reg.create("kernel", plugins.kernel)
+    if threads is not None:
+        kernels.set_threads(threads)
+    storage, _, _ = reg.create("storage", plugins.storage)
+    return kernels, storage, CheckpointIndex.open(model_dir, storage)
+
+
 def bind(plan: EnginePlan, cls: type[B],
          on_layer_bound: Callable[[int], None] | None = None) -> B:
     """Create the plan's plugins, index the checkpoint, build the expert cache and the trunk
     source, and the model on them: a ``cls`` (a :class:`Bound`)."""
     cfg, s, picked = plan.cfg, plan.merged.settings, plan.plugins
     reg = get_registry()
-    kernels, _, _ = reg.create("kernel", picked.kernel)
-    if s.threads is not None:
-        kernels.set_threads(s.threads)
-    storage, _, _ = reg.create("storage", picked.storage)
     notes = [n for n in (picked.notes.get("kernel"), picked.notes.get("storage")) if n]
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
-    index = CheckpointIndex.open(plan.model_dir, storage)
+    kernels, storage, index = open_checkpoint(plan.model_dir, picked, s.threads)
     timings["index"] = time.perf_counter() - t0
     n_layers = plan.n_layers
     t0 = time.perf_counter()
