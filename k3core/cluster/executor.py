@@ -149,7 +149,8 @@ class ClusterExperts(ExpertExecutor):
                            "placement": pool.lines()[:n],
                            "shares": self.shares if head is not None else None}
         self.actors = actors
-        # the workers serve every routed expert: the head's own cache is released unused
+        # the workers serve every routed expert: an engine opened for remote experts has no
+        # cache; one a caller opened with its own is released unused
         engine.experts.close()
         engine.experts = InMemoryExperts(_served_by_workers)
         engine.model.hand_experts(self)
