@@ -64,6 +64,9 @@ FLAGS: dict[str, tuple[str, ...]] = {
     "spec": ("--spec",),
     "spec_width": ("--spec-width",),
     "spec_ngram": ("--spec-ngram",),
+    # a run's constraint (k3core.constrain.files)
+    "json_schema": ("--json-schema",),
+    "grammar": ("--grammar",),
 }
 
 

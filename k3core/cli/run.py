@@ -48,6 +48,8 @@ def run(
     spec: str = typer.Option(None, "--spec", help="Speculative decoding (default off, or the preset's): off, ngram (draft from the context's n-grams, verify in one pass; the same ids) or auto (draft where the cost model says it pays).", rich_help_panel=_G),
     spec_width: int = typer.Option(None, "--spec-width", help="Drafts verified per pass at most (1..16; default 4, or the preset's).", rich_help_panel=_G),
     spec_ngram: int = typer.Option(3, "--spec-ngram", help="Longest context suffix looked up for a draft (1..8).", rich_help_panel=_G),
+    json_schema: Path = typer.Option(None, "--json-schema", help="Constrain the text to one JSON value of this JSON Schema (the supported subset: docs/server.md); the logits stay exact, the choice is made among the ids the schema allows.", rich_help_panel=_G),
+    grammar: Path = typer.Option(None, "--grammar", help="Constrain the text to this grammar (llguidance's Lark; a .gbnf file is read as llama.cpp's GBNF).", rich_help_panel=_G),
     save_state: Path = typer.Option(None, "--save-state", help="After the run, write the session (ids, KV and recurrent state) here.", rich_help_panel=_G),
     load_state: Path = typer.Option(None, "--load-state", help="Resume a saved session: the prompt continues it (same model and config only).", rich_help_panel=_G),
     out: Path = typer.Option(None, "--out", help="Write the result, the request and the plan as JSON.", rich_help_panel=_O),
@@ -71,7 +73,8 @@ def run(
         "ids": ids, "bos": bos, "gen": gen, "context": context, "stop_id": stop_id,
         "stop": stop, "ignore_eos": ignore_eos, "temperature": temperature, "top_p": top_p,
         "top_k": top_k, "seed": seed, "spec": spec, "spec_width": spec_width,
-        "spec_ngram": spec_ngram, "save_state": save_state, "load_state": load_state,
+        "spec_ngram": spec_ngram, "json_schema": json_schema, "grammar": grammar,
+        "save_state": save_state, "load_state": load_state,
         "out": out, "dump_logits": dump_logits, "dump_cache_trace": dump_cache_trace,
         "quiet": quiet, "verbose": verbose})
     remote = None

@@ -330,6 +330,19 @@ class OutputRequest(_Strict):
                       inputs=(*inputs, (self.load_state, "--load-state")))
 
 
+class ConstraintFiles(_Strict):
+    """A run's constraint (``--json-schema FILE`` or ``--grammar FILE``: k3core.constrain.files)."""
+
+    json_schema: Path | None = None
+    grammar: Path | None = None
+
+    def text(self) -> str | None:
+        """The Lark grammar of the file given (``None``: none), read and checked."""
+        from k3core.constrain.files import constraint_text
+
+        return constraint_text(self.json_schema, self.grammar)
+
+
 class RunRequest(_Strict):
     """One whole ``k3 run``: the engine, the prompt, the generation, the outputs."""
 
@@ -337,11 +350,13 @@ class RunRequest(_Strict):
     generation: GenerationParams = Field(default_factory=GenerationParams)
     engine: EngineRequest = Field(default_factory=EngineRequest)
     outputs: OutputRequest = Field(default_factory=OutputRequest)
+    constraint: ConstraintFiles = Field(default_factory=ConstraintFiles)
     verbosity: int = 0  # -1 quiet, 0 normal, 1 verbose
 
     def check(self) -> None:
         """The refusals that need no model file (exit 2), in the reference's order."""
         self.prompt.check()
+        self.constraint.text()
 
     @classmethod
     def from_flags(cls, flags: Mapping[str, Any]) -> RunRequest:
@@ -362,6 +377,7 @@ class RunRequest(_Strict):
         generation = {k: v for k, v in generation.items()
                       if v is not None or k not in ("spec", "spec_width")}
         outputs = {k: take(k) for k in OutputRequest.model_fields}
+        constraint = {k: take(k) for k in ConstraintFiles.model_fields}
         quiet, verbose = bool(take("quiet", False)), int(take("verbose", 0) or 0)
         verbosity = -1 if quiet else min(verbose, 2)
         engine = {k: take(k) for k in EngineRequest.options()}
@@ -370,7 +386,7 @@ class RunRequest(_Strict):
             raise UsageError(f"unknown run option(s): {', '.join(sorted(f))}")
         build(PromptInput, prompt).check()  # the reference refuses a prompt problem first
         return build(cls, {"engine": engine, "prompt": prompt, "generation": generation,
-                           "outputs": outputs, "verbosity": verbosity})
+                           "outputs": outputs, "constraint": constraint, "verbosity": verbosity})
 
     def to_json(self) -> dict[str, Any]:
         return self.model_dump(mode="json")

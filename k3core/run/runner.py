@@ -15,7 +15,7 @@ import time
 from functools import partial
 from typing import Any
 
-from k3core.api.errors import ExpertDropError
+from k3core.api.errors import ExpertDropError, UsageError, param
 from k3core.api.experts import ExpertExecutor
 from k3core.api.outputs import write_json_atomic, write_logits
 from k3core.run.engine import Engine, open_engine
@@ -113,7 +113,16 @@ def _decode(engine: Engine, session: Session, plan: RunPlan, rep: RunReport) -> 
     from k3core.trunk.source import StepTrunkLog
 
     engine.step_log = StepTrunkLog(engine.model.trunk)
-    steps = session.steps(plan.prompt_ids, params)
+    lark = r.constraint.text()
+    constraint = None
+    if lark is not None:
+        from k3core.constrain.files import make_constraint
+
+        if engine.tokenizer is None:
+            raise UsageError(f"{param('json_schema')} and {param('grammar')} need a tokenizer: "
+                             "pass --tok, or use a model directory that has one")
+        constraint = make_constraint(lark, engine.tokenizer)
+    steps = session.steps(plan.prompt_ids, params, None, constraint)
     try:
         for step, piece in steps:
             rep.text(piece)

@@ -23,9 +23,10 @@ from pathlib import Path
 from typing import Any
 
 from k3core.api.errors import UsageError
-from k3core.serve.chat_format import ChatFormat, Message, Reply
+from k3core.serve.chat_format import ChatFormat, Message, Reply, XtmlFormat
 from k3core.serve.loading import DEFAULT_CONTEXT
 from k3core.serve.service import TextSink
+from k3core.serve.tool_calls import ToolStream
 from k3core.tokenizer.encoding import TokenLimitExceeded
 
 
@@ -103,7 +104,9 @@ class Conversation:
                 params["seed"] = int(sampling["seed"]) + self.turns
         reused = self.session.positions
         prompt_fed = len(self.session.pending) + len(new)
-        sink = TextSink(self.fmt.tok, [], self.fmt)
+        # the calls a reply writes in its tools channel, as calls (k3 chat prints them)
+        tools = ToolStream(self.fmt, None) if isinstance(self.fmt, XtmlFormat) else None
+        sink = TextSink(self.fmt.tok, [], self.fmt, tools=tools)
         sink.on_piece = on_piece
         finish = "length"
         start = before + len(new)
