@@ -104,7 +104,7 @@ class EngineFlags:
         from k3core.run.request import EngineRequest, build
 
         values = {k: v for k, v in {**self.given, **use}.items() if v is not None}
-        return cast("EngineRequest", build(EngineRequest, {**values, "given_as": "flag"}))
+        return build(EngineRequest, {**values, "given_as": "flag"})
 
 
 def engine_flags(*, omit: Collection[str] = (), only: Collection[str] | None = None,
