@@ -21,6 +21,7 @@ import re
 from typing import Any
 
 from k3core.api.errors import UsageError
+from k3core.api.safejson import json_kind
 
 TYPES = ("object", "array", "string", "number", "integer", "boolean", "null")
 FORMATS = ("date-time", "date", "time", "email", "uuid", "uri", "duration", "ipv4", "ipv6",
@@ -42,7 +43,7 @@ MAX_NODES = 2000
 def check_schema(schema: Any, what: str = "the schema") -> None:
     """Refuse ``schema`` unless it is inside the supported subset (see the module)."""
     if not isinstance(schema, dict):
-        raise UsageError(f"{what} must be a JSON object (a JSON Schema), got {_kind(schema)}")
+        raise UsageError(f"{what} must be a JSON object (a JSON Schema), got {json_kind(schema)}")
     _Checker(schema, what).node(schema, "", 0)
 
 
@@ -67,7 +68,7 @@ class _Checker:
                 return
             raise self.fail(path, "the schema false allows nothing")
         if not isinstance(s, dict):
-            raise self.fail(path, f"a schema must be an object, got {_kind(s)}")
+            raise self.fail(path, f"a schema must be an object, got {json_kind(s)}")
         for key in s:
             if key not in KEYWORDS:
                 raise self.fail(path, f"{key!r} is outside the supported subset (supported: "
@@ -158,13 +159,3 @@ class _Checker:
             raise self.fail(path, f"$ref {ref!r} names no schema")
 
 
-def _kind(value: Any) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "a boolean"
-    if isinstance(value, (int, float)):
-        return "a number"
-    if isinstance(value, str):
-        return "a string"
-    return "a list" if isinstance(value, list) else type(value).__name__

@@ -32,7 +32,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, mo
 
 from k3core.api.errors import ConfigError
 from k3core.api.files import FileRejected, read_capped
-from k3core.api.safejson import JSONRejected, parse_json
+from k3core.api.safejson import JSONRejected, json_kind, parse_json
 from k3core.api.units import human
 from k3core.model.config_keys import read_fields, structural_problems
 
@@ -107,7 +107,7 @@ class ModelConfig(BaseModel):
         """Build from a parsed ``config.json`` document; raise ``ConfigError`` (exit 2)."""
         if not isinstance(d, dict):
             raise ConfigError(f"{source}: cannot be read with confidence: the top level is "
-                              f"{_kind(d)}, not a JSON object")
+                              f"{json_kind(d)}, not a JSON object")
         shape, values, missing, problems = read_fields(d)
         if not missing and not problems:
             problems = structural_problems(values)
@@ -270,6 +270,3 @@ def _capped(items: list[str], sep: str) -> str:
     return sep.join(items[:MAX_LISTED]) + f"{sep}... and {len(items) - MAX_LISTED} more"
 
 
-def _kind(value: Any) -> str:
-    return {list: "an array", str: "a string", bool: "a boolean", type(None): "null",
-            int: "a number", float: "a number"}.get(type(value), type(value).__name__)

@@ -66,9 +66,11 @@ from k3core.serve.protocol import (
     TOOL_NAME,
     APIError,
     ChatCompletionRequest,
+    refuse_non_text,
     validation_error,
 )
 from k3core.serve.service import Prepared, Service, TextSink, thinking_note
+from k3core.serve.waiting import await_whole
 from k3core.serve.worker import Outcome
 
 #: Anthropic's error type for each status
@@ -128,16 +130,10 @@ class ThinkingBlock(_Strict):
 
 def _readable(v: Any) -> Any:
     """Blocks k3 cannot read (an image, a document, redacted thinking) refused in words."""
-    if isinstance(v, list):
-        for i, block in enumerate(v):
-            kind = block.get("type") if isinstance(block, dict) else None
-            what = _NOT_TEXT.get(kind) if isinstance(kind, str) else None
-            if what is not None:
-                raise ValueError(f"k3 does not take {what} input: block {i} is of type {kind!r}; "
-                                 "this model reads text only (send text blocks)")
-            if kind == "redacted_thinking":
-                raise ValueError(f"block {i} is redacted thinking, which only its own model can "
-                                 "read; leave it out")
+    for i, kind in enumerate(refuse_non_text(v, _NOT_TEXT, "block")):
+        if kind == "redacted_thinking":
+            raise ValueError(f"block {i} is redacted thinking, which only its own model can "
+                             "read; leave it out")
     return v
 
 
@@ -452,20 +448,9 @@ class Messages:
 
     # ---- a whole message ----------------------------------------------------------------------
     async def _whole(self, request: Request, prep: Prepared) -> Response:
-        fut = self.srv.submit(prep)
-        attach(request, prep, fut)
-        afut = asyncio.wrap_future(fut)
-        try:
-            while True:
-                done, _ = await asyncio.wait({afut}, timeout=0.2)
-                if done:
-                    break
-                if await request.is_disconnected():
-                    prep.job.cancel.set()
-                    return Response(status_code=499)
-        except asyncio.CancelledError:
-            prep.job.cancel.set()
-            raise
+        afut = await await_whole(request, prep, self.srv.submit(prep))
+        if afut is None:  # the client went away: its generation is cancelled
+            return Response(status_code=499)
         out = self.srv.outcome(afut)
         if out.finish == "cancelled":
             raise APIError(503, "the server is stopping; this generation was cancelled",

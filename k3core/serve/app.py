@@ -68,6 +68,7 @@ from k3core.serve.protocol import (
 )
 from k3core.serve.service import Prepared, Service, TextSink, thinking_note
 from k3core.serve.tokenize_routes import tokenize_routes
+from k3core.serve.waiting import await_whole
 from k3core.serve.worker import Outcome
 
 STOPPING = APIError(503, "the server is stopping; this generation was cancelled",
@@ -273,25 +274,14 @@ class Server:
                 sink.on_piece = _poster(loop, queue, row, sink)
             sfut = self.submit(prep)  # a full queue is a 429 before any event
             attach(request, prep, sfut)  # the request's log line names the generation
-            afut = asyncio.wrap_future(sfut)
-            afut.add_done_callback(lambda _: queue.put_nowait(None))
-            return StreamingResponse(self._events(prep, afut, queue, include_usage),
+            stream_fut = asyncio.wrap_future(sfut)
+            stream_fut.add_done_callback(lambda _: queue.put_nowait(None))
+            return StreamingResponse(self._events(prep, stream_fut, queue, include_usage),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        fut = self.submit(prep)
-        attach(request, prep, fut)
-        afut = asyncio.wrap_future(fut)
-        try:
-            while True:
-                done, _ = await asyncio.wait({afut}, timeout=0.2)
-                if done:
-                    break
-                if await request.is_disconnected():
-                    prep.job.cancel.set()
-                    return Response(status_code=499)
-        except asyncio.CancelledError:
-            prep.job.cancel.set()
-            raise
+        afut = await await_whole(request, prep, self.submit(prep))
+        if afut is None:  # the client went away: its generation is cancelled
+            return Response(status_code=499)
         out = self.outcome(afut)
         if out.finish == "cancelled":  # not by this client (it is still here): the server stops
             raise STOPPING

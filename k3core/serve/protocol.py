@@ -29,6 +29,8 @@ from pydantic import (
     field_validator,
 )
 
+from k3core.api.safejson import json_kind
+
 MAX_STOP_STRINGS = 4
 #: the most tools one request may declare
 MAX_TOOLS = 128
@@ -72,21 +74,6 @@ def _field_path(loc: tuple[Any, ...]) -> str:
 
 
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "literal"}
-
-
-def json_kind(value: Any) -> str:
-    """What a JSON value is, in JSON's words."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "a boolean"
-    if isinstance(value, (int, float)):
-        return "a number"
-    if isinstance(value, str):
-        return "a string"
-    if isinstance(value, list):
-        return "an array"
-    return "an object" if isinstance(value, dict) else type(value).__name__
 
 
 def validation_error(exc: ValidationError) -> APIError:
@@ -229,15 +216,30 @@ class TextPart(_Strict):
     text: str
 
 
+def refuse_non_text(v: Any, not_text: dict[str, str], noun: str) -> list[str | None]:
+    """Refuse, in words, the first content item of list ``v`` whose type ``not_text`` names.
+
+    ``not_text`` maps a content type (``image_url``, ``document``...) to what it is called in
+    the message; ``noun`` is what the API calls an item (``part``, ``block``). Returns each
+    item's type (None where an item has none) for a caller's own further checks; a ``v`` that
+    is not a list gives an empty list (the model's own validation speaks of it).
+    """
+    kinds: list[str | None] = []
+    if isinstance(v, list):
+        for i, item in enumerate(v):
+            kind = item.get("type") if isinstance(item, dict) else None
+            kind = kind if isinstance(kind, str) else None
+            what = not_text.get(kind) if kind is not None else None
+            if what is not None:
+                raise ValueError(f"k3 does not take {what} input: {noun} {i} is of type {kind!r}; "
+                                 f"this model reads text only (send text {noun}s)")
+            kinds.append(kind)
+    return kinds
+
+
 def _text_parts(v: Any) -> Any:
     """Content parts k3 cannot read (an image, audio, a file) refused in words."""
-    if isinstance(v, list):
-        for i, part in enumerate(v):
-            kind = part.get("type") if isinstance(part, dict) else None
-            what = _NOT_TEXT.get(kind) if isinstance(kind, str) else None
-            if what is not None:
-                raise ValueError(f"k3 does not take {what} input: part {i} is of type {kind!r}; "
-                                 "this model reads text only (send text parts)")
+    refuse_non_text(v, _NOT_TEXT, "part")
     return v
 
 
