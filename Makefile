@@ -44,6 +44,7 @@ train: setup
 
 ## test: set up and run the default suite (under ~10 minutes on 2 cores)
 test: setup
+	@$(PY) -m compileall -q k3core backends storage caches k3 > /dev/null  # the suite starts k3 hundreds of times
 	$(PY) -m pytest -q tests $(addsuffix /tests,$(EXAMPLES))
 	PYTHON=$(PY) bash .ci/wheel-check
 

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from thin import SLOW
 from typer.testing import CliRunner
 
 from k3core.api.errors import PluginError
@@ -155,7 +156,7 @@ def _step_logits(model: Path, backend: str, threads: int, incremental: bool,
 
 
 @pytest.mark.skipif(not ACCELERATED, reason="no accelerated kernel backend here")
-@pytest.mark.parametrize("incremental", [False, True], ids=["full", "incremental"])
+@pytest.mark.parametrize("incremental", [pytest.param(False, marks=SLOW), True], ids=["full", "incremental"])
 def test_streamed_and_resident_forced_parallel(streamed, monkeypatch, incremental) -> None:
     model, trunk, floor_gb = streamed
     want = _step_logits(model, "numpy", 1, incremental)

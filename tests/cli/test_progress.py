@@ -90,6 +90,7 @@ def test_a_short_run_logs_no_progress_by_default(model, text):
     assert res.returncode == 0 and not progress_lines(res.stderr, "perplexity"), res.stderr
 
 
+@pytest.mark.slow
 def test_bench_decode_reports_each_stage(model):
     args = ("bench", "decode", model, "--gen", "2", "--repeat", "1", "--bandwidth-mb", "1",
             "--backend", "numpy")
@@ -153,6 +154,7 @@ def tune_args(model: Path) -> tuple[object, ...]:
             "--lookahead", "off", "--spec", "off", "--repeat", "2", "--gen", "2", "--force")
 
 
+@pytest.mark.slow
 def test_tune_reports_timed_runs(model, tmp_path):
     res = k3(*tune_args(model), "--json", env={"K3_CONFIG_DIR": str(tmp_path)})
     lines = check(res, "tune:")

@@ -41,6 +41,7 @@ def small(tmp_path_factory) -> Path:
     return _trace(tmp_path_factory.mktemp("sim") / "expert_trace.bin", pairs)
 
 
+@pytest.mark.slow
 def test_shipped_trace_meets_the_targets() -> None:
     res = k3(fixtures_dir() / "expert_trace.bin", "--slots", ",".join(map(str, SLOTS)), "--json")
     assert res.exit_code == 0, res.output

@@ -90,6 +90,7 @@ def same_result(a: dict[str, Any], b: dict[str, Any]) -> None:
     assert a["logits"] == b["logits"], "step-0 logits differ in their bytes"
 
 
+@pytest.mark.slow
 def test_every_policy_and_size_gives_identical_output(runs, baseline) -> None:
     assert {p for p, _ in runs} == set(POLICIES) and len(POLICIES) >= 4
     for (policy, size), rec in runs.items():

@@ -52,6 +52,7 @@ def test_slot_conversion_matches_the_reference() -> None:
     assert slots_for_gb(1450) == 82633
 
 
+@pytest.mark.slow
 def test_header_stats(result: SimResult) -> None:
     assert (result.requests, result.distinct, result.tokens) == (100_096, 10_010, 68)
     assert result.repeats == 90_086 and round(100 * result.ceiling, 2) == 90.00
@@ -163,6 +164,7 @@ def test_cycle_eta_on_synthetic_incremental_decode() -> None:
             assert eta <= belady_hits(trace_keys(pairs), cap)
 
 
+@pytest.mark.slow
 def test_cycle_eta_parameters_are_not_fitted_to_the_trace(shipped: np.ndarray) -> None:
     view = TraceView.of(shipped)
     base = replay_policy(CycleETAPolicy(911), view, 911)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from thin import thinned
 
 from k3core.api.errors import UsageError
 from k3core.api.experts import InMemoryExperts
@@ -41,7 +42,7 @@ def build(name: str) -> Model:
                  InMemoryExperts(lambda L, e: expert_from_reader(cfg, reader, L, e)))
 
 
-@pytest.fixture(scope="module", params=backends())
+@pytest.fixture(scope="module", params=thinned(backends(), ("numba", "avx2")))
 def model(request: pytest.FixtureRequest) -> Model:
     return build(request.param)
 

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from thin import thinned
 from typer.testing import CliRunner
 
 from k3core.cli.app import app
@@ -62,7 +63,7 @@ def run(model: Path, work: Path, tag: str, *extra: str) -> dict[str, Any]:
     return rec
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", thinned(BACKENDS, ("avx2",)))
 @pytest.mark.parametrize("where", ["resident", "streamed"])
 def test_lookahead_never_changes_the_ids(model: Path, trunk: Path, work: Path, backend: str,
                                          where: str) -> None:
@@ -100,7 +101,7 @@ def test_expert_readers_is_taken_and_refused_out_of_range(model: Path, work: Pat
 POLICIES = sorted(get_registry().names("cache"))
 
 
-@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("policy", thinned(POLICIES, ("cycle-eta", "replay")))
 @pytest.mark.parametrize("mode", ["--incremental", "--full-recompute"])
 def test_every_policy_at_the_floor_keeps_the_ids_and_the_metrics_add_up(
         model: Path, work: Path, policy: str, mode: str) -> None:

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from thin import thinned
 from typer.testing import CliRunner
 
 from k3core.api.daemon_executor import DaemonExecutor
@@ -62,7 +63,7 @@ def run(model: Path, work: Path, tag: str, *extra: str) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("lookahead", ["off", "out"])
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", thinned(BACKENDS, ("avx2", "numba")))
 def test_side_scheduling_gives_the_inline_bits(model, work, monkeypatch, backend, lookahead):
     args = ("--backend", backend, "--lookahead", lookahead)
     monkeypatch.setattr(local_experts, "SIDE_SCHEDULE_TOKENS", 10**9)

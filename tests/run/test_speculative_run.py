@@ -42,9 +42,14 @@ CONFIGS = {
 FAST = "avx2" if "avx2" in backends() else "numba" if "numba" in backends() else "numpy"
 
 
+#: the default suite's share (every config once, on a compiled backend); make test-long runs all
+DEFAULT_SHARE = {(FAST, "resident"), (FAST, "streamed-small-cache"),
+                 ("numba" if "numba" in backends() else FAST, "full-recompute")}
+
+
 def matrix() -> list[object]:
     slow = pytest.mark.slow
-    return [pytest.param(b, c, marks=[slow] if (b, c) == ("numpy", "full-recompute") else [])
+    return [pytest.param(b, c, marks=[] if (b, c) in DEFAULT_SHARE else [slow])
             for b in backends() for c in sorted(CONFIGS)]
 
 

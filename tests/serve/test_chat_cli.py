@@ -81,6 +81,7 @@ def _cut(child: pexpect.spawn, text: str) -> tuple[str, int, int]:
     return how, carried, held
 
 
+@pytest.mark.slow
 def test_ctrl_c_stops_the_reply_and_keeps_the_session(tiny_model):
     child = spawn(tiny_model, "--max-tokens", "4000", "--context", "16384")
     how, carried, held = _cut(child, "Tell me everything")  # greedy: no end id for 354 tokens

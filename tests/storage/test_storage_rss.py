@@ -46,6 +46,7 @@ def peak_and_plan(model: Path, trunk: Path, storage: str, out: Path) -> tuple[in
     return rec["peak_rss_bytes"], rec["memory_plan"]["total"]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="peak RSS as Linux counts it")
 def test_peak_rss_does_not_depend_on_the_storage_backend(packed, tmp_path):
     model, trunk = packed

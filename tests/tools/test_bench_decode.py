@@ -133,6 +133,7 @@ def test_product_macs_counts_each_matrix_of_a_call_once() -> None:
     assert quiet.calls == 3 and quiet.macs == 0
 
 
+@pytest.mark.slow
 def test_chunked_prefill_is_checked_against_one_pass(model) -> None:
     """Seven prompt ids in chunks of three: three passes, the ids checked against the
     one-pass numpy run; every routed expert read at most once per chunk."""
@@ -181,6 +182,7 @@ def test_bad_arguments_are_refused(model, args, msg) -> None:
 DEMO = Path(__file__).resolve().parents[2] / "demo-model"
 
 
+@pytest.mark.slow
 def test_spec_on_a_code_prompt(tmp_path) -> None:
     prompt = tmp_path / "code.txt"
     prompt.write_text("def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n"
@@ -203,6 +205,7 @@ def test_spec_on_a_code_prompt(tmp_path) -> None:
                               "32", "--spec", "ngram", "--backend", "numpy"])
     assert res.exit_code == 0, res.output
     assert "ids identical to --spec off" in res.output and "passes per token" in res.output
+@pytest.mark.slow
 def test_streamed_trunk_reports_exposed_wait_overlap_and_peak_rss(model, tmp_path) -> None:
     trunk = tmp_path / "trunk"
     assert runner.invoke(app, ["pack-trunk", str(model), str(trunk)]).exit_code == 0

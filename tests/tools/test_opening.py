@@ -72,6 +72,7 @@ def _bench(model: Path, *args: str, env: dict[str, str] | None = None) -> dict[s
     return json.loads(res.output.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_bench_decode_takes_a_preset(model, tmp_path):
     kernel = _other_kernel()
     assert _bench(model, "--preset", str(_preset(tmp_path, backend=kernel)))["backend"] == kernel
@@ -103,6 +104,7 @@ def _perplexity(model: Path, text: Path, *args: str,
     return res.exit_code, res.output
 
 
+@pytest.mark.slow
 def test_perplexity_takes_a_preset(model, text_file, tmp_path):
     kernel = _other_kernel()
     code, out = _perplexity(model, text_file, "--preset",
@@ -114,6 +116,7 @@ def test_perplexity_takes_a_preset(model, text_file, tmp_path):
     assert code == 0 and json.loads(out)["kernel"] == kernel, out
 
 
+@pytest.mark.slow
 def test_perplexity_takes_the_environment(model, text_file, tmp_path):
     """A model directory without tokenizer files: ``$K3_TOK_FILES`` names where they are."""
     bare = tmp_path / "bare"

@@ -101,6 +101,7 @@ def test_bit_identical_across_backends(model):
         assert res == ref, name
 
 
+@pytest.mark.slow
 def test_more_context_changes_the_figure_but_not_the_count(model):
     ids = _ids(model)
     eng = _engine(model, "numpy")

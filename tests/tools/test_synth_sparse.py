@@ -140,6 +140,7 @@ def test_same_seed_same_bytes_other_seed_other_pattern(medium, tmp_path) -> None
     assert (other / shard).read_bytes() != (medium / shard).read_bytes()
 
 
+@pytest.mark.slow
 def test_it_runs_finite_and_routing_varies(medium, tmp_path) -> None:
     out, traces = tmp_path / "run.json", tmp_path / "traces"
     traces.mkdir()

@@ -54,6 +54,7 @@ def tune(model: Path, *extra: str) -> object:
                                "--expert-readers", "4", *extra])
 
 
+@pytest.mark.slow
 def test_tune_refuses_a_setting_whose_ids_differ_and_writes_a_preset_run_uses(
         model: Path, config_dir: Path, wrong: str, tmp_path: Path) -> None:
     res = tune(model, "--backend", wrong, "--backend", "numpy", "--name", "box", "--json")
@@ -86,6 +87,7 @@ def test_tune_refuses_a_setting_whose_ids_differ_and_writes_a_preset_run_uses(
     assert "expert_readers = " in ran.output and "(preset box)" in ran.output
 
 
+@pytest.mark.slow
 def test_tune_never_replaces_a_preset_without_force(model: Path, config_dir: Path) -> None:
     config_dir.mkdir(parents=True)
     mine = config_dir / "tuned.yaml"
@@ -138,6 +140,7 @@ def test_a_preset_carries_lookahead_and_expert_readers() -> None:
             parse_preset(base + bad)
 
 
+@pytest.mark.slow
 def test_tune_tries_spec_widths_and_the_preset_carries_them(
         model: Path, config_dir: Path, tmp_path: Path) -> None:
     res = tune(model, "--backend", "numpy", "--lookahead", "off", "--spec", "ngram",
@@ -277,6 +280,7 @@ def test_rotated_runs_every_option_in_every_position() -> None:
     assert rounds == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"]]
 
 
+@pytest.mark.slow
 def test_each_decision_follows_the_runs_it_reports(model: Path, config_dir: Path) -> None:
     """Whatever this machine's noise, a kept candidate's worst run beats the baseline's best
     in the JSON it reports, and a knob that nothing won keeps its baseline."""

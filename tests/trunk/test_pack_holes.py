@@ -73,6 +73,7 @@ def test_packed_trunk_is_sparse_and_holds_the_raw_bytes(packed) -> None:
             assert got[L["span"]:] == bytes(L["nbytes"] - L["span"])
 
 
+@pytest.mark.slow
 def test_sparse_trunk_runs_like_the_checkpoint(packed, tmp_path) -> None:
     model, trunk = packed
     a, b = tmp_path / "a.json", tmp_path / "b.json"

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 from k3_storage.plain import PlainStorage
+from thin import thinned
 from typer.testing import CliRunner
 
 from k3core.api.errors import CheckpointError
@@ -99,7 +100,7 @@ def test_the_undamaged_trunk_runs_and_reports_its_checks(model, trunk):
     assert "checksums: 13 layer checks passed" in res.output
 
 
-@pytest.mark.parametrize("storage", available_storage())
+@pytest.mark.parametrize("storage", thinned(available_storage(), ("direct", "mmap")))
 @pytest.mark.parametrize("budget", ["all-pinned", "floor-ring1", "floor-ring2", "half"])
 def test_a_damaged_layer_is_refused_naming_it(model, damaged, doc, storage, budget):
     res = run(model, damaged, "--storage", storage, *budgets(doc)[budget])

@@ -17,6 +17,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from k3_storage.plain import PlainStorage
+from thin import thinned
 from typer.testing import CliRunner
 
 from k3core.api.errors import K3Error, StorageError, UsageError
@@ -103,7 +104,7 @@ def _budgets(sizes: list[int], parts: list[int] | None = None) -> dict[str, floa
     return out
 
 
-@pytest.mark.parametrize("storage", available_storage())
+@pytest.mark.parametrize("storage", thinned(available_storage(), ("direct",)))
 @pytest.mark.parametrize("mode", ["full", "incremental"])
 def test_same_ids_and_logits_at_every_budget(model, trunk, work, sizes, part_sizes, resident,
                                              storage, mode):
@@ -116,7 +117,7 @@ def test_same_ids_and_logits_at_every_budget(model, trunk, work, sizes, part_siz
         assert got[1] == resident[mode][1], f"{name}: step-0 logits differ"
 
 
-@pytest.mark.parametrize("storage", available_storage())
+@pytest.mark.parametrize("storage", thinned(available_storage(), ("direct", "mmap")))
 def test_ultra_low_memory_is_bit_identical(model, trunk, work, sizes, resident, storage):
     for mode, flags in (("full", ("--full-recompute",)), ("incremental", ("--incremental",))):
         got = _run(model, work, f"ultra-{storage}-{mode}", "--storage", storage, "--trunk",
