@@ -52,7 +52,8 @@ test: setup
 test-wheel: setup
 	PYTHON=$(PY) bash .ci/wheel-check
 
-## test-long: the slow tests and long fuzz runs (about 10 minutes on 2 cores; docs/fuzzing.md)
+## test-long: the slow tests, the rest of the long parameter axes and the long fuzz runs
+## (about 20 minutes on 2 cores; docs/fuzzing.md)
 test-long: setup
 	$(PY) -m pytest -q -m slow
 
