@@ -54,7 +54,7 @@ def budget(
         model_dir = Path(found[0])
     if prompt_len < 0 or gen < 0:
         raise UsageError("--prompt-len and --gen must not be negative")
-    backend, _, _ = get_registry().create("storage", storage)
+    backend, _, _ = get_registry().create("storage", storage, for_path=model_dir)
     report = budget_report(model_dir, backend, config)
     add_plans(report, presets, prompt_len=prompt_len, gen=gen, incremental=incremental)
     trunk_plans = preset_trunk_plans(report.cfg, presets)

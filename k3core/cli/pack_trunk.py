@@ -38,7 +38,7 @@ def pack_trunk(
     chosen = parse_codec(codec)
     cfg_path = config_path(model_dir, config)
     cfg = load_config(cfg_path)
-    backend, sname, note = get_registry().create("storage", storage)
+    backend, sname, note = get_registry().create("storage", storage, for_path=model_dir)
     if note:
         print(f"note: {note}", file=sys.stderr)
     t0 = time.perf_counter()

@@ -34,7 +34,7 @@ def shard_experts(
 
     if workers < 1:
         raise UsageError(f"--workers must be >= 1, got {workers}")
-    backend, _, note = get_registry().create("storage", storage)
+    backend, _, note = get_registry().create("storage", storage, for_path=model_dir)
     if note:
         print(f"note: {note}", file=sys.stderr)
     t0 = time.perf_counter()

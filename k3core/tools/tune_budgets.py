@@ -90,7 +90,7 @@ def model_sizes(model_dir: Path, cfg: ModelConfig, storage: str | None = None) -
     from k3core.plugins.registry import get_registry
 
     try:
-        backend, _, _ = get_registry().create("storage", storage or "auto")
+        backend, _, _ = get_registry().create("storage", storage or "auto", for_path=model_dir)
         with CheckpointIndex.open(model_dir, backend) as index:
             tensors = {n: t.nbytes for n, t in index.tensors.items()}
     except K3Error:

@@ -3,7 +3,8 @@ contract's optional ``probe_path`` hook, asked by the registry for each candidat
 first (``direct`` says no where the filesystem refuses O_DIRECT).
 
 ``picky`` is a real storage plugin registered in this process: it reads through ``plain``
-and says it cannot read a directory holding a file named ``NOT-FOR-PICKY``.
+and says it cannot read a directory holding a file named ``NOT-FOR-PICKY`` (and there
+refuses to open a file).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from k3.plugin import (
     Availability,
     StorageBackend,
     StorageBackendSpec,
+    StorageError,
     StorageFile,
     create,
     hookimpl,
@@ -41,6 +43,8 @@ class PickyStorage(StorageBackend):
         self.stats = self.inner.stats
 
     def open(self, path: str | Path) -> StorageFile:
+        if (Path(path).parent / MARKER).exists():  # what its probe_path says, it holds to
+            raise StorageError(f"picky cannot read {path}: {MARKER} is there")
         return self.inner.open(path)
 
     @classmethod
@@ -127,3 +131,21 @@ def test_a_run_picks_its_storage_for_the_model_directory(registered, model, tmp_
     assert other["plan"]["storage"] not in ("picky", "raising")
     assert f"storage backend 'picky' cannot read {model} ({MARKER} is there)" in text
     assert other["generated_ids"] == rec["generated_ids"]
+
+
+@pytest.mark.parametrize("command", ["pack-trunk", "shard-experts", "budget"])
+def test_every_command_that_reads_a_model_picks_for_its_directory(registered, model, tmp_path,
+                                                                  command):
+    """Not only k3 run: each command that opens a model's shards with storage ``auto`` asks
+    the candidates about that directory (the note on stderr where it says one)."""
+    args = {"pack-trunk": [str(tmp_path / "trunk")],
+            "shard-experts": [str(tmp_path / "shares"), "--workers", "2"],
+            "budget": []}[command]
+    (model / MARKER).touch()
+    try:
+        res = CliRunner().invoke(app, [command, str(model), *args])
+    finally:
+        (model / MARKER).unlink()
+    assert res.exit_code == 0, res.output
+    if command != "budget":  # budget prints no storage note; it must simply read the model
+        assert f"storage backend 'picky' cannot read {model} ({MARKER} is there)" in res.stderr

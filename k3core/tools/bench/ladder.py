@@ -450,7 +450,7 @@ def run_ladder(o: LadderOptions, say: Callable[[str], None] = print) -> list[Run
     cfg = load_config(o.model_dir / "config.json")
     check_vocab(prompt, cfg.vocab)
     cache_gb = o.cache_gb
-    backend_obj, _, _ = get_registry().create("storage", o.storage)
+    backend_obj, _, _ = get_registry().create("storage", o.storage, for_path=o.model_dir)
     with CheckpointIndex.open(o.model_dir, backend_obj) as index:
         man = open_trunk(o.trunk_dir, index, cfg)
         coded_man = open_trunk(o.codec_trunk, index, cfg) if o.codec_trunk is not None else None

@@ -324,7 +324,7 @@ def run_doctor(model_dir: str | Path | None = None, *, measure: DiskMeasure | No
     mc = None
     if root is not None:
         say(f"checking the model directory {root} ...")
-        backend, _, _ = reg.create("storage", storage)
+        backend, _, _ = reg.create("storage", storage, for_path=root)
         mc = check_model(root, backend)
         r.model = mc
         step("checks", 4, n_checks)
