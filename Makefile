@@ -42,10 +42,12 @@ train: setup
 	PYTHONPATH=. nice -n 10 $(PY) -m tools.train.train --work build/train --out $(DEMO_DIR)
 	PYTHONPATH=. $(PY) -m tools.train.oracle $(DEMO_DIR) build/train/corpus/heldout.txt $(DEMO_DIR)/oracle.json
 
-## test: set up and run the default suite (under ~10 minutes on 2 cores)
+## test: set up and run the default suite and the wheel check (about 10 minutes on 2 cores)
+## in TEST_WORKERS pytest-xdist workers (default 2; 0 runs the tests in one process)
+TEST_WORKERS ?= 2
 test: setup
 	@$(PY) -m compileall -q k3core backends storage caches k3 > /dev/null  # the suite starts k3 hundreds of times
-	$(PY) -m pytest -q tests $(addsuffix /tests,$(EXAMPLES))
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup tests $(addsuffix /tests,$(EXAMPLES))
 	PYTHON=$(PY) bash .ci/wheel-check
 
 ## test-wheel: the built wheel in a fresh venv, used from outside the checkout (part of test)

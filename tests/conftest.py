@@ -25,3 +25,18 @@ def numpy_backend():
     from k3_backends.numpy_backend import NumpyBackend
 
     return NumpyBackend()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Groups for ``make test``'s workers (pytest-xdist, ``--dist loadgroup``): a test file
+    runs whole on one worker, so its module fixtures (a synthesized model, a packed trunk)
+    are built once; the cluster's files share one group, so one local Ray cluster runs at a
+    time. Without xdist the mark is inert."""
+    tests = Path(__file__).parent
+    for item in items:
+        path = Path(item.path)
+        if tests not in path.parents:
+            continue
+        group = "ray" if path.parent.name == "cluster" else str(path.relative_to(tests))
+        item.add_marker(pytest.mark.xdist_group(group))

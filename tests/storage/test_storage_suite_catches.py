@@ -42,7 +42,7 @@ CASES: dict[str, tuple[str, str, str]] = {
         r"of the file that was at this path before: stale\)"),
     "leaky": (
         "Leaky", "handles_released",
-        r"200 x \(open, read_into, close\) left 200 more descriptors open in this process "
+        r"64 x \(open, read_into, close\) left 64 more descriptors open in this process "
         r"\(\d+ -> \d+\): close\(\) or a failed open\(\) does not release what open\(\) took"),
     "plain-exception": (
         "PlainException", "missing_file",
