@@ -27,6 +27,7 @@ a process on another machine whose PID is not running here counts as stale.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import re
 import shutil
@@ -191,6 +192,43 @@ def partial_file(final: Path, tag: str = "") -> Iterator[Path]:
     """A registered partial of ``final`` for one ``with`` block (removed unless renamed)."""
     with Partials() as parts:
         yield parts.add(partial_path(final, tag))
+
+
+@contextlib.contextmanager
+def whole_tree(out: Path, failure: str, *, replace: bool = False) -> Iterator[Path]:
+    """A directory written whole or not at all (``k3 synth``'s and ``k3 shard-experts``'
+    outputs): the ``with`` block writes into the yielded partial directory beside ``out``.
+
+    Stale partials of dead processes beside ``out`` go first; the partial is registered
+    (removed on an error, SIGTERM or SIGHUP) and, once the block ends, takes ``out``'s place
+    in one rename. ``out`` must be absent or empty, or, with ``replace``, a tree the caller
+    has checked may go. An ``OSError`` (in the block too) becomes an :class:`OutputError`:
+    ``failure`` (e.g. ``cannot write OUT_DIR /x``), the error, and on a full disk the
+    partials that hold space.
+    """
+    from k3core.api.errors import OutputError
+
+    if out.parent.is_dir():
+        sweep_stale(out.parent, [out.name])
+    with Partials() as parts:
+        tmp = parts.add(partial_path(out), tree=True)
+        try:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+            yield tmp
+            if out.exists():
+                if replace:
+                    shutil.rmtree(out)
+                else:
+                    out.rmdir()
+            out.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(tmp, out)
+            parts.keep(tmp)
+        except OSError as exc:
+            note = (space_note(out.parent, [out.name])
+                    if exc.errno in (errno.ENOSPC, errno.EDQUOT) else "")
+            raise OutputError(f"{failure}: {exc.strerror or exc}"
+                              + (f" ({note})" if note else "")) from exc
 
 
 # ---- other processes' partials --------------------------------------------------------------

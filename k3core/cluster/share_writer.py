@@ -17,7 +17,6 @@ that is not empty is refused before anything is written.
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
 import os
@@ -27,9 +26,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
-from k3core.api.errors import OutputError, UsageError
+from k3core.api.errors import UsageError
 from k3core.api.outputs import Output, check_outputs
-from k3core.api.partials import Partials, partial_path, space_note, sweep_stale
+from k3core.api.partials import whole_tree
 from k3core.api.storage import StorageBackend
 from k3core.checkpoint.index import INDEX_NAME, CheckpointIndex, TensorInfo
 from k3core.cluster.plan import SharePlan, plan_shares
@@ -94,32 +93,16 @@ def write_shares(model_dir: Path, out_dir: Path, workers: int, storage: StorageB
         raise UsageError(f"{model_dir} has no MoE layer: there are no routed experts to shard")
     with CheckpointIndex.open(model_dir, storage) as index:
         plan = plan_shares(cfg, ExpertLocator(cfg, index), cfg.n_layers, workers)
-        if out.parent.is_dir():
-            sweep_stale(out.parent, [out.name])
-        with Partials() as parts:
-            tmp = parts.add(partial_path(out), tree=True)
-            try:
-                shutil.rmtree(tmp, ignore_errors=True)
-                tmp.mkdir(parents=True)
-                records = _write_all(index, plan, model_dir, cfg_file, tmp, progress)
-                head, shares = records[HEAD], [records[w] for w in range(workers)]
-                model = model_identity(index.fingerprint(), records)
-                fp = plan.fingerprint(model)
-                manifest = HeadManifest(model, fp, plan, shares, head)
-                write_manifest(tmp / HEAD_NAME / HEAD_MANIFEST, manifest.to_json())
-                for w in range(workers):
-                    write_manifest(tmp / worker_name(w) / SHARE_MANIFEST,
-                                   share_manifest(manifest.expect(w)))
-                if out.exists():
-                    out.rmdir()  # empty (checked above)
-                out.parent.mkdir(parents=True, exist_ok=True)
-                os.replace(tmp, out)
-                parts.keep(tmp)
-            except OSError as exc:
-                note = (space_note(out.parent, [out.name])
-                        if exc.errno in (errno.ENOSPC, errno.EDQUOT) else "")
-                raise OutputError(f"cannot write OUT_DIR {out}: {exc.strerror or exc}"
-                                  + (f" ({note})" if note else "")) from exc
+        with whole_tree(out, f"cannot write OUT_DIR {out}") as tmp:  # out empty (checked above)
+            records = _write_all(index, plan, model_dir, cfg_file, tmp, progress)
+            head, shares = records[HEAD], [records[w] for w in range(workers)]
+            model = model_identity(index.fingerprint(), records)
+            fp = plan.fingerprint(model)
+            manifest = HeadManifest(model, fp, plan, shares, head)
+            write_manifest(tmp / HEAD_NAME / HEAD_MANIFEST, manifest.to_json())
+            for w in range(workers):
+                write_manifest(tmp / worker_name(w) / SHARE_MANIFEST,
+                               share_manifest(manifest.expect(w)))
     return WrittenShares(out, plan, head, shares)
 
 

@@ -20,7 +20,6 @@ import errno
 import json
 import os
 import re
-import shutil
 import zlib
 from collections.abc import Callable
 from pathlib import Path
@@ -30,7 +29,7 @@ from safetensors import SafetensorError, TensorSpec, serialize_file
 
 from k3core.api.errors import OutputError, UsageError
 from k3core.api.outputs import Output, check_outputs
-from k3core.api.partials import Partials, partial_path, space_note, sweep_stale
+from k3core.api.partials import whole_tree
 from k3core.model import names
 from k3core.model.config import ModelConfig
 from k3core.model.layer_params import expected_shapes
@@ -176,24 +175,9 @@ def synthesize(
                               "directory")
     if vision and not sparse:
         raise UsageError("the vision stand-in shards are written only with --sparse")
-    if out.parent.is_dir():
-        sweep_stale(out.parent, [out.name])
-    with Partials() as parts:
-        tmp = parts.add(partial_path(out), tree=True)
-        try:
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-            _write_all(tmp, cfg, seed, sparse, vision, progress, extra)
-            if out.exists():
-                shutil.rmtree(out)
-            out.parent.mkdir(parents=True, exist_ok=True)
-            os.replace(tmp, out)
-            parts.keep(tmp)
-        except OSError as exc:
-            note = (space_note(out.parent, [out.name])
-                    if exc.errno in (errno.ENOSPC, errno.EDQUOT) else "")
-            raise OutputError(f"cannot write the synthetic checkpoint to {out}: "
-                              f"{exc.strerror or exc}" + (f" ({note})" if note else "")) from exc
+    # replace: out is absent, empty, or a checkpoint k3 synth wrote (checked above)
+    with whole_tree(out, f"cannot write the synthetic checkpoint to {out}", replace=True) as tmp:
+        _write_all(tmp, cfg, seed, sparse, vision, progress, extra)
     return out
 
 
