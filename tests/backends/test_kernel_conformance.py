@@ -8,9 +8,8 @@ reference is not compared with itself.
 
 from __future__ import annotations
 
-import os
-
 import pytest
+from required import required_plugins
 
 from k3core.api.kernels import KernelBackend
 from k3core.plugins.registry import get_registry
@@ -19,22 +18,18 @@ from k3core.testing.kernel_conformance import KernelConformance
 REFERENCE = "numpy"
 
 
-def _required() -> set[str]:
-    return {n.strip() for n in os.environ.get("K3_TEST_REQUIRE", "").split(",") if n.strip()}
-
-
 def _names() -> list[str]:
     reg = get_registry()
     registered = set(reg.names("kernel"))
-    # K3_TEST_REQUIRE names every kind, and optional extras (ray: tests/cluster)
-    other_kinds = set(reg.names("storage")) | set(reg.names("cache")) | {"ray"}
-    return sorted((registered | (_required() - other_kinds)) - {REFERENCE})
+    # K3_TEST_REQUIRE names every kind, and extras that are no plugin (tests/support/required.py)
+    other_kinds = set(reg.names("storage")) | set(reg.names("cache"))
+    return sorted((registered | (required_plugins() - other_kinds)) - {REFERENCE})
 
 
 def make_backend(name: str) -> KernelBackend:
     """Build ``name`` through the registry; skip (or fail, when required) if unavailable."""
     reg = get_registry()
-    required = name in _required()
+    required = name in required_plugins()
     if name not in reg.names("kernel"):
         pytest.fail(f"kernel backend '{name}' is required by K3_TEST_REQUIRE but not registered")
     avail = reg.probe("kernel", name)

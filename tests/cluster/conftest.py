@@ -16,6 +16,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from required import required
 from typer.testing import CliRunner
 
 from k3core.cli.app import app
@@ -24,16 +25,12 @@ from k3core.model.shapes import size_config
 from k3core.tools.synth.writer import synthesize
 
 
-def _required() -> set[str]:
-    return {n.strip() for n in os.environ.get("K3_TEST_REQUIRE", "").split(",") if n.strip()}
-
-
 @pytest.fixture(scope="package")
 def ray_session():
     try:
         import ray
     except ImportError:
-        if "ray" in _required():
+        if "ray" in required():
             pytest.fail("Ray is required (K3_TEST_REQUIRE names ray) but not installed: "
                         "pip install 'k3[ray]'")
         pytest.skip("Ray is not installed (pip install 'k3[ray]')")

@@ -12,7 +12,6 @@ Without Chromium or Playwright the test skips, saying which is missing, unless
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 from collections.abc import Iterator
@@ -22,14 +21,11 @@ from typing import Any
 import httpx
 import pytest
 from conftest import Served
+from required import required
 
 DEMO = Path(__file__).resolve().parents[2] / "demo-model"
 KEY = "sekret"
 WAIT_MS = 30_000
-
-
-def required() -> set[str]:
-    return {n.strip() for n in os.environ.get("K3_TEST_REQUIRE", "").split(",") if n.strip()}
 
 
 def chromium() -> str | None:

@@ -6,24 +6,19 @@ An unavailable backend is skipped with its probe's reason, except that a name li
 
 from __future__ import annotations
 
-import os
-
 import pytest
+from required import required_plugins
 
 from k3core.api.storage import StorageBackend
 from k3core.plugins.registry import get_registry
 from k3core.testing.storage_conformance import StorageConformance
 
-
-def required() -> set[str]:
-    return {n.strip() for n in os.environ.get("K3_TEST_REQUIRE", "").split(",") if n.strip()}
-
-
 _REG = get_registry()
-# K3_TEST_REQUIRE names every kind: a required name that is no kernel backend or cache policy
-# must be a registered storage backend (else make_backend fails rather than skipping it)
+# K3_TEST_REQUIRE names every kind and extras that are no plugin (tests/support/required.py):
+# a required plugin name that is no kernel backend or cache policy must be a registered
+# storage backend (else make_backend fails rather than skipping it)
 NAMES = sorted(set(_REG.names("storage"))
-               | (required() - set(_REG.names("kernel")) - set(_REG.names("cache")) - {"ray"}))
+               | (required_plugins() - set(_REG.names("kernel")) - set(_REG.names("cache"))))
 
 
 def make_backend(name: str) -> StorageBackend:
@@ -32,7 +27,7 @@ def make_backend(name: str) -> StorageBackend:
         pytest.fail(f"storage backend '{name}' is required (K3_TEST_REQUIRE) but not registered")
     avail = reg.probe("storage", name)
     if not avail.ok:
-        if name in required():
+        if name in required_plugins():
             pytest.fail(f"storage backend '{name}' is required (K3_TEST_REQUIRE) but: {avail.reason}")
         pytest.skip(f"storage backend '{name}' unavailable: {avail.reason}")
     backend, resolved, _ = reg.create("storage", name)
