@@ -110,7 +110,6 @@ def test_dead_worker_stops_the_run_with_exit_4(tiny, fresh_pool):
     assert made == ref[:1]  # the token before the death is right; none after it
 
 
-@pytest.mark.slow
 def test_stopped_worker_times_out_with_exit_4(tiny, fresh_pool):
     ref = _reference(tiny)
 

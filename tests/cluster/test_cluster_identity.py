@@ -58,7 +58,7 @@ def _on_cluster(pool, n: int, tiny, trunk, backend: str, incremental: bool, stre
 
 @pytest.mark.parametrize("streamed", [False, True], ids=["resident", "streamed"])
 @pytest.mark.parametrize("incremental", [False, True], ids=["full", "incremental"])
-@pytest.mark.parametrize("n", thinned([1, 2, 3], (2,)))
+@pytest.mark.parametrize("n", thinned([1, 2, 3], (2, 3)))
 @pytest.mark.parametrize("backend", thinned(KERNELS, ("avx2", "numpy")))
 def test_same_bits_as_one_node(pool, tiny, tiny_trunk, backend, n, incremental, streamed):
     _available(backend)

@@ -46,7 +46,6 @@ def _k3(*args):
                           timeout=RUN_TIMEOUT_S, env={**os.environ, **LOOPBACK_ENV})
 
 
-@pytest.mark.slow
 def test_two_nodes_each_with_its_share(tiny, tiny_shares, node_shares, two_nodes, tmp_path):
     base = ["--ids", "3,7,11", "--gen", "3", "--backend", "numpy", "--storage", "mmap"]
     one = _k3("run", tiny, *base, "--dump-logits", tmp_path / "one.bin", "--out", tmp_path / "one.json")

@@ -129,7 +129,6 @@ def test_killed_between_tokens(tiny, restarting_pool):
     assert all(info["pid"] not in killed for info in pool.info)  # new processes serve now
 
 
-@pytest.mark.slow
 def test_killed_inside_a_layer(tiny, restarting_pool, tmp_path):
     ref = _undisturbed(tiny)
     (tmp_path / f"arm-2-{LAYER}").touch()
@@ -141,7 +140,6 @@ def test_killed_inside_a_layer(tiny, restarting_pool, tmp_path):
     assert record["retried"] == 1 and record["retries_made"][0]["layer"] == LAYER
 
 
-@pytest.mark.slow
 def test_retries_run_out(tiny, restarting_pool, tmp_path):
     from k3core.cluster.executor import ClusterExperts
 
