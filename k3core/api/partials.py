@@ -42,6 +42,7 @@ from typing import Any
 
 import psutil
 
+from k3core.api.errors import OutputError
 from k3core.api.units import human
 
 _PARTIAL = re.compile(r"^\.(?P<name>.+)\.partial-(?P<pid>\d+)(?:-[0-9A-Za-z_]+)?$")
@@ -206,8 +207,6 @@ def whole_tree(out: Path, failure: str, *, replace: bool = False) -> Iterator[Pa
     ``failure`` (e.g. ``cannot write OUT_DIR /x``), the error, and on a full disk the
     partials that hold space.
     """
-    from k3core.api.errors import OutputError
-
     if out.parent.is_dir():
         sweep_stale(out.parent, [out.name])
     with Partials() as parts:

@@ -157,5 +157,3 @@ class _Checker:
         target = self.root.get(defs)
         if not isinstance(target, dict) or name not in target:
             raise self.fail(path, f"$ref {ref!r} names no schema")
-
-

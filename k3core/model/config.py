@@ -268,5 +268,3 @@ def _capped(items: list[str], sep: str) -> str:
     if len(items) <= MAX_LISTED:
         return sep.join(items)
     return sep.join(items[:MAX_LISTED]) + f"{sep}... and {len(items) - MAX_LISTED} more"
-
-
