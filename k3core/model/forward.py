@@ -12,17 +12,19 @@ calls its ``run`` once a layer (``k3core/model/local_experts.py`` is the one a m
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from k3core.api.errors import K3Error, UsageError
+from k3core.api.errors import UsageError
 from k3core.api.experts import ExpertExecutor, ExpertSource
 from k3core.api.kernels import F32, U16, KernelBackend, Mxfp4
 from k3core.model.config import ModelConfig
 from k3core.model.layer_params import LayerParams
 from k3core.model.local_experts import LocalExperts
 from k3core.model.residuals import BlockStack
+from k3core.model.scheduler import Scheduler
+from k3core.model.segments import Feed, Segments
 from k3core.model.sources import ModelTables, TrunkSource
 from k3core.model.state import SequenceState
 
@@ -78,70 +80,83 @@ class Model:
         self.prefill_chunk: int | None = None
         #: the number of passes the last forward took (1 unless it was chunked)
         self.chunks_last = 0
+        #: every pass goes through it: batched across the threads that ask at once
+        self.scheduler = Scheduler(self)
 
     # ---- top level ------------------------------------------------------------------------
     def forward(self, ids: np.ndarray, state: SequenceState, all_logits: bool = False,
                 tail: int = 1) -> np.ndarray:
         """Consume ``ids`` after ``state.pos`` positions; logits of the last ``tail`` (or
-        every) position(s). Each row's logits are the bytes a one-row pass would give."""
+        every) position(s). Each row's logits are the bytes a one-row pass would give.
+
+        Through :attr:`scheduler`: passes asked from several threads at once run together
+        (:mod:`k3core.model.scheduler`), and a long ``ids`` is fed in chunks of at most
+        :attr:`prefill_chunk` ids (each chunk carries the state to the next exactly as one
+        pass would, and every op is per token or causal, so the logits are the one-pass
+        logits; each routed expert is read once per chunk)."""
         ids = np.asarray(ids, dtype=np.int64)
         T = ids.shape[0]
-        state.check_room(T)
-        self.executor.begin_step()
         want = T if all_logits else max(1, min(tail, T))  # trailing rows whose logits are asked
-        n = self.prefill_chunk
-        if n is None or n < 1 or T <= n:
-            self.chunks_last = 1
-            return self._pass(ids, state, want)
-        # a long prompt in chunks: each chunk carries the state (KDA, conv history, KV cache)
-        # to the next exactly as one pass would, and every op is per token or causal, so the
-        # logits are the one-pass logits; each routed expert is read once per chunk
-        starts = range(0, T, n)
-        self.chunks_last = len(starts)
-        outs = []
-        for a in starts:
-            m = min(n, T - a)
-            outs.append(self._pass(ids[a : a + m], state, max(0, min(m, a + m - (T - want)))))
-        return np.concatenate([o for o in outs if o.shape[0]])
+        return self.scheduler.forward(Feed(ids, state, want))
 
-    def _pass(self, ids: np.ndarray, state: SequenceState, rows: int) -> np.ndarray:
-        """One pass over every layer for ``ids``; the logits of its last ``rows`` rows."""
-        T = ids.shape[0]
+    def forward_many(self, feeds: Sequence[Feed], new_step: bool = True) -> list[np.ndarray]:
+        """One pass for several sequences at once (a batched step, docs/scheduler.md): each
+        feed's ids after its own state's positions, the logits of its last ``rows`` rows.
+        The trunk is acquired once per layer for all of them, the dense products take every
+        row in one call, the routed experts of all rows are asked as one union; attention
+        and the recurrence run per sequence. Each feed's logits are the bytes it gets in a
+        pass of its own (every product is bit-identical row by row), unchecked: the caller
+        refuses non-finite rows (:func:`checked`) feed by feed. ``new_step`` (False for the
+        later chunks of one feed) tells the expert cache a step begins."""
+        for f in feeds:
+            f.state.check_room(len(f.ids))
+        if new_step:
+            self.executor.begin_step()
+        self.chunks_last = 1
+        return self._pass(list(feeds))
+
+    def _pass(self, feeds: list[Feed]) -> list[np.ndarray]:
+        """One pass over every layer for the feeds' ids; each feed's last ``rows`` rows'
+        logits."""
+        segs = Segments(feeds)
+        T = segs.total
         self.layers_completed = 0
-        h = self.tables.embed(ids)
+        h = self.tables.embed(segs.ids)
         c = self.cfg
         blocks = BlockStack(T, c.hidden, len(range(0, self.n_layers, c.attn_res_block)) + 1)
         for L in range(self.n_layers):
             p = self.trunk.acquire(L)
             # the last layer's MLP only for the rows whose logits are asked (unless a hook
             # watches every row of every layer): no later layer reads its other rows
-            keep = rows if L == self.n_layers - 1 and self.on_layer is None else None
+            last = L == self.n_layers - 1 and self.on_layer is None
             try:
-                h = self.layer(p, h, blocks, state, keep)
+                h = self.layer(p, h, blocks, segs, last)
             finally:
                 self.trunk.release(L)
             self.layers_completed = L + 1
             if self.on_layer is not None:
                 self.on_layer(L, h)
-        if rows <= 0:
-            state.pos += T
-            return np.empty((0, self.cfg.vocab), dtype=np.float32)
-        h = self.k.attn_res(blocks.sources(h), self.tables.fold_out, self.cfg.rms_eps)
-        last = h[h.shape[0] - rows :]
-        x = self.k.rmsnorm(last, self.tables.norm, self.cfg.rms_eps)
+        for f in feeds:
+            f.state.pos += len(f.ids)
+        kept = segs.kept_index()
+        if not kept.size:
+            return [np.empty((0, c.vocab), dtype=np.float32) for _ in feeds]
+        if self.on_layer is not None and kept.size < T:  # every row went through the last
+            h = h[kept]  # layer (a hook watched them): take the asked ones now
+            blocks.keep_rows(kept)
+        h = self.k.attn_res(blocks.sources(h), self.tables.fold_out, c.rms_eps)
+        x = self.k.rmsnorm(h, self.tables.norm, c.rms_eps)
         out = self.tables.logits(self.k, x)
-        state.pos += T
-        if not np.all(np.isfinite(out)):
-            raise K3Error("the forward pass produced non-finite logits; refusing to pick a token")
-        return out
+        return segs.split_kept(out)
 
     # ---- one decoder layer with block attention residuals (docs/model.md §5.2) ------------------
-    def layer(self, p: LayerParams, h: np.ndarray, blocks: BlockStack, st: SequenceState,
-              keep: int | None = None) -> np.ndarray:
-        """One layer over every row of ``h``; with ``keep``, its attention still over every row
-        (the KV cache and the KDA state take them all) and the rest only over the last ``keep``
-        rows, ``blocks`` cut to the same rows: every op after the attention is per row, so
-        those rows' bits are the full layer's. The output then has ``keep`` rows."""
+    def layer(self, p: LayerParams, h: np.ndarray, blocks: BlockStack, segs: Segments,
+              last: bool = False) -> np.ndarray:
+        """One layer over every row of ``h`` (the rows of ``segs``' sequences, one after the
+        other); with ``last``, its attention still over every row (the KV caches and the KDA
+        states take them all) and the rest only over each sequence's asked rows, ``blocks``
+        cut to the same rows: every op after the attention is per row, so those rows' bits
+        are the full layer's. The output then has only those rows."""
         eps = self.cfg.rms_eps
         pref: np.ndarray | None = h
         x_a = self.k.attn_res(blocks.sources(h), p["fold_attn"], eps) if len(blocks) else h
@@ -150,13 +165,15 @@ class Model:
             pref = None
         xn = self.k.rmsnorm(x_a, p["input_layernorm.weight"], eps)
         T = xn.shape[0]
-        a = self.mla(p, xn, st, keep) if p.mla else self.kda(p, xn, st)
+        keep = segs.kept_index() if last else None
+        a = self.mla(p, xn, segs, keep) if p.mla else self.kda(p, xn, segs)
         self.trunk.begin_mlp(p.layer)  # a split layer's MLP part replaces its attention part
-        if keep is not None and keep < T:
-            a = a[a.shape[0] - keep :]  # (an MLA layer's output has only those rows already)
-            pref = None if pref is None else pref[pref.shape[0] - keep :]
-            blocks.keep_last(keep)
-            if keep == 0:  # no row asked (a chunk before the last): nothing reads the output
+        if keep is not None and keep.size < T:
+            if not p.mla:  # (an MLA layer's output has only those rows already)
+                a = a[keep]
+            pref = None if pref is None else pref[keep]
+            blocks.keep_rows(keep)
+            if not keep.size:  # no row asked (a chunk before the last): nothing reads it
                 return a
         pref = a if pref is None else pref + a
         x_m = self.k.attn_res(blocks.sources(pref), p["fold_mlp"], eps)
@@ -210,63 +227,81 @@ class Model:
         self._local.close()
 
     # ---- KDA (docs/model.md §5.4) ---------------------------------------------------------------
-    def kda(self, p: LayerParams, x: np.ndarray, st: SequenceState) -> np.ndarray:
+    def kda(self, p: LayerParams, x: np.ndarray, segs: Segments) -> np.ndarray:
+        """KDA over every row of ``x``: the projections and the gate take all rows in one
+        call, the short convolutions and the recurrence run per sequence on its own state."""
         c, k = self.cfg, self.k
         T, H, D = x.shape[0], c.kda_heads, c.kda_head_dim
-        s = st.kda_state(p.layer)
-        trail = st.trail  # a speculative pass: record what a rollback needs (model/rollback.py)
-        hist0 = {n: h.copy() for n, h in s.conv.items()} if trail is not None else None
         # every projection of x in one call (q, k, v, beta, the gate's down-projection, g)
         names = ("q_proj", "k_proj", "v_proj", "b_proj", "f_a_proj", "g_proj")
         rq, rk, rv, rb, fa, rg = k.matmul_many([p[f"self_attn.{n}.weight"] for n in names], x)
-        qkv = {n: k.shortconv(raw, p[f"self_attn.{n}_conv1d.weight"], s.conv[n])
-               for n, raw in zip("qkv", (rq, rk, rv), strict=True)}
-        q = k.l2norm(qkv["q"].reshape(T, H, D)) * self.q_scale
-        kk = k.l2norm(qkv["k"].reshape(T, H, D))
-        v = qkv["v"].reshape(T, H, D)
         beta = k.sigmoid(rb)
         z = k.matmul(p["self_attn.f_b_proj.weight"], fa)
         alpha = k.kda_gate(z, p["self_attn.dt_bias"], p["self_attn.A_log"], c.gate_lb)
-        if trail is None:
-            o = k.kda_recurrent(q, kk, v, alpha.reshape(T, H, D), beta, s.S)
-        else:
-            assert hist0 is not None
-            o = trail.kda(k, p.layer, s, hist0, (rq, rk, rv), q, kk, v, alpha.reshape(T, H, D), beta)
+        alpha = alpha.reshape(T, H, D)
+        outs = []
+        for a, b, st in segs.spans():
+            s = st.kda_state(p.layer)
+            trail = st.trail  # a speculative pass: what a rollback needs (model/rollback.py)
+            hist0 = {n: h.copy() for n, h in s.conv.items()} if trail is not None else None
+            raw = (rq[a:b], rk[a:b], rv[a:b])
+            qkv = {n: k.shortconv(r, p[f"self_attn.{n}_conv1d.weight"], s.conv[n])
+                   for n, r in zip("qkv", raw, strict=True)}
+            q = k.l2norm(qkv["q"].reshape(b - a, H, D)) * self.q_scale
+            kk = k.l2norm(qkv["k"].reshape(b - a, H, D))
+            v = qkv["v"].reshape(b - a, H, D)
+            if trail is None:
+                outs.append(k.kda_recurrent(q, kk, v, alpha[a:b], beta[a:b], s.S))
+            else:
+                assert hist0 is not None
+                outs.append(trail.kda(k, p.layer, s, hist0, raw, q, kk, v, alpha[a:b], beta[a:b]))
+        o = outs[0] if len(outs) == 1 else np.concatenate(outs)
         o = k.rmsnorm(o, p["self_attn.o_norm.weight"], c.rms_eps).reshape(T, H * D)
         o = o * k.sigmoid(rg)
         return k.matmul(p["self_attn.o_proj.weight"], o)
 
     # ---- gated MLA, NoPE (docs/model.md §5.5) ---------------------------------------------------
-    def mla(self, p: LayerParams, x: np.ndarray, st: SequenceState, keep: int | None = None
-            ) -> np.ndarray:
-        """Gated MLA over the rows of ``x``; with ``keep`` (the last layer of a pass), every
-        row's latent still goes to the KV cache but only the last ``keep`` rows attend, and
-        the output has those rows (each row's bits are the full pass's: attention is per
-        query row over the cache up to its position)."""
+    def mla(self, p: LayerParams, x: np.ndarray, segs: Segments,
+            keep: np.ndarray | None = None) -> np.ndarray:
+        """Gated MLA over the rows of ``x``; with ``keep`` (the last layer of a pass: the rows
+        whose logits are asked, each sequence's last ones), every row's latent still goes to
+        its sequence's KV cache but only the ``keep`` rows attend, and the output has those
+        rows (each row's bits are the full pass's: attention is per query row over its own
+        cache up to its position). The projections take all rows in one call."""
         c, k = self.cfg, self.k
         T, H, n, r, dv = x.shape[0], c.n_heads, c.qk_nope, c.qk_rope, c.v_head
-        q0 = T - keep if keep is not None and keep < T else 0  # the first row that attends
+        part = keep is not None and keep.size < T
         ws = [p["self_attn.q_a_proj.weight"], p["self_attn.kv_a_proj_with_mqa.weight"]]
         if c.mla_out_gate:
             ws.append(p["self_attn.g_proj.weight"])
-        if q0 == 0:  # the projections of x in one call: q down, kv down (+ rope key), output gate
+        if not part:  # the projections of x in one call: q down, kv down (+ rope key), gate
             qa, ckv, *gate = k.matmul_many(ws, x)
         else:  # the latent of every row here; q and the gate below, of the rows that attend
             ckv = k.matmul(ws[1], x)
         # the cache holds the latent and the rope key; attention absorbs kv_b_proj (§5.5)
         latent = k.rmsnorm(np.ascontiguousarray(ckv[:, : c.kv_lora]), p["self_attn.kv_a_layernorm.weight"], c.rms_eps)
-        cache = st.kv_cache(p.layer)
-        a, b = st.pos, st.pos + T
-        cache.rows[a:b, : c.kv_lora] = latent
-        cache.rows[a:b, c.kv_lora :] = ckv[:, c.kv_lora :]
-        if q0 == T:  # no row attends (a chunk before the one whose logits are asked)
-            return np.empty((0, c.hidden), dtype=np.float32)
-        if q0:
-            qa, *gate = k.matmul_many([ws[0], *ws[2:]], x[q0:])
+        for a, b, st in segs.spans():
+            cache = st.kv_cache(p.layer)
+            cache.rows[st.pos : st.pos + b - a, : c.kv_lora] = latent[a:b]
+            cache.rows[st.pos : st.pos + b - a, c.kv_lora :] = ckv[a:b, c.kv_lora :]
+        if part:
+            assert keep is not None
+            if not keep.size:  # no row attends (a chunk before the one whose logits are asked)
+                return np.empty((0, c.hidden), dtype=np.float32)
+            qa, *gate = k.matmul_many([ws[0], *ws[2:]], np.ascontiguousarray(x[keep]))
         cq = k.rmsnorm(qa, p["self_attn.q_a_layernorm.weight"], c.rms_eps)
-        q = k.matmul(p["self_attn.q_b_proj.weight"], cq).reshape(T - q0, H, n + r)
-        o = k.mla_latent_attention(q, cache.rows[:b], p["self_attn.kv_b_proj.weight"], a + q0, self.mla_scale)
-        o = o.reshape(T - q0, H * dv)
+        Q = cq.shape[0]
+        q = k.matmul(p["self_attn.q_b_proj.weight"], cq).reshape(Q, H, n + r)
+        w_kvb = p["self_attn.kv_b_proj.weight"]
+        outs, j = [], 0
+        for (a, b, st), m in zip(segs.spans(), segs.attending(part), strict=True):
+            if m:  # this sequence's last m rows attend, from position pos + (b - a - m)
+                q0 = st.pos + (b - a - m)
+                outs.append(k.mla_latent_attention(np.ascontiguousarray(q[j : j + m]),
+                                                   st.kv_cache(p.layer).rows[: st.pos + b - a],
+                                                   w_kvb, q0, self.mla_scale))
+                j += m
+        o = (outs[0] if len(outs) == 1 else np.concatenate(outs)).reshape(Q, H * dv)
         if c.mla_out_gate:
             o = o * k.sigmoid(gate[0])
         return k.matmul(p["self_attn.o_proj.weight"], o)

@@ -41,11 +41,11 @@ class BlockStack:
         """The completed blocks, ``[len(self), T, E]`` (a view, valid until the next call)."""
         return self._buf[: self._n]
 
-    def keep_last(self, rows: int) -> None:
-        """Keep only the last ``rows`` rows of every block (the last layer's asked rows)."""
-        T = self._buf.shape[1]
-        if rows >= T:
+    def keep_rows(self, rows: np.ndarray) -> None:
+        """Keep only the rows ``rows`` (indices, in order) of every block (the last layer's
+        asked rows)."""
+        if rows.size >= self._buf.shape[1]:
             return
-        buf = np.empty((self._buf.shape[0], rows, self._buf.shape[2]), dtype=np.float32)
-        buf[: self._n] = self._buf[: self._n, T - rows :]
+        buf = np.empty((self._buf.shape[0], rows.size, self._buf.shape[2]), dtype=np.float32)
+        buf[: self._n] = self._buf[: self._n, rows]
         self._buf = buf

@@ -13,9 +13,15 @@ from k3core.model.config import ModelConfig
 from k3core.model.forward import Model
 from k3core.model.layer_params import prepare_layer
 from k3core.model.residuals import BlockStack
+from k3core.model.segments import Feed, Segments
 from k3core.model.state import SequenceState
 from k3core.testing.oracle import fixture_array as A
 from k3core.testing.oracle import layer_fixture_raw
+
+
+def one_sequence(st: SequenceState, rows: int) -> Segments:
+    """A pass of one sequence of ``rows`` rows (the ids are not read below the embedding)."""
+    return Segments([Feed(np.zeros(rows, dtype=np.int64), st, rows)])
 
 
 def load(fixtures, name):
@@ -122,7 +128,7 @@ def test_kda_layer(fixtures, manifest, numpy_backend, name):
 
     m = model_for(cfg, numpy_backend)
     st = SequenceState(cfg, f["T"])
-    out = m.kda(P(), A(f["in"])[0], st)
+    out = m.kda(P(), A(f["in"])[0], one_sequence(st, f["T"]))
     close(out, A(f["out"])[0], manifest)
     close(st.kda[1].S, A(f["state_out"])[0], manifest)
 
@@ -157,7 +163,7 @@ def test_mla_scale_and_shared_rope(fixtures, manifest, numpy_backend):
 
     x = A(f["in"])[0]
     st = SequenceState(cfg, x.shape[0])
-    out = model_for(cfg, numpy_backend).mla(P(), x, st)
+    out = model_for(cfg, numpy_backend).mla(P(), x, one_sequence(st, x.shape[0]))
     close(out, A(f["out"])[0], manifest)
     close(st.kv[3].k_rope, A(f["k_rope"])[0], manifest)
 
@@ -214,6 +220,6 @@ def test_whole_layer_with_attention_residuals(fixtures, manifest, numpy_backend,
     blocks = BlockStack(x.shape[0], x.shape[1], br.shape[1] + 2)
     for i in range(br.shape[1]):
         blocks.append(np.ascontiguousarray(br[:, i]))
-    out = m.layer(params, x, blocks, SequenceState(cfg, x.shape[0]))
+    out = m.layer(params, x, blocks, one_sequence(SequenceState(cfg, x.shape[0]), x.shape[0]))
     close(out, A(f["out"])[0], manifest)
     close(np.moveaxis(blocks.completed(), 0, 1), A(f["block_residual_out"]), manifest)
