@@ -53,6 +53,26 @@ class Engine(Bound):
         gen.report = run_record(self, gen)
         return gen
 
+    def generate_batch(self, prompts: Sequence[str | Sequence[int]], *,
+                       max_batch: int | None = None, **params: Any) -> list[Generation]:
+        """Generate after every prompt at once (``k3core.run.batch``): their passes batched,
+        each result the bytes of that prompt run alone, in the prompts' order. ``params`` as
+        :meth:`generate` (a ``seed`` gives prompt ``i`` the seed ``seed + i``); at most
+        ``max_batch`` prompts run together (default 8). The first failure is raised once every
+        prompt has ended."""
+        from k3core.run.batch import generation_params, run_batch
+
+        self._check_open()
+        base = generation_params(params)
+        items = [(p, base if base.seed is None else
+                  base.model_copy(update={"seed": (base.seed + i) % (1 << 63)}))
+                 for i, p in enumerate(prompts)]
+        out = run_batch(self, items, max_batch=max_batch)
+        for r in out:
+            if isinstance(r, BaseException):
+                raise r
+        return [r for r in out if isinstance(r, Generation)]
+
     def stream(self, prompt: str | Sequence[int], **params: Any) -> Iterator[str]:
         """Text pieces as tokens arrive (a fresh session; a UTF-8 character is never split)."""
         return self.session().stream(prompt, **params)

@@ -173,6 +173,8 @@ class Session:
                 if p.spec != "off" else None)
         text = TextStream(eng.tokenizer, p.stop)
         stops, eos = set(p.stop_ids), set() if p.ignore_eos else eng.eos_ids
+        running = eng.model.scheduler.running()  # batched with the other running sequences
+        running.__enter__()
         try:
             if p.max_tokens == 0:
                 t0 = time.perf_counter()
@@ -193,6 +195,7 @@ class Session:
             gen.mark_interrupted()
             raise
         finally:
+            running.__exit__(None, None, None)
             gen.text = text.text if text.enabled else None
 
     def prefill(self, prompt_ids: Sequence[int],
@@ -215,13 +218,14 @@ class Session:
         assert state is not None
         model = self.engine.model
         try:
-            while state.pos < len(self.ids):
-                start = state.pos
-                end = len(self.ids) if on_rows is None else start + ROWS_PASS
-                rows = model.forward(np.array(self.ids[start:end]), state,
-                                     all_logits=on_rows is not None)
-                if on_rows is not None:
-                    on_rows(start, rows)
+            with model.scheduler.running():
+                while state.pos < len(self.ids):
+                    start = state.pos
+                    end = len(self.ids) if on_rows is None else start + ROWS_PASS
+                    rows = model.forward(np.array(self.ids[start:end]), state,
+                                         all_logits=on_rows is not None)
+                    if on_rows is not None:
+                        on_rows(start, rows)
         except BaseException:
             self.state = None  # as _forward: the next call prefills the session's ids again
             raise
