@@ -158,6 +158,7 @@ def decode(
     gen: int = typer.Option(32, "--gen", help="Tokens per decode run (the first is not timed)."),
     prefill: int = typer.Option(128, "--prefill", help="Random prompt ids of the prefill runs (0: none)."),
     repeat: int = typer.Option(3, "--repeat", help="Runs of each kind, each from a fresh engine (medians)."),
+    batch: int = typer.Option(1, "--batch", help="Sequences decoded together per timed round (>1: aggregate tokens/s against 1 sequence)."),
     check: bool = typer.Option(True, "--check/--no-check", help="Check the ids against --backend numpy."),
     bandwidth_mb: float = typer.Option(1024.0, "--bandwidth-mb", help="Buffer of the read-bandwidth loop (MB)."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
@@ -181,12 +182,14 @@ def decode(
         res = run_decode_bench(request, ids=_ids(ids), gen=gen, prefill=prefill, repeat=repeat,
                                check=check, bandwidth_bytes=int(bandwidth_mb * 1e6),
                                spec=SpecOptions(spec, spec_width, spec_ngram),
-                               prompt_file=prompt_file, progress=stages)
+                               prompt_file=prompt_file, batch=batch, progress=stages)
     print(res.to_json() if as_json else format_report(res))
     if res.check.ids_match is False:
         raise K3Error("bench decode: the generated ids differ from --backend numpy")
     if res.check.spec_ids_match is False:
         raise K3Error("bench decode: the generated ids differ from --spec off")
+    if res.check.batch_ids_match is False:
+        raise K3Error("bench decode: batched rows' ids differ from their prompts run alone on --backend numpy")
 
 
 def register(app: typer.Typer) -> None:

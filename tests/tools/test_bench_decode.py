@@ -38,7 +38,12 @@ JSON_KEYS = {
     "prefill_ids", "prefill_seconds", "prefill_seconds_runs", "prefill_tokens_per_s",
     "prefill_expert_requests", "prefill_expert_bytes_read", "prefill_expert_bytes_if_per_token",
     "prefill_chunk", "prefill_chunks", "prefill_calls", "prefill_generated_ids", "prefill_macs",
-    "generated_ids", "checked_against", "ids_match", "spec_ids_match", "notes",
+    "batch", "aggregate_tokens_per_s", "aggregate_tokens_per_s_runs", "s_per_step",
+    "s_per_step_runs", "trunk_bytes_per_token", "expert_bytes_per_token",
+    "batch_calls_per_token", "batch_most", "rows_per_pass", "batch_prompts",
+    "baseline_tokens_per_s", "baseline_tokens_per_s_runs", "batch_speedup",
+    "generated_ids", "checked_against", "ids_match", "spec_ids_match", "batch_ids_match",
+    "batch_generated_ids", "notes",
 }
 
 
@@ -64,6 +69,11 @@ def test_reports_every_figure_with_ids_checked(model) -> None:
     assert len(doc["generated_ids"]) == 3 and len(doc["prefill_generated_ids"]) == 1
     assert doc["prefill_chunks"] == 1 and doc["prefill_chunk"] is None
     assert doc["prefill_calls"] > doc["calls_per_token"]
+    # --batch 1 (the default): the batch figures are the timed runs' own, no baseline
+    assert doc["batch"] == 1 and doc["batch_most"] == 1 and doc["rows_per_pass"] == 1.0
+    assert doc["aggregate_tokens_per_s"] > 0 and doc["s_per_step"] == doc["seconds_per_token"]
+    assert doc["baseline_tokens_per_s"] is None and doc["batch_speedup"] is None
+    assert doc["batch_ids_match"] is None and doc["batch_prompts"] == [doc["ids"]]
     # a token splits into the kernel ops and the engine's own work between them
     assert 0 < doc["kernel_seconds_per_token"] < doc["seconds_per_token"] * 1.5
     assert doc["host_seconds_per_token"] > 0
@@ -171,12 +181,70 @@ def test_human_report(model) -> None:
     (["--readers", "0"], "--readers must be in 1..64"),
     (["--threads", "0"], "--threads must be >= 1"),
     (["--ids", ","], "--ids names no id"),
+    (["--batch", "0"], "--batch must be >= 1, got 0"),
+    (["--batch", "-2"], "--batch must be >= 1, got -2"),
+    (["--batch", "2", "--spec", "ngram"], "--batch above 1 decodes with --spec off"),
 ])
 def test_bad_arguments_are_refused(model, args, msg) -> None:
     res = runner.invoke(app, ["bench", "decode", str(model), "--backend", "numpy", "--prefill", "0",
                               "--repeat", "1", "--no-check", "--bandwidth-mb", "32", *args])
     assert res.exit_code == 2, res.output
     assert "k3: error:" in res.output and msg in res.output
+
+
+def test_batch_decodes_rows_together_each_checked_alone(model) -> None:
+    """--batch 3: three prompts decoded in batched passes beside the single-sequence runs,
+    every row's ids those of its prompt alone on numpy."""
+    res = runner.invoke(app, ["bench", "decode", str(model), "--backend", "numpy", "--gen", "3",
+                              "--prefill", "0", "--repeat", "1", "--json", "--bandwidth-mb", "32",
+                              "--batch", "3"])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.output.strip().splitlines()[-1])
+    assert set(doc) == JSON_KEYS
+    # the batch really formed (3 unless a row was late past the scheduler's gather wait)
+    assert doc["batch"] == 3 and 1 < doc["batch_most"] <= 3
+    assert 1 <= doc["rows_per_pass"] <= 3
+    assert doc["ids_match"] is True and doc["batch_ids_match"] is True
+    prompts = doc["batch_prompts"]
+    assert prompts[0] == doc["ids"] and len({tuple(p) for p in prompts}) == 3
+    assert all(len(p) == len(doc["ids"]) for p in prompts)
+    rows = doc["batch_generated_ids"]
+    assert len(rows) == 3 and rows[0] == doc["generated_ids"] and all(len(r) == 3 for r in rows)
+    assert doc["aggregate_tokens_per_s"] > 0 and doc["s_per_step"] > 0
+    assert len(doc["aggregate_tokens_per_s_runs"]) == 1 == len(doc["baseline_tokens_per_s_runs"])
+    assert doc["baseline_tokens_per_s"] > 0
+    assert doc["batch_speedup"] == pytest.approx(doc["aggregate_tokens_per_s"]
+                                                 / doc["baseline_tokens_per_s"])
+    assert doc["batch_calls_per_token"] > 0 and doc["trunk_bytes_per_token"] >= 0
+    assert doc["expert_bytes_per_token"] >= 0
+
+
+def test_batch_rows_differing_from_alone_fail(model, monkeypatch) -> None:
+    """A batched row whose ids differ from its prompt alone: the report says so, exit 1."""
+    from k3core.tools.bench import decode
+
+    monkeypatch.setattr(decode, "_alone_ids", lambda plan, prompts, gen, on_token:
+                        [[0] * gen for _ in prompts])
+    res = runner.invoke(app, ["bench", "decode", str(model), "--backend", "numpy", "--gen", "2",
+                              "--prefill", "0", "--repeat", "1", "--bandwidth-mb", "32",
+                              "--batch", "2"])
+    assert res.exit_code == 1, res.output
+    for text in ("aggregate", "s/step", "largest batch", "sequences per steady pass",
+                 "batch 2 is", "NOT all identical to its prompt alone",
+                 "k3: error: bench decode: batched rows' ids differ"):
+        assert text in res.output, text
+
+
+def test_batch_prompts_are_distinct_and_seeded() -> None:
+    from k3core.api.errors import UsageError
+    from k3core.tools.bench.decode import _batch_prompts
+
+    got = _batch_prompts([3, 7], 4, 50, 0)
+    assert got[0] == [3, 7] and len({tuple(p) for p in got}) == 4
+    assert all(len(p) == 2 and all(0 <= i < 50 for i in p) for p in got)
+    assert got == _batch_prompts([3, 7], 4, 50, 0) and _batch_prompts([3, 7], 1, 50, 0) == [[3, 7]]
+    with pytest.raises(UsageError, match="distinct prompts"):
+        _batch_prompts([1], 5, 4, 0)
 
 
 DEMO = Path(__file__).resolve().parents[2] / "demo-model"

@@ -44,6 +44,17 @@ first pass), since a pass's bytes and time land on its first token, and the ids 
 a ``--spec off`` run's (``spec_ids_match``). ``prompt_file`` (``--prompt-file``) takes the
 decode prompt as text through the model's tokenizer instead of ``--ids``.
 
+``batch`` (``--batch B``, B > 1) decodes B sequences together in every timed round, beside
+the single-sequence timed run and alternating with it: B distinct prompts of the decode
+prompt's length (the first is the decode prompt, the others seeded random ids), greedy, the
+same number of tokens each, on B threads of one fresh engine whose passes the model's
+scheduler batches (:mod:`k3core.model.scheduler`). It reports, over the steady window (every
+row's tokens after its first: the prefill excluded, as s/token excludes it), the aggregate
+tokens/s of all rows, the wall seconds of a batched step, the trunk and routed-expert bytes
+read and the kernel calls per generated token, the largest batch the scheduler ran and the
+sequences per pass, and the ratio to the single-sequence runs' tokens/s over the same window.
+With ``check`` every row's ids must equal its prompt decoded alone with ``--backend numpy``.
+
 ``python -m k3core.tools.bench.decode MODEL [--trunk DIR] [--backend avx2] [--json]`` (the CLI
 wires the same code as ``k3 bench decode``).
 """
@@ -54,6 +65,7 @@ import argparse
 import gc
 import statistics
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -73,6 +85,7 @@ from k3core.run.memory_plan import peak_rss_bytes
 from k3core.run.request import EngineRequest, build
 from k3core.tools.bench import device_counters
 from k3core.tools.bench.decode_record import (
+    BatchFigures,
     BenchSetup,
     DecodeBench,
     DecodeTiming,
@@ -189,6 +202,14 @@ class RunFigures:
     first_pass: int = 1  # tokens the first forward pass emitted (the prefill pass)
     spec: dict[str, Any] | None = None
     chunks: int = 0  # forward passes of a one-step (prefill) run
+    stamps: list[float] = field(default_factory=list)  # perf_counter as each token came
+    most: int = 0  # the largest batch the model's scheduler ran
+
+    def steady_tokens_per_s(self) -> float:
+        """The steady tokens over their wall seconds (from the first pass's last token)."""
+        f = self.first_pass
+        wall = self.stamps[-1] - self.stamps[f - 1] if len(self.stamps) > f else 0.0
+        return (len(self.stamps) - f) / wall if wall > 0 else 0.0
 
     def steady(self) -> RunFigures:
         """The steps after the first forward pass (the steady tokens)."""
@@ -243,6 +264,7 @@ def _decode_run(request: EngineRequest, ids: list[int], gen: int, incremental: b
         dev_at = [device_counters.sample(disk)]
 
         def on_step(st: Step) -> None:
+            fig.stamps.append(time.perf_counter())
             dev = device_counters.sample(disk)
             was, dev_at[0] = dev_at[0], dev
             fig.disk_bytes.append(dev.bytes_read - was.bytes_read if dev and was else 0)
@@ -262,9 +284,124 @@ def _decode_run(request: EngineRequest, ids: list[int], gen: int, incremental: b
             fig.spec = res.spec.to_json()
             fig.first_pass = int(res.spec.log[0]["emitted"]) if res.spec.log else 1
         fig.chunks = eng.model.chunks_last if gen == 1 else 0
+        fig.most = eng.model.scheduler.stats.most
     finally:
         eng.close()
     return fig
+
+
+class _Stopped(BaseException):
+    """Ends a batched run's rows at their next step (Ctrl-C in the bench's thread)."""
+
+
+@dataclass
+class BatchRun:
+    """One batched decode run: its rows' ids, and its steady window (every row has its first
+    token, the prefill's, to the last row's last token)."""
+
+    ids: list[list[int]]
+    seconds: float  # the window's wall seconds
+    tokens: int  # generated tokens in it (all rows)
+    step_seconds: list[float]  # each steady step: the longest row's (a row's step is its pass)
+    trunk_bytes: int
+    expert_bytes: int
+    calls: int
+    passes: int  # the scheduler's passes in it, and the sequences they held
+    feeds: int
+    most: int  # the largest batch the scheduler ran (the whole run)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+def _batch_run(request: EngineRequest, prompts: list[list[int]], gen: int, incremental: bool,
+               on_token: Callable[[int], None] | None = None) -> BatchRun:
+    """``prompts`` decoded together from one fresh engine, one thread each (greedy, ``gen``
+    tokens each), their passes batched by the model's scheduler; ``on_token(n)`` after the
+    n-th token of all rows."""
+    n = len(prompts)
+    eng = _open(request, max(map(len, prompts)) + gen)
+    try:
+        sched, counter = eng.model.scheduler, CallCounter(eng.kernels)
+        lock, stop, barrier = threading.Lock(), threading.Event(), threading.Barrier(n)
+        steps: list[list[tuple[float, Step]]] = [[] for _ in prompts]
+        out: list[RunResult | BaseException | None] = [None] * n
+        marks: dict[str, tuple[dict[str, float], Any]] = {}
+
+        def mark(name: str) -> None:
+            marks[name] = (_counters(eng, counter), replace(sched.stats))
+
+        def row(i: int) -> None:
+            def on_step(st: Step) -> None:
+                t = time.perf_counter()
+                with lock:
+                    steps[i].append((t, st))
+                    if "steady" not in marks and all(steps):
+                        mark("steady")
+                    if on_token is not None:
+                        on_token(sum(map(len, steps)))
+
+            def before_step(g: int) -> None:
+                if stop.is_set():
+                    raise _Stopped
+
+            try:
+                with sched.running():  # every row counts as running before any asks
+                    barrier.wait()
+                    out[i] = generate(eng.model, prompts[i], gen, incremental=incremental,
+                                      on_step=on_step, before_step=before_step)
+            except BaseException as e:  # handed to the bench's thread
+                out[i] = e
+                barrier.abort()
+
+        mark("start")
+        threads = [threading.Thread(target=row, args=(i,), name=f"k3-bench-row-{i}",
+                                    daemon=True) for i in range(n)]
+        for t in threads:
+            t.start()
+        try:
+            for t in threads:
+                while t.is_alive():
+                    t.join(0.2)
+        except BaseException:
+            stop.set()  # Ctrl-C: every row ends at its next step, then the engine closes
+            for t in threads:
+                t.join()
+            raise
+        mark("end")
+    finally:
+        eng.close()
+    errors = [r for r in out if isinstance(r, BaseException)]
+    if errors:
+        raise next((e for e in errors if not isinstance(e, threading.BrokenBarrierError)),
+                   errors[0])
+    (c0, s0), (c1, s1) = marks.get("steady", marks["end"]), marks["end"]
+    first = max(r[0][0] for r in steps)
+    return BatchRun(
+        ids=[list(r.generated_ids) for r in out if isinstance(r, RunResult)],
+        seconds=max(r[-1][0] for r in steps) - first,
+        tokens=sum(len(r) - 1 for r in steps),
+        step_seconds=[max(r[k][1].seconds for r in steps if len(r) > k)
+                      for k in range(1, max(map(len, steps)))],
+        trunk_bytes=int(c1["trunk_bytes"] - c0["trunk_bytes"]),
+        expert_bytes=int(c1["expert_bytes"] - c0["expert_bytes"]),
+        calls=int(c1["calls"] - c0["calls"]), passes=s1.passes - s0.passes,
+        feeds=s1.feeds - s0.feeds, most=s1.most)
+
+
+def _batch_prompts(ids: list[int], batch: int, vocab: int, seed: int) -> list[list[int]]:
+    """``batch`` distinct prompts of ``len(ids)`` ids: ``ids`` first, then seeded random ids."""
+    if batch > 1 and vocab ** len(ids) < batch:
+        raise UsageError(f"bench decode: --batch {batch} needs {batch} distinct prompts of "
+                         f"{len(ids)} ids; the vocabulary has {vocab} ids")
+    rng = np.random.default_rng([seed, 1])
+    prompts = [list(ids)]
+    while len(prompts) < batch:
+        p = [int(i) for i in rng.integers(0, vocab, len(ids))]
+        if p not in prompts:
+            prompts.append(p)
+    return prompts
 
 
 def _reset_peak_rss() -> bool:
@@ -307,10 +444,11 @@ class BenchArgs:
     bandwidth_bytes: int = 1 << 30
     spec: SpecOptions | None = None
     prompt_file: Path | None = None
+    batch: int = 1  # sequences decoded together (1: the single-sequence runs only)
 
     def __post_init__(self) -> None:
         for flag, value, least in (("--gen", self.gen, 2), ("--repeat", self.repeat, 1),
-                                   ("--prefill", self.prefill, 0)):
+                                   ("--prefill", self.prefill, 0), ("--batch", self.batch, 1)):
             if value < least:
                 raise UsageError(f"bench decode: {flag} must be >= {least}, got {value}")
         if self.bandwidth_bytes < 1:
@@ -318,6 +456,9 @@ class BenchArgs:
                              f"{self.bandwidth_bytes / 1e6:g}")
         if self.ids is not None and not self.ids:
             raise UsageError("bench decode: --ids names no id")
+        if self.batch > 1 and self.speculative is not None:
+            raise UsageError("bench decode: --batch above 1 decodes with --spec off (a batched "
+                             "step verifies no drafts)")
 
     @property
     def speculative(self) -> SpecOptions | None:
@@ -328,7 +469,8 @@ class BenchArgs:
         """Tokens the check runs generate (the progress of the ``check`` stage)."""
         if not self.check:
             return 0
-        return self.gen + (1 if self.prefill else 0) + (self.gen if self.speculative else 0)
+        return (self.gen + (1 if self.prefill else 0) + (self.gen if self.speculative else 0)
+                + (self.batch - 1) * self.gen)
 
 
 @dataclass
@@ -349,6 +491,7 @@ class _Plan:
     trunk_dir: Path | None
     stat: Path | None  # the counters of the device the runs stream from (device_counters.py)
     ids: list[int]
+    prompts: list[list[int]] = field(default_factory=list)  # the --batch rows' prompts
 
 
 def run_decode_bench(
@@ -363,6 +506,7 @@ def run_decode_bench(
     bandwidth_bytes: int = 1 << 30,
     spec: SpecOptions | None = None,
     prompt_file: Path | None = None,
+    batch: int = 1,
     progress: Callable[[str, int, int], None] | None = None,
 ) -> DecodeBench:
     """Measure decode and prefill ``repeat`` times each (fresh engines); see the module doc.
@@ -372,15 +516,17 @@ def run_decode_bench(
 
     ``progress(stage, done, total)`` hears each stage as it goes: ``timed`` (tokens of the
     timed decode runs), ``prefill`` (runs), ``yardsticks`` (the bandwidth and FMA loops) and
-    ``check`` (tokens of the ``--backend numpy`` and ``--spec off`` runs)."""
-    args = BenchArgs(ids, gen, prefill, repeat, check, seed, bandwidth_bytes, spec, prompt_file)
+    ``check`` (tokens of the ``--backend numpy`` and ``--spec off`` runs). ``batch`` > 1 adds
+    a batched run of that many sequences after each timed run (its tokens in ``timed``)."""
+    args = BenchArgs(ids, gen, prefill, repeat, check, seed, bandwidth_bytes, spec, prompt_file,
+                     batch)
     say = progress or (lambda stage, done, total: None)
     plan = _probe(request, args)
-    runs, peak = _timed_runs(plan, args, say)
+    runs, bruns, peak = _timed_runs(plan, args, say)
     steady = [r.steady() for r in runs]
     pids, pruns = _prefill_runs(plan, args, say)
     floors = _yardsticks(plan, args, RunFigures.pooled(steady), pruns, say)
-    checked = _check_ids(plan, args, pids, runs, pruns, say)
+    checked = _check_ids(plan, args, pids, runs, pruns, bruns, say)
     means = [s.mean("seconds") for s in steady]
     mid = sorted(range(len(steady)), key=lambda i: means[i])[len(steady) // 2]
     return DecodeBench(
@@ -395,6 +541,7 @@ def run_decode_bench(
         floors=floors,
         prefill=_prefill_figures(plan, args, pruns),
         check=checked,
+        batch=_batch_figures(plan, runs, steady, bruns),
     )
 
 
@@ -425,6 +572,7 @@ def _probe(request: EngineRequest, args: BenchArgs) -> _Plan:
     gc.collect()
     if any(not 0 <= i < plan.cfg.vocab for i in plan.ids):
         raise UsageError(f"bench decode: prompt ids must be in 0..{plan.cfg.vocab - 1}")
+    plan.prompts = _batch_prompts(plan.ids, args.batch, plan.cfg.vocab, args.seed)
     return plan
 
 
@@ -432,18 +580,26 @@ def _tokens_of(say: Progress, stage: str, before: int, total: int) -> Callable[[
     return lambda n: say(stage, before + n, total)
 
 
-def _timed_runs(plan: _Plan, args: BenchArgs, say: Progress) -> tuple[list[RunFigures], int]:
-    """The timed decode runs, each from a fresh engine; and the peak RSS of each run alone."""
-    runs, peak, total = [], 0, args.repeat * args.gen
+def _timed_runs(plan: _Plan, args: BenchArgs, say: Progress
+                ) -> tuple[list[RunFigures], list[BatchRun], int]:
+    """The timed decode runs, each from a fresh engine, each followed by a batched run (with
+    ``--batch`` above 1); and the peak RSS of each single-sequence run alone."""
+    batched = args.batch > 1
+    per = args.gen * (1 + (args.batch if batched else 0))
+    runs, bruns, peak, total = [], [], 0, args.repeat * per
     say("timed", 0, total)
     for i in range(args.repeat):  # the peak of each timed run alone (the probe's is forgotten)
         gc.collect()  # the last run's engine, freed before the peak is reset
         reset = _reset_peak_rss()
         runs.append(_decode_run(plan.timed, plan.ids, args.gen, plan.incremental,
                                 args.speculative, disk=plan.stat,
-                                on_token=_tokens_of(say, "timed", i * args.gen, total)))
+                                on_token=_tokens_of(say, "timed", i * per, total)))
         peak = max(peak, _hwm_bytes() if reset else peak_rss_bytes())
-    return runs, peak
+        if batched:
+            gc.collect()
+            bruns.append(_batch_run(plan.timed, plan.prompts, args.gen, plan.incremental,
+                                    _tokens_of(say, "timed", i * per + args.gen, total)))
+    return runs, bruns, peak
 
 
 def _prefill_runs(plan: _Plan, args: BenchArgs, say: Progress
@@ -493,10 +649,12 @@ def _yardsticks(plan: _Plan, args: BenchArgs, pooled: RunFigures, pruns: list[Ru
 
 
 def _check_ids(plan: _Plan, args: BenchArgs, pids: list[int], runs: list[RunFigures],
-               pruns: list[RunFigures], say: Progress) -> IdsCheck:
+               pruns: list[RunFigures], bruns: list[BatchRun], say: Progress) -> IdsCheck:
     """The same ids decoded with ``--backend numpy`` (decode and prefill), and with
-    ``--spec off`` when speculating: the ids must be the timed runs'."""
-    out = IdsCheck(generated_ids=runs[0].ids, checked_against="numpy" if args.check else None)
+    ``--spec off`` when speculating: the ids must be the timed runs'. Every batched row's
+    ids must be its prompt's decoded alone with ``--backend numpy``."""
+    out = IdsCheck(generated_ids=runs[0].ids, checked_against="numpy" if args.check else None,
+                   batch_generated_ids=bruns[0].ids if bruns else [])
     if not args.check:
         return out
     total = args.check_tokens
@@ -517,7 +675,71 @@ def _check_ids(plan: _Plan, args: BenchArgs, pids: list[int], runs: list[RunFigu
             on_token=_tokens_of(say, "check", total - args.gen, total)).ids
         if not out.spec_ids_match:
             out.notes.append("generated ids differ from --spec off: speculation is not exact")
+    if bruns:
+        done = total - (args.batch - 1) * args.gen
+        alone = [want] + _alone_ids(plan, plan.prompts[1:], args.gen,
+                                    _tokens_of(say, "check", done, total))
+        out.batch_ids_match = all(r.ids == alone for r in bruns)
+        if not out.batch_ids_match:
+            bad = sorted({i for r in bruns for i, (a, b) in enumerate(zip(r.ids, alone,
+                                                                          strict=True)) if a != b})
+            out.notes.append(f"batched rows {','.join(map(str, bad))} differ from their prompts "
+                             "decoded alone with --backend numpy: batching changed the ids")
     return out
+
+
+def _alone_ids(plan: _Plan, prompts: list[list[int]], gen: int,
+               on_token: Callable[[int], None]) -> list[list[int]]:
+    """Each prompt decoded alone, one after the other, on one ``--backend numpy`` engine."""
+    if not prompts:
+        return []
+    eng = _open(plan.checked, max(map(len, prompts)) + gen)
+    try:
+        out: list[list[int]] = []
+        for p in prompts:
+            before = len(out) * gen
+
+            def on_step(st: Step, before: int = before) -> None:
+                on_token(before + st.index + 1)
+
+            out.append(list(generate(eng.model, p, gen, incremental=plan.incremental,
+                                     on_step=on_step).generated_ids))
+        return out
+    finally:
+        eng.close()
+
+
+def _batch_figures(plan: _Plan, runs: list[RunFigures], steady: list[RunFigures],
+                   bruns: list[BatchRun]) -> BatchFigures:
+    """The ``--batch`` figures: of the batched runs beside the single-sequence ones, or (B = 1)
+    of the single-sequence runs themselves."""
+    single = [r.steady_tokens_per_s() for r in runs]
+    if not bruns:
+        pooled = RunFigures.pooled(steady)
+        n = len(pooled.seconds)
+        return BatchFigures(
+            batch=1, aggregate_tokens_per_s=_median(single), aggregate_tokens_per_s_runs=single,
+            s_per_step=_median([s.median("seconds") for s in steady]),
+            s_per_step_runs=[s.median("seconds") for s in steady],
+            trunk_bytes_per_token=sum(pooled.trunk_bytes) / n if n else 0.0,
+            expert_bytes_per_token=sum(pooled.expert_bytes) / n if n else 0.0,
+            batch_calls_per_token=sum(pooled.calls) / n if n else 0.0,
+            batch_most=min(r.most for r in runs), rows_per_pass=1.0, batch_prompts=plan.prompts)
+    agg = [b.tokens_per_s for b in bruns]
+    steps = [_median(b.step_seconds) for b in bruns]
+    per = [max(1, b.tokens) for b in bruns]
+    return BatchFigures(
+        batch=len(plan.prompts), aggregate_tokens_per_s=_median(agg),
+        aggregate_tokens_per_s_runs=agg, s_per_step=_median(steps), s_per_step_runs=steps,
+        trunk_bytes_per_token=_median([b.trunk_bytes / t for b, t in zip(bruns, per, strict=True)]),
+        expert_bytes_per_token=_median([b.expert_bytes / t for b, t in zip(bruns, per,
+                                                                             strict=True)]),
+        batch_calls_per_token=_median([b.calls / t for b, t in zip(bruns, per, strict=True)]),
+        batch_most=min(b.most for b in bruns),
+        rows_per_pass=_median([b.feeds / b.passes if b.passes else 0.0 for b in bruns]),
+        batch_prompts=plan.prompts, baseline_tokens_per_s=_median(single),
+        baseline_tokens_per_s_runs=single,
+        batch_speedup=_median(agg) / _median(single) if _median(single) > 0 else None)
 
 
 def _touched_per_token(cfg: ModelConfig, pooled: RunFigures) -> int:
@@ -659,6 +881,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--spec-width", type=int, default=4)
     ap.add_argument("--spec-ngram", type=int, default=3)
     ap.add_argument("--prompt-file", type=Path, default=None)
+    ap.add_argument("--batch", type=int, default=1)
     a = ap.parse_args(argv)
     try:
         given = {"model_dir": a.model, "backend": a.backend, "threads": a.threads,
@@ -670,12 +893,13 @@ def main(argv: list[str] | None = None) -> int:
         res = run_decode_bench(request, ids=_ids(a.ids), gen=a.gen, prefill=a.prefill,
                                repeat=a.repeat, check=not a.no_check,
                                spec=SpecOptions(a.spec, a.spec_width, a.spec_ngram),
-                               prompt_file=a.prompt_file)
+                               prompt_file=a.prompt_file, batch=a.batch)
     except K3Error as exc:
         print(f"k3: error: {exc}", file=sys.stderr)
         return 2 if isinstance(exc, UsageError) else 1
     print(res.to_json() if a.json else format_report(res))
-    return 0 if res.check.ids_match is not False and res.check.spec_ids_match is not False else 1
+    c = res.check
+    return 0 if False not in (c.ids_match, c.spec_ids_match, c.batch_ids_match) else 1
 
 
 if __name__ == "__main__":

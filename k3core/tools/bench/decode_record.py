@@ -1,4 +1,4 @@
-"""What ``k3 bench decode`` reports: :class:`DecodeBench`, in six typed parts, and its two
+"""What ``k3 bench decode`` reports: :class:`DecodeBench`, in seven typed parts, and its two
 forms (one flat JSON object for ``--json``, whose keys ``make bench`` and the tests read;
 the report a person reads, :func:`format_report`). The measuring is
 ``k3core/tools/bench/decode.py``.
@@ -117,6 +117,39 @@ class PrefillFigures:
 
 
 @dataclass
+class BatchFigures:
+    """``--batch B``: B sequences decoded together per timed run, their passes batched by the
+    model's scheduler. Every figure covers the steady window (from the moment every row has
+    its first token, the prefill's, to the last row's last token): rows x (gen - 1) tokens.
+    With B = 1 they are the timed runs' own (no baseline)."""
+
+    batch: int = 1
+    #: every row's steady tokens over the window's wall seconds (median of the runs)
+    aggregate_tokens_per_s: float = 0.0
+    aggregate_tokens_per_s_runs: list[float] = field(default_factory=list)
+    #: wall seconds of one batched step (the longest row's step: a row's step is the pass
+    #: that held it), median over the steady steps, median of the runs
+    s_per_step: float = 0.0
+    s_per_step_runs: list[float] = field(default_factory=list)
+    #: bytes the engine read from storage in the window over every generated token in it
+    trunk_bytes_per_token: float = 0.0
+    expert_bytes_per_token: float = 0.0
+    #: Python -> kernel calls in the window over every generated token in it
+    batch_calls_per_token: float = 0.0
+    #: the largest batch the scheduler ran (smallest over the runs), and the sequences per
+    #: pass over the window's passes (median of the runs)
+    batch_most: int = 0
+    rows_per_pass: float = 0.0
+    #: the B prompts (the first is the bench's; the others seeded, of its length)
+    batch_prompts: list[list[int]] = field(default_factory=list)
+    #: B > 1: the timed single-sequence runs (alternating with the batched ones) as tokens/s
+    #: over their steady window, and aggregate_tokens_per_s over it
+    baseline_tokens_per_s: float | None = None
+    baseline_tokens_per_s_runs: list[float] = field(default_factory=list)
+    batch_speedup: float | None = None
+
+
+@dataclass
 class IdsCheck:
     """The ids generated and what they were checked against."""
 
@@ -124,6 +157,10 @@ class IdsCheck:
     checked_against: str | None = None
     ids_match: bool | None = None
     spec_ids_match: bool | None = None
+    #: ``--batch B > 1``: every row of every batched run equal to its prompt run alone on
+    #: the checked backend (one engine, one prompt at a time); the first run's rows
+    batch_ids_match: bool | None = None
+    batch_generated_ids: list[list[int]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
 
@@ -137,10 +174,12 @@ class DecodeBench:
     floors: Floors
     prefill: PrefillFigures
     check: IdsCheck
+    batch: BatchFigures = field(default_factory=BatchFigures)
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
-        for part in (self.setup, self.timing, self.bytes, self.floors, self.prefill, self.check):
+        for part in (self.setup, self.timing, self.bytes, self.floors, self.prefill, self.batch,
+                     self.check):
             out.update(asdict(part))
         return out
 
@@ -226,5 +265,33 @@ def format_report(b: DecodeBench) -> str:
                  f"{by.trunk_bytes_touched_per_token / gb:.4f} GB trunk + "
                  f"{by.expert_bytes_touched_per_token / gb:.4f} GB experts multiplied per token "
                  "(steady tokens of the median run)")
+    if b.batch.batch > 1:
+        lines += _batch_lines(b)
     lines += [f"NOTE: {n}" for n in c.notes]
     return "\n".join(lines)
+
+
+def _batch_lines(b: DecodeBench) -> list[str]:
+    """The ``--batch B`` lines (B > 1)."""
+    s, x, c = b.setup, b.batch, b.check
+    lines = [
+        f"batch       : {x.batch} sequences together: {x.aggregate_tokens_per_s:.2f} tokens/s "
+        f"aggregate (median of {s.repeat}: "
+        + ", ".join(f"{v:.2f}" for v in x.aggregate_tokens_per_s_runs)
+        + f"; every row's tokens after its first, prefill excluded), "
+        f"{x.s_per_step:.4f} s/step",
+        f"batch of 1  : {x.baseline_tokens_per_s or 0.0:.2f} tokens/s (the timed runs above, "
+        f"alternating with the batched ones: " + ", ".join(
+            f"{v:.2f}" for v in x.baseline_tokens_per_s_runs)
+        + f"); batch {x.batch} is {x.batch_speedup or 0.0:.2f}x that",
+        f"scheduler   : largest batch {x.batch_most}, {x.rows_per_pass:.2f} sequences per "
+        f"steady pass; read {x.trunk_bytes_per_token / 1e9:.4f} GB trunk + "
+        f"{x.expert_bytes_per_token / 1e9:.4f} GB experts, "
+        f"{x.batch_calls_per_token:.0f} Python->kernel calls per generated token",
+    ]
+    if c.batch_ids_match is not None:
+        same = "identical to" if c.batch_ids_match else "NOT all identical to"
+        lines.append(f"batch ids   : every row {same} its prompt alone on --backend "
+                     f"{c.checked_against} ({x.batch} prompts of "
+                     f"{len(x.batch_prompts[0]) if x.batch_prompts else 0} ids)")
+    return lines
