@@ -22,9 +22,15 @@ from typing import Any
 import typer
 
 from k3core.api.errors import K3Error, UsageError
+from k3core.api.units import check_gb, gb_bytes
 from k3core.cli.guard import guarded
 from k3core.cli.options import EngineFlags, engine_flags
 from k3core.serve.loading import DEFAULT_CONTEXT
+
+#: the most requests ``--max-batch`` may decode together
+MAX_BATCH = 256
+#: the most slots the default ``--max-batch`` takes (fewer when the memory plan says so)
+DEFAULT_MOST_BATCH = 16
 
 _S = "Server"
 _X = "Engine"
@@ -107,7 +113,9 @@ def serve(
     api_key: str = typer.Option(None, "--api-key", envvar="K3_API_KEY", help="Require Authorization: Bearer KEY (or $K3_API_KEY).", rich_help_panel=_S, show_default=False),
     model_name: str = typer.Option(None, "--model-name", help="The model id clients ask for (default: MODEL_DIR's name).", rich_help_panel=_S),
     context: int = typer.Option(DEFAULT_CONTEXT, "--context", help="Tokens one conversation may hold (prompt + reply).", rich_help_panel=_S),
-    max_queue: int = typer.Option(64, "--max-queue", help="Requests that may wait for the engine (then 429).", rich_help_panel=_S),
+    max_queue: int = typer.Option(64, "--max-queue", help="Requests that may wait for a slot (then 429).", rich_help_panel=_S),
+    max_batch: int = typer.Option(None, "--max-batch", help="Requests decoded together, their steps batched (default: as many as the memory plan fits, at most 16; each slot holds its KV cache at --context and its recurrent state).", rich_help_panel=_S, show_default=False),
+    prefix_cache_gb: float = typer.Option(0.5, "--prefix-cache-gb", help="GB of kept prompt-prefix states: a request that starts with a kept prefix feeds only the rest (0: off).", rich_help_panel=_S),
     max_connections: int = typer.Option(None, "--max-connections", help="Connections open at once (default 256, less if the file limit needs it); past it the longest-idle one is closed, or a 503 when all are busy.", rich_help_panel=_S, show_default=False),
     timeout_header: float = typer.Option(10.0, "--timeout-header", help="Seconds a connection has to send a request's head (and the longest pause in its body).", rich_help_panel=_S),
     timeout_idle: float = typer.Option(30.0, "--timeout-idle", help="Seconds a keep-alive connection may idle between requests.", rich_help_panel=_S),
@@ -118,7 +126,7 @@ def serve(
     *,
     flags: EngineFlags,
 ) -> None:
-    """Serve MODEL_DIR over an OpenAI-compatible HTTP API (one generation at a time)."""
+    """Serve MODEL_DIR over an OpenAI-compatible HTTP API (concurrent requests batched)."""
     if api_key is not None and not api_key.strip():
         raise UsageError("--api-key must not be empty")
     if not is_loopback(host) and api_key is None:
@@ -128,6 +136,9 @@ def serve(
         raise UsageError(f"--port must be in 0..65535, got {port}")
     if max_queue < 1:
         raise UsageError(f"--max-queue must be >= 1, got {max_queue}")
+    if max_batch is not None and not 1 <= max_batch <= MAX_BATCH:
+        raise UsageError(f"--max-batch must be in 1..{MAX_BATCH}, got {max_batch}")
+    prefix_bytes = gb_bytes(check_gb(prefix_cache_gb, "--prefix-cache-gb") or 0.0)
     from k3core.serve.connections import plan_limits
 
     plan_limits(max_connections, timeout_header, timeout_idle)  # bad flags before the model opens
@@ -140,6 +151,9 @@ def serve(
     _Server = _server_class()
 
     from k3core.run.engine import open_engine
+    from k3core.run.memory_plan import most_slots
+    from k3core.run.plan import plan_engine
+    from k3core.run.prefix_cache import PrefixCache
     from k3core.serve.app import create_app
     from k3core.serve.chat_format import check_format_options
     from k3core.serve.connections import Connections, protocol_class
@@ -150,12 +164,19 @@ def serve(
 
     check_context(context)
     check_format_options(chat_format, think is not False, thinking_effort)
-    engine = open_engine(conversation_request(model_dir, context, flags.given))
+    request = conversation_request(model_dir, context, flags.given)
+    request = request.model_copy(update={"prefix_cache_bytes": prefix_bytes})
+    if max_batch is None:  # as many slots as the memory plan fits
+        one = plan_engine(request)
+        assert one.memory is not None
+        max_batch = most_slots(one.memory, DEFAULT_MOST_BATCH)
+    engine = open_engine(request.model_copy(update={"slots": max_batch}))
     try:
         assert engine.tokenizer is not None  # the request requires one
         if think is None:  # the model says (the demo model was not trained on conversations)
             think = default_thinking(engine.cfg.source)
-        service = Service(Worker(engine, context), engine.tokenizer, model_name or model_dir.resolve().name,
+        prefix = PrefixCache(prefix_bytes) if prefix_bytes else None
+        service = Service(Worker(engine, context, prefix, max_batch), engine.tokenizer, model_name or model_dir.resolve().name,
                           chat_format=chat_format, thinking=think, effort=thinking_effort)
         limits, note = plan_limits(max_connections, timeout_header, timeout_idle)  # the model's files open
         conns = Connections(limits)
@@ -164,7 +185,8 @@ def serve(
         bound = sock.getsockname()[1]
         shown = f"[{host}]" if ":" in host else host
         thinks = "" if think or service.fmt.name != "xtml" else ", no thinking unless asked"
-        print(f"k3 serve: {service.model_name} ({service.fmt.name} chat format{thinks}, context {context}) on "
+        print(f"k3 serve: {service.model_name} ({service.fmt.name} chat format{thinks}, context {context}, "
+              f"batch of up to {max_batch}) on "
               f"http://{shown}:{bound}/v1  ({engine.settings_line.removeprefix('k3: ')})",
               file=sys.stderr, flush=True)
         print(f"k3 serve: chat page on http://{shown}:{bound}/", file=sys.stderr, flush=True)

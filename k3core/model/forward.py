@@ -12,6 +12,7 @@ calls its ``run`` once a layer (``k3core/model/local_experts.py`` is the one a m
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -85,7 +86,7 @@ class Model:
 
     # ---- top level ------------------------------------------------------------------------
     def forward(self, ids: np.ndarray, state: SequenceState, all_logits: bool = False,
-                tail: int = 1) -> np.ndarray:
+                tail: int = 1, cancel: threading.Event | None = None) -> np.ndarray:
         """Consume ``ids`` after ``state.pos`` positions; logits of the last ``tail`` (or
         every) position(s). Each row's logits are the bytes a one-row pass would give.
 
@@ -93,11 +94,12 @@ class Model:
         (:mod:`k3core.model.scheduler`), and a long ``ids`` is fed in chunks of at most
         :attr:`prefill_chunk` ids (each chunk carries the state to the next exactly as one
         pass would, and every op is per token or causal, so the logits are the one-pass
-        logits; each routed expert is read once per chunk)."""
+        logits; each routed expert is read once per chunk). ``cancel`` set ends it between
+        two passes (``Cancelled``)."""
         ids = np.asarray(ids, dtype=np.int64)
         T = ids.shape[0]
         want = T if all_logits else max(1, min(tail, T))  # trailing rows whose logits are asked
-        return self.scheduler.forward(Feed(ids, state, want))
+        return self.scheduler.forward(Feed(ids, state, want), cancel)
 
     def forward_many(self, feeds: Sequence[Feed], new_step: bool = True) -> list[np.ndarray]:
         """One pass for several sequences at once (a batched step, docs/scheduler.md): each

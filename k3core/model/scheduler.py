@@ -48,11 +48,16 @@ GATHER_SECONDS = 0.02
 INTERLEAVE_CHUNK = 64
 
 
+class Cancelled(K3Error):
+    """A feed whose caller cancelled it before its last pass (its state is dropped)."""
+
+
 @dataclass(eq=False)
 class Ticket:
     """One caller's feed, fed over one pass or more."""
 
     feed: Feed
+    cancel: threading.Event | None = None
     fed: int = 0
     outs: list[np.ndarray] = field(default_factory=list)
     passes: int = 0
@@ -116,11 +121,13 @@ class Scheduler:
         return self._active
 
     # ---- passes ----------------------------------------------------------------------------
-    def forward(self, feed: Feed) -> np.ndarray:
+    def forward(self, feed: Feed, cancel: threading.Event | None = None) -> np.ndarray:
         """``feed``'s logits (its last ``rows`` rows), after the pass(es) that hold it: the
-        bytes a pass of its own gives (non-finite logits refused)."""
+        bytes a pass of its own gives (non-finite logits refused). ``cancel`` set before its
+        last pass ends it with :class:`Cancelled` (between two chunks of a long prompt: a
+        client that went away)."""
         feed.state.check_room(len(feed.ids))
-        t = Ticket(feed)
+        t = Ticket(feed, cancel)
         if not len(feed.ids):
             return np.empty((0, self.model.cfg.vocab), dtype=np.float32)
         with self._cv:
@@ -152,6 +159,8 @@ class Scheduler:
             if t.done or self._running:
                 continue
             batch = self._take()
+            if not batch:
+                continue
             self._running = True
             self._cv.release()
             try:
@@ -162,7 +171,10 @@ class Scheduler:
                 self._cv.notify_all()
 
     def _take(self) -> list[Ticket]:
-        """The feeds of the next pass, in arrival order (the lock held)."""
+        """The feeds of the next pass, in arrival order (the lock held); cancelled ones leave."""
+        for t in [t for t in self._waiting if t.cancel is not None and t.cancel.is_set()]:
+            t.error, t.done = Cancelled("cancelled"), True
+            self._waiting.remove(t)
         n = len(self._waiting) if self.max_batch is None else min(self.max_batch,
                                                                    len(self._waiting))
         return self._waiting[:n]

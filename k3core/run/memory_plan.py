@@ -19,6 +19,15 @@ buffers                activations and per-layer scratch for one forward pass: T
 KV cache               every mode: T x the latent KV bytes per position (kv_lora + qk_rope
                        float32 per MLA layer run); full recompute holds one too, for the
                        sequence it recomputes
+prefix cache           a server's kept prompt-prefix states (``--prefix-cache-gb``)
+=====================  ============================================================
+
+A server decodes up to ``slots`` sequences at once (``k3 serve --max-batch``): each slot holds
+its own recurrent state and a KV cache of T positions, and a batched step's buffers hold one
+row per slot beside a prefill chunk, so those three rows are multiplied out by the slots.
+:func:`most_slots` is the most that fit.
+
+=====================  ============================================================
 python + libraries     this process's resident set when the plan is made (measured)
 =====================  ============================================================
 
@@ -100,6 +109,9 @@ class MemoryPlan:
     ultra: bool = False
     positions: int = 0
     cache_slots: int | None = None
+    #: sequences decoding at once (each with its KV cache and recurrent state)
+    slots: int = 1
+    prefix_cache: int = 0
     notes: list[str] = field(default_factory=list)
     #: ids per forward pass of a prompt (longer prompts go in chunks of this many)
     prefill_chunk: int = 0
@@ -107,22 +119,25 @@ class MemoryPlan:
     @property
     def total(self) -> int:
         return (self.trunk + self.tables + self.expert_cache + self.recurrent + self.buffers
-                + self.kv_cache + self.baseline)
+                + self.kv_cache + self.prefix_cache + self.baseline)
 
     def rows(self) -> list[tuple[str, int]]:
-        """``(label, bytes)`` for the seven rows, then ``TOTAL``."""
+        """``(label, bytes)`` for the seven rows (eight with a prefix cache), then ``TOTAL``;
+        with several slots the per-sequence rows say so."""
         trunk = "trunk (STREAMED)" if self.streamed else "trunk (resident)"
         tables = "embed + lm_head (STREAMED)" if self.ultra else "embed + lm_head"
-        return [
+        each = f" ({self.slots} slots)" if self.slots > 1 else ""
+        rows = [
             (trunk, self.trunk),
             (tables, self.tables),
             ("expert cache", self.expert_cache),
-            ("recurrent state", self.recurrent),
+            (f"recurrent state{each}", self.recurrent),
             ("buffers", self.buffers),
-            ("KV cache", self.kv_cache),
-            ("python + libraries", self.baseline),
-            ("TOTAL", self.total),
+            (f"KV cache{each}", self.kv_cache),
         ]
+        if self.prefix_cache:
+            rows.append(("prefix cache", self.prefix_cache))
+        return rows + [("python + libraries", self.baseline), ("TOTAL", self.total)]
 
     def lines(self) -> list[str]:
         """The ``memory plan`` block as the run report prints it."""
@@ -146,7 +161,10 @@ class MemoryPlan:
             f"REFUSING TO START: this needs {human(self.total)} and the machine has "
             f"{human(self.available)} available, {shortfall}. Options: a larger box, a smaller "
             f"{param('cache_gb')} or {param('trunk_gb')} (or a smaller {param('preset')}), or "
-            f"fewer {param('layers')}."
+            f"fewer {param('layers')}." + (
+                f" The {self.slots} slots' KV caches and recurrent state take "
+                f"{human(self.kv_cache + self.recurrent)}: a smaller --max-batch or --context."
+                if self.slots > 1 else "")
         )
 
 
@@ -226,6 +244,10 @@ class MemoryRequest:
     stream_chunk: int = STREAM_CHUNK
     #: ``--prefill-chunk``: ids per forward pass (None: the activations budget decides)
     prefill_chunk: int | None = None
+    #: sequences decoding at once (``k3 serve --max-batch``)
+    slots: int = 1
+    #: bytes of kept prompt-prefix states (``k3 serve --prefix-cache-gb``)
+    prefix_cache: int = 0
 
 
 def plan_memory(
@@ -285,16 +307,23 @@ def plan_memory(
     avail = available_bytes() if available is None else available
     chunk = req.prefill_chunk or prefill_chunk(cfg, avail, L)
     T = prompt_len + gen + 1
-    kv = kv_bytes(cfg, T, L)  # full recompute holds one for the sequence it recomputes
+    slots = req.slots
+    if slots < 1 or req.prefix_cache < 0:
+        raise UsageError(f"the batch must be at least 1 (got {slots}) and the prefix cache "
+                         f"not negative")
+    kv = kv_bytes(cfg, T, L) * slots  # full recompute holds one for the sequence it recomputes
     if T > chunk:
         notes.append(f"the prompt goes in chunks of {chunk} ids (buffers for one chunk)")
+    rows = min(T, chunk) + (slots - 1)  # a chunk and the other slots' rows in one pass
     return MemoryPlan(
         trunk=trunk,
         tables=tables,
         expert_cache=cache,
-        recurrent=recurrent,
-        buffers=buffer_bytes(cfg, min(T, chunk), L),
+        recurrent=recurrent * slots,
+        buffers=buffer_bytes(cfg, rows, L),
         kv_cache=kv,
+        slots=slots,
+        prefix_cache=req.prefix_cache,
         baseline=process_rss() if baseline is None else baseline,
         available=avail,
         streamed=streamed,
@@ -304,3 +333,13 @@ def plan_memory(
         notes=notes,
         prefill_chunk=chunk,
     )
+
+
+def most_slots(plan: MemoryPlan, most: int) -> int:
+    """The most slots (at most ``most``, at least 1) whose KV caches, recurrent states and
+    rows fit beside the rest of ``plan`` (a plan of one slot) under the 95 % line."""
+    one_kv, one_rec = plan.kv_cache // plan.slots, plan.recurrent // plan.slots
+    room = PLAN_LIMIT * plan.available - plan.total
+    per = one_kv + one_rec
+    extra = int(room // per) if per > 0 else most
+    return max(1, min(most, plan.slots + extra))

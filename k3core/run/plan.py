@@ -106,7 +106,8 @@ class EnginePlan:
             streamed=self.streamed, cache_bytes=0 if remote else gb_bytes(s.cache_gb),
             prompt_len=prompt_len, gen=gen, incremental=self.incremental, n_layers=self.n_layers,
             trunk_budget=budget, ultra=bool(s.ultra_low_memory),
-            prefill_chunk=self.request.prefill_chunk), expert_bytes=0 if remote else None)
+            prefill_chunk=self.request.prefill_chunk, slots=self.request.slots,
+            prefix_cache=self.request.prefix_cache_bytes), expert_bytes=0 if remote else None)
         return self.memory
 
     def check(self) -> None:

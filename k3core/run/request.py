@@ -219,6 +219,10 @@ class EngineRequest(_Strict):
                                       "ids (default: the memory plan's activations budget; same "
                                       "logits).")
     positions: int = Field(default=1, ge=0, exclude=True)
+    #: sequences decoding at once (a server's batch), each holding ``positions`` ids
+    slots: int = Field(default=1, ge=1, exclude=True)
+    #: bytes of kept prompt-prefix states (a server's prefix cache)
+    prefix_cache_bytes: int = Field(default=0, ge=0, exclude=True)
     needs_tokenizer: bool = Field(default=False, exclude=True)
     given_as: Literal["flag", "keyword"] = Field(default="keyword", exclude=True)
     #: the routed experts are computed elsewhere (``k3core.cluster``'s workers): no expert
@@ -304,7 +308,8 @@ VALUE_CHECKS: dict[str, Callable[[Any], None]] = {
 }
 
 #: the fields of :class:`EngineRequest` that say how the engine is used, not configured
-USE_FIELDS = ("positions", "needs_tokenizer", "given_as", "remote_experts")
+USE_FIELDS = ("positions", "slots", "prefix_cache_bytes", "needs_tokenizer", "given_as",
+              "remote_experts")
 
 
 class OutputRequest(_Strict):

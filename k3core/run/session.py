@@ -26,6 +26,7 @@ drops the carried state, and the next call prefills the session's ids again).
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import fields, replace
@@ -40,7 +41,7 @@ from k3core.model.constraint import Constraint, masked, take_forced
 from k3core.model.generate import Step
 from k3core.model.sampling import Sampler, argmax
 from k3core.model.speculative import SpecOptions, Speculator
-from k3core.model.state import SequenceState
+from k3core.model.state import SequenceState, StateSnapshot, restore
 from k3core.run.generation import Generation
 from k3core.run.memory_plan import check_kv
 from k3core.run.prompt import MAX_PROMPT, check_vocab
@@ -84,6 +85,9 @@ class Session:
         self.ids: list[int] = []
         self.state: SequenceState | None = None
         self.last: Generation | None = None
+        #: set by another thread to end the session's current pass between two chunks
+        #: (``k3core.model.scheduler.Cancelled``; a server's client that went away)
+        self.cancel: threading.Event | None = None
 
     # ---- the sequence ------------------------------------------------------------------------
     @property
@@ -98,6 +102,19 @@ class Session:
 
     def reset(self) -> None:
         self.ids, self.state, self.last = [], None, None
+
+    def resume(self, ids: Sequence[int], snap: StateSnapshot) -> None:
+        """Start this session from a kept state (``snap``, reached after ``ids``: a prefix
+        cache's entry, :mod:`k3core.run.prefix_cache`): the same bytes as feeding ``ids``."""
+        if not self.incremental:
+            raise UsageError("resuming a kept state needs incremental decoding")
+        if snap.pos != len(ids):
+            raise UsageError(f"a kept state of {snap.pos} positions does not match {len(ids)} ids")
+        self.reset()
+        self._reserve(len(ids) + 1)
+        assert self.state is not None
+        restore(self.state, snap)
+        self.ids = [int(i) for i in ids]
 
     def before_step(self, step: int) -> None:
         """Called before each decode step (a hook for tests that time a fault)."""
@@ -223,7 +240,7 @@ class Session:
                     start = state.pos
                     end = len(self.ids) if on_rows is None else start + ROWS_PASS
                     rows = model.forward(np.array(self.ids[start:end]), state,
-                                         all_logits=on_rows is not None)
+                                         all_logits=on_rows is not None, cancel=self.cancel)
                     if on_rows is not None:
                         on_rows(start, rows)
         except BaseException:
@@ -368,7 +385,7 @@ class Session:
             assert self.state is not None
             feed = self.ids[self.state.pos:]
             try:
-                return model.forward(np.array(feed), self.state)[-1]
+                return model.forward(np.array(feed), self.state, cancel=self.cancel)[-1]
             except BaseException:
                 # some layers' state advanced, others not: drop it; the next call prefills
                 # the session's ids again (the same bits as carrying it)

@@ -102,7 +102,9 @@ class Server:
         self.body_timeout = connections.limits.timeout_header if connections is not None else None
         self.waiting = 0
         self._count = threading.Lock()
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="k3-engine")
+        # one thread a slot: the jobs' passes are batched by the model's scheduler
+        self.executor = ThreadPoolExecutor(max_workers=max(1, service.worker.max_batch),
+                                           thread_name_prefix="k3-engine")
         self.metrics = Metrics(service, lambda: self.waiting)
 
     # ---- plumbing ---------------------------------------------------------------------------
@@ -176,7 +178,7 @@ class Server:
         w = s.worker
         out = {"status": "ok", "model": s.model_name, "context": w.context,
                "waiting": self.waiting, "requests_done": w.jobs_done,
-               "cancelled": w.cancelled, "resident_tokens": w.session.positions, "last": w.last}
+               "cancelled": w.cancelled, "batch": w.health(), "last": w.last}
         if self.connections is not None:
             out["connections"] = self.connections.stats()
         return JSONResponse(out)

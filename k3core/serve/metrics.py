@@ -8,8 +8,8 @@ process-wide default), so several servers in one process keep apart. It holds:
 * what the engine thread measures per generation (:meth:`Metrics.run` wraps the service's
   run): prompt, reused and generated tokens, generations by how they finished, time to the
   first token (from the request's entry into the engine's queue) and between tokens, the
-  queue's depth, the generation running and the batch's size (one row while a generation
-  runs: the engine decodes one sequence at a time);
+  queue's depth, the generations running and the batch's size (the sequences of the last
+  batched step, :mod:`k3core.model.scheduler`);
 * the engine's own whole-life counters, read when scraped: expert-cache lookups, resident
   hits and misses (a lookup of an expert already fetched in the same step is neither), the bytes read for the trunk and for the experts, and the seconds the forward pass
   waited on reads that did not overlap compute (exposed waits).
@@ -161,8 +161,10 @@ class Metrics:
         self.queue.set_function(lambda: max(waiting() - self._running, 0))
         self.running = Gauge("k3_requests_running", "Generations the engine is running", registry=r)
         self.running.set_function(lambda: self._running)
-        self.batch = Gauge("k3_batch_size", "Sequences the engine decodes together in a step "
-                           "(one while a generation runs; 0 when idle)", registry=r)
+        self.batch = Gauge("k3_batch_size", "Sequences the engine decoded together in its last "
+                           "step (0 when idle)", registry=r)
+        sched = service.worker.engine.model.scheduler
+        self.batch.set_function(lambda: sched.stats.last if self._running else 0)
         r.register(EngineCollector(service.worker.engine))
         self._submitted: weakref.WeakKeyDictionary[Job, float] = weakref.WeakKeyDictionary()
         self._figures: weakref.WeakKeyDictionary[Job, dict[str, Any]] = weakref.WeakKeyDictionary()
@@ -204,13 +206,13 @@ class Metrics:
         job.on_step = on_step
         before = EngineFigures.of(self.service.worker.engine)
         timing.started = time.perf_counter()
-        self._running += 1
-        self.batch.set(1)
+        with self._lock:
+            self._running += 1
         try:
             out = self.service.run(prep)
         finally:
-            self._running -= 1
-            self.batch.set(0)
+            with self._lock:
+                self._running -= 1
             job.on_step = inner
         after = EngineFigures.of(self.service.worker.engine)
         self._record(prep, out, timing, before, after)

@@ -1,26 +1,30 @@
-"""One engine, one resident session, one generation at a time.
+"""One engine, many generations at once: each job a session of its own, batched by the model.
 
-The server's engine is opened once and holds one :class:`~k3core.run.session.Session`. A job
-whose prompt extends the ids that session's state has consumed continues it, feeding only
-the new ids; any other prompt starts the session afresh. A session split into calls gives
-the same ids and logit bytes as one run over the whole prompt, so the reused path is
-bit-identical to a fresh one (``tests/serve`` checks both). The session's last generated id
-is *pending* (not yet fed): a prompt that continues with another id (a chat client that sends
-back ``<|end_of_msg|>`` where the model wrote ``[EOS]``) still reuses everything before it.
+Every job runs on a thread of its own (the app's pool has ``max_batch`` of them) with a
+fresh :class:`~k3core.run.session.Session`: a slot. The slots' forward passes meet in the
+model's scheduler (:mod:`k3core.model.scheduler`), which runs the passes asked at once as
+one batched step, so a job joins the running batch at the next step and leaves it when it
+ends or its client goes away (its slot freed at once; a cancelled prompt stops between two
+of its chunks). Each row's logits are the bytes of the same request run alone.
+
+**The prefix cache** (:mod:`k3core.run.prefix_cache`). A job whose prompt starts with ids a
+kept state was reached after (an earlier prompt, or an earlier prompt and its reply) starts
+from that state and feeds only the rest; ``reused`` says how many ids it skipped. A prompt
+of more than one new id is fed in two calls, all but its last id first, so the state at the
+end of the prompt is kept too (the same prompt sent again reuses it); a split of a sequence
+into calls gives the bytes of one pass, and so does a restored state.
 
 A job of ``n`` rows (OpenAI's ``n``) prefills its prompt but the last id once, keeps a copy
 of that state (:func:`~k3core.model.state.snapshot`), and decodes the rows one after the
 other, each from the copy restored, fed the last prompt id, with its own seed: row ``i``
-draws with ``(seed + i) mod 2**63`` (:func:`row_params`). A split of a sequence into calls
-gives the bytes of one pass, so each row is exactly the single request with its seed. A job
-that wants the prompt's logprobs (``on_prompt_rows``) prefills the same way, from a fresh
-session (the positions a reused state holds have no logits left), and is handed every
-prompt position's logits.
+draws with ``(seed + i) mod 2**63`` (:func:`row_params`). Each row is exactly the single
+request with its seed. A job that wants the prompt's logprobs (``on_prompt_rows``) prefills
+from a fresh state (a kept state has no logits left) and is handed every prompt position's
+logits.
 
-Jobs run on the caller's thread; the app runs them on one dedicated thread, in arrival order.
-A job is cancelled between two tokens (its client went away): the session stays valid up to
-the ids it fed, so the next job may still continue it. A failure inside a forward pass drops
-the session (its recurrent state may have been changed in place).
+A job is cancelled between two tokens (its client went away). A failure inside a forward
+pass fails the job; the other jobs of that pass fail with it (their states may have changed
+in place), and every later job starts afresh.
 """
 
 from __future__ import annotations
@@ -36,10 +40,13 @@ import numpy as np
 from k3core.api.errors import UsageError
 from k3core.model.constraint import Constraint
 from k3core.model.generate import Step
+from k3core.model.scheduler import Cancelled
 from k3core.model.state import restore, snapshot
 from k3core.run.engine import Engine
+from k3core.run.generation import Generation
+from k3core.run.prefix_cache import PrefixCache
 from k3core.run.request import GenerationParams
-from k3core.run.session import PickWrap
+from k3core.run.session import PickWrap, Session
 
 #: called with each step (``None`` for text released at the end) and its text piece; return
 #: False to end the job
@@ -99,16 +106,21 @@ def row_params(params: GenerationParams, row: int) -> GenerationParams:
 
 
 class Worker:
-    """Runs jobs on one engine's resident session, continuing it when it can."""
+    """Runs jobs on one engine, each on its caller's thread with a session of its own."""
 
-    def __init__(self, engine: Engine, context: int):
+    def __init__(self, engine: Engine, context: int, prefix_cache: PrefixCache | None = None,
+                 max_batch: int = 1):
         self.engine = engine
         self.context = context
-        self.session = engine.session(incremental=True)
+        self.prefix = prefix_cache
+        self.max_batch = max_batch
         self.lock = threading.Lock()
         self.jobs_done = 0
         self.cancelled = 0
+        self.running = 0
         self.last: dict[str, Any] = {}
+        #: the last row's generation of the job that ended last (its first logits, its steps)
+        self.last_generation: Generation | None = None
 
     def check_fits(self, n_prompt: int, max_tokens: int) -> None:
         if n_prompt + max_tokens > self.context:
@@ -117,17 +129,33 @@ class Worker:
                 f"{n_prompt + max_tokens} is over the context of {self.context} tokens")
 
     def reusable(self, ids: list[int]) -> int:
-        """How many of ``ids`` the resident state holds and can continue from."""
-        s = self.session
-        n = s.positions
-        return n if n and len(ids) > n and ids[:n] == s.ids[:n] else 0
+        """How many of ``ids`` a kept state holds and a job could continue from."""
+        return self.prefix.peek(ids) if self.prefix is not None else 0
+
+    def health(self) -> dict[str, Any]:
+        """The batch as ``/health`` shows it."""
+        st = self.engine.model.scheduler.stats
+        out: dict[str, Any] = {"running": self.running, "max_batch": self.max_batch,
+                               "passes": st.passes, "largest": st.most,
+                               "last": st.last if self.running else 0,
+                               "rows_per_pass": round(st.feeds / st.passes, 3) if st.passes else 0.0}
+        if self.prefix is not None:
+            out["prefix_cache"] = self.prefix.to_json()
+        return out
 
     def run(self, job: Job) -> Outcome:
         with self.lock:
+            self.running += 1
+        try:
             out = self._run(job)
-        self.jobs_done += 1
-        self.cancelled += out.finish == "cancelled"
-        self.last = {"finish": out.finish, "completion_tokens": len(out.ids), "reused_tokens": out.reused}
+        finally:
+            with self.lock:
+                self.running -= 1
+        with self.lock:
+            self.jobs_done += 1
+            self.cancelled += out.finish == "cancelled"
+            self.last = {"finish": out.finish, "completion_tokens": len(out.ids),
+                         "reused_tokens": out.reused}
         return out
 
     def _run(self, job: Job) -> Outcome:
@@ -137,24 +165,37 @@ class Worker:
         self.check_fits(len(job.prompt_ids), job.params.max_tokens)
         if job.cancel.is_set():
             return Outcome([], "cancelled", 0, 0.0)
-        s = self.session
-        reused = 0 if job.on_prompt_rows is not None else self.reusable(job.prompt_ids)
-        if reused:
-            s.ids = s.ids[:reused]  # a pending id the prompt does not continue with is dropped
-        else:
-            s.reset()
+        s = self.engine.session(incremental=True)
+        s.cancel = job.cancel
+        try:
+            return self._rows(job, s, t0)
+        except Cancelled:
+            return Outcome([], "cancelled", 0, time.perf_counter() - t0)
+
+    def _rows(self, job: Job, s: Session, t0: float) -> Outcome:
+        prompt = job.prompt_ids
+        reused = 0
+        if job.on_prompt_rows is None and self.prefix is not None:
+            reused, snap = self.prefix.lookup(prompt)
+            if snap is not None:
+                s.resume(prompt[:reused], snap)
         params = job.params
+        head, last = prompt[:-1], prompt[-1:]
         if job.n == 1 and job.on_prompt_rows is None:
-            rows = [self._row(job, 0, job.prompt_ids[reused:], params)]
+            if self.prefix is not None and len(head) > reused:
+                s.prefill(head[reused:])  # the prompt's state, kept for a request that repeats it
+                assert s.state is not None
+                self.prefix.store(head, s.state)
+                feed = last
+            else:
+                feed = prompt[reused:]
+            rows = [self._row(job, s, 0, feed, params)]
         else:
             if job.n > 1 and not params.greedy and params.seed is None:  # one seed for all rows
                 params = params.model_copy(update={"seed": time.time_ns() % SEED_LIMIT})
-            head, last = job.prompt_ids[:-1], job.prompt_ids[-1:]
-            try:
-                s.prefill(head[reused:], job.on_prompt_rows)
-            except BaseException:
-                s.reset()
-                raise
+            s.prefill(head[reused:], job.on_prompt_rows)
+            if self.prefix is not None and job.on_prompt_rows is None and s.state is not None:
+                self.prefix.store(head, s.state)
             snap = snapshot(s.state) if s.state is not None and s.state.pos else None
             rows = []
             for i in range(job.n):
@@ -165,17 +206,20 @@ class Worker:
                         assert s.state is not None
                         restore(s.state, snap)
                         s.ids = list(head)
-                rows.append(self._row(job, i, last, row_params(params, i)))
+                rows.append(self._row(job, s, i, last, row_params(params, i)))
                 if rows[-1].finish == "cancelled":
                     break
+        if self.prefix is not None and s.state is not None:  # the prompt and its reply so far
+            self.prefix.store(s.ids[: s.state.pos], s.state)  # (a job cancelled between tokens too)
+        self.last_generation = s.last
         finish = ("cancelled" if any(r.finish == "cancelled" for r in rows)
                   else "length" if any(r.finish == "length" for r in rows) else "stop")
         return Outcome([t for r in rows for t in r.ids], finish, reused,
                        time.perf_counter() - t0, rows[0].seed, rows)
 
-    def _row(self, job: Job, row: int, feed: list[int], params: GenerationParams) -> Row:
+    def _row(self, job: Job, s: Session, row: int, feed: list[int],
+             params: GenerationParams) -> Row:
         """Decode one row after ``feed`` (the session holds the rest of the prompt)."""
-        s = self.session
         job.row = row
         around = job.around(row) if job.around is not None else None
         out: list[int] = []
@@ -193,9 +237,6 @@ class Worker:
                 if job.cancel.is_set():
                     finish = "cancelled"
                     break
-        except BaseException:
-            s.reset()
-            raise
         finally:
             steps.close()
         gen = s.last

@@ -1,0 +1,116 @@
+"""The prefix cache: states at the end of prompt prefixes, kept across requests.
+
+A server's requests often start alike: the same system prompt, a chat that sends back its
+earlier turns, the same document asked about twice. :class:`PrefixCache` keeps the state a
+sequence reached after some ids (a :class:`~k3core.model.state.StateSnapshot`: every KDA
+layer's recurrent state and conv history, every MLA layer's latent KV rows) under those ids,
+up to a byte budget, and evicts the least recently used. A request whose prompt starts with
+a kept prefix (and goes on past it) restores that state and feeds only the rest.
+
+**Bits.** A sequence split into calls gives the bytes of one pass, and a restored snapshot
+holds the bytes the state held, so a request that starts from a kept prefix gets the logits a
+fresh run gives (``tests/serve/test_prefix_cache.py``).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from k3core.model.state import SequenceState, StateSnapshot, snapshot
+
+
+def snapshot_bytes(snap: StateSnapshot) -> int:
+    """Bytes a snapshot holds."""
+    n = sum(rows.nbytes for rows in snap.kv.values())
+    for S, conv in snap.kda.values():
+        n += S.nbytes + sum(h.nbytes for h in conv.values())
+    return n
+
+
+@dataclass
+class PrefixStats:
+    lookups: int = 0
+    hits: int = 0
+    cached_tokens: int = 0
+    stored: int = 0
+    evicted: int = 0
+
+
+class PrefixCache:
+    """Kept states by the ids that led to them, at most ``budget`` bytes (see the module)."""
+
+    def __init__(self, budget: int):
+        self.budget = max(0, int(budget))
+        self._entries: OrderedDict[tuple[int, ...], tuple[StateSnapshot, int]] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+        self.stats = PrefixStats()
+
+    @property
+    def bytes(self) -> int:
+        return self._bytes
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def _best(self, key: tuple[int, ...]) -> tuple[int, ...] | None:
+        best: tuple[int, ...] | None = None
+        for k in self._entries:
+            if len(k) < len(key) and (best is None or len(k) > len(best)) and key[: len(k)] == k:
+                best = k
+        return best
+
+    def peek(self, ids: Sequence[int]) -> int:
+        """How many of ``ids`` :meth:`lookup` would skip (nothing counted, nothing moved)."""
+        with self._lock:
+            best = self._best(tuple(int(i) for i in ids))
+        return 0 if best is None else len(best)
+
+    def lookup(self, ids: Sequence[int]) -> tuple[int, StateSnapshot | None]:
+        """The longest kept prefix of ``ids`` that leaves at least one id to feed: its length
+        and its state (``0, None`` when none)."""
+        key = tuple(int(i) for i in ids)
+        with self._lock:
+            self.stats.lookups += 1
+            best = self._best(key)
+            if best is None:
+                return 0, None
+            self._entries.move_to_end(best)
+            self.stats.hits += 1
+            self.stats.cached_tokens += len(best)
+            return len(best), self._entries[best][0]
+
+    def store(self, ids: Sequence[int], state: SequenceState) -> bool:
+        """Keep a copy of ``state`` (which has consumed exactly ``ids``); False when it does
+        not fit the budget or ``ids`` is empty."""
+        key = tuple(int(i) for i in ids)
+        if not key or state.pos != len(key) or self.budget <= 0:
+            return False
+        with self._lock:
+            if key in self._entries:
+                self._entries.move_to_end(key)
+                return True
+        snap = snapshot(state)
+        size = snapshot_bytes(snap)
+        if size > self.budget:
+            return False
+        with self._lock:
+            if key in self._entries:
+                return True
+            while self._bytes + size > self.budget and self._entries:
+                _, (_, n) = self._entries.popitem(last=False)
+                self._bytes -= n
+                self.stats.evicted += 1
+            self._entries[key] = (snap, size)
+            self._bytes += size
+            self.stats.stored += 1
+        return True
+
+    def to_json(self) -> dict[str, int]:
+        s = self.stats
+        return {"entries": len(self), "bytes": self._bytes, "budget": self.budget,
+                "lookups": s.lookups, "hits": s.hits, "cached_tokens": s.cached_tokens,
+                "evicted": s.evicted}
