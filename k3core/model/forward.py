@@ -217,6 +217,11 @@ class Model:
                           c.routed_scale)
         return layer, [int(e) for e in idx.reshape(-1)]
 
+    @property
+    def expert_source(self) -> ExpertSource:
+        """Where the model's own executor reads the routed experts (its figures: ``stats``)."""
+        return self._local.source
+
     def hand_experts(self, executor: ExpertExecutor) -> None:
         """Routed experts computed by ``executor`` from now on (``k3core.cluster``; its maker
         closes it); the model's own executor stops."""

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -92,7 +93,7 @@ class Scheduler:
 
     def __init__(self, model: Model, max_batch: int | None = None,
                  chunk: int = INTERLEAVE_CHUNK, gather: float = GATHER_SECONDS):
-        self.model = model
+        self._model = weakref.ref(model)  # the model holds its scheduler: no cycle back
         self.max_batch = max_batch
         self.chunk = chunk
         self.gather = gather
@@ -101,6 +102,13 @@ class Scheduler:
         self._waiting: list[Ticket] = []
         self._running = False
         self._active = 0  # sequences inside a decode loop (they will ask again soon)
+
+    @property
+    def model(self) -> Model:
+        m = self._model()
+        if m is None:
+            raise K3Error("the model of this scheduler is gone")
+        return m
 
     # ---- the sequences ------------------------------------------------------------------------
     @contextmanager

@@ -12,9 +12,9 @@ from typing import Any
 
 import numpy as np
 
-from k3core.model.generate import Step, StepTimes
 from k3core.model.sampling import Sampler
 from k3core.model.speculative import SpecStats
+from k3core.model.steps import Step, StepTimes
 
 __all__ = ["Generation"]
 

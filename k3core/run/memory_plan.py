@@ -307,22 +307,22 @@ def plan_memory(
     avail = available_bytes() if available is None else available
     chunk = req.prefill_chunk or prefill_chunk(cfg, avail, L)
     T = prompt_len + gen + 1
-    slots = req.slots
-    if slots < 1 or req.prefix_cache < 0:
-        raise UsageError(f"the batch must be at least 1 (got {slots}) and the prefix cache "
+    n_slots = req.slots
+    if n_slots < 1 or req.prefix_cache < 0:
+        raise UsageError(f"the batch must be at least 1 (got {n_slots}) and the prefix cache "
                          f"not negative")
-    kv = kv_bytes(cfg, T, L) * slots  # full recompute holds one for the sequence it recomputes
+    kv = kv_bytes(cfg, T, L) * n_slots  # full recompute holds one for the sequence it recomputes
     if T > chunk:
         notes.append(f"the prompt goes in chunks of {chunk} ids (buffers for one chunk)")
-    rows = min(T, chunk) + (slots - 1)  # a chunk and the other slots' rows in one pass
+    rows = min(T, chunk) + (n_slots - 1)  # a chunk and the other slots' rows in one pass
     return MemoryPlan(
         trunk=trunk,
         tables=tables,
         expert_cache=cache,
-        recurrent=recurrent * slots,
+        recurrent=recurrent * n_slots,
         buffers=buffer_bytes(cfg, rows, L),
         kv_cache=kv,
-        slots=slots,
+        slots=n_slots,
         prefix_cache=req.prefix_cache,
         baseline=process_rss() if baseline is None else baseline,
         available=avail,

@@ -38,10 +38,10 @@ import numpy as np
 
 from k3core.api.errors import UsageError, param
 from k3core.model.constraint import Constraint, masked, take_forced
-from k3core.model.generate import Step
 from k3core.model.sampling import Sampler, argmax
 from k3core.model.speculative import SpecOptions, Speculator
 from k3core.model.state import SequenceState, StateSnapshot, restore
+from k3core.model.steps import Step
 from k3core.run.generation import Generation
 from k3core.run.memory_plan import check_kv
 from k3core.run.prompt import MAX_PROMPT, check_vocab
@@ -147,7 +147,8 @@ class Session:
         return ids
 
     def steps(self, prompt_ids: Sequence[int], p: GenerationParams,
-              around: PickWrap | None = None, constraint: Constraint | None = None
+              around: PickWrap | None = None, constraint: Constraint | None = None,
+              speculator: Speculator | None = None
               ) -> Generator[tuple[Step | None, str], None, None]:
         """The decode loop as a generator of ``(step, text piece)``; fills :attr:`last`.
 
@@ -158,7 +159,7 @@ class Session:
         verify rows are picked in the same order, so a wrapper sees what plain decoding
         shows it, plus at most the rows of one pass past a stop string. ``constraint``
         restricts the choice to the ids it allows (inside ``around``) and forces ids (module
-        docstring)."""
+        docstring). ``speculator`` replaces the one ``p.spec`` makes (tests drive its drafts)."""
         eng = self.engine
         if constraint is not None and p.spec != "off":
             raise UsageError(f"a constrained generation decodes one token a pass: set "
@@ -186,8 +187,11 @@ class Session:
             pick = masked(pick, constraint)
         if around is not None:
             pick = around(pick)
-        spec = (Speculator(eng.model, SpecOptions(p.spec, p.spec_width, p.spec_ngram))
-                if p.spec != "off" else None)
+        spec = speculator if speculator is not None else (
+            Speculator(eng.model, SpecOptions(p.spec, p.spec_width, p.spec_ngram))
+            if p.spec != "off" else None)
+        if constraint is not None and spec is not None:
+            raise UsageError("a constrained generation decodes one token a pass: no drafts")
         text = TextStream(eng.tokenizer, p.stop)
         stops, eos = set(p.stop_ids), set() if p.ignore_eos else eng.eos_ids
         running = eng.model.scheduler.running()  # batched with the other running sequences

@@ -42,7 +42,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from k3core.model.generate import Step
+from k3core.model.steps import Step
 from k3core.serve.service import Prepared, Service
 from k3core.serve.worker import Job, Outcome
 from k3core.trunk.source import report_json

@@ -27,8 +27,8 @@ import numpy as np
 
 from k3core.api.errors import UsageError
 from k3core.constrain.grammar import GrammarConstraint, lark_grammar
-from k3core.model.generate import Step
 from k3core.model.penalties import Penalties
+from k3core.model.steps import Step
 from k3core.run.request import MAX_GEN, GenerationParams, build
 from k3core.run.session import PickWrap
 from k3core.run.stops import TextStream

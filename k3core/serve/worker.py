@@ -39,9 +39,9 @@ import numpy as np
 
 from k3core.api.errors import UsageError
 from k3core.model.constraint import Constraint
-from k3core.model.generate import Step
 from k3core.model.scheduler import Cancelled
 from k3core.model.state import restore, snapshot
+from k3core.model.steps import Step
 from k3core.run.engine import Engine
 from k3core.run.generation import Generation
 from k3core.run.prefix_cache import PrefixCache

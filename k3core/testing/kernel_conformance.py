@@ -729,7 +729,7 @@ def _model_data(which: str) -> tuple[Any, Any, dict[str, Any]]:
 
 
 def _decode_logits(model: Any, prompt: list[int], incremental: bool) -> list[np.ndarray]:
-    from k3core.model.generate import generate
+    from k3core.run.generate import generate
 
     run = generate(model, prompt, _DECODE_STEPS, incremental=incremental, keep_logits=True)
     return run.step_logits

@@ -586,7 +586,7 @@ def test_oracle_logits_bitwise(avx2, oracle, oracle_numpy_logits):
 
 
 def test_oracle_greedy_incremental(avx2, oracle):
-    from k3core.model.generate import generate
+    from k3core.run.generate import generate
 
     cfg, reader, ref_json = oracle
     run = generate(_model(cfg, reader, avx2), ref_json["prompt_ids"], 20, incremental=True)

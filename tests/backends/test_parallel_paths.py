@@ -139,8 +139,8 @@ def streamed(tmp_path_factory) -> tuple[Path, Path, float]:
 
 def _step_logits(model: Path, backend: str, threads: int, incremental: bool,
                  trunk: Path | None = None, trunk_gb: float | None = None) -> list[bytes]:
-    from k3core.model.generate import generate
     from k3core.run.engine import open_engine
+    from k3core.run.generate import generate
     from k3core.run.request import EngineRequest
 
     opts = EngineRequest(model_dir=model, backend=backend, storage="plain", threads=threads,

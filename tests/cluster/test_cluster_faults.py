@@ -14,8 +14,8 @@ import pytest
 
 from k3core.api.errors import CheckpointError, ExpertDropError, K3Error
 from k3core.experts.locator import ExpertLocator
-from k3core.model.generate import generate
 from k3core.run.engine import open_engine
+from k3core.run.generate import generate
 from k3core.run.request import EngineRequest
 
 PROMPT = [3, 7, 11]

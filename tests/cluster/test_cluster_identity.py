@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 from thin import thinned
 
-from k3core.model.generate import RunResult, generate
 from k3core.plugins.registry import get_registry
 from k3core.run.engine import open_engine
+from k3core.run.generate import RunResult, generate
 from k3core.run.request import EngineRequest
 
 PROMPT = [3, 7, 11, 5]

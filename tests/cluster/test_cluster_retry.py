@@ -17,8 +17,8 @@ import psutil
 import pytest
 
 from k3core.api.errors import ExpertDropError
-from k3core.model.generate import generate
 from k3core.run.engine import open_engine
+from k3core.run.generate import generate
 from k3core.run.report import RunReport
 from k3core.run.request import EngineRequest, RunRequest
 from k3core.run.runner import execute

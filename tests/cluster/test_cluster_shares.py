@@ -14,8 +14,8 @@ from typer.testing import CliRunner
 
 from k3core.api.errors import CheckpointError, K3Error, UsageError
 from k3core.cli.app import app
-from k3core.model.generate import generate
 from k3core.run.engine import open_engine
+from k3core.run.generate import generate
 from k3core.run.request import EngineRequest
 
 PROMPT = [3, 7, 11, 5]

@@ -14,9 +14,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from k3core.model.generate import generate
 from k3core.model.state import SequenceState
 from k3core.run.engine import open_engine
+from k3core.run.generate import generate
 from k3core.run.request import EngineRequest
 from k3core.tokenizer.encoding import Tokenizer
 

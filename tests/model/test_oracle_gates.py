@@ -8,9 +8,9 @@ import pytest
 
 from k3core.api.experts import InMemoryExperts
 from k3core.model.forward import Model
-from k3core.model.generate import generate
 from k3core.model.sources import ModelTables, ResidentTrunk, expert_from_reader
 from k3core.model.state import SequenceState
+from k3core.run.generate import generate
 from k3core.testing.oracle import load_oracle
 
 

@@ -16,13 +16,13 @@ from thin import thinned
 from k3core.api.errors import UsageError
 from k3core.api.experts import InMemoryExperts
 from k3core.model.forward import Model
-from k3core.model.generate import generate
 from k3core.model.rollback import begin, truncate
 from k3core.model.sampling import Sampler
 from k3core.model.sources import ModelTables, ResidentTrunk, expert_from_reader
 from k3core.model.speculative import AutoPolicy, SpecOptions, Speculator, ngram_draft
 from k3core.model.state import SequenceState
 from k3core.plugins.registry import get_registry
+from k3core.run.generate import generate
 from k3core.testing.synthetic_model import synthetic_model
 
 PROMPT = [3, 7, 11, 5, 9, 2, 14]

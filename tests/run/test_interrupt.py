@@ -24,9 +24,9 @@ from typer.testing import CliRunner
 
 from k3core.cli.app import app
 from k3core.model.config import ModelConfig
-from k3core.model.generate import generate
 from k3core.model.shapes import size_config
 from k3core.run.engine import open_engine
+from k3core.run.generate import generate
 from k3core.run.request import EngineRequest
 from k3core.testing.faulty_backend import disk_backed_dir
 from k3core.tokenizer.encoding import Tokenizer

@@ -107,8 +107,8 @@ def test_a_dropped_model_lets_its_side_thread_go(model):
 
     import numpy as np
 
-    from k3core.model.generate import generate
     from k3core.run.engine import open_engine
+    from k3core.run.generate import generate
     from k3core.run.request import EngineRequest
 
     before = _side_threads()
@@ -134,8 +134,8 @@ def test_a_side_error_inside_an_outer_handler_is_raised_once(model, monkeypatch)
 
     from k3core.api.errors import CheckpointError
     from k3core.experts.cache import ExpertCache
-    from k3core.model.generate import generate
     from k3core.run.engine import open_engine
+    from k3core.run.generate import generate
     from k3core.run.request import EngineRequest
 
     calls = {"n": 0}

@@ -181,7 +181,7 @@ def test_k3_chat_prints_the_calls_a_reply_makes(tok):
     import io
 
     from k3core.cli.chat import Printer
-    from k3core.model.generate import Step
+    from k3core.model.steps import Step
     from k3core.serve.service import TextSink
 
     fmt = chat_format_for(tok, thinking=False)

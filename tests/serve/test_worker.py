@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from k3core.run.request import GenerationParams
 from k3core.run.prefix_cache import PrefixCache
+from k3core.run.request import GenerationParams
 from k3core.serve.worker import Job, Worker
 
 

@@ -21,9 +21,9 @@ from k3core.api.units import ALIGN
 from k3core.checkpoint.index import CheckpointIndex
 from k3core.cli.app import app
 from k3core.model.config import ModelConfig
-from k3core.model.generate import generate
 from k3core.model.shapes import size_config
 from k3core.run.engine import open_engine
+from k3core.run.generate import generate
 from k3core.run.request import EngineRequest
 from k3core.testing.faulty_backend import (
     available_storage,

@@ -77,10 +77,11 @@ import numpy as np
 from k3core.api.errors import K3Error, UsageError
 from k3core.api.kernels import KernelBackend
 from k3core.model.config import ModelConfig
-from k3core.model.generate import RunResult, Step, generate
 from k3core.model.sizes import sizes_from_config
 from k3core.model.speculative import SpecOptions
+from k3core.model.steps import Step
 from k3core.run.engine import Engine, open_engine
+from k3core.run.generate import RunResult, generate
 from k3core.run.memory_plan import peak_rss_bytes
 from k3core.run.request import EngineRequest, build
 from k3core.tools.bench import device_counters
