@@ -11,7 +11,8 @@ of its chunks). Each row's logits are the bytes of the same request run alone.
 kept state was reached after (an earlier prompt, or an earlier prompt and its reply) starts
 from that state and feeds only the rest; ``reused`` says how many ids it skipped. A prompt
 of more than one new id is fed in two calls, all but its last id first, so the state at the
-end of the prompt is kept too (the same prompt sent again reuses it); a split of a sequence
+end of the prompt is kept too (the same prompt sent again reuses it), and so is the state at
+the last multiple of :data:`PREFIX_BLOCK` ids (requests that share an opening); a split of a sequence
 into calls gives the bytes of one pass, and so does a restored state.
 
 A job of ``n`` rows (OpenAI's ``n``) prefills its prompt but the last id once, keeps a copy
@@ -52,6 +53,10 @@ from k3core.run.session import PickWrap, Session
 #: False to end the job
 OnStep = Callable[[Step | None, str], bool]
 
+
+#: a prompt's state is also kept at the last multiple of this many ids in it, so requests
+#: that share an opening (a system prompt, a document) and then differ reuse it
+PREFIX_BLOCK = 64
 
 #: the seeds a request may give are below this; row seeds wrap around it
 SEED_LIMIT = 1 << 63
@@ -183,9 +188,12 @@ class Worker:
         head, last = prompt[:-1], prompt[-1:]
         if job.n == 1 and job.on_prompt_rows is None:
             if self.prefix is not None and len(head) > reused:
-                s.prefill(head[reused:])  # the prompt's state, kept for a request that repeats it
-                assert s.state is not None
-                self.prefix.store(head, s.state)
+                block = len(head) // PREFIX_BLOCK * PREFIX_BLOCK
+                for upto in (block, len(head)):  # a shared opening (a system prompt), the prompt
+                    if upto > s.positions:
+                        s.prefill(head[s.positions : upto])
+                        assert s.state is not None
+                        self.prefix.store(head[:upto], s.state)
                 feed = last
             else:
                 feed = prompt[reused:]
