@@ -8,7 +8,9 @@ environment, the plugins, the memory plan), the plan is checked, and
 :func:`~k3core.run.binding.bind` opens what it resolved.
 
 An engine serves any number of generations (:meth:`Engine.generate`, :meth:`Engine.stream`,
-:meth:`Engine.logits`) and sessions (:meth:`Engine.session`), one at a time, and is closed
+:meth:`Engine.logits`, :meth:`Engine.generate_batch`) and sessions (:meth:`Engine.session`);
+calls from several threads at once share batched passes (``k3core.model.scheduler``). It is
+closed
 once (``close()`` or a ``with`` block). It is the handle a caller holds, so it sits above
 the session and the report it hands out (docs/architecture.md, the stages' import order).
 """

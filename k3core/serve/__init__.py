@@ -2,9 +2,9 @@
 
 ``chat_format`` renders a conversation to token ids (the Kimi K3 XTML format, or a plain
 text format for tokenizers without its control tokens) and reads a reply back;
-``conversation`` carries one conversation's state across turns; ``worker`` keeps one engine
-and one resident session and runs one generation at a time, continuing the session when a
-prompt extends the previous one; ``protocol`` holds the OpenAI-compatible request and response
+``conversation`` carries one conversation's state across turns; ``worker`` runs each
+request in a session of its own on one engine, their passes batched (docs/scheduler.md),
+and keeps prompt-prefix states for the requests that continue them; ``protocol`` holds the OpenAI-compatible request and response
 models and error bodies; ``app`` is the ASGI application (Starlette, served by uvicorn; the
 ``serve`` extra installs both).
 

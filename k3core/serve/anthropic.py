@@ -21,7 +21,7 @@ blocks ``role: "tool"`` messages before the rest of its text (each must answer a
 The answer is a ``message``: a ``thinking`` block (the thinking channel, when there is
 one; ``signature`` empty), a ``text`` block, ``stop_reason`` (``end_turn``, ``max_tokens``,
 ``stop_sequence`` with the string in ``stop_sequence``), ``usage`` (``input_tokens`` the
-prompt tokens fed, ``cache_read_input_tokens`` those the resident session already held,
+prompt tokens fed, ``cache_read_input_tokens`` those a kept prefix state already held,
 ``output_tokens``) and k3's own ``k3`` field. ``stream: true`` sends Anthropic's events:
 ``message_start``, ``ping``, then per block ``content_block_start``,
 ``content_block_delta`` (``thinking_delta``, ``text_delta``, ``input_json_delta``),
@@ -108,7 +108,7 @@ class _Strict(BaseModel):
 
 
 class CacheControl(_Strict):
-    """Prompt caching hints: accepted and not read (the resident session reuses any prefix)."""
+    """Prompt caching hints: accepted and not read (the prefix cache reuses any kept prefix)."""
 
     type: Literal["ephemeral"]
     ttl: str | None = None

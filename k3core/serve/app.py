@@ -1,4 +1,4 @@
-"""The ASGI application: OpenAI-compatible routes on Starlette, one generation at a time.
+"""The ASGI application: OpenAI-compatible routes on Starlette, requests batched.
 
 Routes: ``GET /health``, ``GET /v1/models``, ``GET /v1/models/{id}``, ``POST
 /v1/completions``, ``POST /v1/chat/completions`` (``stream: true`` answers with server-sent
@@ -10,10 +10,11 @@ chunk when ``stream_options.include_usage``, then ``data: [DONE]``); ``POST /v1/
 request is counted and logged in one line (``k3core.serve.access``); CORS is off unless
 origins are given (``k3core.serve.cors``).
 
-Generations run on one engine thread, in arrival order (a FIFO queue of at most
+Generations run on the engine's threads, one a slot (``max_batch`` of them), their passes
+batched by the model's scheduler; the rest wait in arrival order (a FIFO queue of at most
 ``max_queue`` waiting requests; past it a 429). A client that goes away (a closed stream,
 or a dropped connection while it waits for a plain answer) cancels its generation between
-two tokens, and the engine moves on to the next request.
+two tokens (or two chunks of its prompt), and its slot takes the next request.
 
 Every failure is an OpenAI-style error body: 400 for bad JSON, unknown fields, bad values
 or a prompt over the context; 401 for a missing or wrong API key; 404 for an unknown model

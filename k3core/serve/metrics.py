@@ -147,8 +147,8 @@ class Metrics:
                                 ["route", "method", "status"], registry=r)
         self.prompt_tokens = Counter("k3_prompt_tokens", "Prompt tokens of the generations run "
                                      "(the reused ones included)", registry=r)
-        self.reused_tokens = Counter("k3_prompt_tokens_reused", "Prompt tokens the resident "
-                                     "session already held (not fed again)", registry=r)
+        self.reused_tokens = Counter("k3_prompt_tokens_reused", "Prompt tokens a kept prefix "
+                                     "state already held (not fed again)", registry=r)
         self.generated_tokens = Counter("k3_generated_tokens", "Tokens generated", registry=r)
         self.generations = Counter("k3_generations", "Generations run, by how they finished",
                                    ["finish"], registry=r)
