@@ -9,7 +9,9 @@
   trunk bytes, beside CRC-32 and copy speed in the same run;
 * ``k3 bench decode``: a model's s/token and prefill tokens/s beside the bandwidth floor of
   the same run, bytes read and touched, exposed I/O wait and kernel calls per token, with
-  the ids checked against ``--backend numpy``.
+  the ids checked against ``--backend numpy``;
+* ``k3 bench serve``: a real ``k3 serve`` driven over HTTP, one client and then ``--clients``
+  at once: generated tokens/s, time to first token and inter-token latency, and the ratios.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from k3core.tools.bench.io import DiskBenchResult, probe_disk
 from k3core.tools.bench.kernels import format_table, run_kernel_bench
 from k3core.trunk.windows import WINDOW_BYTES
 
-bench_app = typer.Typer(help="Benchmarks: kernels, storage I/O, the memory ladder, trunk codecs, decode.",
+bench_app = typer.Typer(help="Benchmarks: kernels, storage I/O, the memory ladder, trunk codecs, decode, serve.",
                         no_args_is_help=True)
 
 
@@ -190,6 +192,81 @@ def decode(
         raise K3Error("bench decode: the generated ids differ from --spec off")
     if res.check.batch_ids_match is False:
         raise K3Error("bench decode: batched rows' ids differ from their prompts run alone on --backend numpy")
+
+
+def _serve_flags(given: dict[str, object]) -> list[str]:
+    """The engine flags given, as ``k3 serve``'s command line."""
+    from k3core.cli.options import FLAGS
+
+    out = []
+    for name, value in given.items():
+        if value is None or value is False or value == []:
+            continue
+        flag = FLAGS[name][0]
+        out += [flag] if value is True else [f"{flag}={v}" for v in (value if isinstance(value, list) else [value])]
+    return out
+
+
+@bench_app.command("serve")
+@guarded
+@engine_flags(omit=("incremental",), after="model")
+def serve(
+    model: Path = typer.Argument(..., help="Model directory (with its tokenizer)."),
+    clients: int = typer.Option(4, "--clients", help="Clients at once in the concurrent phase."),
+    requests: int = typer.Option(16, "--requests", help="Requests of the concurrent phase (the lone client sends 3 at most)."),
+    prompt_tokens: int = typer.Option(128, "--prompt-tokens", help="Random prompt ids per request (distinct per request)."),
+    max_tokens: int = typer.Option(64, "--max-tokens", help="Tokens each request generates (ignore_eos)."),
+    warmup: int = typer.Option(1, "--warmup", help="Requests sent first and not measured."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the prompt ids."),
+    serve_arg: list[str] = typer.Option([], "--serve-arg", help="One more argument for k3 serve (repeatable: --serve-arg=--max-queue=128)."),
+    start_timeout: float = typer.Option(300.0, "--start-timeout", help="Seconds the server may take to answer /health."),
+    timeout: float = typer.Option(600.0, "--timeout", help="Seconds a request may go without a byte from the server."),
+    as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress on stderr."),
+    *,
+    flags: EngineFlags,
+) -> None:
+    """Tokens/s, time to first token and inter-token latency of a real k3 serve, 1 client against N."""
+    import sys
+
+    from k3core.model.config import load_config
+    from k3core.run.prompt import MAX_PROMPT
+    from k3core.run.request import MAX_GEN
+    from k3core.tools.bench.serve import ServerFailed, Workload, format_report, run_serve_bench
+
+    for flag, value in (("--clients", clients), ("--requests", requests),
+                        ("--prompt-tokens", prompt_tokens), ("--max-tokens", max_tokens)):
+        if value < 1:
+            raise UsageError(f"bench serve: {flag} must be >= 1, got {value}")
+    if warmup < 0:
+        raise UsageError(f"bench serve: --warmup must be >= 0, got {warmup}")
+    if max_tokens > MAX_GEN or prompt_tokens + max_tokens > MAX_PROMPT:
+        raise UsageError(f"bench serve: --max-tokens must be at most {MAX_GEN} and --prompt-tokens + "
+                         f"--max-tokens at most {MAX_PROMPT}, got {max_tokens} and {prompt_tokens + max_tokens}")
+    if not start_timeout > 0 or not timeout > 0:
+        raise UsageError("bench serve: --start-timeout and --timeout must be > 0")
+    if not model.is_dir():
+        raise UsageError(f"bench serve: MODEL_DIR {model} is not a directory")
+    flags.request(model_dir=model)  # bad engine flags refused here, before a server starts
+    vocab = load_config(flags.given.get("config") or model).vocab
+    extra = _serve_flags(flags.given)
+    if prompt_tokens + max_tokens > MAX_GEN and not any(a.startswith("--context") for a in serve_arg):
+        extra.append(f"--context={prompt_tokens + max_tokens}")  # past the server's default
+    if not any(a.startswith("--max-queue") for a in serve_arg):
+        extra.append(f"--max-queue={max(64, clients)}")
+    work = Workload(clients, requests, prompt_tokens, max_tokens, warmup, seed)
+    units = {"warm-up": "request", "lone": "request", "concurrent": "request"}
+    with Stages("bench serve", quiet=quiet, units=units) as stages:
+        try:
+            res = run_serve_bench(model, work, vocab=vocab, server_args=[*extra, *serve_arg],
+                                  start_timeout=start_timeout, timeout=timeout,
+                                  progress=stages, note=stages.note)
+        except ServerFailed as exc:
+            stages.close(ok=False)
+            for line in exc.tail:
+                print(f"  server: {line}", file=sys.stderr)
+            raise
+    print(res.to_json() if as_json else format_report(res))
 
 
 def register(app: typer.Typer) -> None:
