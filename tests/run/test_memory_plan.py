@@ -170,3 +170,29 @@ def test_the_plan_counts_the_slots_the_engine_makes(cache_gb):
     assert p.cache_slots == engine and p.expert_cache == engine * slot_bytes(EXPERT_BYTES)
     if cache_gb == 64:
         assert engine == 3646
+
+
+def test_slots_multiply_the_per_sequence_rows_and_most_slots_fits_them():
+    from k3core.run.memory_plan import most_slots
+
+    one = plan(prompt_len=4000, gen=96)
+    four = plan(prompt_len=4000, gen=96, slots=4, prefix_cache=3 * 10**8)
+    assert four.kv_cache == 4 * one.kv_cache and four.recurrent == 4 * one.recurrent
+    assert four.prefix_cache == 3 * 10**8 and four.buffers > one.buffers
+    labels = [label for label, _ in four.rows()]
+    assert "KV cache (4 slots)" in labels and "recurrent state (4 slots)" in labels
+    assert "prefix cache" in labels and sum(n for _, n in four.rows()[:-1]) == four.total
+    n = most_slots(one, 10_000)
+    assert 1 <= n < 10_000
+    assert plan(prompt_len=4000, gen=96, slots=n).fits()
+    assert not plan(prompt_len=4000, gen=96, slots=n + 1).fits()
+    assert most_slots(one, 3) == 3
+
+
+def test_a_batch_that_cannot_fit_is_refused_with_its_numbers():
+    too_many = plan(prompt_len=4000, gen=96, slots=2000)
+    with pytest.raises(MemoryPlanError, match=r"--max-batch") as e:
+        too_many.check()
+    assert "2000 slots" in str(e.value)
+    with pytest.raises(UsageError, match="batch must be at least 1"):
+        plan(slots=0)
