@@ -1,7 +1,9 @@
 """``k3 run MODEL_DIR``: generate tokens and report what it cost (see ``k3core.run.runner``).
 
 The generated text goes to stdout as it arrives; the plan, the per-step table and the
-report go to stderr (``-q`` silences them, ``-v`` adds detail).
+report go to stderr (``-q`` silences them, ``-v`` adds detail). With ``--batch-file`` every
+prompt of a JSON Lines file runs, batched (``k3core.run.batch_runner``), one JSON result a
+line on stdout.
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ def run(
     prompt: str = typer.Option(None, "--prompt", "-p", help="Prompt text (tokenizer: --tok, or the files in MODEL_DIR).", rich_help_panel=_P),
     prompt_file: Path = typer.Option(None, "--prompt-file", "-f", help="Prompt file, its bytes taken verbatim; - reads standard input.", rich_help_panel=_P),
     ids: str = typer.Option(None, "--ids", help="Prompt token ids, e.g. 3,7,11 (no tokenizer needed).", rich_help_panel=_P),
+    batch_file: Path = typer.Option(None, "--batch-file", help="Run every prompt of this JSON Lines file, their passes batched: one JSON object a line, {\"prompt\": TEXT} or {\"ids\": [...]} and any generation field (max_tokens, temperature, seed, stop, ...; the flags are the defaults); one JSON result a line on stdout as each ends (docs/batch-file.md).", rich_help_panel=_P),
+    max_batch: int = typer.Option(None, "--max-batch", help="With --batch-file: prompts that run at once, 1..256 (default 8, or fewer if the memory plan fits fewer; each holds its KV cache and recurrent state).", rich_help_panel=_P),
     bos: bool = typer.Option(False, "--bos", help="Prepend the BOS token (never added otherwise).", rich_help_panel=_P),
     gen: int = typer.Option(8, "--gen", "-n", help=f"Tokens to generate (0..{MAX_GEN}; 0 = prefill only; -1 = until the end of sequence or the context is full).", rich_help_panel=_G),
     context: int = typer.Option(None, "--context", "-c", help=f"Ids the sequence may hold, the prompt included; generation stops when it is full (default: the prompt + {MAX_GEN}).", rich_help_panel=_G),
@@ -52,7 +56,7 @@ def run(
     grammar: Path = typer.Option(None, "--grammar", help="Constrain the text to this grammar (llguidance's Lark; a .gbnf file is read as llama.cpp's GBNF).", rich_help_panel=_G),
     save_state: Path = typer.Option(None, "--save-state", help="After the run, write the session (ids, KV and recurrent state) here.", rich_help_panel=_G),
     load_state: Path = typer.Option(None, "--load-state", help="Resume a saved session: the prompt continues it (same model and config only).", rich_help_panel=_G),
-    out: Path = typer.Option(None, "--out", help="Write the result, the request and the plan as JSON.", rich_help_panel=_O),
+    out: Path = typer.Option(None, "--out", help="Write the result, the request and the plan as JSON (with --batch-file: the result lines, in the file's order).", rich_help_panel=_O),
     dump_logits: Path = typer.Option(None, "--dump-logits", help="Write step 0's logits as raw float32.", rich_help_panel=_O),
     dump_cache_trace: Path = typer.Option(None, "--dump-cache-trace", help="Write expert_trace.bin and expert_hist.json into this directory.", rich_help_panel=_O),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Only the generated text (nothing on stderr but errors).", rich_help_panel=_O),
@@ -64,11 +68,12 @@ def run(
     *,
     flags: EngineFlags,
 ) -> None:
-    """Generate tokens from MODEL_DIR (greedy unless a sampling flag is given)."""
+    """Generate tokens from MODEL_DIR (greedy unless a sampling flag is given); with
+    --batch-file, for every prompt of a JSON Lines file, batched."""
     from k3core.run.request import RunRequest
     from k3core.run.runner import execute
 
-    request = RunRequest.from_flags({
+    given = {
         **flags.given, "model_dir": model_dir, "prompt": prompt, "prompt_file": prompt_file,
         "ids": ids, "bos": bos, "gen": gen, "context": context, "stop_id": stop_id,
         "stop": stop, "ignore_eos": ignore_eos, "temperature": temperature, "top_p": top_p,
@@ -76,7 +81,15 @@ def run(
         "spec_ngram": spec_ngram, "json_schema": json_schema, "grammar": grammar,
         "save_state": save_state, "load_state": load_state,
         "out": out, "dump_logits": dump_logits, "dump_cache_trace": dump_cache_trace,
-        "quiet": quiet, "verbose": verbose})
+        "quiet": quiet, "verbose": verbose}
+    if batch_file is not None or max_batch is not None:
+        from k3core.run.batch_runner import execute_batch
+
+        execute_batch(given, batch_file, max_batch, also={
+            "--expert-workers": expert_workers, "--ray-address": ray_address,
+            "--expert-shares": expert_shares})
+        return
+    request = RunRequest.from_flags(given)
     remote = None
     if expert_workers is not None or ray_address is not None or expert_shares is not None:
         from k3core.cluster.executor import ClusterExperts
