@@ -32,15 +32,23 @@ import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 
 from k3core.api.errors import K3Error
+from k3core.model.config import ModelConfig
 from k3core.model.segments import Feed, checked
 
-if TYPE_CHECKING:
-    from k3core.model.forward import Model
+
+class PassRunner(Protocol):
+    """What the scheduler needs of a model (:class:`k3core.model.forward.Model`)."""
+
+    cfg: ModelConfig
+    prefill_chunk: int | None
+    chunks_last: int
+
+    def forward_many(self, feeds: list[Feed], new_step: bool = True) -> list[np.ndarray]: ...
 
 #: how long a leader waits for the other running sequences to ask for their next pass
 GATHER_SECONDS = 0.02
@@ -91,7 +99,7 @@ class BatchStats:
 class Scheduler:
     """Batches the passes of the sequences that run on ``model`` (see the module)."""
 
-    def __init__(self, model: Model, max_batch: int | None = None,
+    def __init__(self, model: PassRunner, max_batch: int | None = None,
                  chunk: int = INTERLEAVE_CHUNK, gather: float = GATHER_SECONDS):
         self._model = weakref.ref(model)  # the model holds its scheduler: no cycle back
         self.max_batch = max_batch
@@ -104,7 +112,7 @@ class Scheduler:
         self._active = 0  # sequences inside a decode loop (they will ask again soon)
 
     @property
-    def model(self) -> Model:
+    def model(self) -> PassRunner:
         m = self._model()
         if m is None:
             raise K3Error("the model of this scheduler is gone")

@@ -11,15 +11,20 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from k3core.api.errors import UsageError
+from k3core.run.binding import Bound
 from k3core.run.generation import Generation
 from k3core.run.report import run_record
 from k3core.run.request import GenerationParams
+from k3core.run.session import Session
 
-if TYPE_CHECKING:
-    from k3core.run.engine import Engine
+
+class SessionMaker(Protocol):
+    """An open engine (:class:`k3core.run.engine.Engine`): fresh sessions on it."""
+
+    def session(self, incremental: bool | None = None) -> Session: ...
 
 #: how many prompts run at once unless the caller says
 DEFAULT_BATCH = 8
@@ -30,7 +35,7 @@ BatchItem = tuple[str | Sequence[int], GenerationParams]
 OnResult = Callable[[int, Generation | BaseException], None]
 
 
-def run_batch(engine: Engine, items: Sequence[BatchItem], *, max_batch: int | None = None,
+def run_batch(engine: SessionMaker, items: Sequence[BatchItem], *, max_batch: int | None = None,
               on_result: OnResult | None = None) -> list[Generation | BaseException]:
     """Run every item; results in the items' order (a failed prompt's error in its place,
     the others unaffected). ``on_result`` hears each as it finishes."""
@@ -51,8 +56,11 @@ def run_batch(engine: Engine, items: Sequence[BatchItem], *, max_batch: int | No
             prompt, params = items[i]
             out: Generation | BaseException
             try:
-                gen = engine.session().generate(prompt, params)
-                gen.report = run_record(engine, gen)
+                session = engine.session()
+                session.cancel = stop  # Ctrl-C: its next pass does not start
+                gen = session.generate(prompt, params)
+                if isinstance(engine, Bound):
+                    gen.report = run_record(engine, gen)
                 out = gen
             except Exception as e:  # this prompt's failure; the others go on
                 out = e
@@ -70,7 +78,9 @@ def run_batch(engine: Engine, items: Sequence[BatchItem], *, max_batch: int | No
             while t.is_alive():
                 t.join(0.2)
     except BaseException:
-        stop.set()  # Ctrl-C: no new prompt starts; the running ones end at their next step
+        stop.set()  # Ctrl-C: no new prompt starts; the running ones end before their next pass
+        for t in threads:  # and are gone before the caller closes the engine
+            t.join(60)
         raise
     return [r if r is not None else UsageError("not run") for r in results]
 

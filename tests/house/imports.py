@@ -24,13 +24,13 @@ RANK = {
 #: the run room's modules by pipeline stage, lowest first: a module imports modules of its
 #: own stage or a lower one, never a higher one (docs/architecture.md draws the same table)
 STAGES: dict[str, tuple[str, ...]] = {
-    "request": ("request", "settings", "preset", "prompt", "model_dir", "stops"),
+    "request": ("request", "settings", "preset", "prompt", "model_dir", "stops", "batch_file"),
     "plan": ("plan", "memory_plan", "preset_auto", "presets"),
     "bind": ("binding",),
     "report": ("generation", "report"),
-    "session": ("session", "state_file"),
-    "engine": ("engine",),
-    "runner": ("runner",),
+    "session": ("session", "state_file", "prefix_cache", "generate"),
+    "engine": ("engine", "batch"),
+    "runner": ("runner", "batch_runner"),
 }
 #: ``k3core.run.MODULE`` -> the rank of its stage
 STAGE = {f"k3core.run.{m}": rank for rank, mods in enumerate(STAGES.values()) for m in mods}
