@@ -246,22 +246,28 @@ class Model:
         z = k.matmul(p["self_attn.f_b_proj.weight"], fa)
         alpha = k.kda_gate(z, p["self_attn.dt_bias"], p["self_attn.A_log"], c.gate_lb)
         alpha = alpha.reshape(T, H, D)
-        outs = []
-        for a, b, st in segs.spans():
+        spans = list(segs.spans())
+        convs: dict[str, list[np.ndarray]] = {n: [] for n in "qkv"}
+        hists = []
+        for a, b, st in spans:  # the short convolutions per sequence, on its own history
             s = st.kda_state(p.layer)
-            trail = st.trail  # a speculative pass: what a rollback needs (model/rollback.py)
-            hist0 = {n: h.copy() for n, h in s.conv.items()} if trail is not None else None
-            raw = (rq[a:b], rk[a:b], rv[a:b])
-            qkv = {n: k.shortconv(r, p[f"self_attn.{n}_conv1d.weight"], s.conv[n])
-                   for n, r in zip("qkv", raw, strict=True)}
-            q = k.l2norm(qkv["q"].reshape(b - a, H, D)) * self.q_scale
-            kk = k.l2norm(qkv["k"].reshape(b - a, H, D))
-            v = qkv["v"].reshape(b - a, H, D)
-            if trail is None:
-                outs.append(k.kda_recurrent(q, kk, v, alpha[a:b], beta[a:b], s.S))
+            # a speculative pass records what a rollback needs (model/rollback.py)
+            hists.append({n: h.copy() for n, h in s.conv.items()} if st.trail is not None else None)
+            for n, r in zip("qkv", (rq, rk, rv), strict=True):
+                convs[n].append(k.shortconv(r[a:b], p[f"self_attn.{n}_conv1d.weight"], s.conv[n]))
+        qc, kc, vc = (xs[0] if len(xs) == 1 else np.concatenate(xs) for xs in convs.values())
+        q = k.l2norm(qc.reshape(T, H, D)) * self.q_scale  # per row: every sequence at once
+        kk = k.l2norm(kc.reshape(T, H, D))
+        v = vc.reshape(T, H, D)
+        outs = []
+        for (a, b, st), hist0 in zip(spans, hists, strict=True):
+            s = st.kda_state(p.layer)
+            if st.trail is None:
+                outs.append(k.kda_recurrent(q[a:b], kk[a:b], v[a:b], alpha[a:b], beta[a:b], s.S))
             else:
                 assert hist0 is not None
-                outs.append(trail.kda(k, p.layer, s, hist0, raw, q, kk, v, alpha[a:b], beta[a:b]))
+                outs.append(st.trail.kda(k, p.layer, s, hist0, (rq[a:b], rk[a:b], rv[a:b]),
+                                         q[a:b], kk[a:b], v[a:b], alpha[a:b], beta[a:b]))
         o = outs[0] if len(outs) == 1 else np.concatenate(outs)
         o = k.rmsnorm(o, p["self_attn.o_norm.weight"], c.rms_eps).reshape(T, H * D)
         o = o * k.sigmoid(rg)
