@@ -61,10 +61,16 @@ at each ``begin_token``; a resident's ETA is refreshed at each visit of its laye
 
 Look-ahead the engine really has
 --------------------------------
-``begin_layer`` receives all of the layer's requests (the router runs before any expert is
-loaded). A key with further requests in this visit has ``ETA = now``: it is admitted even
-into a full cache and is the last to go, so repeats within a batch of positions still hit.
-After its last request in the visit its ETA returns to the prediction.
+``begin_layer`` receives all of the layer's requests in order (the router runs before any
+expert is loaded). A key with further requests in this visit has ``ETA = now + f``, ``f`` in
+``[0, 1)`` growing with the place of its next request in the visit (``p / (p + 1)``): it is
+admitted even into a full cache, it goes only after every key not needed again in the visit
+(those are a whole tick away at least), and among the visit's own keys the one needed last
+goes first, which is Belady's rule inside a visit of many rows (a prefill chunk, a batched
+step). After its last request in the visit its ETA returns to the prediction. The engine's
+cache announces each key once per visit (it serves all of a key's rows with one use), so
+there a key's need in the visit ends at its first request; a replay that makes every
+request in turn (``k3 sim-cache``'s default, the reference's) announces the repeats too.
 
 Cost
 ----
@@ -91,6 +97,23 @@ N_CLASSES = 6  # floor(log2(requests)) buckets: 1, 2-3, 4-7, 8-15, 16-31, 32+
 _CLASS_OF = np.minimum(np.floor(np.log2(np.maximum(np.arange(33), 1))), N_CLASSES - 1)
 _CLASS_OF = _CLASS_OF.astype(np.int64)
 _CLASS_LIST: list[int] = _CLASS_OF.tolist()
+
+
+def _positions(keys: Sequence[int], base: int = 0) -> dict[int, list[int]]:
+    """Per key, its places in ``keys`` (from ``base``), latest first."""
+    out: dict[int, list[int]] = {}
+    for i, k in enumerate(keys, base):
+        out.setdefault(k, []).append(i)
+    for at in out.values():
+        at.reverse()
+    return out
+
+
+def _soon(at: int) -> float:
+    """Where in its visit a request at place ``at`` comes, as a fraction of a tick: grows
+    with ``at`` and stays under 1, so a key requested again in the visit ranks by when, and
+    before every key whose layer comes round later (at least a tick away)."""
+    return at / (at + 1.0)
 
 
 class CycleETAPolicy(CachePolicy):
@@ -139,9 +162,11 @@ class CycleETAPolicy(CachePolicy):
         self._klv: dict[int, int] = {}  # the same two facts per key, for scalar reads
         self._kcnt: dict[int, int] = {}
         self._res_layer: dict[int, dict[int, None]] = {}  # insertion-ordered sets
-        # the current visit: its layer and the requests still to come
+        # the current visit: its layer, its length so far, and per key the positions in it
+        # of the requests still to come (latest first: the next one is last)
         self._layer = -1
-        self._remaining: dict[int, int] = {}
+        self._visit_len = 0
+        self._remaining: dict[int, list[int]] = {}
         # residents: a position each in the ETA / version / key arrays (-inf ETA where free);
         # per layer, its residents' (keys, positions, experts), rebuilt after it changes
         self._pos: dict[int, int] = {}
@@ -300,8 +325,10 @@ class CycleETAPolicy(CachePolicy):
     def begin_layer(self, layer: int, keys: Sequence[int]) -> None:
         if layer == self._layer:
             # the same layer again without a new pass: more requests of the same visit
-            for k in keys:
-                self._remaining[k] = self._remaining.get(k, 0) + 1
+            more = _positions(keys, self._visit_len)
+            self._visit_len += len(keys)
+            for k, at in more.items():
+                self._remaining[k] = at + self._remaining.get(k, [])
             for k in self._remaining:
                 self._request(k)
         else:
@@ -309,18 +336,18 @@ class CycleETAPolicy(CachePolicy):
         self._refresh(layer)
 
     def _refresh(self, layer: int) -> None:
-        """Every resident of ``layer`` gets its ETA again: the current tick if this visit
-        requests it, else ``_predict``'s, with versions in the residents' insertion order
-        (as ``_set_eta`` one key at a time would give them), in one numpy pass: this runs for
-        every resident of every layer visited."""
+        """Every resident of ``layer`` gets its ETA again: the place of its next request in
+        this visit if the visit requests it (:func:`_soon`), else ``_predict``'s, with
+        versions in the residents' insertion order (as ``_set_eta`` one key at a time would
+        give them), in one numpy pass: this runs for every resident of every layer visited."""
         if not self._res_layer.get(layer):
             return
         keys, pos, exp = self._residents_of(layer)
         eta = self._predict_experts(layer, exp)
         tick, res = float(self._tick), self._res_layer[layer]
-        for k in self._remaining:  # requested in this visit: needed now
+        for k, at in self._remaining.items():  # requested in this visit: needed now
             if k in res:
-                eta[keys.index(k)] = tick
+                eta[keys.index(k)] = tick + _soon(at[-1])
         self._eta_at[pos] = eta
         self._ver_at[pos] = np.arange(self._seq + 1, self._seq + 1 + len(keys))
         self._seq += len(keys)
@@ -332,10 +359,8 @@ class CycleETAPolicy(CachePolicy):
         self._visits[layer] = visit
         self._vtick[layer] = self._tick
         self._layer = layer
-        remaining: dict[int, int] = {}
-        for k in keys:
-            remaining[k] = remaining.get(k, 0) + 1
-        self._remaining = remaining
+        remaining = self._remaining = _positions(keys)
+        self._visit_len = len(keys)
         own = [k for k in remaining if k >> KEY_SHIFT == layer]
         idx = np.fromiter((k & EXPERT_MASK for k in own), dtype=np.int64, count=len(own))
         lv, cnt = self._arrays(layer, int(idx.max(initial=0)))
@@ -409,22 +434,28 @@ class CycleETAPolicy(CachePolicy):
         self._klv[key] = visit
         self._kcnt[key] = count + 1
 
-    def _consume(self, key: int) -> bool:
-        """Count one request of ``key`` in this visit; True if more are to come."""
-        left = self._remaining.get(key, 0) - 1
-        if left > 0:
-            self._remaining[key] = left
-            return True
-        if self._remaining.pop(key, None) is None:
+    def _consume(self, key: int) -> float | None:
+        """Count one request of ``key`` in this visit: the ETA of its next request in this
+        visit, or ``None`` if no more are to come."""
+        at = self._remaining.get(key)
+        if at is None:
             self._request(key)  # a request begin_layer did not announce
-        return False
+            return None
+        at.pop()
+        if at:
+            return self._tick + _soon(at[-1])
+        del self._remaining[key]
+        return None
 
     def on_hit(self, key: int) -> None:
-        if not self._consume(key) and key in self._pos:
-            self._set_eta(key, self._predict(key))
+        eta = self._consume(key)
+        if key in self._pos:
+            self._set_eta(key, self._predict(key) if eta is None else eta)
 
     def admit(self, key: int, protected: Container[int]) -> bool:
-        eta = float(self._tick) if self._consume(key) else self._predict(key)
+        eta = self._consume(key)
+        if eta is None:
+            eta = self._predict(key)
         self._pending = (key, eta)
         if len(self._pos) < self.capacity:
             return True

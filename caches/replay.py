@@ -22,6 +22,12 @@ A cursor points at the trace request the run is expected to make next.
   below it the policy falls back to plain LRU (admit everything, evict least recent), and it
   returns to Belady as soon as the run is back in step with the trace.
 
+A layer visit of many rows (a prefill chunk, a batched step) repeats keys. The engine's cache
+serves each key once per visit and announces it once (``begin_layer``): there a key's next
+use is its first request in a later visit of its layer, not a repeat in this one. A visit
+announced with repeats (the simulator's request-by-request replay, the reference's) keeps
+the next request, repeats included.
+
 The policy only decides residency, so a trace from a different prompt, a truncated trace or
 a trace of another model costs hits, never correctness. Keys outside the trace simply have
 no known next use.
@@ -37,14 +43,14 @@ from __future__ import annotations
 import heapq
 from bisect import bisect_left, bisect_right
 from collections import OrderedDict
-from collections.abc import Container
+from collections.abc import Container, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from k3_caches.lazy_heap import top_unprotected
 
-from k3.plugin import CachePolicy, PluginError, next_use, read_trace, trace_keys
+from k3.plugin import KEY_SHIFT, CachePolicy, PluginError, next_use, read_trace, trace_keys
 
 
 def _load_keys(trace: Any, n_layers: int, n_experts: int) -> np.ndarray:
@@ -87,6 +93,11 @@ class ReplayPolicy(CachePolicy):
         self._n = len(self._tkeys)
         self._inf = self._n  # "never used again" (larger than any index)
         self._nxt: list[int] = next_use(keys).tolist()  # next index of the same key
+        # per trace request, the end of its layer visit (a run of one layer's requests)
+        cuts = np.flatnonzero(np.diff(keys >> KEY_SHIFT)) + 1
+        bounds = np.r_[0, cuts, len(keys)]
+        self._vend: list[int] = np.repeat(bounds[1:], np.diff(bounds)).tolist()
+        self._once = False  # the current visit announced each key once (the engine's cache)
         order = np.argsort(keys, kind="stable")
         sorted_keys = keys[order]
         cut = np.flatnonzero(np.diff(sorted_keys)) + 1
@@ -128,19 +139,20 @@ class ReplayPolicy(CachePolicy):
             self._cursor = c + 1
             self.synced += 1
             self._health += (1.0 - self._health) * self._rate
-            return self._nxt[c]
+            return self._next_after(key, self._vend[c] - 1) if self._once else self._nxt[c]
         occ = self._occ.get(key)
         j = bisect_left(occ, c) if occ else 0
         if occ and j < len(occ) and occ[j] - c <= self.window:
             pos = occ[j]
+            after = self._vend[pos] - 1 if self._once else pos  # its next use comes after
             for i in range(c, pos):  # skipped trace requests: refresh their next uses
                 skipped = self._tkeys[i]
                 if skipped in self._nu and skipped != key:
-                    self._set_nu(skipped, self._next_after(skipped, pos))
+                    self._set_nu(skipped, self._next_after(skipped, after))
             self._cursor = pos + 1
             self.resyncs += 1
             self._health += (1.0 - self._health) * self._rate
-            return self._next_after(key, pos)
+            return self._next_after(key, after)
         self.unsynced += 1
         self._health -= self._health * self._rate
         return occ[j] if occ and j < len(occ) else self._inf
@@ -176,6 +188,9 @@ class ReplayPolicy(CachePolicy):
         return None
 
     # ---- events ------------------------------------------------------------------------
+    def begin_layer(self, layer: int, keys: Sequence[int]) -> None:
+        self._once = len(set(keys)) == len(keys)
+
     def on_hit(self, key: int) -> None:
         nu = self._locate(key)
         if key in self._nu:

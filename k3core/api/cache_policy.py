@@ -34,12 +34,17 @@ Events, in the order the cache issues them
     the same fixed order.
 ``begin_layer(layer, keys)``
     One visit of ``layer`` starts. ``keys`` is every request this visit will make, in request
-    order, duplicates included: the router has run for all positions of the pass before the
-    first expert is loaded, so this look-ahead is knowledge the engine really has (16 keys per
-    position; ``16 * T`` when ``T`` positions are batched through the layer). A policy may use
-    it; it may not assume anything about later layers or later passes.
+    order: the router has run for all positions of the pass before the first expert is
+    loaded, so this look-ahead is knowledge the engine really has (16 keys per position;
+    ``16 * T`` when ``T`` positions are batched through the layer). The engine's cache serves
+    each key once per visit (one use multiplies every row routed to it), so it announces each
+    key once, in the order of its first request; the offline simulator's ``requests`` replay
+    (the reference's) announces the duplicates too, each a request of its own. A policy may
+    use it; it may not assume anything about later layers or later passes.
 ``on_hit(key)``
-    ``key`` was requested and is resident (or already being read for an earlier request).
+    ``key`` was requested and is resident (or already being read for an earlier request). The
+    engine's cache also reports a key's later requests in the same visit this way while the
+    key is resident: the rows its one use served (they never miss).
 ``admit(key, protected) -> bool``
     ``key`` was requested and is not resident: this is the policy's miss notification, issued
     exactly once per missed request, before any victim is chosen. Return ``True`` to keep the

@@ -7,7 +7,9 @@ twelve budgets. ``--model DIR`` takes top-k, the layer and expert counts and the
 from that model, so a trace k3 recorded from a synthetic model is replayed with its own
 shape. A trace recorded with the router lookahead has its guesses beside it
 (``expert_guess.bin``, or ``--guesses FILE``): the lookahead is replayed too (recall, demand
-reads, wasted bytes). See ``docs/expert-cache.md``.
+reads, wasted bytes). ``--serve visits`` replays a layer visit as the engine serves it (each
+expert once, its other rows with the same use) instead of request by request. A trace may be
+gzipped (``expert_trace.bin.gz``). See ``docs/expert-cache.md``.
 """
 
 from __future__ import annotations
@@ -112,14 +114,17 @@ def sim_cache(
     plot: Path = typer.Option(None, "--plot", help="Also write hit rate versus slots as a PNG."),
     guesses: Path = typer.Option(None, "--guesses", help="The router lookahead's expert_guess.bin (default: beside TRACE when there)."),
     no_lookahead: bool = typer.Option(False, "--no-lookahead", help="Ignore the lookahead's guesses."),
+    serve: str = typer.Option("requests", "--serve", help="Replay a layer visit request by request (requests, the reference's) or as the engine serves it, each expert once (visits)."),
 ) -> None:
     """Replay TRACE under every cache policy and Belady: hit rate and bytes read per token."""
     from k3core.experts.locator import pool_shape
-    from k3core.experts.simulator import EXPERT_BYTES, MODEL_TOPK, simulate
+    from k3core.experts.simulator import EXPERT_BYTES, MODEL_TOPK, SERVE_MODES, simulate
     from k3core.experts.trace import read_trace
 
     if slots is not None and cache_gb is not None:
         raise UsageError("give cache sizes as --slots or as --cache-gb, not both")
+    if serve not in SERVE_MODES:
+        raise UsageError(f"--serve must be one of {', '.join(SERVE_MODES)}, got {serve!r}")
     slot_list = parse_numbers(slots, "--slots", integer=True) if slots is not None else None
     gb_list = parse_numbers(cache_gb, "--cache-gb", integer=False) if cache_gb is not None else None
     for gb in gb_list or ():
@@ -152,6 +157,7 @@ def sim_cache(
             topk=k, n_layers=shape.n_layers if shape else None,
             n_experts=shape.n_experts if shape else None,
             progress=lambda name, n: st.update(f"replaying {name} at {n} slots"),
+            serve=serve,
         )
     if not result.rows:
         raise UsageError(f"every size is under top-k + 1 = {k + 1} slots (the engine refuses those); "

@@ -165,7 +165,9 @@ class ExpertCache(ExpertSource):
             self.recorder.record_many(layer, experts)  # type: ignore[attr-defined]
         self.guesses.resolve(layer, set(keys))
         self.stats.requests += len(keys)
-        self.policy.begin_layer(layer, keys)
+        # the visit serves each key once, all of its rows with one use: the policy hears the
+        # distinct keys in the order of their first request (repeats are reuse, never misses)
+        self.policy.begin_layer(layer, list(dict.fromkeys(keys)))
         self._visit = _Visit(layer, keys, experts)
         self._schedule(self._visit)
 

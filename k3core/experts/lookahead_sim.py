@@ -70,7 +70,8 @@ def recall(view: TraceView, guesses: np.ndarray) -> tuple[float | None, int]:
 
 def simulate_lookahead(pairs: np.ndarray, guesses: np.ndarray, sizes: Sequence[int],
                        gbs: Sequence[float | None], factories: Mapping[str, PolicyFactory],
-                       topk: int, options: Mapping[str, Any]) -> list[LookaheadRow]:
+                       topk: int, options: Mapping[str, Any], serve: str = "requests",
+                       ) -> list[LookaheadRow]:
     """Every policy at every size (sizes under ``topk + 1`` skipped), with the guesses."""
     view = TraceView.of(pairs)
     rows = []
@@ -80,7 +81,7 @@ def simulate_lookahead(pairs: np.ndarray, guesses: np.ndarray, sizes: Sequence[i
         row = LookaheadRow(slots, gb)
         for name, factory in factories.items():
             policy = factory(capacity=slots, **options)
-            row.by_policy[name] = replay(policy, view, slots, topk, guesses)
+            row.by_policy[name] = replay(policy, view, slots, topk, guesses, serve=serve)
         rows.append(row)
     return rows
 
@@ -124,7 +125,7 @@ def lookahead_for(result: SimResult, pairs: np.ndarray, guesses: np.ndarray,
     opts = policy_options(pairs, result.n_layers, result.n_experts, topk)
     rows = simulate_lookahead(pairs, guesses, [r.slots for r in result.rows],
                               [r.cache_gb for r in result.rows], policy_factories(policies),
-                              topk, opts)
+                              topk, opts, result.serve)
     for row, base in zip(rows, [r for r in result.rows if r.slots >= topk + 1], strict=True):
         for name in row.by_policy:
             rate = base.hit_rate.get(name)

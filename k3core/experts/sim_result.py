@@ -63,6 +63,7 @@ class SimResult:
     rows: list[SimRow] = field(default_factory=list)
     skipped_slots: list[int] = field(default_factory=list)  # sizes under topk + 1 slots
     seconds: dict[str, float] = field(default_factory=dict)  # replay time per policy
+    serve: str = "requests"  # how a visit was replayed (simulator.SERVE_MODES)
 
     @property
     def pool(self) -> int:
@@ -97,6 +98,7 @@ class SimResult:
             "policies": self.policies,
             "offline": self.offline,
             "hit_rate_units": "fraction of requests (0..1)",
+            "serve": self.serve,
             "rows": [r.to_json() for r in self.rows],
             "skipped_slots": self.skipped_slots,
             "seconds": {k: round(v, 3) for k, v in self.seconds.items()},
@@ -114,6 +116,8 @@ class SimResult:
             f"hottest experts: {top}",
             f"total reuse: {self.repeats:,} of {self.requests:,} requests are repeats "
             f"({100.0 * self.repeats / self.requests:.1f} %)",
+            *(["served as the engine serves a layer visit: each expert once, its repeats in "
+               "the visit as hits"] if self.serve == "visits" else []),
         ]
 
     def footer_lines(self) -> list[str]:

@@ -17,6 +17,15 @@ How a trace is replayed (:func:`replay`, the one loop)
   raises :class:`~k3core.api.errors.PluginError`.
 * A hit is a request whose key was resident. A declined admission (or no evictable slot) is
   a miss whose expert is not retained.
+* ``serve="visits"`` replays a visit as the engine serves it instead (docs/expert-cache.md,
+  "Mechanics"): the MoE multiplies each expert once for every row of the visit that routed to
+  it, so a key is walked once per visit, at its first request. ``begin_layer`` hears the
+  visit's distinct keys in that order; a repeat is served by the key's one use (counted as a
+  hit, as the engine counts it as reuse; the policy hears ``on_hit`` while the key is
+  resident, as the engine's walk tells it); the protected batch is the engine's, up to
+  ``capacity`` distinct keys. Belady is then computed over the visits' distinct keys. A
+  visit of one row has no repeats, so the two modes differ only where a visit holds many
+  rows: a prefill chunk, a batched step, full recompute.
 * With at least as many slots as the trace has distinct keys nothing needs evicting. A
   policy is replayed at the first such size; if it reached the compulsory ceiling there, it
   never lacked a free slot, so every larger size gives the same result and is not replayed
@@ -53,11 +62,15 @@ DEFAULT_CACHE_GB = (8, 16, 32, 64, 128, 192, 256, 384, 512, 768, 1024, 1450)
 MODEL_LAYERS, MODEL_EXPERTS, MODEL_TOPK = 92, 896, 16
 
 PolicyFactory = Callable[..., CachePolicy]
+#: how a visit is replayed: every request in turn (the reference's), or as the engine serves
+#: it (each key once per visit)
+SERVE_MODES = ("requests", "visits")
 
 __all__ = [
     "BELADY",
     "DEFAULT_CACHE_GB",
     "EXPERT_BYTES",
+    "SERVE_MODES",
     "ReplayCounts",
     "SimResult",
     "SimRow",
@@ -95,6 +108,14 @@ class TraceView:
             prev = layer
         return cls(trace_keys(pairs).tolist(), visits)
 
+    def visit_keys(self) -> np.ndarray:
+        """Each visit's distinct keys in the order of their first request, visit after visit
+        (what the engine walks: :func:`replay` with ``serve="visits"``)."""
+        out: list[int] = []
+        for start, end, _, _ in self.visits:
+            out.extend(dict.fromkeys(self.keys[start:end]))
+        return np.array(out, dtype=np.int64)
+
     def batch_starts(self, topk: int = MODEL_TOPK) -> list[bool]:
         """Per request: does it start a batch (every ``topk`` requests within a visit)?"""
         flags = [False] * len(self.keys)
@@ -110,6 +131,7 @@ class ReplayCounts:
 
     requests: int = 0
     hits: int = 0  # resident before the request, and not placed there by a guess
+    repeats: int = 0  # serve="visits": requests of a key its visit had walked (in ``hits``)
     demand_reads: int = 0  # misses the request had to read itself
     guess_reads: int = 0
     used: int = 0  # guessed reads a later request of their layer's visit used
@@ -136,11 +158,13 @@ def _refuse_victim(policy: CachePolicy, victim: int, resident: set[int]) -> Plug
 
 def replay(
     policy: CachePolicy, view: TraceView, capacity: int, topk: int = MODEL_TOPK,
-    guesses: np.ndarray | None = None,
+    guesses: np.ndarray | None = None, serve: str = "requests",
 ) -> ReplayCounts:
     """Drive ``policy`` through the trace with ``capacity`` slots (see the module docstring),
     and with ``guesses`` (``expert_guess.bin`` rows) the router lookahead's guessed reads
-    too (:mod:`k3core.experts.lookahead_sim` says how they are placed and scored)."""
+    too (:mod:`k3core.experts.lookahead_sim` says how they are placed and scored).
+    ``serve``: one of :data:`SERVE_MODES` (the module docstring)."""
+    by_visit = _serve_mode(serve) == "visits"
     resident: set[int] = set()
     pending: dict[int, int] = {}  # guessed key -> its layer, not yet requested
     out = ReplayCounts(requests=len(view.keys))
@@ -181,14 +205,14 @@ def replay(
             else:
                 out.skipped += 1
 
-    hits = used = demand = 0
+    hits = used = demand = repeats = 0
     for start, end, layer, new_pass in view.visits:
         while gi < len(groups) and groups[gi][0] <= start:
             guess(groups[gi][1], groups[gi][2])
             gi += 1
         if new_pass:
             begin_token()
-        begin_layer(layer, keys[start:end])
+        begin_layer(layer, list(dict.fromkeys(keys[start:end])) if by_visit else keys[start:end])
         if pending:  # what this visit does not want of the guesses is wasted
             want = set(keys[start:end])
             for k, gl in list(pending.items()):
@@ -198,10 +222,21 @@ def replay(
                     del pending[k]
                     out.wasted += 1
         protected: set[int] = set()
+        walked: set[int] = set()  # serve="visits": this visit's keys walked so far
         for j in range(start, end):
-            if (j - start) % topk == 0:
-                protected = set()
             k = keys[j]
+            if not by_visit:
+                if (j - start) % topk == 0:
+                    protected = set()
+            elif k in walked:  # served by its key's one use in this visit
+                repeats += 1
+                if k in resident:
+                    on_hit(k)
+                continue
+            else:
+                if len(protected) >= capacity:  # the engine's batch is full: the next one
+                    protected = set()
+                walked.add(k)
             if k in resident:
                 if pending and pending.pop(k, None) is not None:
                     used += 1
@@ -226,16 +261,23 @@ def replay(
             protected.add(k)
         if groups:
             last_visit = keys[start:end]
-    out.hits, out.used, out.demand_reads = hits, used, demand
+    out.hits, out.used, out.demand_reads, out.repeats = hits + repeats, used, demand, repeats
     out.wasted += len(pending)
     return out
 
 
 def replay_policy(
-    policy: CachePolicy, view: TraceView, capacity: int, topk: int = MODEL_TOPK
+    policy: CachePolicy, view: TraceView, capacity: int, topk: int = MODEL_TOPK,
+    serve: str = "requests",
 ) -> int:
     """:func:`replay` without guesses: the hit count."""
-    return replay(policy, view, capacity, topk).hits
+    return replay(policy, view, capacity, topk, serve=serve).hits
+
+
+def _serve_mode(serve: str) -> str:
+    if serve not in SERVE_MODES:
+        raise UsageError(f"serve must be one of {', '.join(SERVE_MODES)}, got {serve!r}")
+    return serve
 
 
 def next_use(keys: np.ndarray) -> np.ndarray:
@@ -351,6 +393,7 @@ def simulate(
     n_experts: int | None = None,
     options: Mapping[str, Any] | None = None,
     progress: Callable[[str, int], None] | None = None,
+    serve: str = "requests",
 ) -> SimResult:
     """Replay ``pairs`` under each policy and exact Belady at each size.
 
@@ -362,8 +405,10 @@ def simulate(
     ``{name: factory}`` map. ``requests_per_token`` defaults to ``topk * n_layers``.
     ``n_layers``/``n_experts`` default to the real model's 92/896 when the trace fits them,
     else to what the trace shows. ``options`` are passed to every policy
-    (:func:`policy_options`). Returns a :class:`SimResult`.
+    (:func:`policy_options`). ``serve`` is how a visit is replayed (:data:`SERVE_MODES`, the
+    module docstring). Returns a :class:`SimResult`.
     """
+    serve = _serve_mode(serve)
     pairs = checked_pairs(pairs)
     max_layer, max_expert = int(pairs[:, 0].max()), int(pairs[:, 1].max())
     if n_layers is None:
@@ -409,8 +454,10 @@ def simulate(
         policies=names,
         offline=offline,
         seconds={n: 0.0 for n in names},
+        serve=serve,
     )
-    nxt = next_use(keys)
+    walked = view.visit_keys() if serve == "visits" else keys  # what Belady serves
+    nxt = next_use(walked)
     opts = policy_options(pairs, n_layers, n_experts, topk, options)
     n = len(keys)
     ceiling_hits = n - result.distinct
@@ -431,14 +478,15 @@ def simulate(
                 progress(name, slots)
             t0 = time.perf_counter()
             policy = factory(capacity=slots, **opts)
-            hits = replay(policy, view, slots, topk).hits
+            hits = replay(policy, view, slots, topk, serve=serve).hits
             rates[name] = hits / n
             result.seconds[name] += time.perf_counter() - t0
             if roomy and hits == ceiling_hits:
                 at_ceiling.add(name)
         t0 = time.perf_counter()
         # with room for every key Belady never evicts: exactly the compulsory ceiling
-        rates[BELADY] = (ceiling_hits if roomy else belady_hits(keys, slots, nxt)) / n
+        optimum = (n - len(walked) + belady_hits(walked, slots, nxt)) if not roomy else ceiling_hits
+        rates[BELADY] = optimum / n
         result.seconds[BELADY] += time.perf_counter() - t0
         result.rows.append(_row(result, slots, gb, rates))
     return result

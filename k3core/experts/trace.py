@@ -13,6 +13,11 @@ Format (the reference engine's, so traces move between engines; docs/engine-beha
     ``{"n_layers": L, "n_experts": E, "counts": {"layer,expert": count, ...}}``: the request
     count of every expert over the whole run, zero entries omitted.
 
+``expert_trace.bin.gz``
+    A trace may be read gzipped (``gzip -9n expert_trace.bin``: the same bytes, compressed;
+    routing traces shrink 10-50x), told apart by the gzip magic ``1f 8b``, which no trace
+    can start with (it would be a layer over 35,000). k3 writes traces uncompressed; the
+    test fixtures are kept compressed.
 ``expert_guess.bin``
     Only when the run made router-lookahead guesses: the guesses, a versioned sidecar
     (:mod:`k3core.experts.guess_trace`); the two files above keep the reference's format.
@@ -22,14 +27,17 @@ and renamed only when all are complete, so a reader never sees half a trace (and
 leaves none). Reading refuses, with one line and exit 2
 (:class:`TraceError`), anything that is not a plausible trace: a missing or empty file, an
 odd number of int32 values, negative or out-of-range layers or experts, or a file larger
-than :data:`MAX_TRACE_BYTES`.
+than :data:`MAX_TRACE_BYTES` (a gzipped one: once decompressed), or a gzipped file that does
+not decompress.
 """
 
 from __future__ import annotations
 
 import errno
+import gzip
 import json
 import os
+import zlib
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -46,6 +54,7 @@ TRACE_NAME = "expert_trace.bin"
 HIST_NAME = "expert_hist.json"
 MAX_TRACE_BYTES = 10**9  # 1 GB: 125 M requests, ~85,000 tokens of the real model
 _DTYPE = np.dtype("<i4")
+_GZIP_MAGIC = b"\x1f\x8b"
 
 
 class TraceError(UsageError):
@@ -81,6 +90,13 @@ def read_trace(
             f"trace {p}: {size:,} bytes is larger than the {MAX_TRACE_BYTES:,}-byte limit "
             f"for a trace; is this really an {TRACE_NAME}?"
         )
+    try:
+        with open(p, "rb") as f:
+            zipped = f.read(2) == _GZIP_MAGIC
+    except OSError as exc:
+        raise TraceError(f"trace {p}: cannot read it ({exc.strerror or exc})") from None
+    if zipped:
+        return _pairs(_gunzip(p), n_layers, n_experts, f"trace {p}")
     if size % 4:
         raise TraceError(f"trace {p}: {size} bytes is not a whole number of int32 values")
     try:
@@ -90,17 +106,34 @@ def read_trace(
     return validate_pairs(raw, n_layers, n_experts, where=f"trace {p}")
 
 
+def _gunzip(p: Path) -> bytes:
+    """A gzipped trace's bytes, at most :data:`MAX_TRACE_BYTES` of them."""
+    try:
+        with gzip.open(p, "rb") as f:
+            data = f.read(MAX_TRACE_BYTES + 1)
+    except (OSError, EOFError, zlib.error) as exc:
+        raise TraceError(f"trace {p}: a gzipped file that does not decompress ({exc})") from None
+    if len(data) > MAX_TRACE_BYTES:
+        raise TraceError(f"trace {p}: decompresses to more than the {MAX_TRACE_BYTES:,}-byte "
+                         "limit for a trace")
+    return data
+
+
+def _pairs(data: bytes, n_layers: int | None, n_experts: int | None, where: str) -> np.ndarray:
+    if len(data) == 0:
+        raise TraceError(f"{where}: the data is empty (no requests)")
+    if len(data) % 4:
+        raise TraceError(f"{where}: {len(data)} bytes is not a whole number of int32 values")
+    return validate_pairs(np.frombuffer(data, dtype=_DTYPE), n_layers, n_experts, where=where)
+
+
 def parse_trace_bytes(
     data: bytes, n_layers: int | None = None, n_experts: int | None = None
 ) -> np.ndarray:
     """:func:`read_trace` for bytes already in memory (same checks, same errors)."""
-    if len(data) == 0:
-        raise TraceError("trace: the data is empty (no requests)")
     if len(data) > MAX_TRACE_BYTES:
         raise TraceError(f"trace: {len(data):,} bytes is over the {MAX_TRACE_BYTES:,}-byte limit")
-    if len(data) % 4:
-        raise TraceError(f"trace: {len(data)} bytes is not a whole number of int32 values")
-    return validate_pairs(np.frombuffer(data, dtype=_DTYPE), n_layers, n_experts, where="trace")
+    return _pairs(data, n_layers, n_experts, "trace")
 
 
 def validate_pairs(

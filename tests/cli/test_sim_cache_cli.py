@@ -126,6 +126,7 @@ def test_model_gives_the_shape(tmp_path: Path) -> None:
         ("small", ["--topk", "4", "--cache-gb", "1", "--expert-bytes", "1000000000"], "under top-k + 1"),
         ("small", ["--topk", "4", "--slots", "40", "--policy", "nosuch"], "unknown cache policy"),
         ("small", ["--slots", "40", "--model", "no-such-dir"], "not a directory"),
+        ("small", ["--topk", "4", "--slots", "40", "--serve", "rows"], "--serve must be one of"),
     ],
 )
 def test_refusals_exit_2_with_one_message(make, args, needle, small: Path, tmp_path: Path) -> None:
@@ -145,3 +146,21 @@ def test_refusals_exit_2_with_one_message(make, args, needle, small: Path, tmp_p
 def test_plot_into_a_missing_directory_is_an_output_error(small: Path, tmp_path: Path) -> None:
     res = k3(small, "--topk", 4, "--slots", "40", "--plot", tmp_path / "nope" / "x.png")
     assert res.exit_code == 3 and "does not exist" in res.output
+
+
+def test_serve_visits_on_a_gzipped_fixture() -> None:
+    """The demo model's batched-decode fixture (gzipped) as the engine serves a visit: every
+    repeat within a visit a hit, so each policy gains over the request-by-request replay."""
+    demo = Path(__file__).resolve().parents[2] / "demo-model"
+    trace = Path(__file__).resolve().parents[1] / "experts" / "data" / "demo_batch4_trace.bin.gz"
+    got = {}
+    for serve in ("requests", "visits"):
+        res = k3(trace, "--model", demo, "--slots", "16", "--policy", "lru", "--serve", serve,
+                 "--json")
+        assert res.exit_code == 0, res.output
+        got[serve] = json.loads(res.stdout)
+    assert got["visits"]["serve"] == "visits" and got["requests"]["serve"] == "requests"
+    by_visit, by_request = (got[s]["rows"][0]["hit_rate"] for s in ("visits", "requests"))
+    assert by_visit["lru"] > by_request["lru"] and by_visit["belady"] > by_request["belady"]
+    text = k3(trace, "--model", demo, "--slots", "16", "--policy", "lru", "--serve", "visits")
+    assert text.exit_code == 0 and "each expert once" in text.stdout

@@ -222,3 +222,45 @@ def test_cycle_eta_on_the_real_routing_decoded_incrementally(shipped: np.ndarray
     for row in r.rows:
         assert row.hit_rate["cycle-eta"] >= row.hit_rate["lru"], row.slots
         assert row.hit_rate["cycle-eta"] <= row.hit_rate[BELADY]
+
+
+def test_a_visit_served_as_the_engine_serves_it_worked_by_hand() -> None:
+    """Top-2, 3 slots, LRU, one visit of four rows a b | a c | d a | b e. Request by request
+    (the reference): a b miss, a hits, c misses, d evicts b, a hits, b evicts c, e evicts d:
+    2 hits. As the engine serves it: a b c are the first batch (3 distinct keys: the batch is
+    full), a's repeat is served by its one use, d starts the next batch and evicts b, a and b
+    are repeats (b no longer resident: no read, no event), e evicts c: 3 hits, all repeats,
+    5 reads (one per distinct key), and the policy hears each key once in begin_layer."""
+    from k3core.experts.simulator import SERVE_MODES, replay
+
+    a, b, c, d, e = range(5)
+    pairs = np.array([[1, x] for x in (a, b, a, c, d, a, b, e)], dtype=np.int32)
+    view = TraceView.of(pairs)
+    heard: list[list[int]] = []
+
+    class Heard(LRUPolicy):
+        def begin_layer(self, layer, keys):
+            heard.append([k & 0xFFFFF for k in keys])
+
+    by_request = replay(Heard(3), view, 3, topk=2)
+    by_visit = replay(Heard(3), view, 3, topk=2, serve="visits")
+    assert heard == [[a, b, a, c, d, a, b, e], [a, b, c, d, e]]
+    assert (by_request.hits, by_request.demand_reads, by_request.repeats) == (2, 6, 0)
+    assert (by_visit.hits, by_visit.demand_reads, by_visit.repeats) == (3, 5, 3)
+    r = simulate(pairs, slots_list=[3], topk=2, policies=["lru"], n_layers=2, n_experts=8,
+                 serve="visits")
+    assert r.serve == "visits" and r.to_json()["serve"] == "visits"
+    assert r.rows[0].hit_rate == {"lru": 3 / 8, BELADY: 3 / 8}  # Belady: 5 distinct reads too
+    assert SERVE_MODES == ("requests", "visits")
+    with pytest.raises(UsageError, match="serve must be one of"):
+        simulate(pairs, slots_list=[3], topk=2, serve="rows")
+
+
+def test_one_row_visits_replay_the_same_both_ways() -> None:
+    """Decode asks each layer for one row's top-k, all distinct: nothing repeats in a visit,
+    so the two ways of serving a visit are one."""
+    part = incremental_trace(n_layers=12, n_experts=64, topk=8, tokens=40, skew=1.0,
+                             stickiness=0.5, seed=3)
+    got = [simulate(part, slots_list=[20, 90], policies=["cycle-eta", "lru"], topk=8,
+                    serve=serve).rows for serve in ("requests", "visits")]
+    assert [r.hit_rate for r in got[0]] == [r.hit_rate for r in got[1]]

@@ -180,3 +180,49 @@ def _check_one(data: bytes, n_layers: int | None, n_experts: int | None) -> None
 def test_fuzz_reader(inputs: list[bytes], bounds: tuple) -> None:
     for data in inputs:
         _check_one(data, *bounds)
+
+
+# ---- gzipped traces (the committed fixtures) ------------------------------------------------
+def test_a_gzipped_trace_reads_as_its_bytes(tmp_path) -> None:
+    import gzip
+
+    tpath, _ = write_trace(tmp_path, PAIRS, n_layers=92, n_experts=896)
+    zipped = tmp_path / "expert_trace.bin.gz"
+    zipped.write_bytes(gzip.compress(tpath.read_bytes(), mtime=0))
+    assert zipped.read_bytes()[:2] == b"\x1f\x8b"  # no raw trace starts so: layer > 35,000
+    assert np.array_equal(read_trace(zipped, n_layers=92, n_experts=896), PAIRS)
+    with pytest.raises(TraceError, match="layer 92, outside 0..91"):  # the same checks
+        read_trace(zipped, n_layers=91)
+
+
+@pytest.mark.parametrize(
+    "data, message",
+    [
+        (b"\x1f\x8b\x08\x00garbage", "does not decompress"),
+        (b"\x1f\x8b", "does not decompress"),
+        ("empty", "empty"),
+        ("odd", "not a whole number of int32"),
+    ],
+)
+def test_gzipped_refusals(tmp_path, data, message: str) -> None:
+    import gzip
+
+    if data == "empty":
+        data = gzip.compress(b"", mtime=0)
+    elif data == "odd":
+        data = gzip.compress(b"\x01\x00\x00\x00\x05\x00", mtime=0)
+    path = tmp_path / "t.bin.gz"
+    path.write_bytes(data)
+    with pytest.raises(TraceError, match=message) as info:
+        read_trace(path)
+    assert info.value.exit_code == Exit.USAGE
+
+
+def test_a_gzipped_trace_over_the_limit_is_refused(tmp_path, monkeypatch) -> None:
+    import gzip
+
+    path = tmp_path / "t.bin.gz"
+    path.write_bytes(gzip.compress(PAIRS.astype("<i4").tobytes() * 4, mtime=0))
+    monkeypatch.setattr(trace_mod, "MAX_TRACE_BYTES", 100)
+    with pytest.raises(TraceError, match="decompresses to more than the 100-byte limit"):
+        read_trace(path)
