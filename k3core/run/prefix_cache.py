@@ -19,6 +19,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from k3core.model.state import SequenceState, StateSnapshot, snapshot
 
 
@@ -44,7 +46,8 @@ class PrefixCache:
 
     def __init__(self, budget: int):
         self.budget = max(0, int(budget))
-        self._entries: OrderedDict[tuple[int, ...], tuple[StateSnapshot, int]] = OrderedDict()
+        #: ids -> (their state, its bytes, the last id's logits if kept with it)
+        self._entries: OrderedDict[tuple[int, ...], tuple[StateSnapshot, int, np.ndarray | None]] = OrderedDict()
         self._bytes = 0
         self._lock = threading.Lock()
         self.stats = PrefixStats()
@@ -69,6 +72,20 @@ class PrefixCache:
             best = self._best(tuple(int(i) for i in ids))
         return 0 if best is None else len(best)
 
+    def exact(self, ids: Sequence[int]) -> tuple[StateSnapshot, np.ndarray] | None:
+        """The state kept after exactly ``ids`` with its last row's logits (the same prompt
+        sent again starts from them without a pass), or ``None``."""
+        key = tuple(int(i) for i in ids)
+        with self._lock:
+            got = self._entries.get(key)
+            if got is None or got[2] is None:
+                return None
+            self._entries.move_to_end(key)
+            self.stats.lookups += 1
+            self.stats.hits += 1
+            self.stats.cached_tokens += len(key)
+            return got[0], got[2]
+
     def lookup(self, ids: Sequence[int]) -> tuple[int, StateSnapshot | None]:
         """The longest kept prefix of ``ids`` that leaves at least one id to feed: its length
         and its state (``0, None`` when none)."""
@@ -83,28 +100,33 @@ class PrefixCache:
             self.stats.cached_tokens += len(best)
             return len(best), self._entries[best][0]
 
-    def store(self, ids: Sequence[int], state: SequenceState) -> bool:
-        """Keep a copy of ``state`` (which has consumed exactly ``ids``); False when it does
-        not fit the budget or ``ids`` is empty."""
+    def store(self, ids: Sequence[int], state: SequenceState,
+              logits: np.ndarray | None = None) -> bool:
+        """Keep a copy of ``state`` (which has consumed exactly ``ids``), and of ``logits``
+        (its last row's) when given; False when it does not fit the budget or ``ids`` is
+        empty."""
         key = tuple(int(i) for i in ids)
         if not key or state.pos != len(key) or self.budget <= 0:
             return False
         with self._lock:
-            if key in self._entries:
+            got = self._entries.get(key)
+            if got is not None and (logits is None or got[2] is not None):
                 self._entries.move_to_end(key)
                 return True
         snap = snapshot(state)
-        size = snapshot_bytes(snap)
+        kept = None if logits is None else np.array(logits, dtype=np.float32, copy=True)
+        size = snapshot_bytes(snap) + (0 if kept is None else kept.nbytes)
         if size > self.budget:
             return False
         with self._lock:
-            if key in self._entries:
-                return True
+            old = self._entries.pop(key, None)
+            if old is not None:
+                self._bytes -= old[1]
             while self._bytes + size > self.budget and self._entries:
-                _, (_, n) = self._entries.popitem(last=False)
+                _, (_, n, _) = self._entries.popitem(last=False)
                 self._bytes -= n
                 self.stats.evicted += 1
-            self._entries[key] = (snap, size)
+            self._entries[key] = (snap, size, kept)
             self._bytes += size
             self.stats.stored += 1
         return True

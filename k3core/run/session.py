@@ -88,6 +88,13 @@ class Session:
         #: set by another thread to end the session's current pass between two chunks
         #: (``k3core.model.scheduler.Cancelled``; a server's client that went away)
         self.cancel: threading.Event | None = None
+        #: the logits of the last id the state holds (a kept prompt state, with its last
+        #: row's logits, :mod:`k3core.run.prefix_cache`): the next call's first pick uses
+        #: them instead of a pass, when it feeds nothing new and does not draft
+        self.primed: np.ndarray | None = None
+        #: told the first pass's logits when it fed everything the session holds (the
+        #: server keeps the prompt's state with them)
+        self.after_prefill: Callable[[np.ndarray], None] | None = None
 
     # ---- the sequence ------------------------------------------------------------------------
     @property
@@ -172,7 +179,8 @@ class Session:
                              f"limit is {MAX_PROMPT}")
         for sid in p.stop_ids:
             check_vocab([sid], eng.cfg.vocab, param("stop_ids"))
-        if self.incremental and not prompt and not self.pending:
+        if self.incremental and not prompt and not self.pending and (
+                self.primed is None or p.spec != "off" or speculator is not None):
             raise UsageError("nothing to feed: the session's ids are all consumed; give a prompt")
         gen = Generation(prompt_ids=prompt, sampler=make_sampler(p))
         make, fills = p.budget(len(self.ids) + len(prompt))
@@ -378,9 +386,16 @@ class Session:
         stats = self.engine.experts.stats
         before = stats.bytes_read
         gen.prefill_ids = len(self.ids) - (self.state.pos if self.incremental and self.state else 0)
+        primed, self.primed = self.primed, None
+        if primed is not None and run is None and gen.prefill_ids == 0:
+            gen.prefill_chunks = 0  # the kept state's own logits: no pass
+            return primed
         logits = run() if run is not None else self._forward()
         gen.prefill_chunks = self.engine.model.chunks_last
         gen.prefill_expert_bytes = stats.bytes_read - before
+        if (self.after_prefill is not None and self.state is not None
+                and self.state.pos == len(self.ids)):
+            self.after_prefill(logits)
         return logits
 
     def _forward(self) -> np.ndarray:

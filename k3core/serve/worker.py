@@ -9,10 +9,11 @@ of its chunks). Each row's logits are the bytes of the same request run alone.
 
 **The prefix cache** (:mod:`k3core.run.prefix_cache`). A job whose prompt starts with ids a
 kept state was reached after (an earlier prompt, or an earlier prompt and its reply) starts
-from that state and feeds only the rest; ``reused`` says how many ids it skipped. A prompt
-of more than one new id is fed in two calls, all but its last id first, so the state at the
-end of the prompt is kept too (the same prompt sent again reuses it), and so is the state at
-the last multiple of :data:`PREFIX_BLOCK` ids (requests that share an opening); a split of a sequence
+from that state and feeds only the rest; ``reused`` says how many ids it skipped. The state
+at the end of a prompt is kept with its last row's logits after the job's first pass (the
+same prompt sent again starts from them, without a pass), the state at the prompt's last
+multiple of :data:`PREFIX_BLOCK` ids before its end too (requests that share an opening: a
+pass of its own), and the state at the end of the reply. A split of a sequence
 into calls gives the bytes of one pass, and so does a restored state.
 
 A job of ``n`` rows (OpenAI's ``n``) prefills its prompt but the last id once, keeps a copy
@@ -180,27 +181,19 @@ class Worker:
     def _rows(self, job: Job, s: Session, t0: float) -> Outcome:
         prompt = job.prompt_ids
         reused = 0
-        if job.on_prompt_rows is None and self.prefix is not None:
-            reused, snap = self.prefix.lookup(prompt)
-            if snap is not None:
-                s.resume(prompt[:reused], snap)
         params = job.params
         head, last = prompt[:-1], prompt[-1:]
         if job.n == 1 and job.on_prompt_rows is None:
-            if self.prefix is not None and len(head) > reused:
-                block = len(head) // PREFIX_BLOCK * PREFIX_BLOCK
-                for upto in (block, len(head)):  # a shared opening (a system prompt), the prompt
-                    if upto > s.positions:
-                        s.prefill(head[s.positions : upto])
-                        assert s.state is not None
-                        self.prefix.store(head[:upto], s.state)
-                feed = last
-            else:
-                feed = prompt[reused:]
+            feed, reused = self._start(s, prompt, params.spec == "off")
             rows = [self._row(job, s, 0, feed, params)]
         else:
             if job.n > 1 and not params.greedy and params.seed is None:  # one seed for all rows
                 params = params.model_copy(update={"seed": time.time_ns() % SEED_LIMIT})
+            if job.on_prompt_rows is None and self.prefix is not None:
+                # a kept prefix of the head, the whole head included (-1 is no id: only matched)
+                reused, snap = self.prefix.lookup(head + [-1])
+                if snap is not None:
+                    s.resume(head[:reused], snap)
             s.prefill(head[reused:], job.on_prompt_rows)
             if self.prefix is not None and job.on_prompt_rows is None and s.state is not None:
                 self.prefix.store(head, s.state)
@@ -224,6 +217,39 @@ class Worker:
                   else "length" if any(r.finish == "length" for r in rows) else "stop")
         return Outcome([t for r in rows for t in r.ids], finish, reused,
                        time.perf_counter() - t0, rows[0].seed, rows)
+
+    def _start(self, s: Session, prompt: list[int], plain: bool) -> tuple[list[int], int]:
+        """Start ``s`` from the longest kept state of ``prompt``: what is left to feed, and how
+        many ids the kept state held;
+        with the prefix cache on, the prompt's state is kept after its first pass (with its
+        last row's logits), and at its last :data:`PREFIX_BLOCK` boundary when it crosses one
+        (a pass of its own). ``plain`` (no drafts): the same prompt kept with its logits
+        starts from them, fed nothing."""
+        if self.prefix is None:
+            return prompt, 0
+        if plain:
+            exact = self.prefix.exact(prompt)
+            if exact is not None:
+                s.resume(prompt, exact[0])
+                s.primed = exact[1]
+                return [], len(prompt)
+        reused, snap = self.prefix.lookup(prompt)
+        if snap is not None:
+            s.resume(prompt[:reused], snap)
+        block = (len(prompt) - 1) // PREFIX_BLOCK * PREFIX_BLOCK
+        if block > s.positions:  # a shared opening (a system prompt, a document)
+            s.prefill(prompt[s.positions : block])
+            assert s.state is not None
+            self.prefix.store(prompt[:block], s.state)
+        prefix, state_of = self.prefix, s
+
+        def keep(logits: np.ndarray) -> None:
+            assert state_of.state is not None
+            prefix.store(prompt, state_of.state, logits[-1] if logits.ndim == 2 else logits)
+            state_of.after_prefill = None
+
+        s.after_prefill = keep
+        return prompt[s.positions :], reused
 
     def _row(self, job: Job, s: Session, row: int, feed: list[int],
              params: GenerationParams) -> Row:

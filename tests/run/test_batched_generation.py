@@ -86,7 +86,10 @@ def test_a_kept_prefix_gives_a_fresh_runs_bytes(model):
         assert w.last_generation.first_logits.tobytes() == eng.logits(system + [6, 1, 2]).tobytes()
         assert b.ids == eng.generate(system + [6, 1, 2], max_tokens=5).ids
         same = w.run(Job(system + [6, 1, 2], GenerationParams(max_tokens=5)))  # sent twice
-        assert same.reused == len(system) + 2 and same.ids == b.ids
+        assert same.reused == len(system) + 3 and same.ids == b.ids
+        again = w.last_generation  # its first pick from the kept logits, no pass at all
+        assert again.prefill_chunks == 0
+        assert again.first_logits.tobytes() == eng.logits(system + [6, 1, 2]).tobytes()
         turn = system + [6, 1, 2] + b.ids + [3]  # a chat turn sending back the reply
         c = w.run(Job(turn, GenerationParams(max_tokens=4)))
         assert c.reused == len(turn) - 2
