@@ -23,8 +23,9 @@ prefix cache           a server's kept prompt-prefix states (``--prefix-cache-gb
 =====================  ============================================================
 
 A server decodes up to ``slots`` sequences at once (``k3 serve --max-batch``): each slot holds
-its own recurrent state and a KV cache of T positions, and a batched step's buffers hold one
-row per slot beside a prefill chunk, so those three rows are multiplied out by the slots.
+its own recurrent state and a KV cache of T positions, and a batched pass's buffers hold a
+prefill chunk beside up to ``INTERLEAVE_CHUNK`` rows of every other slot (newcomers' prompts
+go in at most that many ids a pass), so those three rows grow with the slots.
 :func:`most_slots` is the most that fit.
 
 =====================  ============================================================
@@ -52,6 +53,7 @@ import psutil
 from k3core.api.errors import MemoryPlanError, UsageError, param
 from k3core.api.units import ALIGN, human
 from k3core.model.config import ModelConfig
+from k3core.model.scheduler import INTERLEAVE_CHUNK
 from k3core.model.sizes import ModelSizes, cache_slots, sizes_from_config, slot_bytes
 from k3core.model.state import kv_bytes_per_position, recurrent_bytes_per_layer
 
@@ -112,6 +114,8 @@ class MemoryPlan:
     #: sequences decoding at once (each with its KV cache and recurrent state)
     slots: int = 1
     prefix_cache: int = 0
+    #: what one more slot adds: its KV cache, its recurrent state, its rows of a pass
+    per_slot: int = 0
     notes: list[str] = field(default_factory=list)
     #: ids per forward pass of a prompt (longer prompts go in chunks of this many)
     prefill_chunk: int = 0
@@ -314,7 +318,9 @@ def plan_memory(
     kv = kv_bytes(cfg, T, L) * n_slots  # full recompute holds one for the sequence it recomputes
     if T > chunk:
         notes.append(f"the prompt goes in chunks of {chunk} ids (buffers for one chunk)")
-    rows = min(T, chunk) + (n_slots - 1)  # a chunk and the other slots' rows in one pass
+    # one pass may hold a chunk of one sequence's prompt and every other slot's rows: a
+    # decode step's one, or a newcomer's prompt in chunks of the scheduler's interleave
+    rows = min(T, chunk) + (n_slots - 1) * min(T, INTERLEAVE_CHUNK)
     return MemoryPlan(
         trunk=trunk,
         tables=tables,
@@ -324,6 +330,8 @@ def plan_memory(
         kv_cache=kv,
         slots=n_slots,
         prefix_cache=req.prefix_cache,
+        per_slot=(kv // n_slots + recurrent
+                  + buffer_bytes(cfg, rows + min(T, INTERLEAVE_CHUNK), L) - buffer_bytes(cfg, rows, L)),
         baseline=process_rss() if baseline is None else baseline,
         available=avail,
         streamed=streamed,
@@ -337,9 +345,8 @@ def plan_memory(
 
 def most_slots(plan: MemoryPlan, most: int) -> int:
     """The most slots (at most ``most``, at least 1) whose KV caches, recurrent states and
-    rows fit beside the rest of ``plan`` (a plan of one slot) under the 95 % line."""
-    one_kv, one_rec = plan.kv_cache // plan.slots, plan.recurrent // plan.slots
+    rows of a pass (``plan.per_slot`` each) fit beside the rest of ``plan`` under the 95 %
+    line."""
     room = PLAN_LIMIT * plan.available - plan.total
-    per = one_kv + one_rec
-    extra = int(room // per) if per > 0 else most
+    extra = int(room // plan.per_slot) if plan.per_slot > 0 else most
     return max(1, min(most, plan.slots + extra))
