@@ -9,7 +9,9 @@ thread of its own: a lone run's passes run on its own thread, exactly as a plain
 included). That caller, the *leader*, first gives the other running sequences a moment to
 ask (:data:`GATHER_SECONDS` at most: each is between two tokens, a few microseconds of
 Python), then takes up to ``max_batch`` waiting feeds in arrival order and runs them as one
-pass (:meth:`k3core.model.forward.Model.forward_many`).
+pass (:meth:`k3core.model.forward.Model.forward_many`). Sequences that let a whole gather
+pass without asking (a stream its caller stopped reading) are not waited for again until a
+sequence enters or leaves.
 
 A feed longer than the pass budget (a newcomer's prompt while others decode) is fed in
 chunks of at most ``chunk`` ids, one chunk a pass, beside the running rows' steps: their
@@ -110,6 +112,9 @@ class Scheduler:
         self._waiting: list[Ticket] = []
         self._running = False
         self._active = 0  # sequences inside a decode loop (they will ask again soon)
+        #: running sequences that let a whole gather pass without asking (an abandoned
+        #: stream): not waited for again until a sequence enters or leaves
+        self._idle = 0
 
     @property
     def model(self) -> PassRunner:
@@ -125,11 +130,13 @@ class Scheduler:
         waits (briefly) for every running sequence to ask."""
         with self._cv:
             self._active += 1
+            self._idle = 0
         try:
             yield
         finally:
             with self._cv:
                 self._active -= 1
+                self._idle = 0
                 self._cv.notify_all()
 
     @property
@@ -169,11 +176,14 @@ class Scheduler:
                 self._cv.wait()
                 continue
             first = time.monotonic()
-            while (not t.done and not self._running and len(self._waiting) < self._active
+            while (not t.done and not self._running
+                   and len(self._waiting) < self._active - self._idle
                    and time.monotonic() - first < self.gather):
                 self._cv.wait(self.gather / 4)
             if t.done or self._running:
                 continue
+            if len(self._waiting) < self._active - self._idle:  # the gather ran out
+                self._idle = self._active - len(self._waiting)
             batch = self._take()
             if not batch:
                 continue

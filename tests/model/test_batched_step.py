@@ -160,3 +160,27 @@ def test_a_failed_pass_fails_every_row_in_it_and_the_model_goes_on(model):
             m.forward_many([Feed(np.array([1]), fresh, 1), Feed(np.array([2]), fresh, 1)])
     finally:
         eng.close()
+
+
+def test_a_sequence_that_stops_asking_holds_back_one_gather_only(model):
+    """A running sequence that never asks (an abandoned stream) costs the next pass one
+    gather; the passes after it run at once."""
+    import time
+
+    eng = _open(model)
+    m = eng.model
+    try:
+        m.scheduler.gather = 0.5
+        with m.scheduler.running():  # the abandoned one: registered, never asking
+            with m.scheduler.running():
+                st = SequenceState(eng.cfg, 8)
+                t0 = time.monotonic()
+                m.forward(np.array([3, 7]), st)
+                first = time.monotonic() - t0
+                t0 = time.monotonic()
+                for i in range(4):
+                    m.forward(np.array([i + 1]), st)
+                rest = time.monotonic() - t0
+        assert first >= 0.5 and rest < 0.5 * 4 / 2, (first, rest)
+    finally:
+        eng.close()
