@@ -25,7 +25,9 @@ prefix cache           a server's kept prompt-prefix states (``--prefix-cache-gb
 A server decodes up to ``slots`` sequences at once (``k3 serve --max-batch``): each slot holds
 its own recurrent state and a KV cache of T positions, and a batched pass's buffers hold a
 prefill chunk beside up to ``INTERLEAVE_CHUNK`` rows of every other slot (newcomers' prompts
-go in at most that many ids a pass), so those three rows grow with the slots.
+go in at most that many ids a pass) and the buffers of the experts a batched step's union
+reads beyond one sequence's (up to ``topk`` more a slot, where the cache has no slot for
+them), so those three rows grow with the slots.
 :func:`most_slots` is the most that fit.
 
 =====================  ============================================================
@@ -321,17 +323,23 @@ def plan_memory(
     # one pass may hold a chunk of one sequence's prompt and every other slot's rows: a
     # decode step's one, or a newcomer's prompt in chunks of the scheduler's interleave
     rows = min(T, chunk) + (n_slots - 1) * min(T, INTERLEAVE_CHUNK)
+    # a batched step asks a layer for the union of its rows' experts, each read at once into
+    # a buffer of its own where the cache has no slot for it: up to topk more a slot
+    union = 0
+    if expert > 0 and n_slots > 1:
+        union = (min(sz.n_experts, n_slots * sz.topk) - sz.topk) * slot_bytes(expert)
     return MemoryPlan(
         trunk=trunk,
         tables=tables,
         expert_cache=cache,
         recurrent=recurrent * n_slots,
-        buffers=buffer_bytes(cfg, rows, L),
+        buffers=buffer_bytes(cfg, rows, L) + union,
         kv_cache=kv,
         slots=n_slots,
         prefix_cache=req.prefix_cache,
         per_slot=(kv // n_slots + recurrent
-                  + buffer_bytes(cfg, rows + min(T, INTERLEAVE_CHUNK), L) - buffer_bytes(cfg, rows, L)),
+                  + buffer_bytes(cfg, rows + min(T, INTERLEAVE_CHUNK), L) - buffer_bytes(cfg, rows, L)
+                  + (sz.topk * slot_bytes(expert) if expert > 0 else 0)),
         baseline=process_rss() if baseline is None else baseline,
         available=avail,
         streamed=streamed,
