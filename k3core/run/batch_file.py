@@ -42,6 +42,7 @@ from pydantic import ValidationError
 
 from k3core.api.errors import K3Error, UsageError
 from k3core.api.files import FileRejected, read_capped
+from k3core.api.safejson import JSONRejected, json_kind, parse_json
 from k3core.run.prompt import MAX_PROMPT, MAX_PROMPT_FILE
 from k3core.run.request import GenerationParams
 from k3core.tokenizer.encoding import Tokenizer, TokenLimitExceeded
@@ -131,11 +132,11 @@ def prompt_ids(lines: list[BatchLine], path: Path, tok: Tokenizer | None, vocab:
 # ---- one line -----------------------------------------------------------------------------
 def _line(text: str, index: int, n: int, given: Mapping[str, Any], bos: bool) -> BatchLine:
     try:
-        obj = json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_no_constant)
-    except json.JSONDecodeError as exc:
-        raise UsageError(f"not valid JSON ({exc.msg}, column {exc.colno})") from None
+        obj = parse_json(text.encode("utf-8"))
+    except JSONRejected as exc:
+        raise UsageError(str(exc)) from None
     if not isinstance(obj, dict):
-        raise UsageError(f"a line is one JSON object, not {_json_kind(obj)}, e.g. "
+        raise UsageError(f"a line is one JSON object, not {json_kind(obj)}, e.g. "
                          '{"prompt": "Hello"} or {"ids": [3, 7, 11]}')
     unknown = [k for k in obj if k not in LINE_FIELDS]
     if unknown:
@@ -146,7 +147,7 @@ def _line(text: str, index: int, n: int, given: Mapping[str, Any], bos: bool) ->
                          + (", not both" if has else ""))
     prompt = obj.get("prompt")
     if prompt is not None and not isinstance(prompt, str):
-        raise UsageError(f"prompt: a string, not {_json_kind(prompt)}")
+        raise UsageError(f"prompt: a string, not {json_kind(prompt)}")
     ids = obj.get("ids")
     if "ids" in obj:
         ids = _id_list(ids, "ids")
@@ -154,10 +155,10 @@ def _line(text: str, index: int, n: int, given: Mapping[str, Any], bos: bool) ->
     if (not (line_id is None or isinstance(line_id, (str, int, float)))
             or isinstance(line_id, bool)
             or (isinstance(line_id, float) and not math.isfinite(line_id))):
-        raise UsageError(f"id: a string or a number, not {_json_kind(line_id)}")
+        raise UsageError(f"id: a string or a number, not {json_kind(line_id)}")
     line_bos = obj.get("bos", bos)
     if not isinstance(line_bos, bool):
-        raise UsageError(f"bos: true or false, not {_json_kind(line_bos)}")
+        raise UsageError(f"bos: true or false, not {json_kind(line_bos)}")
     fields = {k: v for k, v in obj.items() if k not in PROMPT_FIELDS}
     if isinstance(fields.get("stop"), str):
         fields["stop"] = [fields["stop"]]
@@ -178,7 +179,7 @@ def _params(data: dict[str, Any]) -> GenerationParams:
 
 def _id_list(value: object, name: str) -> list[int]:
     if not isinstance(value, list):
-        raise UsageError(f"{name}: a list of token ids, not {_json_kind(value)}")
+        raise UsageError(f"{name}: a list of token ids, not {json_kind(value)}")
     for v in value:
         if isinstance(v, bool) or not isinstance(v, int) or v < 0:
             raise UsageError(f"{name}: token ids are non-negative integers, got "
@@ -220,29 +221,3 @@ def _ids(b: BatchLine, tok: Tokenizer | None, vocab: int, bos_id: int | None) ->
             raise UsageError(f"{name}: id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
     b.params.budget(len(ids))  # a prompt that fills its context leaves no room to generate
     return ids
-
-
-# ---- JSON --------------------------------------------------------------------------------
-def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in pairs:
-        if k in out:
-            raise UsageError(f"the field {k!r} is given twice")
-        out[k] = v
-    return out
-
-
-def _no_constant(name: str) -> float:
-    raise UsageError(f"{name} is not JSON (a number is finite)")
-
-
-def _json_kind(v: object) -> str:
-    if v is None:
-        return "null"
-    if isinstance(v, bool):
-        return "true/false"
-    if isinstance(v, (int, float)) and math.isfinite(v):
-        return "a number"
-    if isinstance(v, str):
-        return "a string"
-    return "a list" if isinstance(v, list) else "an object" if isinstance(v, dict) else repr(v)

@@ -158,8 +158,8 @@ def test_out_may_not_be_the_batch_file(model, tmp_path) -> None:
 
 
 BAD = [
-    ("bad JSON", [{"ids": [1]}, '{"ids": [1, 2'], "line 2: not valid JSON"),
-    ("not an object", [{"ids": [1]}, "[1, 2]"], "line 2: a line is one JSON object, not a list"),
+    ("bad JSON", [{"ids": [1]}, '{"ids": [1, 2'], "line 2: invalid JSON"),
+    ("not an object", [{"ids": [1]}, "[1, 2]"], "line 2: a line is one JSON object, not an array"),
     ("unknown field", [{"ids": [1], "temprature": 0.5}], "line 1: unknown field 'temprature'"),
     ("prompt and ids", [{"ids": [1]}, {"ids": [1], "prompt": "x"}], "line 2: give exactly one of"),
     ("neither", [{"max_tokens": 3}], "line 1: give exactly one of"),
@@ -167,8 +167,10 @@ BAD = [
     ("a bool for a number", [{"ids": [1], "temperature": True}], "line 1: temperature:"),
     ("ids not ints", [{"ids": [1, "2"]}], "line 1: ids: token ids are non-negative integers"),
     ("out of range", [{"ids": [1], "top_p": 1.5}], "line 1: top_p must be in (0, 1]"),
-    ("a duplicate field", ['{"ids": [1], "ids": [2]}'], "line 1: the field 'ids' is given twice"),
-    ("NaN", ['{"ids": [1], "temperature": NaN}'], "line 1: NaN is not JSON"),
+    ("a duplicate field", ['{"ids": [1], "ids": [2]}'], "line 1: duplicate key 'ids'"),
+    ("NaN", ['{"ids": [1], "temperature": NaN}'], "line 1: NaN is not a JSON number"),
+    ("nested too deeply", ['{"ids": ' + "[" * 100_000 + "]" * 100_000 + "}"],
+     "line 1: JSON nested too deeply"),
     ("an id that is an object", [{"ids": [1], "id": {"a": 1}}], "line 1: id: a string or a number"),
     ("ids out of the vocabulary", [{"ids": [1]}, {"ids": [2]}, {"ids": [3, 1024]}],
      "line 3: ids: id 1024 is outside the vocabulary (0..1023)"),
