@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Protocol
 
 from k3core.api.errors import UsageError
 from k3core.run.binding import Bound
@@ -84,9 +84,3 @@ def run_batch(engine: SessionMaker, items: Sequence[BatchItem], *, max_batch: in
         raise
     return [r if r is not None else UsageError("not run") for r in results]
 
-
-def generation_params(kw: dict[str, Any]) -> GenerationParams:
-    """Keywords -> checked parameters (as ``Engine.generate`` takes them)."""
-    from k3core.run.request import build
-
-    return build(GenerationParams, {k: v for k, v in kw.items() if v is not None})

@@ -31,7 +31,7 @@ from k3core.run.plan import EnginePlan, plan_engine, plan_run
 from k3core.run.prompt import check_vocab
 from k3core.run.report import run_record
 from k3core.run.request import EngineRequest, RunRequest
-from k3core.run.session import Session
+from k3core.run.session import Session, params_from
 
 __all__ = ["Engine", "open_engine"]
 
@@ -62,10 +62,10 @@ class Engine(Bound):
         :meth:`generate` (a ``seed`` gives prompt ``i`` the seed ``seed + i``); at most
         ``max_batch`` prompts run together (default 8). The first failure is raised once every
         prompt has ended."""
-        from k3core.run.batch import generation_params, run_batch
+        from k3core.run.batch import run_batch
 
         self._check_open()
-        base = generation_params(params)
+        base = params_from(None, params)
         items = [(p, base if base.seed is None else
                   base.model_copy(update={"seed": (base.seed + i) % (1 << 63)}))
                  for i, p in enumerate(prompts)]

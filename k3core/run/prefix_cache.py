@@ -24,11 +24,12 @@ import numpy as np
 from k3core.model.state import SequenceState, StateSnapshot, snapshot
 
 
-def snapshot_bytes(snap: StateSnapshot) -> int:
-    """Bytes a snapshot holds."""
-    n = sum(rows.nbytes for rows in snap.kv.values())
-    for S, conv in snap.kda.values():
-        n += S.nbytes + sum(h.nbytes for h in conv.values())
+def kept_bytes(state: SequenceState) -> int:
+    """Bytes a snapshot of ``state`` holds (its consumed KV rows, every KDA layer's state and
+    conv history), known before anything is copied."""
+    n = sum(kv.rows[: state.pos].nbytes for kv in state.kv.values())
+    for st in state.kda.values():
+        n += st.S.nbytes + sum(h.nbytes for h in st.conv.values())
     return n
 
 
@@ -113,11 +114,11 @@ class PrefixCache:
             if got is not None and (logits is None or got[2] is not None):
                 self._entries.move_to_end(key)
                 return True
+        size = kept_bytes(state) + (0 if logits is None else 4 * logits.size)
+        if size > self.budget:  # never kept: nothing copied
+            return False
         snap = snapshot(state)
         kept = None if logits is None else np.array(logits, dtype=np.float32, copy=True)
-        size = snapshot_bytes(snap) + (0 if kept is None else kept.nbytes)
-        if size > self.budget:
-            return False
         with self._lock:
             old = self._entries.pop(key, None)
             if old is not None:

@@ -202,30 +202,28 @@ class Session:
             raise UsageError("a constrained generation decodes one token a pass: no drafts")
         text = TextStream(eng.tokenizer, p.stop)
         stops, eos = set(p.stop_ids), set() if p.ignore_eos else eng.eos_ids
-        running = eng.model.scheduler.running()  # batched with the other running sequences
-        running.__enter__()
-        try:
-            if p.max_tokens == 0:
-                t0 = time.perf_counter()
-                gen.first_logits = self._prefill(gen)
-                gen.prefill_seconds = time.perf_counter() - t0
-                gen.stop_reason = "prefill"
-                return
-            if spec is not None:
-                yield from self._speculate(gen, p, spec, pick, text, stops, eos)
-            else:
-                yield from self._plain(gen, p, pick, text, stops, eos, constraint)
-            if fills and gen.stop_reason == "length" and len(gen.ids) >= make:
-                gen.stop_reason = "context"
-            tail = text.finish()
-            if tail:
-                yield None, tail
-        except KeyboardInterrupt:
-            gen.mark_interrupted()
-            raise
-        finally:
-            running.__exit__(None, None, None)
-            gen.text = text.text if text.enabled else None
+        with eng.model.scheduler.running():  # batched with the other running sequences
+            try:
+                if p.max_tokens == 0:
+                    t0 = time.perf_counter()
+                    gen.first_logits = self._prefill(gen)
+                    gen.prefill_seconds = time.perf_counter() - t0
+                    gen.stop_reason = "prefill"
+                    return
+                if spec is not None:
+                    yield from self._speculate(gen, p, spec, pick, text, stops, eos)
+                else:
+                    yield from self._plain(gen, p, pick, text, stops, eos, constraint)
+                if fills and gen.stop_reason == "length" and len(gen.ids) >= make:
+                    gen.stop_reason = "context"
+                tail = text.finish()
+                if tail:
+                    yield None, tail
+            except KeyboardInterrupt:
+                gen.mark_interrupted()
+                raise
+            finally:
+                gen.text = text.text if text.enabled else None
 
     def prefill(self, prompt_ids: Sequence[int],
                 on_rows: Callable[[int, np.ndarray], None] | None = None) -> None:
