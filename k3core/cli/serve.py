@@ -27,8 +27,6 @@ from k3core.cli.guard import guarded
 from k3core.cli.options import EngineFlags, engine_flags
 from k3core.serve.loading import DEFAULT_CONTEXT
 
-#: the most requests ``--max-batch`` may decode together
-MAX_BATCH = 256
 #: the most slots the default ``--max-batch`` takes (fewer when the memory plan says so)
 DEFAULT_MOST_BATCH = 16
 
@@ -136,8 +134,9 @@ def serve(
         raise UsageError(f"--port must be in 0..65535, got {port}")
     if max_queue < 1:
         raise UsageError(f"--max-queue must be >= 1, got {max_queue}")
-    if max_batch is not None and not 1 <= max_batch <= MAX_BATCH:
-        raise UsageError(f"--max-batch must be in 1..{MAX_BATCH}, got {max_batch}")
+    from k3core.run.batch import check_max_batch
+
+    check_max_batch(max_batch)
     prefix_bytes = gb_bytes(check_gb(prefix_cache_gb, "--prefix-cache-gb") or 0.0)
     from k3core.serve.connections import plan_limits
 

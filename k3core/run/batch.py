@@ -28,6 +28,15 @@ class SessionMaker(Protocol):
 
 #: how many prompts run at once unless the caller says
 DEFAULT_BATCH = 8
+#: the most sequences ``--max-batch`` may decode together (``k3 run --batch-file``, ``k3 serve``)
+MAX_BATCH = 256
+
+
+def check_max_batch(value: int | None) -> int | None:
+    """``--max-batch`` as given (``None``: not given), or a ``UsageError`` outside 1..MAX_BATCH."""
+    if value is not None and not 1 <= value <= MAX_BATCH:
+        raise UsageError(f"--max-batch must be in 1..{MAX_BATCH}, got {value}")
+    return value
 
 #: one prompt of a batch: text or ids, and its generation parameters
 BatchItem = tuple[str | Sequence[int], GenerationParams]

@@ -40,7 +40,7 @@ from typing import Any
 from k3core.api.errors import K3Error, UsageError
 from k3core.api.outputs import write_bytes_atomic
 from k3core.model.scheduler import BatchStats
-from k3core.run.batch import DEFAULT_BATCH, BatchItem, run_batch
+from k3core.run.batch import DEFAULT_BATCH, BatchItem, check_max_batch, run_batch
 from k3core.run.batch_file import BatchLine, prompt_ids, read_batch_file
 from k3core.run.engine import open_engine
 from k3core.run.generation import Generation
@@ -52,8 +52,6 @@ from k3core.run.request import PromptInput, RunRequest, spec_from_preset
 
 __all__ = ["execute_batch", "result_record"]
 
-#: the most prompts ``--max-batch`` may run at once
-MAX_BATCH = 256
 
 #: the run options a batch run refuses (each is about one sequence), by their flag names
 ONE_SEQUENCE = {"prompt": "--prompt", "prompt_file": "--prompt-file", "ids": "--ids",
@@ -70,8 +68,7 @@ def batch_request(flags: Mapping[str, Any], batch_file: Path | None, max_batch: 
     cluster's)."""
     if batch_file is None:
         raise UsageError("--max-batch needs --batch-file FILE")
-    if max_batch is not None and not 1 <= max_batch <= MAX_BATCH:
-        raise UsageError(f"--max-batch must be in 1..{MAX_BATCH}, got {max_batch}")
+    check_max_batch(max_batch)
     for name, flag in ONE_SEQUENCE.items():
         if flags.get(name) is not None:
             if name in ("prompt", "prompt_file", "ids"):
