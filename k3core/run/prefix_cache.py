@@ -60,10 +60,11 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def _best(self, key: tuple[int, ...]) -> tuple[int, ...] | None:
+    def _best(self, key: tuple[int, ...], leave: int = 1) -> tuple[int, ...] | None:
         best: tuple[int, ...] | None = None
         for k in self._entries:
-            if len(k) < len(key) and (best is None or len(k) > len(best)) and key[: len(k)] == k:
+            if (len(k) <= len(key) - leave and (best is None or len(k) > len(best))
+                    and key[: len(k)] == k):
                 best = k
         return best
 
@@ -87,13 +88,13 @@ class PrefixCache:
             self.stats.cached_tokens += len(key)
             return got[0], got[2]
 
-    def lookup(self, ids: Sequence[int]) -> tuple[int, StateSnapshot | None]:
-        """The longest kept prefix of ``ids`` that leaves at least one id to feed: its length
-        and its state (``0, None`` when none)."""
+    def lookup(self, ids: Sequence[int], leave: int = 1) -> tuple[int, StateSnapshot | None]:
+        """The longest kept prefix of ``ids`` that leaves at least ``leave`` ids to feed (one:
+        a pass must still give logits): its length and its state (``0, None`` when none)."""
         key = tuple(int(i) for i in ids)
         with self._lock:
             self.stats.lookups += 1
-            best = self._best(key)
+            best = self._best(key, leave)
             if best is None:
                 return 0, None
             self._entries.move_to_end(best)

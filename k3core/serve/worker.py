@@ -134,10 +134,6 @@ class Worker:
                 f"the prompt has {n_prompt} tokens and max_tokens is {max_tokens}: "
                 f"{n_prompt + max_tokens} is over the context of {self.context} tokens")
 
-    def reusable(self, ids: list[int]) -> int:
-        """How many of ``ids`` a kept state holds and a job could continue from."""
-        return self.prefix.peek(ids) if self.prefix is not None else 0
-
     def health(self) -> dict[str, Any]:
         """The batch as ``/health`` shows it."""
         st = self.engine.model.scheduler.stats
@@ -190,8 +186,8 @@ class Worker:
             if job.n > 1 and not params.greedy and params.seed is None:  # one seed for all rows
                 params = params.model_copy(update={"seed": time.time_ns() % SEED_LIMIT})
             if job.on_prompt_rows is None and self.prefix is not None:
-                # a kept prefix of the head, the whole head included (-1 is no id: only matched)
-                reused, snap = self.prefix.lookup(head + [-1])
+                # a kept prefix of the head, the whole head included (its last id follows)
+                reused, snap = self.prefix.lookup(head, leave=0)
                 if snap is not None:
                     s.resume(head[:reused], snap)
             s.prefill(head[reused:], job.on_prompt_rows)
