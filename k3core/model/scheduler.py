@@ -8,8 +8,9 @@ holding it has run. Passes are made by whichever waiting caller finds the model 
 thread of its own: a lone run's passes run on its own thread, exactly as a plain call, Ctrl-C
 included). That caller, the *leader*, first gives the other running sequences a moment to
 ask (:data:`GATHER_SECONDS` at most: each is between two tokens, a few microseconds of
-Python), then takes up to ``max_batch`` waiting feeds in arrival order and runs them as one
-pass (:meth:`k3core.model.forward.Model.forward_many`). Sequences that let a whole gather
+Python), then takes every waiting feed in arrival order and runs them as one pass
+(:meth:`k3core.model.forward.Model.forward_many`); how many sequences run at once is the
+callers' to bound (a server's slots, ``generate_batch``'s ``max_batch``). Sequences that let a whole gather
 pass without asking (a stream its caller stopped reading) are not waited for again until a
 sequence enters or leaves.
 
@@ -101,10 +102,9 @@ class BatchStats:
 class Scheduler:
     """Batches the passes of the sequences that run on ``model`` (see the module)."""
 
-    def __init__(self, model: PassRunner, max_batch: int | None = None,
+    def __init__(self, model: PassRunner,
                  chunk: int = INTERLEAVE_CHUNK, gather: float = GATHER_SECONDS):
         self._model = weakref.ref(model)  # the model holds its scheduler: no cycle back
-        self.max_batch = max_batch
         self.chunk = chunk
         self.gather = gather
         self.stats = BatchStats()
@@ -201,9 +201,7 @@ class Scheduler:
         for t in [t for t in self._waiting if t.cancel is not None and t.cancel.is_set()]:
             t.error, t.done = Cancelled("cancelled"), True
             self._waiting.remove(t)
-        n = len(self._waiting) if self.max_batch is None else min(self.max_batch,
-                                                                   len(self._waiting))
-        return self._waiting[:n]
+        return list(self._waiting)  # (how many run at once is the callers': a server's slots)
 
     def _run(self, batch: list[Ticket], mine: Ticket) -> None:
         """One pass over a slice of each ticket's ids (the lock not held); tickets fed whole
