@@ -22,6 +22,7 @@ import shutil
 import socket
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -68,8 +69,20 @@ class WorkerPool:
         return [p.line() for p in self.placements]
 
     def describe(self, w: int, timeout_s: float) -> dict[str, Any]:
-        """Ask worker ``w`` who it is now (after a restart: a new pid, maybe a new node)."""
-        info = self.ray.get(self.actors[w].describe.remote(), timeout=timeout_s)
+        """Ask worker ``w`` who it is now (after a restart: a new pid, maybe a new node). While
+        Ray says the actor is restarting (``ActorUnavailableError``: a restart slow on a busy
+        machine) it is asked again, until ``timeout_s`` is spent (then ``GetTimeoutError``)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                info = self.ray.get(self.actors[w].describe.remote(),
+                                    timeout=max(0.0, deadline - time.monotonic()))
+                break
+            except self.ray.exceptions.ActorUnavailableError:
+                if time.monotonic() >= deadline:
+                    raise self.ray.exceptions.GetTimeoutError(
+                        f"worker {w} was still restarting after {timeout_s:g} s") from None
+                time.sleep(0.1)
         self.info[w] = info
         return info
 
