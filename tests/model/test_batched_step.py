@@ -163,24 +163,112 @@ def test_a_failed_pass_fails_every_row_in_it_and_the_model_goes_on(model):
 
 
 def test_a_sequence_that_stops_asking_holds_back_one_gather_only(model):
-    """A running sequence that never asks (an abandoned stream) costs the next pass one
-    gather; the passes after it run at once."""
+    """A running sequence that stops asking (an abandoned stream, on a thread of its own)
+    costs the next pass one gather; the passes after it run at once."""
     import time
 
     eng = _open(model)
     m = eng.model
+    entered, leave = threading.Event(), threading.Event()
+
+    def abandoned() -> None:
+        with m.scheduler.running():  # one pass, then registered and never asking again
+            m.forward(np.array([5]), SequenceState(eng.cfg, 2))
+            entered.set()
+            leave.wait(60)
+
+    other = threading.Thread(target=abandoned)
     try:
         m.scheduler.gather = 0.5
-        with m.scheduler.running():  # the abandoned one: registered, never asking
-            with m.scheduler.running():
-                st = SequenceState(eng.cfg, 8)
-                t0 = time.monotonic()
-                m.forward(np.array([3, 7]), st)
-                first = time.monotonic() - t0
-                t0 = time.monotonic()
-                for i in range(4):
-                    m.forward(np.array([i + 1]), st)
-                rest = time.monotonic() - t0
+        other.start()
+        assert entered.wait(10)
+        with m.scheduler.running(), m.scheduler.running():  # nested: still one sequence
+            assert m.scheduler.active == 2
+            st = SequenceState(eng.cfg, 8)
+            t0 = time.monotonic()
+            m.forward(np.array([3, 7]), st)
+            first = time.monotonic() - t0
+            t0 = time.monotonic()
+            for i in range(4):
+                m.forward(np.array([i + 1]), st)
+            rest = time.monotonic() - t0
         assert first >= 0.5 and rest < 0.5 * 4 / 2, (first, rest)
+    finally:
+        leave.set()
+        other.join(10)
+        eng.close()
+    assert m.scheduler.active == 0
+
+
+def test_streams_that_ask_a_little_late_stay_in_one_batch(model):
+    """Sequences whose work between two passes takes longer than the least gather (many
+    threads sharing one interpreter) are still waited for, up to a share of the last
+    pass: they do not split into groups whose passes alternate."""
+    eng = _open(model)
+    m = eng.model
+    n, steps = 4, 6
+    errors: list[BaseException] = []
+    start = threading.Barrier(n)
+
+    def run(i: int) -> None:
+        import time
+        try:
+            with m.scheduler.running():
+                start.wait()
+                st = SequenceState(eng.cfg, 2 + steps)
+                m.forward(np.array([3, 7 + i]), st)
+                for k in range(steps):
+                    time.sleep(0.01 * i)  # a later row's between-token work is longer
+                    m.forward(np.array([k + 1]), st)
+        except BaseException as e:  # handed to the test thread
+            errors.append(e)
+
+    m.scheduler.gather = 0.001  # the least gather shorter than the stragglers' delays
+    m.scheduler.share = 1e3  # this tiny model's passes, weighted as a big model's
+    m.scheduler._last_pass = 1.0  # the newcomers' first pass: the arrival window is the most
+    try:
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not errors, errors
+        st = m.scheduler.stats
+        assert st.rows == n * (2 + steps)
+        assert st.passes == 1 + steps, st  # every pass holds every row (a split adds passes)
+    finally:
+        eng.close()
+
+
+def test_a_burst_of_newcomers_on_an_idle_model_shares_its_first_pass(model):
+    """Requests that reach an idle model a few milliseconds apart go in one pass: the first
+    waits a share of the last pass for the others instead of taking the model alone."""
+    import time
+
+    eng = _open(model)
+    m = eng.model
+    n = 4
+    errors: list[BaseException] = []
+    try:
+        with m.scheduler.running():  # one earlier pass, so the scheduler knows a pass's cost
+            m.forward(np.array([3]), SequenceState(eng.cfg, 2))
+        m.scheduler._last_pass = 1.0  # a pass as slow as a big model's: the window is the most
+
+        def run(i: int) -> None:
+            try:
+                time.sleep(0.005 * i)  # arriving over 15 ms
+                with m.scheduler.running():
+                    m.forward(np.array(PROMPTS[i % len(PROMPTS)]), SequenceState(eng.cfg, 12))
+            except BaseException as e:  # handed to the test thread
+                errors.append(e)
+
+        before = m.scheduler.stats.passes
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not errors, errors
+        assert m.scheduler.stats.passes - before == 1 and m.scheduler.stats.last == n
     finally:
         eng.close()
