@@ -83,6 +83,7 @@ from k3core.model.steps import Step
 from k3core.run.engine import Engine, open_engine
 from k3core.run.generate import RunResult, generate
 from k3core.run.memory_plan import peak_rss_bytes
+from k3core.run.plan import EnginePlan
 from k3core.run.request import EngineRequest, build
 from k3core.tools.bench import device_counters
 from k3core.tools.bench.decode_record import (
@@ -247,9 +248,10 @@ def _counters(eng: Engine, counter: CallCounter) -> dict[str, float]:
             "kernel_seconds": counter.seconds, "macs": counter.macs}
 
 
-def _open(request: EngineRequest, positions: int) -> Engine:
+def _open(request: EngineRequest, positions: int,
+          on_plan: Callable[[EnginePlan], None] | None = None) -> Engine:
     """Every engine the bench opens, opened here (as ``k3 run`` opens one)."""
-    return open_engine(request.model_copy(update={"positions": positions}))
+    return open_engine(request.model_copy(update={"positions": positions}), on_plan=on_plan)
 
 
 def _decode_run(request: EngineRequest, ids: list[int], gen: int, incremental: bool,
@@ -310,6 +312,13 @@ class BatchRun:
     passes: int  # the scheduler's passes in it, and the sequences they held
     feeds: int
     most: int  # the largest batch the scheduler ran (the whole run)
+    #: the streamed-from device's bytes read and seconds busy in the window (0: unknown)
+    disk_bytes: int = 0
+    disk_busy: float = 0.0
+    #: the engine's memory plan (opened for ``len(ids)`` slots), and the process's peak RSS
+    #: over the run (0: unknown)
+    plan_bytes: int = 0
+    peak_rss: int = 0
 
     @property
     def tokens_per_s(self) -> float:
@@ -317,21 +326,28 @@ class BatchRun:
 
 
 def _batch_run(request: EngineRequest, prompts: list[list[int]], gen: int, incremental: bool,
-               on_token: Callable[[int], None] | None = None) -> BatchRun:
-    """``prompts`` decoded together from one fresh engine, one thread each (greedy, ``gen``
-    tokens each), their passes batched by the model's scheduler; ``on_token(n)`` after the
-    n-th token of all rows."""
+               on_token: Callable[[int], None] | None = None,
+               disk: Path | None = None) -> BatchRun:
+    """``prompts`` decoded together from one fresh engine planned for as many slots (as
+    ``k3 serve --max-batch`` plans one), one thread each (greedy, ``gen`` tokens each), their
+    passes batched by the model's scheduler; ``on_token(n)`` after the n-th token of all
+    rows; ``disk``'s counters sampled over the steady window."""
     n = len(prompts)
-    eng = _open(request, max(map(len, prompts)) + gen)
+    plans: list[EnginePlan] = []
+    gc.collect()  # the last run's engine, freed before the peak is reset
+    reset = _reset_peak_rss()
+    eng = _open(request.model_copy(update={"slots": n}), max(map(len, prompts)) + gen,
+                on_plan=plans.append)
     try:
         sched, counter = eng.model.scheduler, CallCounter(eng.kernels)
         lock, stop, barrier = threading.Lock(), threading.Event(), threading.Barrier(n)
         steps: list[list[tuple[float, Step]]] = [[] for _ in prompts]
         out: list[RunResult | BaseException | None] = [None] * n
-        marks: dict[str, tuple[dict[str, float], Any]] = {}
+        marks: dict[str, tuple[dict[str, float], Any, device_counters.DeviceSample | None]] = {}
 
         def mark(name: str) -> None:
-            marks[name] = (_counters(eng, counter), replace(sched.stats))
+            marks[name] = (_counters(eng, counter), replace(sched.stats),
+                           device_counters.sample(disk))
 
         def row(i: int) -> None:
             def on_step(st: Step) -> None:
@@ -373,12 +389,14 @@ def _batch_run(request: EngineRequest, prompts: list[list[int]], gen: int, incre
         mark("end")
     finally:
         eng.close()
+    peak = _hwm_bytes() if reset else 0
     errors = [r for r in out if isinstance(r, BaseException)]
     if errors:
         raise next((e for e in errors if not isinstance(e, threading.BrokenBarrierError)),
                    errors[0])
-    (c0, s0), (c1, s1) = marks.get("steady", marks["end"]), marks["end"]
+    (c0, s0, d0), (c1, s1, d1) = marks.get("steady", marks["end"]), marks["end"]
     first = max(r[0][0] for r in steps)
+    memory = plans[0].memory if plans else None
     return BatchRun(
         ids=[list(r.generated_ids) for r in out if isinstance(r, RunResult)],
         seconds=max(r[-1][0] for r in steps) - first,
@@ -388,7 +406,10 @@ def _batch_run(request: EngineRequest, prompts: list[list[int]], gen: int, incre
         trunk_bytes=int(c1["trunk_bytes"] - c0["trunk_bytes"]),
         expert_bytes=int(c1["expert_bytes"] - c0["expert_bytes"]),
         calls=int(c1["calls"] - c0["calls"]), passes=s1.passes - s0.passes,
-        feeds=s1.feeds - s0.feeds, most=s1.most)
+        feeds=s1.feeds - s0.feeds, most=s1.most,
+        disk_bytes=d1.bytes_read - d0.bytes_read if d0 and d1 else 0,
+        disk_busy=d1.busy_seconds - d0.busy_seconds if d0 and d1 else 0.0,
+        plan_bytes=memory.total if memory is not None else 0, peak_rss=peak)
 
 
 def _batch_prompts(ids: list[int], batch: int, vocab: int, seed: int) -> list[list[int]]:
@@ -597,9 +618,9 @@ def _timed_runs(plan: _Plan, args: BenchArgs, say: Progress
                                 on_token=_tokens_of(say, "timed", i * per, total)))
         peak = max(peak, _hwm_bytes() if reset else peak_rss_bytes())
         if batched:
-            gc.collect()
             bruns.append(_batch_run(plan.timed, plan.prompts, args.gen, plan.incremental,
-                                    _tokens_of(say, "timed", i * per + args.gen, total)))
+                                    _tokens_of(say, "timed", i * per + args.gen, total),
+                                    disk=plan.stat))
     return runs, bruns, peak
 
 
@@ -738,6 +759,14 @@ def _batch_figures(plan: _Plan, runs: list[RunFigures], steady: list[RunFigures]
         batch_calls_per_token=_median([b.calls / t for b, t in zip(bruns, per, strict=True)]),
         batch_most=min(b.most for b in bruns),
         rows_per_pass=_median([b.feeds / b.passes if b.passes else 0.0 for b in bruns]),
+        device_busy_share=_median([b.disk_busy / b.seconds for b in bruns])
+        if all(b.disk_busy > 0 and b.seconds > 0 for b in bruns) else None,
+        device_rate=_median([b.disk_bytes / b.disk_busy for b in bruns])
+        if all(b.disk_busy > 0 for b in bruns) else None,
+        device_busy_per_step=_median([b.disk_busy / max(1, len(b.step_seconds)) for b in bruns])
+        if all(b.disk_busy > 0 for b in bruns) else None,
+        plan_bytes=max(b.plan_bytes for b in bruns),
+        peak_rss_bytes=max(b.peak_rss for b in bruns),
         batch_prompts=plan.prompts, baseline_tokens_per_s=_median(single),
         baseline_tokens_per_s_runs=single,
         batch_speedup=_median(agg) / _median(single) if _median(single) > 0 else None)
