@@ -15,7 +15,11 @@ recurrent state        KDA state + conv history for every KDA layer run; one slo
                        ultra-low-memory full recompute
 buffers                activations and per-layer scratch for one forward pass: T =
                        prompt + gen + 1 positions, or one prefill chunk when T is longer
-                       (the activations budget below), estimated from the model's widths
+                       (the activations budget below), estimated from the model's widths;
+                       and the transient expert buffers of one layer's visit (the union
+                       of the pass's rows' experts, topk a row, at most every expert of
+                       a layer and at most the cache's slots: a prompt's experts the
+                       policy does not admit are read into buffers of their own)
 KV cache               every mode: T x the latent KV bytes per position (kv_lora + qk_rope
                        float32 per MLA layer run); full recompute holds one too, for the
                        sequence it recomputes
@@ -25,9 +29,8 @@ prefix cache           a server's kept prompt-prefix states (``--prefix-cache-gb
 A server decodes up to ``slots`` sequences at once (``k3 serve --max-batch``): each slot holds
 its own recurrent state and a KV cache of T positions, and a batched pass's buffers hold a
 prefill chunk beside up to ``INTERLEAVE_CHUNK`` rows of every other slot (newcomers' prompts
-go in at most that many ids a pass) and the buffers of the experts a batched step's union
-reads beyond one sequence's (up to ``topk`` more a slot, where the cache has no slot for
-them), so those three rows grow with the slots.
+go in at most that many ids a pass) and the transient buffers of the experts its union
+reads, so those three rows grow with the slots.
 :func:`most_slots` is the most that fit.
 
 =====================  ============================================================
@@ -225,6 +228,23 @@ def buffer_bytes(cfg: ModelConfig, positions: int, n_layers: int | None = None) 
     return 4 * (T * c.hidden + T * maxb * c.hidden + scratch + c.vocab)
 
 
+def transient_expert_bytes(n_experts: int, topk: int, expert_bytes: int, rows: int,
+                           cache_slots: int | None = None) -> int:
+    """Buffers of the routed experts a pass of ``rows`` rows reads outside the cache's slots.
+
+    A layer's visit asks for the union of its rows' experts (``topk`` a row, at most the
+    layer's ``n_experts``); one the policy does not admit (a prompt's one-off experts) is read
+    into a buffer of its own, alive until the visit is served, and a visit serves at most as
+    many experts at once as the cache has slots (``k3core/experts/cache.py``). ``cache_slots``
+    None: the cache is not sized yet (the bound is the union alone)."""
+    if expert_bytes <= 0 or rows <= 0:
+        return 0
+    most = min(n_experts, rows * topk)
+    if cache_slots is not None:
+        most = min(most, cache_slots)
+    return most * slot_bytes(expert_bytes)
+
+
 def prefill_chunk(cfg: ModelConfig, available: int, n_layers: int | None = None) -> int:
     """The most ids one forward pass may take: their buffers (:func:`buffer_bytes`) fit the
     activations budget ``min(ACTIVATIONS_CAP, ACTIVATIONS_SHARE x available)``; at least 1."""
@@ -323,23 +343,22 @@ def plan_memory(
     # one pass may hold a chunk of one sequence's prompt and every other slot's rows: a
     # decode step's one, or a newcomer's prompt in chunks of the scheduler's interleave
     rows = min(T, chunk) + (n_slots - 1) * min(T, INTERLEAVE_CHUNK)
-    # a batched step asks a layer for the union of its rows' experts, each read at once into
-    # a buffer of its own where the cache has no slot for it: up to topk more a slot
-    union = 0
-    if expert > 0 and n_slots > 1:
-        union = (min(sz.n_experts, n_slots * sz.topk) - sz.topk) * slot_bytes(expert)
+
+    def transient(rows: int) -> int:
+        return transient_expert_bytes(sz.n_experts, sz.topk, expert, rows, slots or 0)
+
     return MemoryPlan(
         trunk=trunk,
         tables=tables,
         expert_cache=cache,
         recurrent=recurrent * n_slots,
-        buffers=buffer_bytes(cfg, rows, L) + union,
+        buffers=buffer_bytes(cfg, rows, L) + transient(rows),
         kv_cache=kv,
         slots=n_slots,
         prefix_cache=req.prefix_cache,
         per_slot=(kv // n_slots + recurrent
                   + buffer_bytes(cfg, rows + min(T, INTERLEAVE_CHUNK), L) - buffer_bytes(cfg, rows, L)
-                  + (sz.topk * slot_bytes(expert) if expert > 0 else 0)),
+                  + transient(rows + min(T, INTERLEAVE_CHUNK)) - transient(rows)),
         baseline=process_rss() if baseline is None else baseline,
         available=avail,
         streamed=streamed,

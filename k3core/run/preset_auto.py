@@ -35,6 +35,7 @@ from k3core.run.memory_plan import (
     kv_bytes,
     process_rss,
     total_bytes,
+    transient_expert_bytes,
 )
 from k3core.run.preset import AUTO, Preset
 
@@ -73,14 +74,17 @@ class AutoBudget:
 
 def run_overhead(cfg: ModelConfig, positions: int = DEFAULT_POSITIONS,
                  incremental: bool = True, baseline: int | None = None) -> int:
-    """Fixed cost of a run besides the budgets: state, buffers, KV, this interpreter.
+    """Fixed cost of a run besides the budgets: state, buffers (the transient expert
+    buffers of a visit of ``positions`` rows among them), KV, this interpreter.
 
     The latent KV cache is counted whatever ``incremental`` says: full recompute holds one
     for the sequence it recomputes (``incremental`` is kept for callers)."""
     state = recurrent_bytes_per_layer(cfg) * cfg.n_kda
     kv = kv_bytes(cfg, positions)
     base = process_rss() if baseline is None else baseline
-    return state + buffer_bytes(cfg, positions) + kv + base
+    sz = sizes_from_config(cfg)
+    transient = transient_expert_bytes(sz.n_experts, sz.topk, sz.expert_bytes, positions)
+    return state + buffer_bytes(cfg, positions) + transient + kv + base
 
 
 def auto_budget(sizes: ModelSizes, *, overhead: int, available: int | None = None,

@@ -133,6 +133,19 @@ def size_budgets(cfg: ModelConfig, sizes: ModelSizes, *, trunk_gb: float | None,
             trunk = min(room_trunk, t_most)
         if cache_gb is None:
             cache = min(room_cache, c_most)
+        # each cache slot may bring a transient expert buffer beside it (the plan's
+        # buffers): what the plan is over its line comes off the sized budgets, the cache's
+        # down to its floor first
+        for _ in range(8):
+            over = plan(trunk, cache).total - int(PLAN_LIMIT * avail)
+            if over <= 0:
+                break
+            if cache_gb is None and cache > cache_floor:
+                cache = max(cache_floor, cache - over)
+            elif trunk_gb is None and trunk > 0:
+                trunk = max(0, trunk - over)
+            else:
+                break
     given = " and ".join(f for f, v in (("--trunk-gb", trunk_gb), ("--cache-gb", cache_gb))
                          if v is not None) or "k3 tune"
     floor = min(align_up(sizes.largest_layer), t_most)
