@@ -25,6 +25,7 @@ import numpy as np
 
 from k3core.api.errors import UsageError
 from k3core.model.state import SequenceState
+from k3core.run.arenas import limit_arenas
 from k3core.run.binding import Bound, bind
 from k3core.run.generation import Generation
 from k3core.run.plan import EnginePlan, plan_engine, plan_run
@@ -112,6 +113,7 @@ def open_engine(request: EngineRequest | RunRequest, *,
     ``on_plan`` sees it before anything large is allocated (``k3 run`` prints it); then the
     memory plan is checked (``MemoryPlanError``, exit 1) and the plan is bound.
     ``on_layer_bound(L)`` hears each layer as it binds."""
+    limit_arenas()  # before the engine's threads: one heap each would outgrow the plan
     plan = plan_run(request) if isinstance(request, RunRequest) else plan_engine(request)
     if on_plan is not None:
         on_plan(plan)
