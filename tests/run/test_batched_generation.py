@@ -1,7 +1,8 @@
 """Generations batched on one engine give each prompt the ids and first-logit bytes it gets
-alone, in every mode: a streamed trunk at its floor, each cache policy, a small cache with
-its reader threads and lookahead, full recompute, speculative decoding, seeded sampling
-(each row its own draw); and a prefix cache's kept state gives a fresh run's bytes."""
+alone, in every mode: a streamed trunk at its floor, each storage backend, each cache
+policy, a small cache with its reader threads and lookahead, full recompute, speculative
+decoding, seeded sampling (each row its own draw); and a prefix cache's kept state gives a
+fresh run's bytes. (Remote expert workers: tests/cluster/test_cluster_rows.py.)"""
 
 from __future__ import annotations
 
@@ -40,15 +41,20 @@ MODES = {
                         "lookahead": "on"},
     "s3fifo": {"cache_policy": "s3fifo", "cache_gb": 0.0003},
     "full-recompute": {"incremental": False},
+    # each storage backend that reads a streamed trunk and a small cache's misses
+    "direct": {"storage": "direct", "trunk": "TRUNK", "trunk_gb": 0.00015, "cache_gb": 0.0002},
+    "mmap": {"storage": "mmap", "trunk": "TRUNK", "trunk_gb": 0.00015, "cache_gb": 0.0002},
 }
+#: the modes of the default suite (the rest: make test-long)
+QUICK = ("resident", "streamed", "direct")
 
 
 def _engine(model, trunk, extra):
-    kw = {k: (trunk if v == "TRUNK" else v) for k, v in extra.items()}
-    return open_engine(EngineRequest(model_dir=model, backend="numpy", storage="plain", **kw))
+    kw = {"storage": "plain"} | {k: (trunk if v == "TRUNK" else v) for k, v in extra.items()}
+    return open_engine(EngineRequest(model_dir=model, backend="numpy", **kw))
 
 
-@pytest.mark.parametrize("mode", [m if m in ("resident", "streamed") else pytest.param(m, marks=SLOW)
+@pytest.mark.parametrize("mode", [m if m in QUICK else pytest.param(m, marks=SLOW)
                                   for m in MODES])
 @pytest.mark.parametrize("how", ["greedy", "sampled", "spec"])
 def test_a_batch_gives_each_prompt_its_lone_bytes(model, mode, how):

@@ -40,8 +40,9 @@ JSON_KEYS = {
     "prefill_chunk", "prefill_chunks", "prefill_calls", "prefill_generated_ids", "prefill_macs",
     "batch", "aggregate_tokens_per_s", "aggregate_tokens_per_s_runs", "s_per_step",
     "s_per_step_runs", "trunk_bytes_per_token", "expert_bytes_per_token",
-    "batch_calls_per_token", "batch_most", "rows_per_pass", "device_busy_share", "device_rate",
-    "device_busy_per_step", "plan_bytes", "peak_rss_bytes", "batch_prompts",
+    "batch_calls_per_token", "batch_most", "rows_per_pass", "batch_device_busy_share",
+    "batch_device_rate", "batch_device_busy_per_step", "batch_plan_bytes", "batch_peak_rss_bytes",
+    "batch_prompts",
     "baseline_tokens_per_s", "baseline_tokens_per_s_runs", "batch_speedup",
     "generated_ids", "checked_against", "ids_match", "spec_ids_match", "batch_ids_match",
     "batch_generated_ids", "notes",
@@ -218,9 +219,9 @@ def test_batch_decodes_rows_together_each_checked_alone(model) -> None:
                                                  / doc["baseline_tokens_per_s"])
     assert doc["batch_calls_per_token"] > 0 and doc["trunk_bytes_per_token"] >= 0
     # the batched engine is planned for its 3 slots, and its peak RSS is measured (Linux)
-    assert doc["plan_bytes"] > 0
+    assert doc["batch_plan_bytes"] > 0
     if Path("/proc/self/clear_refs").exists():
-        assert doc["peak_rss_bytes"] > 0
+        assert doc["batch_peak_rss_bytes"] > 0
     assert doc["expert_bytes_per_token"] >= 0
 
 

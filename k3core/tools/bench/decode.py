@@ -759,14 +759,14 @@ def _batch_figures(plan: _Plan, runs: list[RunFigures], steady: list[RunFigures]
         batch_calls_per_token=_median([b.calls / t for b, t in zip(bruns, per, strict=True)]),
         batch_most=min(b.most for b in bruns),
         rows_per_pass=_median([b.feeds / b.passes if b.passes else 0.0 for b in bruns]),
-        device_busy_share=_median([b.disk_busy / b.seconds for b in bruns])
+        batch_device_busy_share=_median([b.disk_busy / b.seconds for b in bruns])
         if all(b.disk_busy > 0 and b.seconds > 0 for b in bruns) else None,
-        device_rate=_median([b.disk_bytes / b.disk_busy for b in bruns])
+        batch_device_rate=_median([b.disk_bytes / b.disk_busy for b in bruns])
         if all(b.disk_busy > 0 for b in bruns) else None,
-        device_busy_per_step=_median([b.disk_busy / max(1, len(b.step_seconds)) for b in bruns])
+        batch_device_busy_per_step=_median([b.disk_busy / max(1, len(b.step_seconds)) for b in bruns])
         if all(b.disk_busy > 0 for b in bruns) else None,
-        plan_bytes=max(b.plan_bytes for b in bruns),
-        peak_rss_bytes=max(b.peak_rss for b in bruns),
+        batch_plan_bytes=max(b.plan_bytes for b in bruns),
+        batch_peak_rss_bytes=max(b.peak_rss for b in bruns),
         batch_prompts=plan.prompts, baseline_tokens_per_s=_median(single),
         baseline_tokens_per_s_runs=single,
         batch_speedup=_median(agg) / _median(single) if _median(single) > 0 else None)

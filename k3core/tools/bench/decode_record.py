@@ -143,13 +143,13 @@ class BatchFigures:
     #: the streamed-from device over the window (Linux counters; None: unknown or no disk
     #: read): the share of the window it had reads in flight, the rate it read at while
     #: busy, and its busy seconds per batched step (the device floor at the rate it gave)
-    device_busy_share: float | None = None
-    device_rate: float | None = None
-    device_busy_per_step: float | None = None
+    batch_device_busy_share: float | None = None
+    batch_device_rate: float | None = None
+    batch_device_busy_per_step: float | None = None
     #: the batched engine's memory plan (B slots) and the peak RSS of the batched runs
     #: (0: unknown)
-    plan_bytes: int = 0
-    peak_rss_bytes: int = 0
+    batch_plan_bytes: int = 0
+    batch_peak_rss_bytes: int = 0
     #: the B prompts (the first is the bench's; the others seeded, of its length)
     batch_prompts: list[list[int]] = field(default_factory=list)
     #: B > 1: the timed single-sequence runs (alternating with the batched ones) as tokens/s
@@ -190,7 +190,11 @@ class DecodeBench:
         out: dict[str, Any] = {}
         for part in (self.setup, self.timing, self.bytes, self.floors, self.prefill, self.batch,
                      self.check):
-            out.update(asdict(part))
+            fields = asdict(part)
+            both = out.keys() & fields.keys()
+            if both:  # one flat object: a figure of one part must not hide another's
+                raise ValueError(f"bench decode report: {sorted(both)} named by two parts")
+            out.update(fields)
         return out
 
     def to_json(self) -> str:
@@ -299,15 +303,15 @@ def _batch_lines(b: DecodeBench) -> list[str]:
         f"{x.expert_bytes_per_token / 1e9:.4f} GB experts, "
         f"{x.batch_calls_per_token:.0f} Python->kernel calls per generated token",
     ]
-    if x.device_busy_per_step is not None and x.device_rate is not None:
+    if x.batch_device_busy_per_step is not None and x.batch_device_rate is not None:
         lines.append(
             f"batch disk  : {b.floors.disk_device or 'the device'} had reads in flight "
-            f"{100 * (x.device_busy_share or 0.0):.0f} % of the batched window and read "
-            f"{x.device_rate / 1e9:.2f} GB/s while busy: {x.device_busy_per_step:.4f} s of "
-            f"reads a step, the step is {x.s_per_step / x.device_busy_per_step:.2f}x that")
-    if x.peak_rss_bytes:
-        lines.append(f"batch memory: peak RSS {x.peak_rss_bytes / 1e6:.0f} MB against a plan of "
-                     f"{x.plan_bytes / 1e6:.0f} MB for {x.batch} slots")
+            f"{100 * (x.batch_device_busy_share or 0.0):.0f} % of the batched window and read "
+            f"{x.batch_device_rate / 1e9:.2f} GB/s while busy: {x.batch_device_busy_per_step:.4f} s of "
+            f"reads a step, the step is {x.s_per_step / x.batch_device_busy_per_step:.2f}x that")
+    if x.batch_peak_rss_bytes:
+        lines.append(f"batch memory: peak RSS {x.batch_peak_rss_bytes / 1e6:.0f} MB against a plan of "
+                     f"{x.batch_plan_bytes / 1e6:.0f} MB for {x.batch} slots")
     if c.batch_ids_match is not None:
         same = "identical to" if c.batch_ids_match else "NOT all identical to"
         lines.append(f"batch ids   : every row {same} its prompt alone on --backend "
