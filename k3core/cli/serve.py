@@ -114,6 +114,8 @@ def serve(
     max_queue: int = typer.Option(64, "--max-queue", help="Requests that may wait for a slot (then 429).", rich_help_panel=_S),
     max_batch: int = typer.Option(None, "--max-batch", help="Requests decoded together, their steps batched (default: as many as the memory plan fits, at most 16; each slot holds its KV cache at --context and its recurrent state).", rich_help_panel=_S, show_default=False),
     prefix_cache_gb: float = typer.Option(0.5, "--prefix-cache-gb", help="GB of kept prompt-prefix states: a request that starts with a kept prefix feeds only the rest (0: off).", rich_help_panel=_S),
+    prefix_cache_dir: Path = typer.Option(None, "--prefix-cache-dir", help="Spill the prefix states --prefix-cache-gb evicts to this directory and read them back when a prompt starts with one (kept across restarts; files of another model are left alone).", rich_help_panel=_S, show_default=False),
+    prefix_cache_disk_gb: float = typer.Option(None, "--prefix-cache-disk-gb", help="GB of spilled prefix states in --prefix-cache-dir, least recently used removed first (default 4).", rich_help_panel=_S, show_default=False),
     max_connections: int = typer.Option(None, "--max-connections", help="Connections open at once (default 256, less if the file limit needs it); past it the longest-idle one is closed, or a 503 when all are busy.", rich_help_panel=_S, show_default=False),
     timeout_header: float = typer.Option(10.0, "--timeout-header", help="Seconds a connection has to send a request's head (and the longest pause in its body).", rich_help_panel=_S),
     timeout_idle: float = typer.Option(30.0, "--timeout-idle", help="Seconds a keep-alive connection may idle between requests.", rich_help_panel=_S),
@@ -138,6 +140,14 @@ def serve(
 
     check_max_batch(max_batch)
     prefix_bytes = gb_bytes(check_gb(prefix_cache_gb, "--prefix-cache-gb") or 0.0)
+    from k3core.run.prefix_spill import DEFAULT_DISK_GB, PrefixSpill
+
+    if prefix_cache_disk_gb is not None and prefix_cache_dir is None:
+        raise UsageError("--prefix-cache-disk-gb needs --prefix-cache-dir (the directory it bounds)")
+    disk_bytes = gb_bytes(check_gb(prefix_cache_disk_gb, "--prefix-cache-disk-gb", positive=True)
+                          or DEFAULT_DISK_GB)
+    if prefix_cache_dir is not None:
+        PrefixSpill.check_dir(prefix_cache_dir)
     from k3core.serve.connections import plan_limits
 
     plan_limits(max_connections, timeout_header, timeout_idle)  # bad flags before the model opens
@@ -174,7 +184,9 @@ def serve(
         assert engine.tokenizer is not None  # the request requires one
         if think is None:  # the model says (the demo model was not trained on conversations)
             think = default_thinking(engine.cfg.source)
-        prefix = PrefixCache(prefix_bytes) if prefix_bytes else None
+        spill = (PrefixSpill(prefix_cache_dir, engine, disk_bytes)
+                 if prefix_cache_dir is not None else None)
+        prefix = PrefixCache(prefix_bytes, spill) if prefix_bytes or spill is not None else None
         service = Service(Worker(engine, context, prefix, max_batch), engine.tokenizer, model_name or model_dir.resolve().name,
                           chat_format=chat_format, thinking=think, effort=thinking_effort)
         limits, note = plan_limits(max_connections, timeout_header, timeout_idle)  # the model's files open

@@ -7,6 +7,10 @@ layer's recurrent state and conv history, every MLA layer's latent KV rows) unde
 up to a byte budget, and evicts the least recently used. A request whose prompt starts with
 a kept prefix (and goes on past it) restores that state and feeds only the rest.
 
+With a spill (:class:`~k3core.run.prefix_spill.PrefixSpill`, ``--prefix-cache-dir``) the
+states the budget evicts go to disk instead of away, and a lookup whose longest kept prefix
+is on disk reads it back into memory.
+
 **Bits.** A sequence split into calls gives the bytes of one pass, and a restored snapshot
 holds the bytes the state held, so a request that starts from a kept prefix gets the logits a
 fresh run gives (``tests/serve/test_prefix_cache.py``).
@@ -18,10 +22,14 @@ import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from k3core.model.state import SequenceState, StateSnapshot, snapshot
+
+if TYPE_CHECKING:
+    from k3core.run.prefix_spill import PrefixSpill
 
 
 def kept_bytes(state: SequenceState) -> int:
@@ -30,6 +38,14 @@ def kept_bytes(state: SequenceState) -> int:
     n = sum(kv.rows[: state.pos].nbytes for kv in state.kv.values())
     for st in state.kda.values():
         n += st.S.nbytes + sum(h.nbytes for h in st.conv.values())
+    return n
+
+
+def kept_snapshot_bytes(snap: StateSnapshot) -> int:
+    """Bytes ``snap`` holds (as :func:`kept_bytes` counts its state's)."""
+    n = sum(rows.nbytes for rows in snap.kv.values())
+    for S, conv in snap.kda.values():
+        n += S.nbytes + sum(h.nbytes for h in conv.values())
     return n
 
 
@@ -45,8 +61,9 @@ class PrefixStats:
 class PrefixCache:
     """Kept states by the ids that led to them, at most ``budget`` bytes (see the module)."""
 
-    def __init__(self, budget: int):
+    def __init__(self, budget: int, spill: PrefixSpill | None = None):
         self.budget = max(0, int(budget))
+        self.spill = spill
         #: ids -> (their state, its bytes, the last id's logits if kept with it)
         self._entries: OrderedDict[tuple[int, ...], tuple[StateSnapshot, int, np.ndarray | None]] = OrderedDict()
         self._bytes = 0
@@ -95,7 +112,21 @@ class PrefixCache:
         with self._lock:
             self.stats.lookups += 1
             best = self._best(key, leave)
-            if best is None:
+        n = 0 if best is None else len(best)
+        on_disk = self.spill.best(key, leave) if self.spill is not None else 0
+        if self.spill is not None and on_disk > n:
+            longer = key[:on_disk]
+            snap = self.spill.load(longer)
+            if snap is not None:
+                size = kept_snapshot_bytes(snap)
+                if size <= self.budget:  # back in memory (else served from disk each time)
+                    self._keep(longer, snap, size, None)
+                with self._lock:
+                    self.stats.hits += 1
+                    self.stats.cached_tokens += len(longer)
+                return len(longer), snap
+        with self._lock:
+            if best is None or best not in self._entries:  # (evicted meanwhile: a miss)
                 return 0, None
             self._entries.move_to_end(best)
             self.stats.hits += 1
@@ -108,7 +139,7 @@ class PrefixCache:
         (its last row's) when given; False when it does not fit the budget or ``ids`` is
         empty."""
         key = tuple(int(i) for i in ids)
-        if not key or state.pos != len(key) or self.budget <= 0:
+        if not key or state.pos != len(key) or (self.budget <= 0 and self.spill is None):
             return False
         with self._lock:
             got = self._entries.get(key)
@@ -116,25 +147,39 @@ class PrefixCache:
                 self._entries.move_to_end(key)
                 return True
         size = kept_bytes(state) + (0 if logits is None else 4 * logits.size)
-        if size > self.budget:  # never kept: nothing copied
-            return False
+        if size > self.budget:  # never kept in memory: nothing copied (the disk may take it)
+            return self.spill is not None and self.spill.put(key, snapshot(state))
         snap = snapshot(state)
         kept = None if logits is None else np.array(logits, dtype=np.float32, copy=True)
+        self._keep(key, snap, size, kept)
+        return True
+
+    def _keep(self, key: tuple[int, ...], snap: StateSnapshot, size: int,
+              logits: np.ndarray | None) -> None:
+        """Hold ``snap`` under ``key``; what the budget evicts goes to the spill, if any."""
+        gone: list[tuple[tuple[int, ...], StateSnapshot]] = []
         with self._lock:
             old = self._entries.pop(key, None)
             if old is not None:
                 self._bytes -= old[1]
             while self._bytes + size > self.budget and self._entries:
-                _, (_, n, _) = self._entries.popitem(last=False)
+                k, (s, n, _) = self._entries.popitem(last=False)
                 self._bytes -= n
                 self.stats.evicted += 1
-            self._entries[key] = (snap, size, kept)
+                gone.append((k, s))
+            self._entries[key] = (snap, size, logits)
             self._bytes += size
             self.stats.stored += 1
-        return True
+        if self.spill is not None:  # written outside the lock: other requests go on
+            for k, s in gone:
+                self.spill.put(k, s)
 
-    def to_json(self) -> dict[str, int]:
+    def to_json(self) -> dict[str, object]:
         s = self.stats
-        return {"entries": len(self), "bytes": self._bytes, "budget": self.budget,
-                "lookups": s.lookups, "hits": s.hits, "cached_tokens": s.cached_tokens,
-                "evicted": s.evicted}
+        out: dict[str, object] = {
+            "entries": len(self), "bytes": self._bytes, "budget": self.budget,
+            "lookups": s.lookups, "hits": s.hits, "cached_tokens": s.cached_tokens,
+            "evicted": s.evicted}
+        if self.spill is not None:
+            out["disk"] = self.spill.to_json()
+        return out

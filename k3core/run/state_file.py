@@ -182,7 +182,22 @@ def _int(v: Any) -> int:
     return v
 
 
-def _check_model(head: dict[str, Any], engine: Bound, where: str) -> tuple[list[int], int]:
+def read_ids(path: Path, engine: Bound, identity: dict[str, Any] | None = None) -> list[int]:
+    """The ids a session file at ``path`` was saved after, from its checked header alone
+    (the body is not read); ``identity`` is :func:`model_identity` of ``engine`` when the
+    caller has it. Every refusal is a :class:`StateFileError`."""
+    where = f"session file {path}"
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            head = _header(f, size, where)
+            return _check_model(head, engine, where, identity)[0]
+    except OSError as exc:
+        raise StateFileError(f"{where}: cannot read it ({exc.strerror or exc})") from None
+
+
+def _check_model(head: dict[str, Any], engine: Bound, where: str,
+                 identity: dict[str, Any] | None = None) -> tuple[list[int], int]:
     """The ids and position, once the file is known to be this model's and consistent."""
     try:
         saved = head["model"]
@@ -192,7 +207,7 @@ def _check_model(head: dict[str, Any], engine: Bound, where: str) -> tuple[list[
         config, weights = str(saved["config"]), str(saved["weights"])
     except (KeyError, TypeError) as exc:
         raise StateFileError(f"{where}: damaged header ({exc})") from None
-    here = model_identity(engine)
+    here = identity if identity is not None else model_identity(engine)
     if weights != here["weights"]:
         why = "its weights differ"
     elif config != here["config"]:

@@ -25,10 +25,10 @@ RANK = {
 #: own stage or a lower one, never a higher one (docs/architecture.md draws the same table)
 STAGES: dict[str, tuple[str, ...]] = {
     "request": ("request", "settings", "preset", "prompt", "model_dir", "stops", "batch_file"),
-    "plan": ("plan", "memory_plan", "preset_auto", "presets"),
+    "plan": ("plan", "memory_plan", "arenas", "preset_auto", "presets"),
     "bind": ("binding",),
     "report": ("generation", "report"),
-    "session": ("session", "state_file", "prefix_cache", "generate"),
+    "session": ("session", "state_file", "prefix_cache", "prefix_spill", "generate"),
     "engine": ("engine", "batch"),
     "runner": ("runner", "batch_runner"),
 }
