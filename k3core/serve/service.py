@@ -498,14 +498,14 @@ def _constraint(grammar: str, tok: Tokenizer, fast_forward: bool) -> Callable[[i
 
 
 def _by_row(job: Job, sinks: list[TextSink]) -> Callable[[Step | None, str], bool]:
-    """A job's ``on_step``: each row's steps to its own sink, the sink of a row that has
-    ended finished before the next row's first piece."""
+    """A job's ``on_step``: each row's steps to its own sink (``job.row``: the row the
+    calling thread decodes); each row's sink is finished when the row ends
+    (``job.on_row_done``)."""
 
     def on_step(step: Step | None, piece: str) -> bool:
-        for done in sinks[: job.row]:
-            done.finish()
         return sinks[job.row].on_step(step, piece)
 
+    job.on_row_done = lambda row: sinks[row].finish()
     return on_step
 
 

@@ -17,10 +17,16 @@ pass of its own), and the state at the end of the reply. A split of a sequence
 into calls gives the bytes of one pass, and so does a restored state.
 
 A job of ``n`` rows (OpenAI's ``n``) prefills its prompt but the last id once, keeps a copy
-of that state (:func:`~k3core.model.state.snapshot`), and decodes the rows one after the
-other, each from the copy restored, fed the last prompt id, with its own seed: row ``i``
-draws with ``(seed + i) mod 2**63`` (:func:`row_params`). Each row is exactly the single
-request with its seed. A job that wants the prompt's logprobs (``on_prompt_rows``) prefills
+of that state (:func:`~k3core.model.state.snapshot`), and decodes each row from the copy
+restored, fed the last prompt id, with its own seed: row ``i`` draws with ``(seed + i) mod
+2**63`` (:func:`row_params`). Each row is exactly the single request with its seed. The
+rows run at once, batched like any other sequences, as far as free slots allow: every
+sequence decoding holds one of the server's ``max_batch`` slots (a job waits for one before
+it starts; each further row takes a free one if there is one, else it runs after the job's
+other rows, on the job's own thread), so the KV caches and states the memory plan counted
+are never exceeded. Each row's steps go to its own sink (``on_step`` runs on the row's
+thread, ``row`` says which row that is), and ``on_row_done(row)`` follows a row's last step
+unless it was cancelled. A job that wants the prompt's logprobs (``on_prompt_rows``) prefills
 from a fresh state (a kept state has no logits left) and is handed every prompt position's
 logits.
 
@@ -42,7 +48,7 @@ import numpy as np
 from k3core.api.errors import UsageError
 from k3core.model.constraint import Constraint
 from k3core.model.scheduler import Cancelled
-from k3core.model.state import restore, snapshot
+from k3core.model.state import StateSnapshot, restore, snapshot
 from k3core.model.steps import Step
 from k3core.run.engine import Engine
 from k3core.run.generation import Generation
@@ -61,14 +67,17 @@ PREFIX_BLOCK = 64
 
 #: the seeds a request may give are below this; row seeds wrap around it
 SEED_LIMIT = 1 << 63
+#: seconds between a waiting job's looks at its cancel event
+SLOT_POLL = 0.1
 
 
 @dataclass(eq=False)
 class Job:
     """One generation: the whole prompt (not just its new part) and how to decode it.
 
-    ``n`` rows are decoded one after the other; ``row`` is the one running (``on_step`` is
-    called for every row's steps). ``around(row)`` may wrap each row's pick
+    ``n`` rows are decoded at once where slots allow; ``row`` is the row the calling thread
+    runs (``on_step`` is called on each row's own thread, for its steps; ``on_row_done(row)``
+    when a row has ended, unless cancelled). ``around(row)`` may wrap each row's pick
     (``Session.steps``); ``on_prompt_rows(pos, rows)`` is handed the logits of every prompt
     position but the last (``Session.prefill``); ``constraint(row)`` gives each row its own
     constraint (a JSON reply, a forced tool call: ``k3core.model.constraint``)."""
@@ -80,8 +89,18 @@ class Job:
     n: int = 1
     around: Callable[[int], PickWrap | None] | None = None
     on_prompt_rows: Callable[[int, np.ndarray], None] | None = None
-    row: int = 0
     constraint: Callable[[int], Constraint | None] | None = None
+    on_row_done: Callable[[int], None] | None = None
+    _rows: threading.local = field(default_factory=threading.local, repr=False)
+
+    @property
+    def row(self) -> int:
+        """The row the calling thread decodes (0 before any)."""
+        return int(getattr(self._rows, "row", 0))
+
+    @row.setter
+    def row(self, value: int) -> None:
+        self._rows.row = value
 
 
 @dataclass
@@ -121,6 +140,10 @@ class Worker:
         self.prefix = prefix_cache
         self.max_batch = max_batch
         self.lock = threading.Lock()
+        #: one a sequence decoding: a job's first row waits for one, its other rows take free
+        #: ones or run after (the memory plan counted ``max_batch`` sequences)
+        self.slots = threading.BoundedSemaphore(max(1, max_batch))
+        self.extra_rows = 0  # rows running beside their job's first
         self.jobs_done = 0
         self.cancelled = 0
         self.running = 0
@@ -138,6 +161,7 @@ class Worker:
         """The batch as ``/health`` shows it."""
         st = self.engine.model.scheduler.stats
         out: dict[str, Any] = {"running": self.running, "max_batch": self.max_batch,
+                               "extra_rows": self.extra_rows,
                                "passes": st.passes, "largest": st.most,
                                "last": st.last if self.running else 0,
                                "rows_per_pass": round(st.feeds / st.passes, 3) if st.passes else 0.0}
@@ -165,14 +189,20 @@ class Worker:
         if not job.prompt_ids:
             raise UsageError("the prompt is empty: nothing to feed the model")
         self.check_fits(len(job.prompt_ids), job.params.max_tokens)
-        if job.cancel.is_set():
-            return Outcome([], "cancelled", 0, 0.0)
-        s = self.engine.session(incremental=True)
-        s.cancel = job.cancel
+        while not self.slots.acquire(timeout=SLOT_POLL):  # (extra rows hold the slots)
+            if job.cancel.is_set():
+                return Outcome([], "cancelled", 0, 0.0)
         try:
-            return self._rows(job, s, t0)
-        except Cancelled:
-            return Outcome([], "cancelled", 0, time.perf_counter() - t0)
+            if job.cancel.is_set():
+                return Outcome([], "cancelled", 0, 0.0)
+            s = self.engine.session(incremental=True)
+            s.cancel = job.cancel
+            try:
+                return self._rows(job, s, t0)
+            except Cancelled:
+                return Outcome([], "cancelled", 0, time.perf_counter() - t0)
+        finally:
+            self.slots.release()
 
     def _rows(self, job: Job, s: Session, t0: float) -> Outcome:
         prompt = job.prompt_ids
@@ -194,18 +224,7 @@ class Worker:
             if self.prefix is not None and job.on_prompt_rows is None and s.state is not None:
                 self.prefix.store(head, s.state)
             snap = snapshot(s.state) if s.state is not None and s.state.pos else None
-            rows = []
-            for i in range(job.n):
-                if i:
-                    if snap is None:
-                        s.reset()
-                    else:
-                        assert s.state is not None
-                        restore(s.state, snap)
-                        s.ids = list(head)
-                rows.append(self._row(job, s, i, last, row_params(params, i)))
-                if rows[-1].finish == "cancelled":
-                    break
+            rows = self._all_rows(job, s, head, last, params, snap)
         if self.prefix is not None and s.state is not None:  # the prompt and its reply so far
             self.prefix.store(s.ids[: s.state.pos], s.state)  # (a job cancelled between tokens too)
         self.last_generation = s.last
@@ -247,6 +266,68 @@ class Worker:
         s.after_prefill = keep
         return prompt[s.positions :], reused
 
+    def _all_rows(self, job: Job, s: Session, head: list[int], last: list[int],
+                  params: GenerationParams, snap: StateSnapshot | None) -> list[Row]:
+        """Every row of a job of ``n``, ``s`` holding the prompt's ``head`` (its state
+        ``snap``): rows 1.. on threads of their own while slots are free, row 0 and the rest
+        on this thread, one after the other; rows are listed up to the first cancelled."""
+        n = job.n
+        got: list[Row | None] = [None] * n
+        errors: list[BaseException] = []
+        beside = [i for i in range(1, n) if snap is not None and self.slots.acquire(blocking=False)]
+
+        def side(i: int) -> None:
+            try:
+                si = self.engine.session(incremental=True)
+                si.cancel = job.cancel
+                assert snap is not None
+                si.resume(head, snap)
+                got[i] = self._row(job, si, i, last, row_params(params, i))
+            except Cancelled:
+                got[i] = Row([], "cancelled")
+            except BaseException as e:  # handed to the job's thread
+                errors.append(e)
+                job.cancel.set()  # the job fails: its other rows stop at their next step
+            finally:
+                self.slots.release()
+                with self.lock:
+                    self.extra_rows -= 1
+
+        with self.lock:
+            self.extra_rows += len(beside)
+        threads = [threading.Thread(target=side, args=(i,), name=f"k3-row-{i}", daemon=True)
+                   for i in beside]
+        for t in threads:
+            t.start()
+        try:
+            for i in [0] + [i for i in range(1, n) if i not in beside]:
+                if i:
+                    if snap is None:
+                        s.reset()
+                    else:
+                        assert s.state is not None
+                        restore(s.state, snap)
+                        s.ids = list(head)
+                got[i] = self._row(job, s, i, last, row_params(params, i))
+                if got[i].finish == "cancelled":  # type: ignore[union-attr]
+                    break
+        except BaseException:
+            job.cancel.set()  # the rows beside stop at their next step
+            raise
+        finally:
+            for t in threads:
+                t.join()
+        if errors:
+            raise errors[0]
+        rows: list[Row] = []
+        for r in got:
+            if r is None:
+                break
+            rows.append(r)
+            if r.finish == "cancelled":
+                break
+        return rows
+
     def _row(self, job: Job, s: Session, row: int, feed: list[int],
              params: GenerationParams) -> Row:
         """Decode one row after ``feed`` (the session holds the rest of the prompt)."""
@@ -273,4 +354,6 @@ class Worker:
         if gen is not None and gen.stop_reason in ("stop_id", "eos", "stop"):
             finish = "stop"
         seed = gen.sampler.seed if gen is not None and gen.sampler is not None else None
+        if finish != "cancelled" and job.on_row_done is not None:
+            job.on_row_done(row)
         return Row(out, finish, seed)

@@ -82,3 +82,67 @@ def test_a_prompt_over_the_context_is_refused_before_anything_runs(worker):
         worker.run(job([1] * 500, 20))
     with pytest.raises(UsageError, match="empty"):
         worker.run(job([], 2))
+
+
+@pytest.mark.parametrize("max_batch", [1, 2, 4])
+def test_a_jobs_rows_run_at_once_within_the_free_slots(engine, max_batch):
+    """n rows decode together as far as free slots allow (never more sequences than the
+    server's slots), and every row is the single request with its seed."""
+    w = Worker(engine, 512, PrefixCache(10**8), max_batch=max_batch)
+    engine.model.scheduler.gather = 1.0  # a slow machine still forms the batch
+    before = engine.model.scheduler.stats.most
+    engine.model.scheduler.stats.most = 0
+    done: list[int] = []
+    try:
+        j = Job([3, 1, 4, 1, 5], GenerationParams(max_tokens=5, temperature=0.9, seed=40), n=4)
+        j.on_row_done = done.append
+        out = w.run(j)
+    finally:
+        most = engine.model.scheduler.stats.most
+        engine.model.scheduler.stats.most = max(before, most)
+    assert [r.seed for r in out.rows] == [40, 41, 42, 43]
+    for i, row in enumerate(out.rows):
+        ref = engine.generate([3, 1, 4, 1, 5], max_tokens=5, temperature=0.9, seed=40 + i)
+        assert row.ids == ref.ids
+    assert sorted(done) == [0, 1, 2, 3]  # each row's end said once
+    assert most == min(4, max_batch), most  # rows beside each other, within the slots
+    assert w.extra_rows == 0 and w.slots.acquire(blocking=False)  # every slot given back
+    w.slots.release()
+
+
+def test_a_job_waits_for_a_slot_its_rows_hold_and_can_be_cancelled_meanwhile(engine):
+    import threading
+    import time
+
+    w = Worker(engine, 512, PrefixCache(10**8), max_batch=2)
+    engine.model.scheduler.gather = 1.0
+    hold, holding = threading.Event(), threading.Event()
+
+    def slow(step, piece) -> bool:  # each row waits until let go: both slots held
+        holding.set()
+        return hold.wait(30)
+
+    a = Job([3, 1, 4], GenerationParams(max_tokens=2, temperature=0.5, seed=1), n=2)
+    a.on_step = slow
+    outs: dict[str, object] = {}
+    ta = threading.Thread(target=lambda: outs.__setitem__("a", w.run(a)))
+    ta.start()
+    try:
+        assert holding.wait(30)
+        deadline = time.monotonic() + 10
+        while w.extra_rows < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert w.extra_rows == 1  # the second row took the other slot
+        b = job([5, 5], 2)
+        tb = threading.Thread(target=lambda: outs.__setitem__("b", w.run(b)))
+        tb.start()
+        time.sleep(0.3)
+        assert tb.is_alive()  # no free slot: it waits, it does not run a third sequence
+        b.cancel.set()
+        tb.join(5)
+        assert not tb.is_alive() and outs["b"].finish == "cancelled"
+    finally:
+        hold.set()
+        ta.join(30)
+    assert [len(r.ids) for r in outs["a"].rows] == [2, 2]
+    assert w.run(job([5, 5], 2)).ids == engine.generate([5, 5], max_tokens=2).ids
