@@ -285,6 +285,11 @@ def format_report(b: DecodeBench) -> str:
     return "\n".join(lines)
 
 
+#: the least share of the batched window the device read in for its line to be shown (a
+#: resident run's few expert misses say nothing of a floor)
+DEVICE_LINE_SHARE = 0.05
+
+
 def _batch_lines(b: DecodeBench) -> list[str]:
     """The ``--batch B`` lines (B > 1)."""
     s, x, c = b.setup, b.batch, b.check
@@ -303,7 +308,8 @@ def _batch_lines(b: DecodeBench) -> list[str]:
         f"{x.expert_bytes_per_token / 1e9:.4f} GB experts, "
         f"{x.batch_calls_per_token:.0f} Python->kernel calls per generated token",
     ]
-    if x.batch_device_busy_per_step is not None and x.batch_device_rate is not None:
+    if (x.batch_device_busy_per_step is not None and x.batch_device_rate is not None
+            and (x.batch_device_busy_share or 0.0) >= DEVICE_LINE_SHARE):
         lines.append(
             f"batch disk  : {b.floors.disk_device or 'the device'} had reads in flight "
             f"{100 * (x.batch_device_busy_share or 0.0):.0f} % of the batched window and read "
