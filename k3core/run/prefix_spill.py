@@ -19,8 +19,9 @@ request goes on as a miss. Nothing but ``*.k3prefix`` files this index holds is 
 **Budget.** ``--prefix-cache-disk-gb`` (default :data:`DEFAULT_DISK_GB`) bounds the bytes of
 the files; the least recently used go first. A spill that fails (a full disk, a directory
 that went away) is counted (``errors``) and the request goes on: the disk tier never fails a
-request. Spilled states hold no logits, so a prompt sent again whose state is only on disk
-is fed its last id again (one pass of one id).
+request. Spilled states hold no logits: a state on disk serves prompts that go on past it
+(a shared opening's 64-id boundary, a chat's earlier turns), not the same prompt sent again
+(that one needs its last row's logits, which only the memory tier keeps).
 
 **Bits.** A state read back holds the bytes written (the checksums say so), and a restored
 state gives a fresh run's logits, as the memory tier does (``tests/serve/test_prefix_spill.py``).
