@@ -97,13 +97,26 @@ class PrefixCache:
         key = tuple(int(i) for i in ids)
         with self._lock:
             got = self._entries.get(key)
-            if got is None or got[2] is None:
-                return None
-            self._entries.move_to_end(key)
+            if got is not None and got[2] is not None:
+                self._entries.move_to_end(key)
+                self.stats.lookups += 1
+                self.stats.hits += 1
+                self.stats.cached_tokens += len(key)
+                return got[0], got[2]
+        if self.spill is None or not self.spill.has_logits(key):
+            return None
+        logits = self.spill.load_logits(key)  # the logits first: a state without them is no use here
+        snap = self.spill.load(key) if logits is not None else None
+        if snap is None or logits is None:
+            return None
+        size = kept_snapshot_bytes(snap) + 4 * logits.size
+        if size <= self.budget:  # back in memory
+            self._keep(key, snap, size, logits)
+        with self._lock:
             self.stats.lookups += 1
             self.stats.hits += 1
             self.stats.cached_tokens += len(key)
-            return got[0], got[2]
+        return snap, logits
 
     def lookup(self, ids: Sequence[int], leave: int = 1) -> tuple[int, StateSnapshot | None]:
         """The longest kept prefix of ``ids`` that leaves at least ``leave`` ids to feed (one:
@@ -148,7 +161,7 @@ class PrefixCache:
                 return True
         size = kept_bytes(state) + (0 if logits is None else 4 * logits.size)
         if size > self.budget:  # never kept in memory: nothing copied (the disk may take it)
-            return self.spill is not None and self.spill.put(key, snapshot(state))
+            return self.spill is not None and self.spill.put(key, snapshot(state), logits)
         snap = snapshot(state)
         kept = None if logits is None else np.array(logits, dtype=np.float32, copy=True)
         self._keep(key, snap, size, kept)
@@ -157,22 +170,22 @@ class PrefixCache:
     def _keep(self, key: tuple[int, ...], snap: StateSnapshot, size: int,
               logits: np.ndarray | None) -> None:
         """Hold ``snap`` under ``key``; what the budget evicts goes to the spill, if any."""
-        gone: list[tuple[tuple[int, ...], StateSnapshot]] = []
+        gone: list[tuple[tuple[int, ...], StateSnapshot, np.ndarray | None]] = []
         with self._lock:
             old = self._entries.pop(key, None)
             if old is not None:
                 self._bytes -= old[1]
             while self._bytes + size > self.budget and self._entries:
-                k, (s, n, _) = self._entries.popitem(last=False)
+                k, (s, n, lg) = self._entries.popitem(last=False)
                 self._bytes -= n
                 self.stats.evicted += 1
-                gone.append((k, s))
+                gone.append((k, s, lg))
             self._entries[key] = (snap, size, logits)
             self._bytes += size
             self.stats.stored += 1
         if self.spill is not None:  # written outside the lock: other requests go on
-            for k, s in gone:
-                self.spill.put(k, s)
+            for k, s, lg in gone:
+                self.spill.put(k, s, lg)
 
     def to_json(self) -> dict[str, object]:
         s = self.stats

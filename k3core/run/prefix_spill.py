@@ -19,9 +19,10 @@ request goes on as a miss. Nothing but ``*.k3prefix`` files this index holds is 
 **Budget.** ``--prefix-cache-disk-gb`` (default :data:`DEFAULT_DISK_GB`) bounds the bytes of
 the files; the least recently used go first. A spill that fails (a full disk, a directory
 that went away) is counted (``errors``) and the request goes on: the disk tier never fails a
-request. Spilled states hold no logits: a state on disk serves prompts that go on past it
-(a shared opening's 64-id boundary, a chat's earlier turns), not the same prompt sent again
-(that one needs its last row's logits, which only the memory tier keeps).
+request. A state kept with its last row's logits (a whole prompt's) is spilled with them, in
+a file of its own beside the state's (``.k3logits``: a magic, the SHA-256 of the float32
+bytes, the bytes), so the same prompt sent again starts from disk without a pass; a logits
+file that is missing or does not check leaves the state usable as a prefix only.
 
 **Bits.** A state read back holds the bytes written (the checksums say so), and a restored
 state gives a fresh run's logits, as the memory tier does (``tests/serve/test_prefix_spill.py``).
@@ -38,7 +39,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from k3core.api.errors import K3Error, UsageError
+from k3core.api.files import FileRejected, read_capped
+from k3core.api.outputs import write_bytes_atomic
 from k3core.model.state import SequenceState, StateSnapshot, restore, snapshot
 from k3core.run.state_file import StateFileError, model_identity, read_ids, read_state, write_state
 
@@ -48,6 +53,8 @@ if TYPE_CHECKING:
 #: the disk tier's budget when ``--prefix-cache-disk-gb`` is not given
 DEFAULT_DISK_GB = 4.0
 SUFFIX = ".k3prefix"
+LOGITS_SUFFIX = ".k3logits"
+LOGITS_MAGIC = b"K3LOGIT1"
 
 
 @dataclass
@@ -101,7 +108,9 @@ class PrefixSpill:
                 self.stats.foreign += 1
                 continue
             if ids and path.name == _name(ids):
-                found.append((st.st_mtime, ids, path, st.st_size))
+                lp = _logits_path(path)
+                size = st.st_size + (lp.stat().st_size if lp.is_file() else 0)
+                found.append((st.st_mtime, ids, path, size))
             else:
                 self.stats.foreign += 1
         for _, ids, path, size in sorted(found):  # oldest first: the LRU order
@@ -122,14 +131,16 @@ class PrefixSpill:
             return max((len(k) for k in self._files
                         if len(k) <= len(key) - leave and key[: len(k)] == k), default=0)
 
-    def put(self, ids: Sequence[int], snap: StateSnapshot) -> bool:
-        """Write ``snap`` (the state after ``ids``) to the directory; False when it does not
-        fit the budget or the write failed (counted)."""
+    def put(self, ids: Sequence[int], snap: StateSnapshot,
+            logits: np.ndarray | None = None) -> bool:
+        """Write ``snap`` (the state after ``ids``), and its last row's ``logits`` when given,
+        to the directory; False when it does not fit the budget or the write failed
+        (counted)."""
         key = tuple(int(i) for i in ids)
         if not key or self.budget <= 0:
             return False
         with self._lock:
-            if key in self._files:
+            if key in self._files and (logits is None or _logits_path(self._files[key][0]).exists()):
                 self._files.move_to_end(key)
                 return True
         state = SequenceState(self.engine.cfg, max(1, snap.pos))
@@ -138,15 +149,46 @@ class PrefixSpill:
         path = self.dir / _name(key)
         try:
             size = write_state(path, self.engine, list(key), state)
+            if logits is not None:
+                raw = np.ascontiguousarray(logits, dtype="<f4").tobytes()
+                blob = LOGITS_MAGIC + hashlib.sha256(raw).digest() + raw
+                write_bytes_atomic(_logits_path(path), blob, "the prefix logits")
+                size += len(blob)
         except (K3Error, OSError):
             self.stats.errors += 1
             return False
         with self._lock:
+            old = self._files.pop(key, None)  # (a state spilled before, now with its logits)
+            if old is not None:
+                self._bytes -= old[1]
             self._files[key] = (path, size)
             self._bytes += size
             self.stats.spilled += 1
             self._shrink()
             return key in self._files
+
+    def has_logits(self, ids: tuple[int, ...]) -> bool:
+        """Whether the state spilled after exactly ``ids`` has its logits beside it."""
+        with self._lock:
+            got = self._files.get(ids)
+        return got is not None and _logits_path(got[0]).is_file()
+
+    def load_logits(self, ids: tuple[int, ...]) -> np.ndarray | None:
+        """The last row's logits spilled with the state after ``ids``, checked, or ``None``."""
+        with self._lock:
+            got = self._files.get(ids)
+        if got is None:
+            return None
+        try:
+            blob = read_capped(_logits_path(got[0]), 8 + 32 + 4 * self.engine.cfg.vocab)
+        except FileRejected:  # missing, or over the size a vocabulary's logits take
+            return None
+        raw = blob[40:]
+        if (blob[:8] != LOGITS_MAGIC or len(raw) != 4 * self.engine.cfg.vocab
+                or hashlib.sha256(raw).digest() != blob[8:40]):
+            self.stats.errors += 1
+            return None
+        return np.frombuffer(raw, dtype="<f4").astype(np.float32)
 
     def load(self, ids: tuple[int, ...]) -> StateSnapshot | None:
         """The state spilled after exactly ``ids``, read back and checked, or ``None`` (not
@@ -178,6 +220,7 @@ class PrefixSpill:
             self.stats.evicted += 1
             try:
                 path.unlink()
+                _logits_path(path).unlink(missing_ok=True)
             except OSError:
                 self.stats.errors += 1
 
@@ -186,6 +229,11 @@ class PrefixSpill:
         return {"dir": str(self.dir), "files": len(self), "bytes": self._bytes,
                 "budget": self.budget, "spilled": s.spilled, "loaded": s.loaded,
                 "evicted": s.evicted, "foreign": s.foreign, "errors": s.errors}
+
+
+def _logits_path(path: Path) -> Path:
+    """Where the logits spilled with the state at ``path`` are."""
+    return path.with_suffix(LOGITS_SUFFIX)
 
 
 def _name(ids: Sequence[int]) -> str:

@@ -148,3 +148,27 @@ def test_the_flags_refusals(models, tmp_path, args, says):
     assert res.exit_code == 2, res.output
     lines = [ln for ln in res.output.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("k3: error:") and says in lines[0], res.output
+
+
+def test_the_same_prompt_again_starts_from_spilled_logits_without_a_pass(models, tmp_path):
+    d = tmp_path / "spill"
+    d.mkdir()
+    eng = _engine(models[0])
+    try:
+        spill = PrefixSpill(d, eng, 10**9)
+        w = Worker(eng, 256, PrefixCache(0, spill))  # every state straight to disk
+        prompt = [5, 9, 2, 7, 7, 3]
+        first = w.run(Job(prompt, GenerationParams(max_tokens=4)))
+        assert list(d.glob("*.k3logits"))  # the whole prompt's state spilled with its logits
+        again = w.run(Job(prompt, GenerationParams(max_tokens=4)))
+        assert again.reused == len(prompt) and again.ids == first.ids
+        assert w.last_generation is not None and w.last_generation.prefill_chunks == 0
+        assert w.last_generation.first_logits.tobytes() == eng.logits(prompt).tobytes()
+        for f in d.glob("*.k3logits"):  # damaged logits: the state is a prefix only
+            raw = bytearray(f.read_bytes())
+            raw[-1] ^= 1  # one bit of the last logit: the checksum no longer matches
+            f.write_bytes(bytes(raw))
+        third = w.run(Job(prompt, GenerationParams(max_tokens=4)))
+        assert third.ids == first.ids and w.last_generation.prefill_chunks >= 1
+    finally:
+        eng.close()
