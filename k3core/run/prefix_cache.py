@@ -103,7 +103,7 @@ class PrefixCache:
                 self.stats.hits += 1
                 self.stats.cached_tokens += len(key)
                 return got[0], got[2]
-        if self.spill is None or not self.spill.has_logits(key):
+        if self.spill is None:
             return None
         logits = self.spill.load_logits(key)  # the logits first: a state without them is no use here
         snap = self.spill.load(key) if logits is not None else None

@@ -139,39 +139,39 @@ class PrefixSpill:
         key = tuple(int(i) for i in ids)
         if not key or self.budget <= 0:
             return False
-        with self._lock:
-            if key in self._files and (logits is None or _logits_path(self._files[key][0]).exists()):
-                self._files.move_to_end(key)
-                return True
-        state = SequenceState(self.engine.cfg, max(1, snap.pos))
-        restore(state, snap)
-        state.pos = snap.pos
         path = self.dir / _name(key)
+        with self._lock:
+            have = self._files.get(key)
+            if have is not None:
+                self._files.move_to_end(key)
+        need_logits = logits is not None and not _logits_path(path).is_file()
+        if have is not None and not need_logits:
+            return True
+        size, ok = 0 if have is None else have[1], True
         try:
-            size = write_state(path, self.engine, list(key), state)
-            if logits is not None:
+            if have is None:  # the state (a state spilled before keeps its file)
+                state = SequenceState(self.engine.cfg, max(1, snap.pos))
+                restore(state, snap)
+                size = write_state(path, self.engine, list(key), state)
+            if need_logits:
                 raw = np.ascontiguousarray(logits, dtype="<f4").tobytes()
                 blob = LOGITS_MAGIC + hashlib.sha256(raw).digest() + raw
                 write_bytes_atomic(_logits_path(path), blob, "the prefix logits")
                 size += len(blob)
         except (K3Error, OSError):
             self.stats.errors += 1
+            ok = False
+        if not size:  # nothing written
             return False
-        with self._lock:
-            old = self._files.pop(key, None)  # (a state spilled before, now with its logits)
+        with self._lock:  # a state written stays indexed (within the budget) even if its logits failed
+            old = self._files.pop(key, None)
             if old is not None:
                 self._bytes -= old[1]
             self._files[key] = (path, size)
             self._bytes += size
-            self.stats.spilled += 1
+            self.stats.spilled += have is None
             self._shrink()
-            return key in self._files
-
-    def has_logits(self, ids: tuple[int, ...]) -> bool:
-        """Whether the state spilled after exactly ``ids`` has its logits beside it."""
-        with self._lock:
-            got = self._files.get(ids)
-        return got is not None and _logits_path(got[0]).is_file()
+            return ok and key in self._files
 
     def load_logits(self, ids: tuple[int, ...]) -> np.ndarray | None:
         """The last row's logits spilled with the state after ``ids``, checked, or ``None``."""

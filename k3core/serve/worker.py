@@ -308,8 +308,8 @@ class Worker:
                         assert s.state is not None
                         restore(s.state, snap)
                         s.ids = list(head)
-                got[i] = self._row(job, s, i, last, row_params(params, i))
-                if got[i].finish == "cancelled":  # type: ignore[union-attr]
+                row = got[i] = self._row(job, s, i, last, row_params(params, i))
+                if row.finish == "cancelled":
                     break
         except BaseException:
             job.cancel.set()  # the rows beside stop at their next step

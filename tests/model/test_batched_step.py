@@ -200,6 +200,24 @@ def test_a_sequence_that_stops_asking_holds_back_one_gather_only(model):
     assert m.scheduler.active == 0
 
 
+def _on_threads(run, n: int) -> list[BaseException]:
+    """``run(i)`` for i < n, each on a thread of its own, all joined; what they raised."""
+    errors: list[BaseException] = []
+
+    def one(i: int) -> None:
+        try:
+            run(i)
+        except BaseException as e:  # handed to the test thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return errors
+
+
 def test_streams_that_ask_a_little_late_stay_in_one_batch(model):
     """Sequences whose work between two passes takes longer than the least gather (many
     threads sharing one interpreter) are still waited for, up to a share of the last
@@ -207,31 +225,23 @@ def test_streams_that_ask_a_little_late_stay_in_one_batch(model):
     eng = _open(model)
     m = eng.model
     n, steps = 4, 6
-    errors: list[BaseException] = []
     start = threading.Barrier(n)
 
     def run(i: int) -> None:
         import time
-        try:
-            with m.scheduler.running():
-                start.wait()
-                st = SequenceState(eng.cfg, 2 + steps)
-                m.forward(np.array([3, 7 + i]), st)
-                for k in range(steps):
-                    time.sleep(0.01 * i)  # a later row's between-token work is longer
-                    m.forward(np.array([k + 1]), st)
-        except BaseException as e:  # handed to the test thread
-            errors.append(e)
+        with m.scheduler.running():
+            start.wait()
+            st = SequenceState(eng.cfg, 2 + steps)
+            m.forward(np.array([3, 7 + i]), st)
+            for k in range(steps):
+                time.sleep(0.01 * i)  # a later row's between-token work is longer
+                m.forward(np.array([k + 1]), st)
 
     m.scheduler.gather = 0.001  # the least gather shorter than the stragglers' delays
     m.scheduler.share = 1e3  # this tiny model's passes, weighted as a big model's
     m.scheduler._last_pass = 1.0  # the newcomers' first pass: the arrival window is the most
     try:
-        threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
+        errors = _on_threads(run, n)
         assert not errors, errors
         st = m.scheduler.stats
         assert st.rows == n * (2 + steps)
@@ -248,26 +258,18 @@ def test_a_burst_of_newcomers_on_an_idle_model_shares_its_first_pass(model):
     eng = _open(model)
     m = eng.model
     n = 4
-    errors: list[BaseException] = []
     try:
         with m.scheduler.running():  # one earlier pass, so the scheduler knows a pass's cost
             m.forward(np.array([3]), SequenceState(eng.cfg, 2))
         m.scheduler._last_pass = 1.0  # a pass as slow as a big model's: the window is the most
 
         def run(i: int) -> None:
-            try:
-                time.sleep(0.005 * i)  # arriving over 15 ms
-                with m.scheduler.running():
-                    m.forward(np.array(PROMPTS[i % len(PROMPTS)]), SequenceState(eng.cfg, 12))
-            except BaseException as e:  # handed to the test thread
-                errors.append(e)
+            time.sleep(0.005 * i)  # arriving over 15 ms
+            with m.scheduler.running():
+                m.forward(np.array(PROMPTS[i % len(PROMPTS)]), SequenceState(eng.cfg, 12))
 
         before = m.scheduler.stats.passes
-        threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
+        errors = _on_threads(run, n)
         assert not errors, errors
         assert m.scheduler.stats.passes - before == 1 and m.scheduler.stats.last == n
     finally:

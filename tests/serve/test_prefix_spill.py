@@ -33,6 +33,16 @@ def _engine(model: Path):
     return open_engine(EngineRequest(model_dir=model, backend="numpy", storage="plain"))
 
 
+def _spill_once(model: Path, d: Path, prompt: list[int], max_tokens: int) -> None:
+    """One job on a fresh engine whose prefix cache keeps everything on disk in ``d``."""
+    eng = _engine(model)
+    try:
+        w = Worker(eng, 256, PrefixCache(0, PrefixSpill(d, eng, 10**9)))  # disk only
+        w.run(Job(prompt, GenerationParams(max_tokens=max_tokens)))
+    finally:
+        eng.close()
+
+
 def _one_state_bytes(eng) -> int:
     w = Worker(eng, 256, PrefixCache(10**9))
     w.run(Job(SYSTEMS[0] + [4], GenerationParams(max_tokens=1)))
@@ -65,12 +75,7 @@ def test_evicted_states_spill_and_come_back_with_fresh_bytes(models, tmp_path):
 def test_a_restarted_server_finds_the_spilled_states(models, tmp_path):
     d = tmp_path / "spill"
     d.mkdir()
-    eng = _engine(models[0])
-    try:
-        w = Worker(eng, 256, PrefixCache(0, PrefixSpill(d, eng, 10**9)))  # disk only
-        w.run(Job(SYSTEMS[1] + [9, 9], GenerationParams(max_tokens=2)))
-    finally:
-        eng.close()
+    _spill_once(models[0], d, SYSTEMS[1] + [9, 9], 2)
     eng = _engine(models[0])  # the restart: a new engine, a new index of the same directory
     try:
         spill = PrefixSpill(d, eng, 10**9)
@@ -87,12 +92,7 @@ def test_a_restarted_server_finds_the_spilled_states(models, tmp_path):
 def test_another_models_files_and_damaged_ones_are_left_alone(models, tmp_path):
     d = tmp_path / "spill"
     d.mkdir()
-    eng = _engine(models[0])
-    try:
-        w = Worker(eng, 256, PrefixCache(0, PrefixSpill(d, eng, 10**9)))
-        w.run(Job(SYSTEMS[2] + [5], GenerationParams(max_tokens=1)))
-    finally:
-        eng.close()
+    _spill_once(models[0], d, SYSTEMS[2] + [5], 1)
     files = sorted(d.glob(f"*{SUFFIX}"))
     assert files
     damaged = d / ("0" * 64 + SUFFIX)
@@ -170,5 +170,29 @@ def test_the_same_prompt_again_starts_from_spilled_logits_without_a_pass(models,
             f.write_bytes(bytes(raw))
         third = w.run(Job(prompt, GenerationParams(max_tokens=4)))
         assert third.ids == first.ids and w.last_generation.prefill_chunks >= 1
+    finally:
+        eng.close()
+
+
+def test_logits_spilled_later_join_the_state_already_on_disk(models, tmp_path):
+    """A state spilled without logits, then again with them: one state file (not rewritten),
+    its logits beside it, the bytes counted once."""
+    eng = _engine(models[0])
+    try:
+        d = tmp_path / "spill"
+        d.mkdir()
+        spill = PrefixSpill(d, eng, 10**9)
+        w = Worker(eng, 256, PrefixCache(10**8))
+        prompt = [4, 8, 15, 16]
+        w.run(Job(prompt, GenerationParams(max_tokens=1)))
+        assert w.prefix is not None
+        snap, logits = w.prefix.exact(prompt)
+        assert spill.put(prompt, snap)
+        (state_file,) = d.glob(f"*{SUFFIX}")
+        written = state_file.stat().st_mtime_ns
+        assert spill.put(prompt, snap, logits) and len(spill) == 1
+        assert state_file.stat().st_mtime_ns == written  # the state kept its file
+        assert spill.bytes == sum(f.stat().st_size for f in d.iterdir())
+        assert spill.load_logits(tuple(prompt)).tobytes() == logits.tobytes()
     finally:
         eng.close()
