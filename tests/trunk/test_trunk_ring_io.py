@@ -88,7 +88,13 @@ def test_the_next_part_is_read_while_the_last_one_decodes(packed, monkeypatch) -
     try:
         assert tr.plan.ring == 3 and tr.has_reader
         _walk(tr, range(tr.stats.n_layers))  # every layer read once (its checksum taken)
-        # the walk is past layer 7 (released): the ring holds 0, 1 and 2
+        # the walk is past layer 7 (released): the reader wraps around, and the ring comes to
+        # hold 0, 1 and 2 (on a busy machine the reader may not have started those reads
+        # when the walk's wait for reads in flight ends)
+        deadline = time.monotonic() + 20
+        while (sorted(L for L, _ in tr.slot_states()) != [0, 1, 2]
+               and time.monotonic() < deadline):
+            time.sleep(0.01)
         assert sorted(L for L, _ in tr.slot_states()) == [0, 1, 2]
         held, release = threading.Event(), threading.Event()
         real = read_ahead.decode_chunk
