@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Sequence
 from types import SimpleNamespace
 from typing import Any
 
@@ -61,6 +62,7 @@ def _kernels() -> SimpleNamespace:
         bits,
         cache,
         exact,
+        experts,
         jit,
         matmul,
         pointwise,
@@ -68,7 +70,7 @@ def _kernels() -> SimpleNamespace:
         router,
     )
 
-    modules = (attention, bits, exact, matmul, pointwise, recurrent, router)
+    modules = (attention, bits, exact, experts, matmul, pointwise, recurrent, router)
     cache.drop_stale(obj for m in modules for obj in vars(m).values())
     if cache.cold(obj for m in modules for obj in vars(m).values()):
         import sys
@@ -80,6 +82,7 @@ def _kernels() -> SimpleNamespace:
         numba=numba,
         attention=attention,
         bits=bits,
+        experts=experts,
         jit=jit,
         matmul=matmul,
         pointwise=pointwise,
@@ -112,6 +115,27 @@ def _widen_padded(x: np.ndarray) -> np.ndarray:
 def _rows(x: np.ndarray) -> np.ndarray:
     """View ``x`` (float32, C-contiguous) as ``[rows, last]``."""
     return x.reshape(-1, x.shape[-1]) if x.ndim else x.reshape(1, 1)
+
+
+def _one_token_mxfp4(mlps: Sequence[tuple[Any, Any, Any]],
+                     xs: Sequence[Any]) -> tuple[int, int, int] | None:
+    """``(inter, cols, out_rows)`` where at least two experts are all MXFP4 of one shape
+    (W1 and W3 ``[inter x cols]``, W2 ``[out_rows x inter]``, whole 32-column groups) and
+    every input is one float32 row of ``cols``; else None."""
+    if len(mlps) < 2 or not all(isinstance(w, Mxfp4) for m in mlps for w in m):
+        return None
+    (inter, cols), (out_rows, inner) = mlps[0][0].shape, mlps[0][2].shape
+    if inner != inter or cols % 32 or inter % 32:
+        return None
+    for (w1, w3, w2), x in zip(mlps, xs, strict=True):
+        if w1.shape != (inter, cols) or w3.shape != (inter, cols) or w2.shape != (out_rows, inter):
+            return None
+        if not (isinstance(x, np.ndarray) and x.dtype == np.float32 and x.shape == (1, cols)):
+            return None
+        for w in (w1, w3, w2):
+            if w.scales.shape != (w.shape[0], w.shape[1] // 32):
+                return None
+    return inter, cols, out_rows
 
 
 class NumbaBackend(KernelBackend):
@@ -237,6 +261,45 @@ class NumbaBackend(KernelBackend):
             self._run(mm.mxfp4_t1, work, packed, scales, xe[0], xo[0], out[0])
         else:
             self._run(mm.mxfp4_t4, work, packed, scales, xe, xo, out)
+        return out
+
+    def situ_mlp_many(
+        self, mlps: Sequence[tuple[U16 | F32 | Mxfp4, U16 | F32 | Mxfp4, U16 | F32 | Mxfp4]],
+        xs: Sequence[F32], b1: float, b2: float,
+    ) -> list[F32]:
+        """The routed experts of a layer. Where every expert is MXFP4 of one shape and has
+        one token (a decode step), each stage's rows of every expert run in one parallel
+        region (``numba_kernels/experts.py``: the W1 and W3 rows, one SiTU over all of them,
+        the W2 rows), each row the one-token kernel's; anything else takes the separate
+        calls. The bits are the separate calls' either way."""
+        if len(mlps) != len(xs):
+            raise ValueError(f"situ_mlp_many: {len(mlps)} MLPs but {len(xs)} inputs")
+        one = _one_token_mxfp4(mlps, xs)
+        if one is None:
+            return super().situ_mlp_many(mlps, xs, b1, b2)
+        inter, cols, out_rows = one
+        n = len(mlps)
+        xd = np.concatenate([self._x(x, cols) for x in xs]).astype(np.float64)
+        up = [w for w1, w3, _ in mlps for w in (w1, w3)]  # expert e's W1 at 2e, W3 at 2e + 1
+        h = self._mx_rows(up, np.repeat(xd, 2, axis=0), inter, cols)
+        a = self.situ_glu(np.ascontiguousarray(h[0::2]), np.ascontiguousarray(h[1::2]), b1, b2)
+        y = self._mx_rows([w2 for _, _, w2 in mlps], a.astype(np.float64), out_rows, inter)
+        return [y[e : e + 1] for e in range(n)]
+
+    def _mx_rows(self, ws: list[Any], xd: np.ndarray, rows: int, cols: int) -> F32:
+        """Row ``m`` of the result: MXFP4 matrix ``ws[m]`` ([rows x cols]) against token
+        ``xd[m]`` (float64), every matrix's rows in one region."""
+        packed = [np.ascontiguousarray(w.packed, dtype=np.uint8) for w in ws]
+        scales = [np.ascontiguousarray(w.scales, dtype=np.uint8) for w in ws]
+        addrs = np.array([(p.ctypes.data, s.ctypes.data) for p, s in zip(packed, scales,
+                                                                       strict=True)],
+                         dtype=np.int64).reshape(-1, 2)
+        out = np.empty((len(ws), rows), dtype=np.float32)
+        work = 2 * sum(p.nbytes for p in packed)
+        # packed and scales stay referenced here until the kernel returns
+        self._run(self._k.experts.mxfp4_t1_many, work, _ro(addrs), rows, cols,
+                  _ro(np.ascontiguousarray(xd[:, 0::2])), _ro(np.ascontiguousarray(xd[:, 1::2])),
+                  out)
         return out
 
     # --- normalisation and activations ------------------------------------------------------

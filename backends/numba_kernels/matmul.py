@@ -178,34 +178,40 @@ def _mxfp4_t1(packed, scales, xe0, xo0, out0):
     prove the index non-negative and loaded them with a 512-bit gather per eight lanes on an
     AVX-512 CPU, which on a Zen 4 core took [3072 x 3584] from 1.46 to 6.2 ms (0.94 GB/s).
     """
-    rows = packed.shape[0]
-    groups = scales.shape[1]
-    for o in prange(rows):
-        acc_e = carray(stack_f64(16), 16)
-        acc_o = carray(stack_f64(16), 16)
-        de = carray(stack_f32(128), 128)
-        do = carray(stack_f32(128), 128)
-        for k in range(HALF):
-            acc_e[k] = 0.0
-            acc_o[k] = 0.0
-        pr = packed[o]
-        sr = scales[o]
-        for g0 in range(0, groups, MX_BLOCK):
-            pb0 = g0 * HALF
-            prefetch(pr, pb0 + AHEAD_MX)
-            prefetch(pr, pb0 + AHEAD_MX + 64)
-            blk = pr[pb0 : pb0 + MX_BLOCK * HALF]
-            xbe = xe0[pb0 : pb0 + MX_BLOCK * HALF]
-            xbo = xo0[pb0 : pb0 + MX_BLOCK * HALF]
-            for i in range(blk.shape[0]):
-                de[i] = e2m1_lo_f(blk[i])
-                do[i] = e2m1_hi_f(blk[i])
-            for gi in range(blk.shape[0] // HALF):
-                sc = MX_SCALE[sr[g0 + gi]]
-                for k in range(HALF):
-                    acc_e[k] += xbe[gi * HALF + k] * (np.float64(de[gi * HALF + k]) * sc)
-                    acc_o[k] += xbo[gi * HALF + k] * (np.float64(do[gi * HALF + k]) * sc)
-        out0[o] = np.float32(_fold_split(acc_e, acc_o))
+    for o in prange(packed.shape[0]):
+        out0[o] = np.float32(mx_row_t1(packed[o], scales[o], xe0, xo0))
+
+
+@njit(inline="always", **JIT)
+def mx_row_t1(pr, sr, xe0, xo0):
+    """One packed MXFP4 row ``pr`` (scale bytes ``sr``) against one token's even and odd
+    columns: the row's lane sum, folded (float64), as :func:`_mxfp4_t1` and the grouped
+    experts (``experts.py``) compute it. Inlined into the caller, so its stack slots are the
+    caller's and its lane sums take the caller's ``contract`` flag."""
+    groups = sr.shape[0]
+    acc_e = carray(stack_f64(16), 16)
+    acc_o = carray(stack_f64(16), 16)
+    de = carray(stack_f32(128), 128)
+    do = carray(stack_f32(128), 128)
+    for k in range(HALF):
+        acc_e[k] = 0.0
+        acc_o[k] = 0.0
+    for g0 in range(0, groups, MX_BLOCK):
+        pb0 = g0 * HALF
+        prefetch(pr, pb0 + AHEAD_MX)
+        prefetch(pr, pb0 + AHEAD_MX + 64)
+        blk = pr[pb0 : pb0 + MX_BLOCK * HALF]
+        xbe = xe0[pb0 : pb0 + MX_BLOCK * HALF]
+        xbo = xo0[pb0 : pb0 + MX_BLOCK * HALF]
+        for i in range(blk.shape[0]):
+            de[i] = e2m1_lo_f(blk[i])
+            do[i] = e2m1_hi_f(blk[i])
+        for gi in range(blk.shape[0] // HALF):
+            sc = MX_SCALE[sr[g0 + gi]]
+            for k in range(HALF):
+                acc_e[k] += xbe[gi * HALF + k] * (np.float64(de[gi * HALF + k]) * sc)
+                acc_o[k] += xbo[gi * HALF + k] * (np.float64(do[gi * HALF + k]) * sc)
+    return _fold_split(acc_e, acc_o)
 
 
 def _mxfp4_t4(packed, scales, xe, xo, out):

@@ -383,11 +383,13 @@ class KernelConformance:
             assert g.shape == ww.shape, f"situ_mlp_many {kind} result {i}: shape {g.shape}"
             assert_same_bits(g, ww, f"situ_mlp_many {kind} result {i} ({Ts[i]} tokens)")
 
-    #: tokens per MLP of the grouped calls: none, one, a few, more than a register block
-    SITU_MANY_TOKENS: Sequence[Sequence[int]] = ((1,), (3, 0, 1, 7), (2, 5, 13, 4, 1, 6))
+    #: tokens per MLP of the grouped calls: none, one, a few, more than a register block, and
+    #: a decode step's (every MLP one token: a backend may group those, as numba does)
+    SITU_MANY_TOKENS: Sequence[Sequence[int]] = ((1,), (3, 0, 1, 7), (2, 5, 13, 4, 1, 6),
+                                                 (1, 1, 1, 1, 1))
 
     @pytest.mark.parametrize("kind", ["bf16", "f32", "mxfp4"])
-    @pytest.mark.parametrize("case", range(3), ids=lambda i: f"case{i}")
+    @pytest.mark.parametrize("case", range(4), ids=lambda i: f"case{i}")
     def test_situ_mlp_many(self, kb: KernelBackend, kind: str, case: int) -> None:
         """``situ_mlp_many`` (the routed experts of a layer, each over its own rows) equals one
         reference ``situ_mlp`` per MLP bit for bit; an MLP with no rows gives ``[0, out]``."""

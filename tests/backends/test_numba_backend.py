@@ -154,3 +154,40 @@ def test_e2m1_decoders_give_every_code_of_every_byte():
         lo, hi = E2M1[byte & 15] * 2.0**-126, E2M1[byte >> 4] * 2.0**-126
         for got, want in zip(decode(np.uint8(byte)), (lo, hi, lo, hi), strict=True):
             assert float(got) == want and np.signbit(got) == np.signbit(want), (byte, got, want)
+
+
+def _mx(rng, rows, cols):
+    from k3core.api.kernels import Mxfp4
+
+    scales = rng.integers(100, 140, (rows, cols // 32), dtype=np.uint8)
+    scales.reshape(-1)[:4] = (0, 252, 254, 255)  # the table's ends and the zero scale
+    return Mxfp4(rng.integers(0, 256, (rows, cols // 2), dtype=np.uint8), scales)
+
+
+@pytest.mark.parametrize("threads,grain", [(1, numba_backend.PARALLEL_GRAIN), (2, 0), (3, 0)])
+def test_one_token_experts_grouped_give_the_separate_calls_bits(threads, grain):
+    """A decode step's routed experts (every one MXFP4, one token each) go through one
+    parallel region per stage (numba_kernels/experts.py), with the bits of one situ_mlp per
+    expert; anything else (an expert with two tokens, a bf16 expert) keeps the separate
+    calls."""
+    from k3core.testing.reference import reference
+
+    b = numba_backend.NumbaBackend(threads=threads, parallel_grain=grain)
+    rng = np.random.default_rng(7)
+    mlps = [(_mx(rng, 64, 96), _mx(rng, 64, 96), _mx(rng, 96, 64)) for _ in range(5)]
+    xs = [(rng.standard_normal((1, 96)) * 3).astype(np.float32) for _ in mlps]
+    xs[2][0, ::7] = (np.inf, -0.0, 3e38, 1e-45, -1e-45, 7.0, -2.5, 0.0, 1.0, -1.0, 2.0, 4.0,
+                     -4.0, 0.5)
+    assert numba_backend._one_token_mxfp4(mlps, xs) == (64, 96, 96)
+    with np.errstate(all="ignore"):
+        got = b.situ_mlp_many(mlps, xs, 4.0, 25.0)
+        want = [reference().situ_mlp(w1, w3, w2, x, 4.0, 25.0)
+                for (w1, w3, w2), x in zip(mlps, xs, strict=True)]
+    for g, w in zip(got, want, strict=True):
+        assert g.shape == w.shape and g.tobytes() == w.tobytes()
+    two = [*xs[:4], np.concatenate([xs[4], xs[4]])]
+    assert numba_backend._one_token_mxfp4(mlps, two) is None
+    assert numba_backend._one_token_mxfp4(mlps[:1], xs[:1]) is None
+    bf16 = [(rng.integers(0, 1 << 15, (64, 96), dtype=np.uint16),) * 2
+            + (rng.integers(0, 1 << 15, (96, 64), dtype=np.uint16),)] * 2
+    assert numba_backend._one_token_mxfp4(bf16, xs[:2]) is None
