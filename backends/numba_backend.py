@@ -223,7 +223,7 @@ class NumbaBackend(KernelBackend):
         mm = self._k.matmul
         work = w.nbytes * -(-T // 4)
         if T == 1:
-            self._run(mm.dense_t1, work, w, x[0], out[0])
+            self._run(mm.dense_t1, work, w, _ro(x[0].astype(np.float64)), out[0])
         else:
             self._run(mm.dense_t4, work, w, _ro(_widen_padded(x)), out)
         return out

@@ -6,8 +6,8 @@ across threads with ``prange`` and never share an accumulator. Weights are widen
 the inner loop (bf16 by a 16-bit shift, MXFP4 nibble by nibble straight from the packed
 bytes; a one-token MXFP4 row decodes eight groups at a time into a float32 slot on the stack
 first, see ``_mxfp4_t1``): no dequantised copy of a matrix is ever made. Per weight the inner loop is one
-widening, one multiply by ``d(x)`` and one add; x arrives as float32 (one token, converted in
-the loop) or already widened to float64 (several tokens, MXFP4). Several tokens are taken
+widening, one multiply by ``d(x)`` and one add; x arrives already widened to float64 (the
+caller widens it once a call). Several tokens are taken
 four at a time, so each weight is widened once per four tokens; the caller pads x with zero
 rows to a multiple of four and the padding's results are never written.
 
@@ -61,9 +61,13 @@ def _widen(v):
 
 
 def _dense_t1(w, x0, out0):
-    """One token: ``out0[o] = f32(lsum_i d(x0[i]) * widen(w[o, i]))``; ``x0`` float32.
+    """One token: ``out0[o] = f32(lsum_i x0[i] * widen(w[o, i]))``; ``x0`` is the token
+    widened to float64 (exact) by the caller.
 
-    Two rows per task share each load of ``x``; their lanes live in registers.
+    Two rows per task share each load of ``x``; their lanes live in registers. Widening
+    ``x`` once per call rather than in every task's loop: one Zen 4 thread, bf16
+    [14464 x 1536] from memory, 8.0 -> 9.9 GMAC/s (three alternating runs); four rows a
+    task measured no faster than two.
     """
     rows, cols = w.shape
     full = cols // LANES
@@ -85,12 +89,12 @@ def _dense_t1(w, x0, out0):
                 prefetch(w1, base + AHEAD + 16)
                 prefetch(w2, base + AHEAD + 16)
             for ln in range(LANES):
-                xv = np.float64(x0[base + ln])
+                xv = x0[base + ln]
                 a1[ln] += xv * widen(w1[base + ln])
                 a2[ln] += xv * widen(w2[base + ln])
         base = full * LANES
         for ln in range(cols - base):
-            xv = np.float64(x0[base + ln])
+            xv = x0[base + ln]
             a1[ln] += xv * widen(w1[base + ln])
             a2[ln] += xv * widen(w2[base + ln])
         out0[o1] = np.float32(fold(a1))
