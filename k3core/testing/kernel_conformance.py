@@ -330,6 +330,22 @@ class KernelConformance:
         for i, (g, w) in enumerate(zip(got, want, strict=True)):
             assert_same_bits(g, w, f"matmul_many result {i}")
 
+    @pytest.mark.parametrize("cols", [45, 96])
+    @pytest.mark.parametrize("T", [1, 3])
+    def test_matmul_many_bf16(self, kb: KernelBackend, cols: int, T: int) -> None:
+        """A group of bf16 matrices only (the projections that share a token: a backend may
+        take every matrix's rows in one region), row counts odd, even and one, a width with
+        a lane tail, special activations: the reference's single products."""
+        rng = _rng("many-bf16", cols, T)
+        x = activations(rng, (T, cols))
+        ws: list[Any] = [bf16_bits(rng, (r, cols), finite=True) for r in (5, 33, 1, 64, 2)]
+        with np.errstate(all="ignore"):
+            got = kb.matmul_many(ws, x)
+            want = [reference().matmul(w, x) for w in ws]
+        assert len(got) == len(want)
+        for i, (g, w) in enumerate(zip(got, want, strict=True)):
+            assert_same_bits(g, w, f"matmul_many bf16 result {i}")
+
     @pytest.mark.parametrize("kind", ["bf16", "f32", "mxfp4"])
     @pytest.mark.parametrize("T", [1, 3, 6])
     def test_situ_mlp(self, kb: KernelBackend, kind: str, T: int) -> None:
