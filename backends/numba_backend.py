@@ -222,7 +222,12 @@ class NumbaBackend(KernelBackend):
             return out
         mm = self._k.matmul
         work = w.nbytes * -(-T // 4)
-        if T == 1:
+        if T == 1 and w.dtype == np.uint16 and cols % 32 == 0:  # pairs of bf16 (matmul.py)
+            xd = x[0].astype(np.float64)
+            self._run(mm.bf16_t1_pairs, work, _ro(w.view(np.uint32)),
+                      _ro(np.ascontiguousarray(xd[0::2])), _ro(np.ascontiguousarray(xd[1::2])),
+                      out[0])
+        elif T == 1:
             self._run(mm.dense_t1, work, w, _ro(x[0].astype(np.float64)), out[0])
         else:
             self._run(mm.dense_t4, work, w, _ro(_widen_padded(x)), out)

@@ -6,6 +6,8 @@ bit cast and an exact widening to float64:
 
 * ``bf16_d(bits)``: bf16 (``uint16``) -> float64. The bf16 pattern is the top half of a
   float32, so ``f32 = bits << 16`` and the widening to float64 is exact.
+* ``bf16_even_d(pair)`` / ``bf16_odd_d(pair)``: two bf16 read as one ``uint32``; the first
+  is ``pair << 16``, the second ``pair & 0xFFFF0000`` (one 32-bit operation each).
 * ``e2m1_lo_d(byte)`` / ``e2m1_hi_d(byte)`` (and ``e2m1_lo_f`` / ``e2m1_hi_f``, the same
   values left in float32): the low / high nibble of an MXFP4 byte
   (``s e e m``) -> ``E2M1[code] * 2**-126`` as float64, exactly. Placing the three magnitude
@@ -48,6 +50,30 @@ def bf16_d(typingctx, bits):
         return builder.fpext(f, _F64)
 
     return sig, codegen
+
+
+def _bf16_pair_intrinsic(name: str, high: bool) -> object:
+    """The intrinsic ``name(pair)``: of two bf16 stored side by side and read as one
+    little-endian ``uint32``, the first (``pair << 16``) or the second (``pair`` with its
+    low half cleared) as float64, exactly: one 32-bit operation, no widening of 16-bit
+    lanes."""
+
+    def typer(typingctx, pair):
+        sig = types.float64(types.uint32)
+
+        def codegen(context, builder, signature, args):
+            bits = (builder.and_(args[0], _c(-(1 << 16))) if high
+                    else builder.shl(args[0], _c(16)))
+            return builder.fpext(builder.bitcast(bits, _F32), _F64)
+
+        return sig, codegen
+
+    typer.__name__ = typer.__qualname__ = name
+    return intrinsic(typer)
+
+
+bf16_even_d = _bf16_pair_intrinsic("bf16_even_d", False)
+bf16_odd_d = _bf16_pair_intrinsic("bf16_odd_d", True)
 
 
 def _nibble_codegen(builder, byte, high):

@@ -29,6 +29,8 @@ import numpy as np
 from k3_backends.numba_kernels.bits import (
     MX_SCALE,
     bf16_d,
+    bf16_even_d,
+    bf16_odd_d,
     e2m1_hi_d,
     e2m1_hi_f,
     e2m1_lo_d,
@@ -99,6 +101,46 @@ def _dense_t1(w, x0, out0):
             a2[ln] += xv * widen(w2[base + ln])
         out0[o1] = np.float32(fold(a1))
         out0[o2] = np.float32(fold(a2))
+
+
+def _bf16_t1_pairs(wp, xe0, xo0, out0):
+    """One token through bf16 rows of whole 32-column chunks, each row read as ``uint32``
+    pairs of weights (``wp``: ``[rows, cols / 2]``): a pair's first weight is ``pair << 16``
+    and its second ``pair & 0xFFFF0000``, one operation each where widening 16-bit words
+    takes a zero-extension and a shift. The even and odd columns add into two 16-lane
+    halves against the token's even and odd columns (``xe0``/``xo0``, float64), interleaved
+    back before the fold as the MXFP4 rows do: every lane adds its own terms in order, so
+    the bits are :func:`_dense_t1`'s. Two rows per task share each load of ``x``."""
+    rows, half = wp.shape
+    for pair in prange((rows + 1) // 2):
+        o1 = 2 * pair
+        o2 = min(o1 + 1, rows - 1)
+        e1 = carray(stack_f64(16), 16)
+        d1 = carray(stack_f64(16), 16)
+        e2 = carray(stack_f64(16), 16)
+        d2 = carray(stack_f64(16), 16)
+        for k in range(HALF):
+            e1[k] = 0.0
+            d1[k] = 0.0
+            e2[k] = 0.0
+            d2[k] = 0.0
+        w1 = wp[o1]
+        w2 = wp[o2]
+        for c in range(half // HALF):
+            base = c * HALF
+            prefetch(w1, base + AHEAD // 2)
+            prefetch(w2, base + AHEAD // 2)
+            for k in range(HALF):
+                xe = xe0[base + k]
+                xo = xo0[base + k]
+                u1 = w1[base + k]
+                u2 = w2[base + k]
+                e1[k] += xe * bf16_even_d(u1)
+                d1[k] += xo * bf16_odd_d(u1)
+                e2[k] += xe * bf16_even_d(u2)
+                d2[k] += xo * bf16_odd_d(u2)
+        out0[o1] = np.float32(_fold_split(e1, d1))
+        out0[o2] = np.float32(_fold_split(e2, d2))
 
 
 def _dense_t4(w, xd, out):
@@ -281,6 +323,7 @@ def _mxfp4_t4(packed, scales, xe, xo, out):
 
 
 dense_t1 = twins(_dense_t1, **LANE_SUM)
+bf16_t1_pairs = twins(_bf16_t1_pairs, **LANE_SUM)
 dense_t4 = twins(_dense_t4, **LANE_SUM)
 mxfp4_t1 = twins(_mxfp4_t1, **LANE_SUM)
 mxfp4_t4 = twins(_mxfp4_t4, **LANE_SUM)
