@@ -191,3 +191,18 @@ def test_one_token_experts_grouped_give_the_separate_calls_bits(threads, grain):
     bf16 = [(rng.integers(0, 1 << 15, (64, 96), dtype=np.uint16),) * 2
             + (rng.integers(0, 1 << 15, (96, 64), dtype=np.uint16),)] * 2
     assert numba_backend._one_token_mxfp4(bf16, xs[:2]) is None
+
+
+@pytest.mark.parametrize("offset", [0, 1])
+def test_one_token_bf16_pairs_on_rows_only_two_byte_aligned(offset):
+    """One-token bf16 rows of whole chunks are read as uint32 pairs; a checkpoint's tensor
+    may start on any even byte, so a weight only two-byte aligned gives the same bits."""
+    from k3core.testing.reference import reference
+
+    rng = np.random.default_rng(3)
+    buf = np.zeros(128 * 96 + 1, dtype=np.uint16)
+    w = buf[offset : offset + 128 * 96].reshape(128, 96)
+    w[:] = (rng.standard_normal((128, 96)).astype(np.float32).view(np.uint32) >> 16)
+    x = rng.standard_normal((1, 96)).astype(np.float32)
+    b = numba_backend.NumbaBackend(threads=2, parallel_grain=0)
+    assert b.matmul_bf16(w, x).tobytes() == reference().matmul_bf16(w, x).tobytes()
