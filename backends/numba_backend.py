@@ -112,6 +112,12 @@ def _widen_padded(x: np.ndarray) -> np.ndarray:
     return xd
 
 
+def _even_odd(xd: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The even and odd columns of widened activations ``xd`` (``[..., cols]``), each
+    read-only and C-contiguous: the MXFP4 rows' and the bf16 pairs' halves."""
+    return (_ro(np.ascontiguousarray(xd[..., 0::2])), _ro(np.ascontiguousarray(xd[..., 1::2])))
+
+
 def _rows(x: np.ndarray) -> np.ndarray:
     """View ``x`` (float32, C-contiguous) as ``[rows, last]``."""
     return x.reshape(-1, x.shape[-1]) if x.ndim else x.reshape(1, 1)
@@ -223,10 +229,8 @@ class NumbaBackend(KernelBackend):
         mm = self._k.matmul
         work = w.nbytes * -(-T // 4)
         if T == 1 and w.dtype == np.uint16 and cols % 32 == 0:  # pairs of bf16 (matmul.py)
-            xd = x[0].astype(np.float64)
             self._run(mm.bf16_t1_pairs, work, _ro(w.view(np.uint32)),
-                      _ro(np.ascontiguousarray(xd[0::2])), _ro(np.ascontiguousarray(xd[1::2])),
-                      out[0])
+                      *_even_odd(x[0].astype(np.float64)), out[0])
         elif T == 1:
             self._run(mm.dense_t1, work, w, _ro(x[0].astype(np.float64)), out[0])
         else:
@@ -258,8 +262,7 @@ class NumbaBackend(KernelBackend):
         if T == 0 or rows == 0:
             return out
         xd = _widen_padded(x) if T > 1 else x.astype(np.float64)
-        xe = _ro(np.ascontiguousarray(xd[:, 0::2]))
-        xo = _ro(np.ascontiguousarray(xd[:, 1::2]))
+        xe, xo = _even_odd(xd)
         mm = self._k.matmul
         work = 2 * packed.nbytes * -(-T // 4)
         if T == 1:
@@ -302,8 +305,7 @@ class NumbaBackend(KernelBackend):
         out = np.empty((len(ws), rows), dtype=np.float32)
         work = 2 * sum(p.nbytes for p in packed)
         # packed and scales stay referenced here until the kernel returns
-        self._run(self._k.experts.mxfp4_t1_many, work, _ro(addrs), rows, cols,
-                  _ro(np.ascontiguousarray(xd[:, 0::2])), _ro(np.ascontiguousarray(xd[:, 1::2])),
+        self._run(self._k.experts.mxfp4_t1_many, work, _ro(addrs), rows, cols, *_even_odd(xd),
                   out)
         return out
 

@@ -348,11 +348,9 @@ K3_INLINE512 void k3__span512(enum k3_wkind kind, const void *w, const uint8_t *
         /* in place, the first token tile's first pass fetches the next span's rows (one line
          * of each per step) */
         const int64_t pf = src && s0 + SPAN_ROWS < o + nr ? SPAN_ROWS * cols : 0;
-        if (src)
-            ;
-        else if (f32)
+        if (!src && f32)
             span_copy(kind, 1, w, sc, s0, n, nrt * K3_PR, cols, cp, wb);
-        else
+        else if (!src)
             span_copy(kind, 0, w, sc, s0, n, nrt * K3_PR, cols, cp, wb);
         /* ceil(nt / SPAN_T) tiles of nt / tiles tokens, the first nt % tiles one more: 16
          * tokens go 6 + 5 + 5, not 6 + 6 + 4, and 13 go 5 + 4 + 4, not 6 + 6 + 1 (a tile of
@@ -363,15 +361,16 @@ K3_INLINE512 void k3__span512(enum k3_wkind kind, const void *w, const uint8_t *
             const int64_t m = nt / tiles + (i < nt % tiles);
             __m512d part[SPAN_ROWS / K3_PR][K3_PR][SPAN_T][4];
             const double *xt = xd + t0 * cp;
+            const int64_t pfi = i ? 0 : pf; /* the first token tile fetches the next span */
             _Static_assert(SPAN_T == 6, "the token counts spelled out below");
 #define K3_SPAN_M(F)                                                                       \
     switch (m) {                                                                           \
-    case 1: span_tokens(1, F, part, wb, nrt, cp, xt, src, n, cols, i ? 0 : pf); break;                               \
-    case 2: span_tokens(2, F, part, wb, nrt, cp, xt, src, n, cols, i ? 0 : pf); break;                               \
-    case 3: span_tokens(3, F, part, wb, nrt, cp, xt, src, n, cols, i ? 0 : pf); break;                               \
-    case 4: span_tokens(4, F, part, wb, nrt, cp, xt, src, n, cols, i ? 0 : pf); break;                               \
-    case 5: span_tokens(5, F, part, wb, nrt, cp, xt, src, n, cols, i ? 0 : pf); break;                               \
-    default: span_tokens(6, F, part, wb, nrt, cp, xt, src, n, cols, i ? 0 : pf); break;                              \
+    case 1: span_tokens(1, F, part, wb, nrt, cp, xt, src, n, cols, pfi); break;            \
+    case 2: span_tokens(2, F, part, wb, nrt, cp, xt, src, n, cols, pfi); break;            \
+    case 3: span_tokens(3, F, part, wb, nrt, cp, xt, src, n, cols, pfi); break;            \
+    case 4: span_tokens(4, F, part, wb, nrt, cp, xt, src, n, cols, pfi); break;            \
+    case 5: span_tokens(5, F, part, wb, nrt, cp, xt, src, n, cols, pfi); break;            \
+    default: span_tokens(6, F, part, wb, nrt, cp, xt, src, n, cols, pfi); break;           \
     }
             if (f32) {
                 K3_SPAN_M(1)
