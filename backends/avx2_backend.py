@@ -158,6 +158,17 @@ class Avx2Backend(KernelBackend):
         seconds = float(self._lib.k3_fma_peak(iters, passes, sink))
         return seconds, 8 if self._lib.k3_has_avx512() else 4
 
+    def decode_peak_seconds(self, iters: int, passes: int) -> tuple[float, int]:
+        """The best of ``passes`` timed runs, on each of this backend's threads, of ``iters``
+        one-token products of an L1-resident MXFP4 block by this backend's own one-token
+        path, in seconds, and the weights one thread multiplies in a run: the rate at which
+        packed weights become float64 lanes (the decode step's routed experts' ceiling)."""
+        self._sync_threads()
+        sink = self._ffi.new("double *")
+        weights = self._ffi.new("int64_t *")
+        seconds = float(self._lib.k3_decode_peak(iters, passes, weights, sink))
+        return seconds, int(weights[0])
+
     # --- plumbing ----------------------------------------------------------------------
     def _p(self, ctype: str, a: np.ndarray) -> Any:
         if a.size == 0:

@@ -22,6 +22,7 @@ int k3_contract_values(double *out, int cap);
 int k3_gil_rendezvous(int parties, double timeout_s);
 double k3_read_bandwidth(const uint8_t *buf, size_t nbytes, int repeat, uint64_t *checksum);
 double k3_fma_peak(int64_t iters, int repeat, double *sink);
+double k3_decode_peak(int64_t iters, int repeat, int64_t *weights, double *sink);
 
 /* ---- matrix products: y[t, o] = f32(lsum_i W[o, i] * x[t, i]) ------------------------ */
 int k3_matmul_bf16(const uint16_t *w, int64_t rows, int64_t cols,

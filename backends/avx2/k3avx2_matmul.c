@@ -328,6 +328,60 @@ static inline void do_rows(enum k3_wkind kind, int blocked, const void *w, const
         for (int64_t t = 0; t < nt; ++t) y[t * rows + r] = row_dot(kind, w, sc, r, cols, xd + t * cp);
 }
 
+/* ---- the MXFP4 decode ceiling (a machine ceiling, like k3_fma_peak) ---------------------
+ * A routed expert of a decode step has one row of activations, and its product is bound by
+ * turning packed weights into float64 lanes, not by the multiply-adds: on Zen 4 each
+ * table permute (eight weights) takes a slot of the pipes the FMAs run on. So the compute
+ * floor of a batched step counts every MXFP4 weight it decodes at this rate and only the
+ * further tokens' multiply-adds at the FMA peak. Each member multiplies a block of
+ * DEC_ROWS x DEC_COLS MXFP4 weights (8 KiB packed, 8 KiB of activations: L1-resident) by
+ * one token with the backend's own one-token path (do_rows, as k3_matmul_mxfp4 would),
+ * `iters` times a pass; k3_decode_peak returns the best seconds per pass and the weights a
+ * member multiplies in one (`*weights`: iters x DEC_ROWS x DEC_COLS). */
+#define DEC_ROWS 16
+#define DEC_COLS 1024
+
+static void decode_member(k3_team *t, int idx) {
+    uint8_t packed[DEC_ROWS * DEC_COLS / 2] __attribute__((aligned(64)));
+    uint8_t scales[DEC_ROWS * DEC_COLS / 32] __attribute__((aligned(64)));
+    double xd[DEC_COLS] __attribute__((aligned(64)));
+    float y[DEC_ROWS];
+    for (int i = 0; i < DEC_ROWS * DEC_COLS / 2; ++i) packed[i] = (uint8_t)(i * 37 + idx);
+    for (int i = 0; i < DEC_ROWS * DEC_COLS / 32; ++i) scales[i] = (uint8_t)(120 + i % 8);
+    for (int i = 0; i < DEC_COLS; ++i) xd[i] = 1.0 / (double)(i + 1);
+    const int path = use_blocked(K3_W_MXFP4, 1);
+    for (int rep = 0; rep < t->repeat; ++rep) {
+        pthread_barrier_wait(&t->bar);
+        const double t0 = now_s();
+        for (int64_t k = 0; k < t->iters; ++k) {
+            do_rows(K3_W_MXFP4, path, packed, scales, 0, DEC_ROWS, DEC_ROWS, DEC_COLS, DEC_COLS,
+                    xd, 1, y, 0);
+            t->fsum[idx] += (double)y[k % DEC_ROWS];
+        }
+        pthread_barrier_wait(&t->bar);
+        if (idx == 0) {
+            const double dt = now_s() - t0;
+            if (dt < t->best) t->best = dt;
+        }
+    }
+}
+
+double k3_decode_peak(int64_t iters, int repeat, int64_t *weights, double *sink) {
+    k3_team t;
+    memset(&t, 0, sizeof t);
+    t.fn = decode_member;
+    t.repeat = repeat < 1 ? 1 : repeat;
+    t.iters = iters;
+    team_run(&t, k3__threads());
+    double total = 0.0;
+    for (int i = 0; i < t.threads; ++i) total += t.fsum[i];
+    if (sink) *sink = total;
+    if (weights) *weights = iters * DEC_ROWS * DEC_COLS;
+    return t.best;
+}
+#undef DEC_ROWS
+#undef DEC_COLS
+
 /* One matrix of a group that shares its input: y[t * rows + o]. */
 typedef struct {
     const void *w;

@@ -34,7 +34,7 @@ JSON_KEYS = {
     "bandwidth_gb_s", "bandwidth_how", "floor_seconds_per_token", "disk_read_gb_s",
     "disk_read_how", "io_floor_seconds_per_token", "disk_device", "disk_busy_share",
     "disk_gb_s_while_busy", "device_floor_seconds_per_token", "fma_peak_gmacs", "fma_how",
-    "prefill_compute_floor_seconds",
+    "prefill_compute_floor_seconds", "decode_peak_gweights", "decode_how",
     "prefill_ids", "prefill_seconds", "prefill_seconds_runs", "prefill_tokens_per_s",
     "prefill_expert_requests", "prefill_expert_bytes_read", "prefill_expert_bytes_if_per_token",
     "prefill_chunk", "prefill_chunks", "prefill_calls", "prefill_generated_ids", "prefill_macs",
@@ -44,6 +44,9 @@ JSON_KEYS = {
     "batch_device_rate", "batch_device_busy_per_step", "batch_plan_bytes", "batch_peak_rss_bytes",
     "batch_prompts",
     "baseline_tokens_per_s", "baseline_tokens_per_s_runs", "batch_speedup",
+    "batch_macs_per_step", "batch_decoded_per_step", "batch_compute_floor_per_step",
+    "batch_memory_floor_per_step", "batch_floor_per_step", "batch_single_floor_per_token",
+    "batch_floor_speedup",
     "generated_ids", "checked_against", "ids_match", "spec_ids_match", "batch_ids_match",
     "batch_generated_ids", "notes",
 }
@@ -223,6 +226,44 @@ def test_batch_decodes_rows_together_each_checked_alone(model) -> None:
     if Path("/proc/self/clear_refs").exists():
         assert doc["batch_peak_rss_bytes"] > 0
     assert doc["expert_bytes_per_token"] >= 0
+    # the floors of a batched step and of one sequence, where the machine's ceilings could
+    # be measured (the avx2 backend's probes)
+    if doc["fma_peak_gmacs"] > 0 and doc["decode_peak_gweights"] > 0:
+        macs, decoded = doc["batch_macs_per_step"], doc["batch_decoded_per_step"]
+        assert 0 < decoded < macs
+        compute = ((macs - decoded) / (doc["fma_peak_gmacs"] * 1e9)
+                   + decoded / (doc["decode_peak_gweights"] * 1e9))
+        assert doc["batch_compute_floor_per_step"] == pytest.approx(compute)
+        assert doc["batch_floor_per_step"] == max(doc["batch_compute_floor_per_step"],
+                                                  doc["batch_memory_floor_per_step"])
+        assert doc["batch_single_floor_per_token"] >= doc["floor_seconds_per_token"] > 0
+        assert doc["batch_floor_speedup"] == pytest.approx(
+            3 * doc["batch_single_floor_per_token"] / doc["batch_floor_per_step"])
+
+
+def test_decoded_weights_count_each_mxfp4_matrix_once_a_call() -> None:
+    """The MXFP4 weights a product call decodes: every weight of each MXFP4 matrix it
+    multiplies by at least one token, however many tokens; none of bf16 ones."""
+    import numpy as np
+
+    from k3core.api.kernels import Mxfp4
+    from k3core.tools.bench.decode import decoded_weights, product_macs
+
+    def mx(r: int, c: int) -> Mxfp4:
+        return Mxfp4(np.zeros((r, c // 2), np.uint8), np.zeros((r, c // 32), np.uint8))
+
+    bf = np.zeros((8, 64), np.uint16)
+    x3, x0 = np.zeros((3, 64), np.float32), np.zeros((0, 64), np.float32)
+    assert decoded_weights("matmul_mxfp4", (mx(8, 64), x3)) == 8 * 64
+    assert product_macs("matmul_mxfp4", (mx(8, 64), x3)) == 3 * 8 * 64
+    assert decoded_weights("matmul_mxfp4", (mx(8, 64), x0)) == 0
+    assert decoded_weights("matmul_bf16", (bf, x3)) == 0
+    assert decoded_weights("matmul_many", ([mx(8, 64), mx(4, 64)], x3)) == 12 * 64
+    experts = [(mx(16, 64), mx(16, 64), mx(64, 16))] * 3
+    xs = [x3, x0, np.zeros((1, 64), np.float32)]
+    assert decoded_weights("situ_mlp_many", (experts, xs)) == 2 * 3 * 16 * 64
+    assert decoded_weights("situ_mlp", (bf, bf, bf, x3)) == 0
+    assert decoded_weights("rmsnorm", (x3,)) == 0
 
 
 def test_batch_rows_differing_from_alone_fail(model, monkeypatch) -> None:

@@ -115,3 +115,24 @@ def test_a_multi_token_product_is_set_against_the_fma_peak():
     assert "float64 FMA peak" in text and "of it" in text
     assert json.loads(result.to_json())["fma_peak_gmacs"] == result.fma_peak_gmacs
     assert measure_fma_peak(1, iters=1000, passes=1)[0] > 0
+
+
+def test_an_mxfp4_product_brings_the_decode_ceiling():
+    """An MXFP4 case: the run measures the MXFP4 decode ceiling (weights times one token a
+    second by the avx2 backend's one-token path in L1), below the FMA peak's lanes, and
+    states it."""
+    from k3core.tools.bench.kernels import _prefill_bf16, measure_decode_peak
+
+    result = run_kernel_bench(["avx2"], threads=1, repeat=1,
+                              cases=[_matvec_mxfp4(48, 256, "small"), _prefill_bf16(32, 320, 6)],
+                              memory_bytes=16 << 20)
+    if not result.timings:
+        pytest.skip("the avx2 backend cannot run here")
+    assert result.decode_peak_gweights > 0 and "one-token MXFP4 path" in result.decode_method
+    # a decoded weight costs at least the multiply-add it feeds
+    assert result.decode_peak_gweights < 1.05 * result.fma_peak_gmacs
+    text = format_table(result)
+    assert "MXFP4 decode ceiling" in text and "a decoded weight costs" in text
+    assert json.loads(result.to_json())["decode_peak_gweights"] == result.decode_peak_gweights
+    rate, how = measure_decode_peak(2, iters=200, passes=1)
+    assert rate > 0 and how

@@ -75,7 +75,7 @@ from typing import Any
 import numpy as np
 
 from k3core.api.errors import K3Error, UsageError
-from k3core.api.kernels import KernelBackend
+from k3core.api.kernels import KernelBackend, Mxfp4
 from k3core.model.config import ModelConfig
 from k3core.model.sizes import sizes_from_config
 from k3core.model.speculative import SpecOptions
@@ -141,19 +141,41 @@ def product_macs(op: str, args: tuple[Any, ...]) -> int:
     return 0
 
 
+def _mx(w: Any) -> int:
+    return int(w.shape[0] * w.shape[1]) if isinstance(w, Mxfp4) else 0
+
+
+def decoded_weights(op: str, args: tuple[Any, ...]) -> int:
+    """The MXFP4 weights a weight-product op's call turns into float64 lanes: every weight of
+    each MXFP4 matrix it multiplies by at least one token (the kernels decode a weight once
+    for all of a call's tokens at best); 0 for every other op."""
+    if op == "matmul_mxfp4" and len(args) >= 2:
+        return _mx(args[0]) if _tokens(args[1]) else 0
+    if op == "matmul_many" and len(args) >= 2:
+        return sum(_mx(w) for w in args[0]) if _tokens(args[1]) else 0
+    if op == "situ_mlp" and len(args) >= 4:
+        return sum(_mx(w) for w in args[:3]) if _tokens(args[3]) else 0
+    if op == "situ_mlp_many" and len(args) >= 2:
+        return sum(sum(_mx(w) for w in m[:3]) for m, x in zip(args[0], args[1], strict=False)
+                   if _tokens(x))
+    return 0
+
+
 class CallCounter:
     """Counts calls of every kernel op of one backend instance (wrapping its methods), and
     the wall seconds spent inside them: an op that calls another op (a fused op's fallback)
     is timed once, at the outermost call. Everything else of a token is the engine's own
     work between kernel calls (the *host* time: Python, NumPy glue, waits). With
     ``count_macs``, ``macs`` adds up the weight products' multiply-adds (``product_macs``,
-    outermost calls only); off, the timed decode steps pay nothing for it."""
+    outermost calls only) and ``decoded`` the MXFP4 weights they decode
+    (``decoded_weights``); off, the timed decode steps pay nothing for it."""
 
     def __init__(self, backend: KernelBackend, count_macs: bool = False):
         self.calls = 0
         self._count_macs = count_macs
         self.seconds = 0.0
         self.macs = 0
+        self.decoded = 0
         self._depth = 0
         for name in kernel_ops(backend):
             setattr(backend, name, self._wrap(name, getattr(backend, name)))
@@ -165,6 +187,7 @@ class CallCounter:
                 return fn(*args, **kwargs)
             if self._count_macs:
                 self.macs += product_macs(name, args)
+                self.decoded += decoded_weights(name, args)
             self._depth = 1
             t0 = time.perf_counter()
             try:
@@ -179,7 +202,7 @@ class CallCounter:
 #: a run's per-step figures (one entry a generated token; a forward pass's land on its first)
 PER_STEP = ("seconds", "calls", "expert_bytes", "expert_requests", "trunk_bytes",
             "wait_seconds", "expert_distinct", "trunk_wait", "trunk_read", "kernel_seconds",
-            "macs", "disk_bytes", "disk_busy")
+            "macs", "decoded", "disk_bytes", "disk_busy")
 
 
 @dataclass
@@ -197,6 +220,7 @@ class RunFigures:
     trunk_read: list[float] = field(default_factory=list)
     kernel_seconds: list[float] = field(default_factory=list)  # inside the kernel ops
     macs: list[int] = field(default_factory=list)  # the weight products' multiply-adds
+    decoded: list[int] = field(default_factory=list)  # the MXFP4 weights they decoded
     #: the streamed-from device's bytes read and seconds busy per step (device_counters.py)
     disk_bytes: list[int] = field(default_factory=list)
     disk_busy: list[float] = field(default_factory=list)
@@ -245,7 +269,8 @@ def _counters(eng: Engine, counter: CallCounter) -> dict[str, float]:
             "expert_distinct": int(st.requests) - int(st.extra.get("reuse", 0)),
             "trunk_wait": trunk_wait,
             "trunk_read": float(getattr(tstats, "read_seconds", 0.0) or 0.0),
-            "kernel_seconds": counter.seconds, "macs": counter.macs}
+            "kernel_seconds": counter.seconds, "macs": counter.macs,
+            "decoded": counter.decoded}
 
 
 def _open(request: EngineRequest, positions: int,
@@ -319,6 +344,9 @@ class BatchRun:
     #: over the run (0: unknown)
     plan_bytes: int = 0
     peak_rss: int = 0
+    #: the weight products' multiply-adds in the window, and the MXFP4 weights they decoded
+    macs: int = 0
+    decoded: int = 0
 
     @property
     def tokens_per_s(self) -> float:
@@ -339,7 +367,7 @@ def _batch_run(request: EngineRequest, prompts: list[list[int]], gen: int, incre
     eng = _open(request.model_copy(update={"slots": n}), max(map(len, prompts)) + gen,
                 on_plan=plans.append)
     try:
-        sched, counter = eng.model.scheduler, CallCounter(eng.kernels)
+        sched, counter = eng.model.scheduler, CallCounter(eng.kernels, count_macs=True)
         lock, stop, barrier = threading.Lock(), threading.Event(), threading.Barrier(n)
         steps: list[list[tuple[float, Step]]] = [[] for _ in prompts]
         out: list[RunResult | BaseException | None] = [None] * n
@@ -409,7 +437,8 @@ def _batch_run(request: EngineRequest, prompts: list[list[int]], gen: int, incre
         feeds=s1.feeds - s0.feeds, most=s1.most,
         disk_bytes=d1.bytes_read - d0.bytes_read if d0 and d1 else 0,
         disk_busy=d1.busy_seconds - d0.busy_seconds if d0 and d1 else 0.0,
-        plan_bytes=memory.total if memory is not None else 0, peak_rss=peak)
+        plan_bytes=memory.total if memory is not None else 0, peak_rss=peak,
+        macs=int(c1["macs"] - c0["macs"]), decoded=int(c1["decoded"] - c0["decoded"]))
 
 
 def _batch_prompts(ids: list[int], batch: int, vocab: int, seed: int) -> list[list[int]]:
@@ -563,7 +592,7 @@ def run_decode_bench(
         floors=floors,
         prefill=_prefill_figures(plan, args, pruns),
         check=checked,
-        batch=_batch_figures(plan, runs, steady, bruns),
+        batch=_batch_figures(plan, runs, steady, bruns, floors),
     )
 
 
@@ -641,12 +670,18 @@ def _yardsticks(plan: _Plan, args: BenchArgs, pooled: RunFigures, pruns: list[Ru
                 say: Progress) -> Floors:
     """The memory bandwidth, the FMA peak (with a prefill) and the storage read rate, each
     measured now on this machine, and the floors they give."""
-    from k3core.tools.bench.kernels import measure_fma_peak, measure_read_bandwidth
+    from k3core.tools.bench.kernels import (
+        measure_decode_peak,
+        measure_fma_peak,
+        measure_read_bandwidth,
+    )
 
     say("yardsticks", 0, 2)
     bw, how = measure_read_bandwidth(plan.threads, max(1 << 20, args.bandwidth_bytes))
     say("yardsticks", 1, 2)
-    fma, fma_how = measure_fma_peak(plan.threads) if args.prefill else (0.0, "")
+    batched = len(plan.prompts) > 1
+    fma, fma_how = measure_fma_peak(plan.threads) if args.prefill or batched else (0.0, "")
+    dec, dec_how = measure_decode_peak(plan.threads) if batched else (0.0, "")
     say("yardsticks", 2, 2)
     touched = _touched_per_token(plan.cfg, pooled)
     pmacs = pruns[0].macs[0] if pruns else 0
@@ -667,6 +702,7 @@ def _yardsticks(plan: _Plan, args: BenchArgs, pooled: RunFigures, pruns: list[Ru
                                         if while_busy > 0 else 0.0),
         fma_peak_gmacs=fma, fma_how=fma_how,
         prefill_compute_floor_seconds=pmacs / (fma * 1e9) if fma > 0 else 0.0,
+        decode_peak_gweights=dec, decode_how=dec_how,
     )
 
 
@@ -731,8 +767,44 @@ def _alone_ids(plan: _Plan, prompts: list[list[int]], gen: int,
         eng.close()
 
 
+def _batch_floors(plan: _Plan, steady: list[RunFigures], bruns: list[BatchRun],
+                  floors: Floors) -> dict[str, Any]:
+    """The floors of a batched step and of a single sequence's, from the same run's
+    yardsticks, and the speedup they allow (``BatchFigures``' ``batch_*floor*`` fields).
+
+    A batched step's compute floor: every MXFP4 weight it decodes (once a call at best) at
+    the decode ceiling, every other multiply-add at the FMA peak; its memory floor: the
+    trunk a token touches plus the decoded experts' packed bytes over the read bandwidth.
+    A single sequence's floor is the larger of its bandwidth floor and the same compute
+    floor for one row (a row's multiply-adds are the step's over B; its experts, each with
+    one token, are all decoded)."""
+    fma, dec, bw = floors.fma_peak_gmacs * 1e9, floors.decode_peak_gweights * 1e9, \
+        floors.bandwidth_gb_s * 1e9
+    passes = [max(1, b.passes) for b in bruns]
+    if not (fma > 0 and dec > 0 and bw > 0) or not all(b.macs for b in bruns):
+        return {}
+    B = len(plan.prompts)
+    macs = _median([b.macs / n for b, n in zip(bruns, passes, strict=True)])
+    decoded = _median([b.decoded / n for b, n in zip(bruns, passes, strict=True)])
+    cfg = plan.cfg
+    pooled = RunFigures.pooled(steady)
+    requests = pooled.median("expert_requests")
+    sizes = sizes_from_config(cfg)
+    mx_bytes = sizes.expert_bytes / (3 * cfg.moe_inter * cfg.latent)  # per MXFP4 weight
+    compute = (macs - decoded) / fma + decoded / dec
+    others = _touched_per_token(cfg, pooled) - requests * sizes.expert_bytes
+    memory = (others + decoded * mx_bytes) / bw
+    one_decoded = requests * 3 * cfg.moe_inter * cfg.latent
+    one = max(floors.floor_seconds_per_token, (macs / B - one_decoded) / fma + one_decoded / dec)
+    floor = max(compute, memory)
+    return {"batch_macs_per_step": macs, "batch_decoded_per_step": decoded,
+            "batch_compute_floor_per_step": compute, "batch_memory_floor_per_step": memory,
+            "batch_floor_per_step": floor, "batch_single_floor_per_token": one,
+            "batch_floor_speedup": B * one / floor if floor > 0 else None}
+
+
 def _batch_figures(plan: _Plan, runs: list[RunFigures], steady: list[RunFigures],
-                   bruns: list[BatchRun]) -> BatchFigures:
+                   bruns: list[BatchRun], floors: Floors) -> BatchFigures:
     """The ``--batch`` figures: of the batched runs beside the single-sequence ones, or (B = 1)
     of the single-sequence runs themselves."""
     single = [r.steady_tokens_per_s() for r in runs]
@@ -769,7 +841,8 @@ def _batch_figures(plan: _Plan, runs: list[RunFigures], steady: list[RunFigures]
         batch_peak_rss_bytes=max(b.peak_rss for b in bruns),
         batch_prompts=plan.prompts, baseline_tokens_per_s=_median(single),
         baseline_tokens_per_s_runs=single,
-        batch_speedup=_median(agg) / _median(single) if _median(single) > 0 else None)
+        batch_speedup=_median(agg) / _median(single) if _median(single) > 0 else None,
+        **_batch_floors(plan, steady, bruns, floors))
 
 
 def _touched_per_token(cfg: ModelConfig, pooled: RunFigures) -> int:

@@ -95,6 +95,10 @@ class Floors:
     fma_peak_gmacs: float = 0.0
     fma_how: str = ""
     prefill_compute_floor_seconds: float = 0.0
+    #: ``--batch B > 1``: MXFP4 weights multiplied by one token per second on the same threads
+    #: (G/s, how; k3core/tools/bench/kernels.py ``measure_decode_peak``)
+    decode_peak_gweights: float = 0.0
+    decode_how: str = ""
 
 
 @dataclass
@@ -157,6 +161,19 @@ class BatchFigures:
     baseline_tokens_per_s: float | None = None
     baseline_tokens_per_s_runs: list[float] = field(default_factory=list)
     batch_speedup: float | None = None
+    #: B > 1, with the FMA peak and the decode ceiling measured: a batched step's
+    #: multiply-adds and the MXFP4 weights it decodes (medians of the runs' window means);
+    #: its compute floor (decoded weights at the decode ceiling, the other multiply-adds at
+    #: the FMA peak) and memory floor (bytes touched over the read bandwidth), the larger of
+    #: the two; a single sequence's floor (seconds a token) and the speedup the two floors
+    #: allow (B x the single floor over the batched one)
+    batch_macs_per_step: float = 0.0
+    batch_decoded_per_step: float = 0.0
+    batch_compute_floor_per_step: float = 0.0
+    batch_memory_floor_per_step: float = 0.0
+    batch_floor_per_step: float = 0.0
+    batch_single_floor_per_token: float = 0.0
+    batch_floor_speedup: float | None = None
 
 
 @dataclass
@@ -315,6 +332,19 @@ def _batch_lines(b: DecodeBench) -> list[str]:
             f"{100 * (x.batch_device_busy_share or 0.0):.0f} % of the batched window and read "
             f"{x.batch_device_rate / 1e9:.2f} GB/s while busy: {x.batch_device_busy_per_step:.4f} s of "
             f"reads a step, the step is {x.s_per_step / x.batch_device_busy_per_step:.2f}x that")
+    if x.batch_floor_per_step > 0:
+        f = b.floors
+        lines.append(
+            f"batch floor : {x.batch_floor_per_step:.4f} s/step = the larger of compute "
+            f"{x.batch_compute_floor_per_step:.4f} s ({x.batch_macs_per_step / 1e9:.2f} G "
+            f"multiply-adds, {x.batch_decoded_per_step / 1e9:.2f} G of them on MXFP4 weights "
+            f"decoded at {f.decode_peak_gweights:.1f} G/s, the rest at the FMA peak of "
+            f"{f.fma_peak_gmacs:.1f} G/s) and memory {x.batch_memory_floor_per_step:.4f} s; "
+            f"the step is {x.s_per_step / x.batch_floor_per_step:.2f}x it")
+        lines.append(
+            f"floors allow: batch {x.batch} at most {x.batch_floor_speedup or 0.0:.2f}x batch 1 "
+            f"(one sequence's floor {x.batch_single_floor_per_token:.4f} s/token, "
+            f"{x.batch} x that over the step's floor)")
     if x.batch_peak_rss_bytes:
         lines.append(f"batch memory: peak RSS {x.batch_peak_rss_bytes / 1e6:.0f} MB against a plan of "
                      f"{x.batch_plan_bytes / 1e6:.0f} MB for {x.batch} slots")

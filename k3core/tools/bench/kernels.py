@@ -84,6 +84,11 @@ class BenchResult:
     memory_samples_gbps: list[float] = field(default_factory=list)  # before, after
     fma_peak_gmacs: float = 0.0  # float64 FMA lanes per second, all threads (0: not measured)
     fma_method: str = ""
+    #: MXFP4 weights multiplied by one token per second, all threads, by the backend's own
+    #: one-token path in L1 (0: not measured): what a decoded weight costs (see
+    #: ``measure_decode_peak``)
+    decode_peak_gweights: float = 0.0
+    decode_method: str = ""
 
     def rows(self) -> list[tuple[str, ...]]:
         """One tuple per timing, in :data:`COLUMNS` order, formatted for printing."""
@@ -116,6 +121,11 @@ class BenchResult:
             lines += [f"  {t.backend} {t.op} {t.shape}: {t.macs / t.seconds / 1e9:.1f} GMAC/s = "
                       f"{100 * t.macs / t.seconds / 1e9 / self.fma_peak_gmacs:.0f}% of it"
                       for t in self.timings if t.macs]
+        if self.decode_peak_gweights:
+            lines.append(f"MXFP4 decode ceiling: {self.decode_peak_gweights:.1f} G weights/s "
+                         f"times one token ({self.decode_method}, {self.threads} thread(s))"
+                         + (f"; a decoded weight costs {self.fma_peak_gmacs / self.decode_peak_gweights:.2f}"
+                            " multiply-adds of the FMA peak" if self.fma_peak_gmacs else ""))
         return "\n".join(lines)
 
     def to_dict(self) -> dict[str, Any]:
@@ -183,6 +193,25 @@ def measure_fma_peak(threads: int, iters: int = 20_000_000, passes: int = 3) -> 
     seconds, lanes = ceilings.fma_peak_seconds(iters, passes)
     how = f"12 independent {64 * lanes}-bit FMA chains per thread (the avx2 backend's)"
     return threads * iters * 12 * lanes / seconds / 1e9, how
+
+
+def measure_decode_peak(threads: int, iters: int = 20_000, passes: int = 3) -> tuple[float, str]:
+    """MXFP4 weights multiplied by one token per second on ``threads`` threads, and how;
+    ``(0.0, why)`` without the avx2 backend.
+
+    The ceiling of a product whose weights are used once each (a decode step's routed
+    experts, one row each): each thread runs the avx2 backend's own one-token path over an
+    L1-resident block, so no memory traffic and no call overhead count, only turning packed
+    weights into float64 lanes and their multiply-adds. Where the decode runs on the FMA
+    pipes (Zen 4's table permutes do) this is well under the FMA peak, and a batched step's
+    compute floor counts each weight it decodes at this rate and only its further tokens'
+    multiply-adds at the FMA peak (``k3 bench decode --batch``)."""
+    ceilings = _ceilings(threads)
+    if ceilings is None or not hasattr(ceilings, "decode_peak_seconds"):
+        return 0.0, "the avx2 backend cannot run here"
+    seconds, weights = ceilings.decode_peak_seconds(iters, passes)
+    how = "the avx2 backend's one-token MXFP4 path over a 16 x 1,024 block in L1"
+    return threads * weights / seconds / 1e9, how
 
 
 # --- the ops -----------------------------------------------------------------------------------
@@ -387,6 +416,8 @@ def run_kernel_bench(
         t.of_memory = t.gbps / result.memory_read_gbps
     if any(t.macs for t in result.timings):
         result.fma_peak_gmacs, result.fma_method = measure_fma_peak(threads)
+    if any("mxfp4" in t.op for t in result.timings):
+        result.decode_peak_gweights, result.decode_method = measure_decode_peak(threads)
     return result
 
 
