@@ -161,6 +161,7 @@ def decode(
     prefill: int = typer.Option(128, "--prefill", help="Random prompt ids of the prefill runs (0: none)."),
     repeat: int = typer.Option(3, "--repeat", help="Runs of each kind, each from a fresh engine (medians)."),
     batch: int = typer.Option(1, "--batch", help="Sequences decoded together per timed round (>1: aggregate tokens/s against 1 sequence)."),
+    context: str = typer.Option("", "--context", help="Also decode at built contexts of these many positions (e.g. 1K,8K,32K): s/token and latent attention's cost per position against its FLOP floor."),
     check: bool = typer.Option(True, "--check/--no-check", help="Check the ids against --backend numpy."),
     bandwidth_mb: float = typer.Option(1024.0, "--bandwidth-mb", help="Buffer of the read-bandwidth loop (MB)."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
@@ -175,16 +176,18 @@ def decode(
     """s/token, prefill tokens/s, bytes, I/O wait, calls per token, next to the bandwidth floor."""
     from k3core.api.errors import K3Error
     from k3core.model.speculative import SpecOptions
-    from k3core.tools.bench.decode import _ids, format_report, run_decode_bench
+    from k3core.tools.bench.decode import _ids, contexts_of, format_report, run_decode_bench
 
     request = flags.request(model_dir=model)
     check_mb(bandwidth_mb, "--bandwidth-mb")
-    units = {"timed": "token", "prefill": "run", "yardsticks": "loop", "check": "token"}
+    units = {"timed": "token", "prefill": "run", "yardsticks": "loop", "check": "token",
+             "context": "token"}
     with Stages("bench decode", quiet=quiet, units=units) as stages:
         res = run_decode_bench(request, ids=_ids(ids), gen=gen, prefill=prefill, repeat=repeat,
                                check=check, bandwidth_bytes=int(bandwidth_mb * 1e6),
                                spec=SpecOptions(spec, spec_width, spec_ngram),
-                               prompt_file=prompt_file, batch=batch, progress=stages)
+                               prompt_file=prompt_file, batch=batch,
+                               contexts=contexts_of(context), progress=stages)
     print(res.to_json() if as_json else format_report(res))
     if res.check.ids_match is False:
         raise K3Error("bench decode: the generated ids differ from --backend numpy")
@@ -192,6 +195,8 @@ def decode(
         raise K3Error("bench decode: the generated ids differ from --spec off")
     if res.check.batch_ids_match is False:
         raise K3Error("bench decode: batched rows' ids differ from their prompts run alone on --backend numpy")
+    if res.context.context_ids_match is False:
+        raise K3Error("bench decode: the ids at a built context differ from --backend numpy")
 
 
 def _serve_flags(given: dict[str, object]) -> list[str]:

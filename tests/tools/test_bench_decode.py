@@ -47,6 +47,10 @@ JSON_KEYS = {
     "batch_macs_per_step", "batch_decoded_per_step", "batch_compute_floor_per_step",
     "batch_memory_floor_per_step", "batch_floor_per_step", "batch_single_floor_per_token",
     "batch_floor_speedup",
+    "context_positions", "context_seconds_per_token", "context_seconds_per_token_runs",
+    "context_attention_seconds_per_token", "context_attention_seconds_per_position",
+    "context_attention_floor_per_position", "context_seed_ids", "context_ids_match",
+    "context_generated_ids",
     "generated_ids", "checked_against", "ids_match", "spec_ids_match", "batch_ids_match",
     "batch_generated_ids", "notes",
 }
@@ -189,6 +193,11 @@ def test_human_report(model) -> None:
     (["--batch", "0"], "--batch must be >= 1, got 0"),
     (["--batch", "-2"], "--batch must be >= 1, got -2"),
     (["--batch", "2", "--spec", "ngram"], "--batch above 1 decodes with --spec off"),
+    (["--context", "1"], "every --context must be >= 2 positions"),
+    (["--context", "16,x"], "--context must be comma-separated positions"),
+    (["--context", "16,16"], "--context names a context twice"),
+    (["--context", "16", "--spec", "ngram"], "--context decodes with --spec off"),
+    (["--context", "16", "--full-recompute"], "--context needs incremental decoding"),
 ])
 def test_bad_arguments_are_refused(model, args, msg) -> None:
     res = runner.invoke(app, ["bench", "decode", str(model), "--backend", "numpy", "--prefill", "0",
@@ -239,6 +248,49 @@ def test_batch_decodes_rows_together_each_checked_alone(model) -> None:
         assert doc["batch_single_floor_per_token"] >= doc["floor_seconds_per_token"] > 0
         assert doc["batch_floor_speedup"] == pytest.approx(
             3 * doc["batch_single_floor_per_token"] / doc["batch_floor_per_step"])
+
+
+def test_context_runs_decode_at_built_contexts_checked_against_numpy(model) -> None:
+    """--context 12,40: each context built from a seeded prefill (its latent rows repeated),
+    decoded on the timed backend and again on numpy: the same ids; the report states the
+    cost per context and latent attention's per position against its floor."""
+    res = runner.invoke(app, ["bench", "decode", str(model), "--backend", "avx2", "--gen", "3",
+                              "--prefill", "0", "--repeat", "1", "--bandwidth-mb", "32",
+                              "--context", "12,40"])
+    if "cannot run here" in res.output or "unavailable" in res.output:
+        pytest.skip("the avx2 backend cannot run here")
+    assert res.exit_code == 0, res.output
+    for text in ("context     : 12 positions", "40 positions", "latent attention",
+                 "a position of context (12 -> 40)",
+                 "every context's ids identical to the same context's on --backend numpy"):
+        assert text in res.output, text
+    res = runner.invoke(app, ["bench", "decode", str(model), "--backend", "numpy", "--gen", "3",
+                              "--prefill", "0", "--repeat", "2", "--bandwidth-mb", "32", "--json",
+                              "--context", "40,12", "--no-check"])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.output.strip().splitlines()[-1])
+    assert set(doc) == JSON_KEYS
+    assert doc["context_positions"] == [40, 12] and doc["context_seed_ids"] == 11
+    assert all(len(r) == 2 and all(x > 0 for x in r) for r in doc["context_seconds_per_token_runs"])
+    assert all(0 < a < t for a, t in zip(doc["context_attention_seconds_per_token"],
+                                         doc["context_seconds_per_token"], strict=True))
+    assert [len(ids) for ids in doc["context_generated_ids"]] == [3, 3]
+    assert doc["context_ids_match"] is None  # --no-check
+
+
+def test_a_built_context_repeats_the_seed_rows_and_ids() -> None:
+    import numpy as np
+
+    from k3core.model.state import StateSnapshot
+    from k3core.tools.bench.context import stretched
+    from k3core.tools.bench.decode import contexts_of
+
+    rows = np.arange(12, dtype=np.float32).reshape(3, 4)
+    kda = {0: (np.ones((1, 2, 2), np.float32), {})}
+    ids, snap = stretched(StateSnapshot(3, kda, {2: rows}), [5, 6, 7], 7)
+    assert ids == [5, 6, 7, 5, 6, 7, 5] and snap.pos == 7 and snap.kda is kda
+    assert np.array_equal(snap.kv[2], np.concatenate([rows, rows, rows[:1]]))
+    assert contexts_of("1K, 8k,100") == [1024, 8192, 100] and contexts_of("") == []
 
 
 def test_decoded_weights_count_each_mxfp4_matrix_once_a_call() -> None:

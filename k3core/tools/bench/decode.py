@@ -85,10 +85,13 @@ from k3core.run.generate import RunResult, generate
 from k3core.run.memory_plan import peak_rss_bytes
 from k3core.run.plan import EnginePlan
 from k3core.run.request import EngineRequest, build
+from k3core.tools.bench import context as ctx
 from k3core.tools.bench import device_counters
+from k3core.tools.bench.context import check_contexts
 from k3core.tools.bench.decode_record import (
     BatchFigures,
     BenchSetup,
+    ContextFigures,
     DecodeBench,
     DecodeTiming,
     Floors,
@@ -176,6 +179,8 @@ class CallCounter:
         self.seconds = 0.0
         self.macs = 0
         self.decoded = 0
+        #: seconds inside each op (outermost calls), by name
+        self.op_seconds: dict[str, float] = {}
         self._depth = 0
         for name in kernel_ops(backend):
             setattr(backend, name, self._wrap(name, getattr(backend, name)))
@@ -193,7 +198,9 @@ class CallCounter:
             try:
                 return fn(*args, **kwargs)
             finally:
-                self.seconds += time.perf_counter() - t0
+                dt = time.perf_counter() - t0
+                self.seconds += dt
+                self.op_seconds[name] = self.op_seconds.get(name, 0.0) + dt
                 self._depth = 0
 
         return counted
@@ -496,8 +503,12 @@ class BenchArgs:
     spec: SpecOptions | None = None
     prompt_file: Path | None = None
     batch: int = 1  # sequences decoded together (1: the single-sequence runs only)
+    contexts: tuple[int, ...] = ()  # --context: positions of the built contexts
 
     def __post_init__(self) -> None:
+        check_contexts(list(self.contexts))
+        if self.contexts and self.speculative is not None:
+            raise UsageError("bench decode: --context decodes with --spec off")
         for flag, value, least in (("--gen", self.gen, 2), ("--repeat", self.repeat, 1),
                                    ("--prefill", self.prefill, 0), ("--batch", self.batch, 1)):
             if value < least:
@@ -522,6 +533,11 @@ class BenchArgs:
             return 0
         return (self.gen + (1 if self.prefill else 0) + (self.gen if self.speculative else 0)
                 + (self.batch - 1) * self.gen)
+
+    @property
+    def context_tokens(self) -> int:
+        """Tokens the ``--context`` runs generate, and their check (the ``context`` stage)."""
+        return len(self.contexts) * self.gen * (self.repeat + (1 if self.check else 0))
 
 
 @dataclass
@@ -558,6 +574,7 @@ def run_decode_bench(
     spec: SpecOptions | None = None,
     prompt_file: Path | None = None,
     batch: int = 1,
+    contexts: list[int] | None = None,
     progress: Callable[[str, int, int], None] | None = None,
 ) -> DecodeBench:
     """Measure decode and prefill ``repeat`` times each (fresh engines); see the module doc.
@@ -568,15 +585,23 @@ def run_decode_bench(
     ``progress(stage, done, total)`` hears each stage as it goes: ``timed`` (tokens of the
     timed decode runs), ``prefill`` (runs), ``yardsticks`` (the bandwidth and FMA loops) and
     ``check`` (tokens of the ``--backend numpy`` and ``--spec off`` runs). ``batch`` > 1 adds
-    a batched run of that many sequences after each timed run (its tokens in ``timed``)."""
+    a batched run of that many sequences after each timed run (its tokens in ``timed``);
+    ``contexts`` adds decode runs at built contexts of those many positions
+    (k3core/tools/bench/context.py; their tokens and checks in ``context``)."""
     args = BenchArgs(ids, gen, prefill, repeat, check, seed, bandwidth_bytes, spec, prompt_file,
-                     batch)
+                     batch, tuple(contexts or ()))
     say = progress or (lambda stage, done, total: None)
     plan = _probe(request, args)
+    if args.contexts:  # refused before any run
+        check_contexts(list(args.contexts), plan.cfg)
+        if not plan.incremental:
+            raise UsageError("bench decode: --context needs incremental decoding (a built "
+                             "context is a kept state)")
     runs, bruns, peak = _timed_runs(plan, args, say)
     steady = [r.steady() for r in runs]
     pids, pruns = _prefill_runs(plan, args, say)
     floors = _yardsticks(plan, args, RunFigures.pooled(steady), pruns, say)
+    context = _context_figures(plan, args, floors, say)
     checked = _check_ids(plan, args, pids, runs, pruns, bruns, say)
     means = [s.mean("seconds") for s in steady]
     mid = sorted(range(len(steady)), key=lambda i: means[i])[len(steady) // 2]
@@ -593,6 +618,7 @@ def run_decode_bench(
         prefill=_prefill_figures(plan, args, pruns),
         check=checked,
         batch=_batch_figures(plan, runs, steady, bruns, floors),
+        context=context,
     )
 
 
@@ -680,7 +706,8 @@ def _yardsticks(plan: _Plan, args: BenchArgs, pooled: RunFigures, pruns: list[Ru
     bw, how = measure_read_bandwidth(plan.threads, max(1 << 20, args.bandwidth_bytes))
     say("yardsticks", 1, 2)
     batched = len(plan.prompts) > 1
-    fma, fma_how = measure_fma_peak(plan.threads) if args.prefill or batched else (0.0, "")
+    fma, fma_how = (measure_fma_peak(plan.threads) if args.prefill or batched or args.contexts
+                    else (0.0, ""))
     dec, dec_how = measure_decode_peak(plan.threads) if batched else (0.0, "")
     say("yardsticks", 2, 2)
     touched = _touched_per_token(plan.cfg, pooled)
@@ -704,6 +731,54 @@ def _yardsticks(plan: _Plan, args: BenchArgs, pooled: RunFigures, pruns: list[Ru
         prefill_compute_floor_seconds=pmacs / (fma * 1e9) if fma > 0 else 0.0,
         decode_peak_gweights=dec, decode_how=dec_how,
     )
+
+
+def _context_figures(plan: _Plan, args: BenchArgs, floors: Floors,
+                     say: Progress) -> ContextFigures:
+    """The ``--context`` runs: ``--repeat`` rounds over the contexts, each run from a fresh
+    engine planned for its positions; with the check, every context decoded once more on
+    one ``--backend numpy`` engine from its own seed prefill."""
+    if not args.contexts:
+        return ContextFigures()
+    ns = list(args.contexts)
+    seed = ctx.seed_ids(plan.cfg, args.seed, min(ctx.SEED_IDS, min(ns) - 1))
+    runs: dict[int, list[ctx.ContextRun]] = {n: [] for n in ns}
+    total, done = args.context_tokens, 0
+    for _ in range(args.repeat):
+        for n in ns:
+            gc.collect()
+            eng = ctx.open_for(plan.timed, n + args.gen)
+            try:
+                counter = CallCounter(eng.kernels)
+                # every engine prefills the seed itself: the same bytes each time, and its
+                # expert cache as warm as every other context's
+                snap = ctx.seed_state(eng, seed)
+                runs[n].append(ctx.context_run(eng, snap, seed, n, args.gen,
+                                               counter.op_seconds.copy,
+                                               _tokens_of(say, "context", done, total)))
+            finally:
+                eng.close()
+            done += args.gen
+    fig = ContextFigures(**ctx.summary(runs), context_seed_ids=len(seed),
+                         context_generated_ids=[runs[n][0].ids for n in ns])
+    fig.context_attention_seconds_per_position = ctx.slope(
+        ns, fig.context_attention_seconds_per_token)
+    fig.context_attention_floor_per_position = ctx.attention_floor_per_position(
+        plan.cfg, floors.fma_peak_gmacs)
+    if args.check:
+        eng = ctx.open_for(plan.checked, max(ns) + args.gen)
+        try:
+            own = ctx.seed_state(eng, seed)
+            want = []
+            for n in ns:
+                want.append(ctx.context_run(eng, own, seed, n, args.gen, dict,
+                                            _tokens_of(say, "context", done, total)).ids)
+                done += args.gen
+        finally:
+            eng.close()
+        fig.context_ids_match = all(r.ids == w for n, w in zip(ns, want, strict=True)
+                                    for r in runs[n])
+    return fig
 
 
 def _check_ids(plan: _Plan, args: BenchArgs, pids: list[int], runs: list[RunFigures],
@@ -962,6 +1037,21 @@ def _ids(text: str) -> list[int]:
         raise UsageError(f"bench decode: --ids must be comma-separated integers, got {text!r}") from None
 
 
+def contexts_of(text: str) -> list[int]:
+    """``--context``: comma-separated positions, ``K`` for 1,024 allowed (``1K,8K,32K``)."""
+    out = []
+    for part in (x.strip() for x in text.split(",")):
+        if not part:
+            continue
+        scale = 1024 if part[-1] in "kK" else 1
+        try:
+            out.append(int(part[:-1] if scale > 1 else part) * scale)
+        except ValueError:
+            raise UsageError(f"bench decode: --context must be comma-separated positions "
+                             f"(1024 or 1K), got {text!r}") from None
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m k3core.tools.bench.decode",
                                  description=__doc__.split("\n\n")[0])
@@ -985,6 +1075,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--spec-ngram", type=int, default=3)
     ap.add_argument("--prompt-file", type=Path, default=None)
     ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--context", default="")
     a = ap.parse_args(argv)
     try:
         given = {"model_dir": a.model, "backend": a.backend, "threads": a.threads,
@@ -996,13 +1087,15 @@ def main(argv: list[str] | None = None) -> int:
         res = run_decode_bench(request, ids=_ids(a.ids), gen=a.gen, prefill=a.prefill,
                                repeat=a.repeat, check=not a.no_check,
                                spec=SpecOptions(a.spec, a.spec_width, a.spec_ngram),
-                               prompt_file=a.prompt_file, batch=a.batch)
+                               prompt_file=a.prompt_file, batch=a.batch,
+                               contexts=contexts_of(a.context))
     except K3Error as exc:
         print(f"k3: error: {exc}", file=sys.stderr)
         return 2 if isinstance(exc, UsageError) else 1
     print(res.to_json() if a.json else format_report(res))
     c = res.check
-    return 0 if False not in (c.ids_match, c.spec_ids_match, c.batch_ids_match) else 1
+    return 0 if False not in (c.ids_match, c.spec_ids_match, c.batch_ids_match,
+                              res.context.context_ids_match) else 1
 
 
 if __name__ == "__main__":

@@ -177,6 +177,27 @@ class BatchFigures:
 
 
 @dataclass
+class ContextFigures:
+    """``--context N,...``: decode at built contexts of N positions (k3core/tools/bench/
+    context.py); empty lists without it."""
+
+    #: the contexts, in the order given; per context the median over the runs of each run's
+    #: median steady s/token, the runs' own, and the latent attention op's seconds per token
+    context_positions: list[int] = field(default_factory=list)
+    context_seconds_per_token: list[float] = field(default_factory=list)
+    context_seconds_per_token_runs: list[list[float]] = field(default_factory=list)
+    context_attention_seconds_per_token: list[float] = field(default_factory=list)
+    #: the attention's seconds per position of context (the slope between the smallest and
+    #: the largest context), its FLOP floor at the FMA peak, and the seed prompt's length
+    context_attention_seconds_per_position: float = 0.0
+    context_attention_floor_per_position: float = 0.0
+    context_seed_ids: int = 0
+    #: every context's ids equal to the same context's on the checked backend
+    context_ids_match: bool | None = None
+    context_generated_ids: list[list[int]] = field(default_factory=list)
+
+
+@dataclass
 class IdsCheck:
     """The ids generated and what they were checked against."""
 
@@ -202,11 +223,12 @@ class DecodeBench:
     prefill: PrefillFigures
     check: IdsCheck
     batch: BatchFigures = field(default_factory=BatchFigures)
+    context: ContextFigures = field(default_factory=ContextFigures)
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
         for part in (self.setup, self.timing, self.bytes, self.floors, self.prefill, self.batch,
-                     self.check):
+                     self.context, self.check):
             fields = asdict(part)
             both = out.keys() & fields.keys()
             if both:  # one flat object: a figure of one part must not hide another's
@@ -298,6 +320,8 @@ def format_report(b: DecodeBench) -> str:
                  "(steady tokens of the median run)")
     if b.batch.batch > 1:
         lines += _batch_lines(b)
+    if b.context.context_positions:
+        lines += _context_lines(b)
     lines += [f"NOTE: {n}" for n in c.notes]
     return "\n".join(lines)
 
@@ -353,4 +377,28 @@ def _batch_lines(b: DecodeBench) -> list[str]:
         lines.append(f"batch ids   : every row {same} its prompt alone on --backend "
                      f"{c.checked_against} ({x.batch} prompts of "
                      f"{len(x.batch_prompts[0]) if x.batch_prompts else 0} ids)")
+    return lines
+
+
+def _context_lines(b: DecodeBench) -> list[str]:
+    """The ``--context`` lines."""
+    x, f, c = b.context, b.floors, b.check
+    lines = ["context     : " + "; ".join(
+        f"{n} positions {t:.4f} s/token (latent attention {a:.4f}, the rest {t - a:.4f})"
+        for n, t, a in zip(x.context_positions, x.context_seconds_per_token,
+                           x.context_attention_seconds_per_token, strict=True))
+        + f" (medians of {b.setup.repeat} runs; each context built from a {x.context_seed_ids}-id"
+        " seeded prefill, its latent rows repeated)"]
+    if len(x.context_positions) > 1:
+        per, floor = x.context_attention_seconds_per_position, x.context_attention_floor_per_position
+        lines.append(
+            f"attention   : {per * 1e9:.1f} ns a position of context "
+            f"({min(x.context_positions)} -> {max(x.context_positions)})"
+            + (f"; its FLOP floor {floor * 1e9:.1f} ns (every MLA layer's multiply-adds a position "
+               f"at the FMA peak of {f.fma_peak_gmacs:.1f} G/s): {per / floor:.2f}x it"
+               if floor > 0 else ""))
+    if x.context_ids_match is not None:
+        same = "identical to" if x.context_ids_match else "NOT all identical to"
+        lines.append(f"context ids : every context's ids {same} the same context's on "
+                     f"--backend {c.checked_against or 'numpy'}")
     return lines
