@@ -581,6 +581,27 @@ class KernelConformance:
         target[0][target[1]] = value
         compare(kb, "mla_latent_attention", q, cache, w, pos0, 0.3, what=f"mla latent {where}={value}")
 
+    @pytest.mark.parametrize("H,threads", [(12, 2), (7, 3), (5, 1)])
+    def test_mla_latent_attention_long_cache(self, backend: KernelBackend, H: int,
+                                             threads: int) -> None:
+        """A decode step over hundreds of positions at the medium model's widths (two
+        column blocks of the latent, every lane of the position sums used many times), its
+        heads in groups of a thread's share and one by one (forced)."""
+        rng = _rng("mla-latent-long", H, threads)
+        T, n, r, dv, C, pos0 = 1, 128, 64, 128, 200, 301
+        q = activations(rng, (T, H, n + r), mild=True)
+        cache = activations(rng, (pos0 + T, C + r), mild=True)
+        w = activations(rng, (H * (n + dv), C), scale=0.2, mild=True)
+        backend.set_threads(threads)
+        try:
+            for forced in (False, True):
+                backend.set_force_parallel(forced)
+                compare(backend, "mla_latent_attention", q, cache, w, pos0, 0.07,
+                        what=f"mla latent long, {H} heads, {threads} threads, forced {forced}")
+        finally:
+            backend.set_force_parallel(False)
+            backend.set_threads(1)
+
     def test_mla_latent_attention_parallel_forced(self, backend: KernelBackend) -> None:
         """The fused op with every parallel path taken, at 1, 2 and 3 threads."""
         rng = _rng("mla-latent-forced")
