@@ -139,13 +139,7 @@ def pack_trunk(
     ``reads`` (more inputs: ``--config``), and its two files may not be one of them."""
     out = Path(trunk_dir)
     runs = plan_pack(index, cfg)
-    check_outputs([Output(out, "the packed trunk", directory=True, files=PACKED_FILES,
-                          create=False)], inputs=[(index.model_dir, "MODEL_DIR"), *reads])
-    if out.is_dir():
-        sweep_stale(out, PACKED_FILES)
-    if (out / MANIFEST_NAME).exists() or (out / DATA_NAME).exists():
-        if not force:
-            raise UsageError(f"{out} already holds a packed trunk; pass --force to replace it")
+    check_target(index, out, force, reads)
     created = not out.exists()
     with Partials() as parts:
         try:
@@ -183,6 +177,19 @@ def pack_trunk(
                 msg += f" ({note})" if note else ""
             raise OutputError(msg) from None
     return man
+
+
+def check_target(index: CheckpointIndex, out: Path, force: bool,
+                 reads: Iterable[InputSpec] = ()) -> None:
+    """Refuse a trunk directory ``pack_trunk`` may not write (MODEL_DIR or inside it, inside
+    one of ``reads``, or holding a packed trunk without ``force``); sweep stale partials."""
+    check_outputs([Output(out, "the packed trunk", directory=True, files=PACKED_FILES,
+                          create=False)], inputs=[(index.model_dir, "MODEL_DIR"), *reads])
+    if out.is_dir():
+        sweep_stale(out, PACKED_FILES)
+    if (out / MANIFEST_NAME).exists() or (out / DATA_NAME).exists():
+        if not force:
+            raise UsageError(f"{out} already holds a packed trunk; pass --force to replace it")
 
 
 def table_checksums(index: CheckpointIndex, name: str) -> TableChecksums:
