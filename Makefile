@@ -82,7 +82,7 @@ BENCH_MODEL ?= build/medium
 BENCH_ARGS := --backend avx2 --threads 2 --repeat 1 --json
 bench: setup
 	test -f $(BENCH_MODEL)/config.json || $(K3) synth $(BENCH_MODEL) --size medium --seed 0
-	test -f $(BENCH_MODEL)-trunk/trunk.json || $(K3) pack-trunk $(BENCH_MODEL) $(BENCH_MODEL)-trunk
+	test -f $(BENCH_MODEL)-trunk/trunk.json || $(K3) pack-trunk $(BENCH_MODEL) $(BENCH_MODEL)-trunk --codec none
 	test -f $(BENCH_MODEL)-bits/trunk.json || $(K3) pack-trunk $(BENCH_MODEL) $(BENCH_MODEL)-bits --codec bp-bits
 	@mkdir -p build/bench
 	@set -e; for r in 1 2 3; do c=--no-check; [ $$r = 1 ] && c=--check; \
@@ -106,7 +106,7 @@ bench: setup
 LADDER_MODEL ?= build/medium
 bench-ladder: setup
 	test -f $(LADDER_MODEL)/config.json || $(K3) synth $(LADDER_MODEL) --size medium --seed 0
-	test -f $(LADDER_MODEL)-trunk/trunk.json || $(K3) pack-trunk $(LADDER_MODEL) $(LADDER_MODEL)-trunk
+	test -f $(LADDER_MODEL)-trunk/trunk.json || $(K3) pack-trunk $(LADDER_MODEL) $(LADDER_MODEL)-trunk --codec none
 	$(K3) bench-ladder $(LADDER_MODEL) $(LADDER_MODEL)-trunk --gen 6 --out-dir build/ladder
 
 ## rehearsal: the real-shape sparse rehearsal (docs/rehearsal.md): k3 synth --size full --sparse,
