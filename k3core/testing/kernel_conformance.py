@@ -584,11 +584,11 @@ class KernelConformance:
     @pytest.mark.parametrize("H,threads", [(12, 2), (7, 3), (5, 1)])
     def test_mla_latent_attention_long_cache(self, backend: KernelBackend, H: int,
                                              threads: int) -> None:
-        """A decode step over hundreds of positions at the medium model's widths (two
+        """A decode step over a thousand positions at the medium model's widths (two
         column blocks of the latent, every lane of the position sums used many times), its
         heads in groups of a thread's share and one by one (forced)."""
         rng = _rng("mla-latent-long", H, threads)
-        T, n, r, dv, C, pos0 = 1, 128, 64, 128, 200, 301
+        T, n, r, dv, C, pos0 = 1, 128, 64, 128, 203, 1100
         q = activations(rng, (T, H, n + r), mild=True)
         cache = activations(rng, (pos0 + T, C + r), mild=True)
         w = activations(rng, (H * (n + dv), C), scale=0.2, mild=True)
