@@ -45,7 +45,8 @@ JSON_KEYS = {
     "batch_prompts",
     "baseline_tokens_per_s", "baseline_tokens_per_s_runs", "batch_speedup",
     "batch_macs_per_step", "batch_decoded_per_step", "batch_compute_floor_per_step",
-    "batch_memory_floor_per_step", "batch_floor_per_step", "batch_single_floor_per_token",
+    "batch_memory_floor_per_step", "batch_disk_floor_per_step", "batch_floor_per_step",
+    "batch_single_floor_per_token",
     "batch_floor_speedup",
     "context_positions", "context_seconds_per_token", "context_seconds_per_token_runs",
     "context_attention_seconds_per_token", "context_attention_seconds_per_position",
@@ -244,7 +245,10 @@ def test_batch_decodes_rows_together_each_checked_alone(model) -> None:
                    + decoded / (doc["decode_peak_gweights"] * 1e9))
         assert doc["batch_compute_floor_per_step"] == pytest.approx(compute)
         assert doc["batch_floor_per_step"] == max(doc["batch_compute_floor_per_step"],
-                                                  doc["batch_memory_floor_per_step"])
+                                                  doc["batch_memory_floor_per_step"],
+                                                  doc["batch_disk_floor_per_step"])
+        if doc["disk_read_gb_s"] > 0:  # weights read as it decodes: the disk floors count
+            assert doc["batch_single_floor_per_token"] >= doc["io_floor_seconds_per_token"]
         assert doc["batch_single_floor_per_token"] >= doc["floor_seconds_per_token"] > 0
         assert doc["batch_floor_speedup"] == pytest.approx(
             3 * doc["batch_single_floor_per_token"] / doc["batch_floor_per_step"])

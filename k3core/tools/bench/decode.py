@@ -852,7 +852,9 @@ def _batch_floors(plan: _Plan, steady: list[RunFigures], bruns: list[BatchRun],
     trunk a token touches plus the decoded experts' packed bytes over the read bandwidth.
     A single sequence's floor is the larger of its bandwidth floor and the same compute
     floor for one row (a row's multiply-adds are the step's over B; its experts, each with
-    one token, are all decoded)."""
+    one token, are all decoded). A run that reads weights from storage as it decodes has a
+    disk floor besides (the bytes the engine read in the window a step, or a token alone,
+    over the storage read rate measured in the same run), and the larger floor counts."""
     fma, dec, bw = floors.fma_peak_gmacs * 1e9, floors.decode_peak_gweights * 1e9, \
         floors.bandwidth_gb_s * 1e9
     passes = [max(1, b.passes) for b in bruns]
@@ -871,9 +873,16 @@ def _batch_floors(plan: _Plan, steady: list[RunFigures], bruns: list[BatchRun],
     memory = (others + decoded * mx_bytes) / bw
     one_decoded = requests * 3 * cfg.moe_inter * cfg.latent
     one = max(floors.floor_seconds_per_token, (macs / B - one_decoded) / fma + one_decoded / dec)
-    floor = max(compute, memory)
+    disk_rate = floors.disk_read_gb_s * 1e9
+    disk = 0.0
+    if disk_rate > 0:
+        disk = _median([(b.trunk_bytes + b.expert_bytes) / n
+                        for b, n in zip(bruns, passes, strict=True)]) / disk_rate
+        one = max(one, floors.io_floor_seconds_per_token)
+    floor = max(compute, memory, disk)
     return {"batch_macs_per_step": macs, "batch_decoded_per_step": decoded,
             "batch_compute_floor_per_step": compute, "batch_memory_floor_per_step": memory,
+            "batch_disk_floor_per_step": disk,
             "batch_floor_per_step": floor, "batch_single_floor_per_token": one,
             "batch_floor_speedup": B * one / floor if floor > 0 else None}
 

@@ -171,6 +171,8 @@ class BatchFigures:
     batch_decoded_per_step: float = 0.0
     batch_compute_floor_per_step: float = 0.0
     batch_memory_floor_per_step: float = 0.0
+    #: streamed: the bytes read from storage a step over the storage read rate (0: resident)
+    batch_disk_floor_per_step: float = 0.0
     batch_floor_per_step: float = 0.0
     batch_single_floor_per_token: float = 0.0
     batch_floor_speedup: float | None = None
@@ -363,7 +365,10 @@ def _batch_lines(b: DecodeBench) -> list[str]:
             f"{x.batch_compute_floor_per_step:.4f} s ({x.batch_macs_per_step / 1e9:.2f} G "
             f"multiply-adds, {x.batch_decoded_per_step / 1e9:.2f} G of them on MXFP4 weights "
             f"decoded at {f.decode_peak_gweights:.1f} G/s, the rest at the FMA peak of "
-            f"{f.fma_peak_gmacs:.1f} G/s) and memory {x.batch_memory_floor_per_step:.4f} s; "
+            f"{f.fma_peak_gmacs:.1f} G/s), memory {x.batch_memory_floor_per_step:.4f} s"
+            + (f" and disk {x.batch_disk_floor_per_step:.4f} s (storage reads at "
+               f"{f.disk_read_gb_s:.2f} GB/s)" if x.batch_disk_floor_per_step > 0 else "")
+            + "; "
             f"the step is {x.s_per_step / x.batch_floor_per_step:.2f}x it")
         lines.append(
             f"floors allow: batch {x.batch} at most {x.batch_floor_speedup or 0.0:.2f}x batch 1 "
