@@ -334,15 +334,18 @@ static double dot_split(const double *ad, const float *b1, int64_t n1, const flo
 }
 
 /* The contract's softmax of score[0, n) into p (float32); e is float64 scratch. */
-static void softmax_f32(const float *score, int64_t n, double *e, float *p) {
+/* The softmax's shift: the largest score, or the first NaN. */
+static inline float softmax_max(const float *score, int64_t n) {
     float m = score[0];
     for (int64_t s = 0; s < n; ++s) {
-        if (isnan(score[s])) {
-            m = score[s];
-            break;
-        }
+        if (isnan(score[s])) return score[s];
         if (score[s] > m) m = score[s];
     }
+    return m;
+}
+
+static void softmax_f32(const float *score, int64_t n, double *e, float *p) {
+    const float m = softmax_max(score, n);
     for (int64_t s = 0; s < n; ++s) e[s] = k3_exp_d((double)score[s] - (double)m);
     double z = k3_lsum_d(e, n);
     for (int64_t s = 0; s < n; ++s) p[s] = (float)(e[s] / z);
@@ -404,7 +407,8 @@ int k3_mla_attention(const float *q, const float *k_nope, const float *k_rope, c
  * sums (lane i % 32, whole rows of W_k added in increasing i); scores over [q_lat|q_rope]
  * . cache[s]; softmax; o_lat = f32(lsum_s p[s] latent[s, :]) as column lane sums (lane
  * s % 32); o[j] = f32(dot(W_v[h][j, :], o_lat)) by the matrix-row kernels. With AVX-512
- * (k3_use_avx512) the column lane sums and the score dot run on zmm registers. */
+ * (k3_use_avx512) a task is a thread's share of one token's heads, on zmm registers
+ * (latent_heads512 below). */
 static inline void colsum_add_w(double *acc, int64_t m, int64_t i, float a, const void *w,
                                 int kind) {
     const double ai = (double)a;
@@ -422,9 +426,8 @@ static inline void colsum_add_w(double *acc, int64_t m, int64_t i, float a, cons
 }
 
 /* The AVX-512 variants (chosen with the matrix products' switch, k3_use_avx512): the same
- * elementwise lane updates eight columns at a time, and the score dot with its 32 lanes in
- * four zmm registers folded by fold512 (k3avx2_matmul512.c). Multiplies and adds are
- * separate, as in the AVX2 code, so both paths give the same bits. */
+ * elementwise lane updates eight columns at a time. Multiplies and adds are separate, as
+ * in the AVX2 code, so both paths give the same bits. */
 K3_AVX512 static void colsum_add512(double *acc, int64_t m, int64_t i, float a, const void *w,
                                     int kind) {
     const double ai = (double)a;
@@ -469,33 +472,6 @@ K3_AVX512 static void colsum_end512(double *acc, int64_t m, float *out, int64_t 
     for (int64_t j = 0; j < m; ++j) out[j] = (float)acc[j];
 }
 
-K3_AVX512 static double dot512_f32(const float *a, const float *b, int64_t n) {
-    __m512d L[4] = {_mm512_setzero_pd(), _mm512_setzero_pd(), _mm512_setzero_pd(),
-                    _mm512_setzero_pd()};
-    int64_t i = 0;
-    for (; i + 32 <= n; i += 32)
-        for (int k = 0; k < 4; ++k)
-            L[k] = _mm512_add_pd(L[k], _mm512_mul_pd(_mm512_cvtps_pd(_mm256_loadu_ps(a + i + 8 * k)),
-                                                     _mm512_cvtps_pd(_mm256_loadu_ps(b + i + 8 * k))));
-    if (i < n) {
-        float ta[32] = {0}, tb[32] = {0};
-        memcpy(ta, a + i, (size_t)(n - i) * sizeof(float));
-        memcpy(tb, b + i, (size_t)(n - i) * sizeof(float));
-        for (int k = 0; k < 4; ++k)
-            L[k] = _mm512_add_pd(L[k], _mm512_mul_pd(_mm512_cvtps_pd(_mm256_loadu_ps(ta + 8 * k)),
-                                                     _mm512_cvtps_pd(_mm256_loadu_ps(tb + 8 * k))));
-    }
-    return fold512(L[0], L[1], L[2], L[3]);
-}
-
-/* lane_colsum of the latent rows, AVX-512 lane updates. */
-K3_AVX512 static void lane_colsum512(const float *a, const float *M, int64_t rows, int64_t m,
-                                     int64_t ld, double *acc, float *out) {
-    colsum_begin(acc, m, rows);
-    for (int64_t i = 0; i < rows; ++i) colsum_add512(acc, m, i, a[i], M + i * ld, K3_W_F32);
-    colsum_end512(acc, m, out, rows);
-}
-
 typedef struct {
     const float *q, *cache;
     const void *w;
@@ -519,8 +495,9 @@ typedef struct {
 #define LATENT_CB 128  /* latent columns a colsum pass keeps (32 lanes x 128 doubles a head) */
 #define LATENT_GROUP 16 /* heads at most in one group */
 
-/* f32(lsum_i a[i] * b[i]) over n columns as dot512_f32, a already widened (ad: n padded to
- * a multiple of 32 with +0.0); b's tail loaded under a mask. */
+/* lsum_i a[i] * b[i] over n columns as k3_dot_f32 sums it (lane i % 32, +0.0 terms past n),
+ * its 32 lanes in four zmm registers folded by fold512 (k3avx2_matmul512.c); a already
+ * widened (ad: n padded to a multiple of 32 with +0.0), b's tail loaded under a mask. */
 K3_AVX512 static double dot512_df(const double *ad, const float *b, int64_t n) {
     __m512d L[4] = {_mm512_setzero_pd(), _mm512_setzero_pd(), _mm512_setzero_pd(),
                     _mm512_setzero_pd()};
@@ -540,14 +517,7 @@ K3_AVX512 static double dot512_df(const double *ad, const float *b, int64_t n) {
 
 /* softmax_f32 with the exponentials eight at a time (the same values). */
 K3_AVX512 static void softmax512(const float *score, int64_t n, double *e, float *p) {
-    float m = score[0];
-    for (int64_t s = 0; s < n; ++s) {
-        if (isnan(score[s])) {
-            m = score[s];
-            break;
-        }
-        if (score[s] > m) m = score[s];
-    }
+    const float m = softmax_max(score, n);
     const __m512d md = _mm512_set1_pd((double)m);
     int64_t s = 0;
     for (; s + 8 <= n; s += 8)
@@ -648,14 +618,14 @@ static void latent_group_fn(void *ctx, int64_t i0, int64_t i1) {
     k3__free(sc);
 }
 
-/* (token, head) pairs [i0, i1), with scratch of their own (one pair a claim, as mla_fn). */
+/* (token, head) pairs [i0, i1), with scratch of their own: the AVX2 code (without
+ * k3_use_avx512; with it every claim goes to latent_heads512). */
 static void latent_fn(void *ctx, int64_t i0, int64_t i1) {
     latent_job *j = (latent_job *)ctx;
     const int64_t H = j->H, n = j->n, C = j->C, r = j->r, dv = j->dv;
     const int64_t cr = C + r, qh = n + r, hw = n + dv, kind = j->kind;
     const int64_t cpad = (C + 31) & ~(int64_t)31;
     const size_t esz = kind == K3_W_BF16 ? sizeof(uint16_t) : sizeof(float);
-    const int wide = g_avx512; /* k3_use_avx512: the AVX-512 lane updates and score dot */
     const int64_t npos = j->pos0 + (i1 - 1) / H + 1; /* the claim's longest row */
     float *score = (float *)k3__alloc((size_t)npos * sizeof(float) * 2);
     double *e = (double *)k3__alloc((size_t)npos * sizeof(double));
@@ -669,24 +639,14 @@ static void latent_fn(void *ctx, int64_t i0, int64_t i1) {
             const float *qv = j->q + (t * H + h) * qh;
             const char *wh = (const char *)j->w + (size_t)(h * hw) * (size_t)C * esz;
             colsum_begin(acc, C, n);
-            if (wide) {
-                for (int64_t i = 0; i < n; ++i)
-                    colsum_add512(acc, C, i, qv[i], wh + (size_t)(i * C) * esz, (int)kind);
-                colsum_end512(acc, C, qq, n);
-            } else {
-                for (int64_t i = 0; i < n; ++i)
-                    colsum_add_w(acc, C, i, qv[i], wh + (size_t)(i * C) * esz, (int)kind);
-                colsum_end(acc, C, qq, n);
-            }
+            for (int64_t i = 0; i < n; ++i)
+                colsum_add_w(acc, C, i, qv[i], wh + (size_t)(i * C) * esz, (int)kind);
+            colsum_end(acc, C, qq, n);
             for (int64_t i = 0; i < r; ++i) qq[C + i] = qv[n + i];
             for (int64_t s = 0; s < len; ++s)
-                score[s] = (float)((wide ? dot512_f32(qq, j->cache + s * cr, cr)
-                                         : k3_dot_f32(qq, j->cache + s * cr, cr)) * j->scale);
+                score[s] = (float)(k3_dot_f32(qq, j->cache + s * cr, cr) * j->scale);
             softmax_f32(score, len, e, p);
-            if (wide)
-                lane_colsum512(p, j->cache, len, C, cr, acc, olat);
-            else
-                lane_colsum(p, j->cache, len, C, cr, acc, olat);
+            lane_colsum(p, j->cache, len, C, cr, acc, olat);
             for (int64_t c = 0; c < cpad; ++c) od[c] = c < C ? (double)olat[c] : 0.0;
             float *o = j->out + (t * H + h) * dv;
             for (int64_t i = 0; i < dv; ++i) {

@@ -367,17 +367,8 @@ static void decode_member(k3_team *t, int idx) {
 }
 
 double k3_decode_peak(int64_t iters, int repeat, int64_t *weights, double *sink) {
-    k3_team t;
-    memset(&t, 0, sizeof t);
-    t.fn = decode_member;
-    t.repeat = repeat < 1 ? 1 : repeat;
-    t.iters = iters;
-    team_run(&t, k3__threads());
-    double total = 0.0;
-    for (int i = 0; i < t.threads; ++i) total += t.fsum[i];
-    if (sink) *sink = total;
     if (weights) *weights = iters * DEC_ROWS * DEC_COLS;
-    return t.best;
+    return team_peak(decode_member, iters, repeat, sink);
 }
 #undef DEC_ROWS
 #undef DEC_COLS

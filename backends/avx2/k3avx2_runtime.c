@@ -226,10 +226,12 @@ static void fma_member(k3_team *t, int idx) {
     }
 }
 
-double k3_fma_peak(int64_t iters, int repeat, double *sink) {
+/* A compute ceiling's team: `fn` on every thread, `repeat` passes of `iters` steps each, the
+ * members' sums in `*sink` (they keep the work alive); the best seconds per pass. */
+static double team_peak(k3_team_fn fn, int64_t iters, int repeat, double *sink) {
     k3_team t;
     memset(&t, 0, sizeof t);
-    t.fn = fma_member;
+    t.fn = fn;
     t.repeat = repeat < 1 ? 1 : repeat;
     t.iters = iters;
     team_run(&t, k3__threads());
@@ -237,6 +239,10 @@ double k3_fma_peak(int64_t iters, int repeat, double *sink) {
     for (int i = 0; i < t.threads; ++i) total += t.fsum[i];
     if (sink) *sink = total;
     return t.best;
+}
+
+double k3_fma_peak(int64_t iters, int repeat, double *sink) {
+    return team_peak(fma_member, iters, repeat, sink);
 }
 
 /* Diagnostic for the GIL: each of `parties` Python threads calls this; each call checks in

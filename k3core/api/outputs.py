@@ -314,6 +314,15 @@ def _probe_dir(parent: Path, t: OutputTarget) -> None:
         os.unlink(tmp)
 
 
+def existing_parent(path: Path) -> Path:
+    """``path`` or its nearest ancestor that exists (where an output not yet created will
+    live: its free space, its device)."""
+    p = path.absolute()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    return p
+
+
 def check_writable(path: Path, what: str) -> None:
     """Refuse early when ``path`` cannot be written (one output; see :func:`check_outputs`)."""
     t = target(path, what)

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from k3core.api.errors import UsageError
+from k3core.api.outputs import existing_parent
 from k3core.api.units import human
 from k3core.checkpoint.index import CheckpointIndex
 from k3core.model.config import ModelConfig
@@ -76,28 +77,17 @@ class CodecChoice:
         return out + [f"  note: {n}" for n in self.notes]
 
 
-def _existing(path: Path) -> Path:
-    p = path.absolute()
-    while not p.exists() and p != p.parent:
-        p = p.parent
-    return p if p.is_dir() else p.parent
-
-
-def _largest_shard(model_dir: Path) -> Path:
-    shards = sorted(model_dir.glob("*.safetensors"), key=lambda p: p.stat().st_size)
-    if not shards:
-        raise UsageError(f"{model_dir}: no safetensors shards to measure")
-    return shards[-1]
-
-
-def disk_rate(trunk_dir: Path, model_dir: Path, storage: str) -> tuple[float, str, list[str]]:
-    """The read rate (GB/s) of the device ``trunk_dir`` will live on, how, and notes."""
+def disk_rate(trunk_dir: Path, shards: list[Path], storage: str) -> tuple[float, str, list[str]]:
+    """The read rate (GB/s) of the device ``trunk_dir`` will live on, how, and notes (the
+    largest of ``shards`` is read where no probe file fits there)."""
+    where = existing_parent(trunk_dir)
     try:
-        with probe_file(_existing(trunk_dir), PROBE_BYTES) as (path, notes):
+        with probe_file(where if where.is_dir() else where.parent, PROBE_BYTES) as (path, notes):
             rate, how = storage_read_rate(storage, path, (1, 4), most_reads=24)
             return rate, how, notes
     except UsageError as exc:
-        rate, how = storage_read_rate(storage, _largest_shard(model_dir), (1, 4), most_reads=24)
+        largest = max(shards, key=lambda p: p.stat().st_size)
+        rate, how = storage_read_rate(storage, largest, (1, 4), most_reads=24)
         return rate, how, [f"no probe file in the trunk's directory ({exc}); measured the "
                            "model's largest shard instead"]
 
@@ -116,9 +106,8 @@ def choose_codec(index: CheckpointIndex, cfg: ModelConfig, trunk_dir: Path,
         return CodecChoice("none", 0.0, "", notes=[
             f"the checkpoint has holes ({human(raw - data)} of the trunk's {human(raw)}); "
             "only a raw trunk keeps them as holes"])
-    model_dir = index.model_dir
-    rate, how, notes = disk_rate(trunk_dir, model_dir, storage)
-    bench = run_codec_bench(model_dir, list(CANDIDATES), SAMPLE_BYTES, repeat=2, disks=(rate,))
+    rate, how, notes = disk_rate(trunk_dir, list(index.shards), storage)
+    bench = run_codec_bench(index.model_dir, list(CANDIDATES), SAMPLE_BYTES, repeat=2, disks=(rate,))
     rows = [(r.codec, r.ratio, r.decode_gb_s, r.delivered_gb_s[0]) for r in bench.results]
     best = max(rows, key=lambda row: row[3], default=None)
     spec = best[0] if best is not None and best[3] >= MARGIN * rate else "none"

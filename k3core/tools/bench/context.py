@@ -33,9 +33,9 @@ from k3core.api.errors import UsageError
 from k3core.model.config import ModelConfig
 from k3core.model.sampling import argmax
 from k3core.model.state import SequenceState, StateSnapshot, snapshot
-from k3core.run.engine import Engine, open_engine
+from k3core.run.engine import Engine
 from k3core.run.generate import ModelHost
-from k3core.run.request import EngineRequest, GenerationParams
+from k3core.run.request import GenerationParams
 from k3core.run.session import Session
 
 #: the real prefill a context is stretched from, at most this many ids
@@ -118,11 +118,6 @@ def context_run(eng: Engine, snap: StateSnapshot, ids: list[int], positions: int
         if on_token is not None:
             on_token(len(run.ids))
     return run
-
-
-def open_for(request: EngineRequest, positions: int) -> Engine:
-    """An engine for a context of ``positions`` positions and the tokens after it."""
-    return open_engine(request.model_copy(update={"positions": positions}))
 
 
 def attention_floor_per_position(cfg: ModelConfig, fma_gmacs: float) -> float:

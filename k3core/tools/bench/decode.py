@@ -129,6 +129,11 @@ def _mlp_macs(w1: Any, w2: Any, x: Any) -> int:
     return (2 * inter * cols + w2.shape[0] * w2.shape[1]) * _tokens(x)
 
 
+#: the weight-product ops: the only ones with multiply-adds or decoded weights to count
+PRODUCT_OPS = frozenset({"matmul_bf16", "matmul_f32", "matmul_mxfp4", "matmul_many", "situ_mlp",
+                         "situ_mlp_many"})
+
+
 def product_macs(op: str, args: tuple[Any, ...]) -> int:
     """The multiply-adds of a weight-product op's call (``rows x cols x tokens`` per matrix),
     from its operands' shapes; 0 for every other op."""
@@ -186,11 +191,13 @@ class CallCounter:
             setattr(backend, name, self._wrap(name, getattr(backend, name)))
 
     def _wrap(self, name: str, fn: Any) -> Any:
+        count = self._count_macs and name in PRODUCT_OPS  # decided once, not every call
+
         def counted(*args: Any, **kwargs: Any) -> Any:
             self.calls += 1
             if self._depth:
                 return fn(*args, **kwargs)
-            if self._count_macs:
+            if count:
                 self.macs += product_macs(name, args)
                 self.decoded += decoded_weights(name, args)
             self._depth = 1
@@ -747,7 +754,7 @@ def _context_figures(plan: _Plan, args: BenchArgs, floors: Floors,
     for _ in range(args.repeat):
         for n in ns:
             gc.collect()
-            eng = ctx.open_for(plan.timed, n + args.gen)
+            eng = _open(plan.timed, n + args.gen)
             try:
                 counter = CallCounter(eng.kernels)
                 # every engine prefills the seed itself: the same bytes each time, and its
@@ -766,7 +773,7 @@ def _context_figures(plan: _Plan, args: BenchArgs, floors: Floors,
     fig.context_attention_floor_per_position = ctx.attention_floor_per_position(
         plan.cfg, floors.fma_peak_gmacs)
     if args.check:
-        eng = ctx.open_for(plan.checked, max(ns) + args.gen)
+        eng = _open(plan.checked, max(ns) + args.gen)
         try:
             own = ctx.seed_state(eng, seed)
             want = []

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from k3core.api.errors import UsageError
+from k3core.api.outputs import existing_parent
 from k3core.api.units import human
 from k3core.tools.download.hub import (
     DownloadError,
@@ -74,18 +75,11 @@ def _complete(local_dir: Path, f: RemoteFile) -> bool:
     return f.size is not None and path.is_file() and path.stat().st_size == f.size
 
 
-def _existing_parent(path: Path) -> Path:
-    p = path.absolute()
-    while not p.exists() and p != p.parent:
-        p = p.parent
-    return p
-
-
 def check_free_space(local_dir: Path, files: list[RemoteFile],
                      disk_usage: DiskUsage = shutil.disk_usage) -> int:
     """Bytes still to fetch; ``DownloadError`` (exit 1) with the shortfall if they cannot fit."""
     need = sum(f.size or 0 for f in files if not _complete(local_dir, f))
-    where = _existing_parent(local_dir)
+    where = existing_parent(local_dir)
     free = int(disk_usage(str(where)).free)
     if need > free:
         raise DownloadError(
