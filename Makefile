@@ -36,10 +36,13 @@ demo: setup
 	$(K3) run $(DEMO_DIR) --prompt-file $(DEMO_DIR)/prompt.txt --gen 64 --temperature 0.6 --top-k 10 --seed 2
 
 .PHONY: train
-## train: reproduce demo-model/ (CPU, about an hour alone on 2 cores; needs the [train] extra)
+## train: reproduce demo-model/ (CPU, about an hour alone on 2 cores; needs the [train] extra
+## and, once, the package index for the corpus's source archives); Ctrl-C saves, run it
+## again to resume; TRAIN_ARGS passes options to tools/train/train.py
+TRAIN_ARGS ?=
 train: setup
 	$(PY) -m pip install -q -e '.[train]'
-	PYTHONPATH=. nice -n 10 $(PY) -m tools.train.train --work build/train --out $(DEMO_DIR)
+	PYTHONPATH=. nice -n 10 $(PY) -m tools.train.train --work build/train --out $(DEMO_DIR) --resume $(TRAIN_ARGS)
 	PYTHONPATH=. $(PY) -m tools.train.oracle $(DEMO_DIR) build/train/corpus/heldout.txt $(DEMO_DIR)/oracle.json
 
 ## test: set up and run the default suite and the wheel check (about 10 minutes on 2 cores)

@@ -329,21 +329,25 @@ def kda_recurrence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, alpha: tor
 
 def routed_experts(z: torch.Tensor, idx: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,
                    w2: torch.Tensor, b1: float, b2: float) -> torch.Tensor:
-    """Each token's ``k`` expert outputs ``[N, k, Lt]``: assignments grouped by expert, padded
-    to the busiest expert's count, three batched matmuls (exact: padding rows are dropped)."""
+    """Each token's ``k`` expert outputs ``[N, k, Lt]``: assignments grouped by expert, then
+    each chosen expert's three products over exactly its rows (no padding, so an unbalanced
+    router costs no more than a balanced one; the same sums as one product per assignment)."""
     N, k = idx.shape
     Ne = w1.shape[0]
     flat = idx.reshape(-1)
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=Ne)
-    starts = torch.cumsum(counts, 0) - counts
-    e_sorted = flat[order]
-    slot = torch.arange(N * k) - starts[e_sorted]
-    cap = int(counts.max())
+    counts = torch.bincount(flat, minlength=Ne).tolist()
     zs = z[order // k]
-    padded = z.new_zeros(Ne, cap, z.shape[1]).index_put((e_sorted, slot), zs)
-    a = situ(torch.bmm(padded, w1.transpose(1, 2)), torch.bmm(padded, w3.transpose(1, 2)), b1, b2)
-    out = torch.bmm(a, w2.transpose(1, 2))[e_sorted, slot]  # [N*k, Lt] in sorted order
+    outs = []
+    start = 0
+    for e, c in enumerate(counts):
+        if c == 0:
+            continue
+        seg = zs[start : start + c]
+        start += c
+        a = situ(seg @ w1[e].t(), seg @ w3[e].t(), b1, b2)
+        outs.append(a @ w2[e].t())
+    out = torch.cat(outs)  # [N*k, Lt] in sorted order
     unsorted = torch.empty_like(out).index_copy(0, order, out)
     return unsorted.reshape(N, k, -1)
 

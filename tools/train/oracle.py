@@ -27,7 +27,7 @@ import torch
 from k3core.tokenizer.encoding import Tokenizer
 from tools.train.released import load_model
 
-SNIPPET_FILE = "textwrap.py"
+SNIPPET_FILE = "cpython/textwrap.py"
 N_IDS = 64
 N_PROMPT = 24
 N_GEN = 24
