@@ -5,6 +5,9 @@ greedy decoding, the end-of-sequence id ignored so every row runs its full lengt
 
 ``decode``
     One row: ``demo-model/prompt.txt``, then ``--decode-tokens`` tokens, incremental.
+``prompt``
+    The first ``--prompt-bytes`` bytes of the held-out ``shlex.py`` prefilled in one pass,
+    then ``--prompt-tokens`` tokens, incremental: the decode just after a long prompt.
 ``prefill``
     The first ``--prefill-bytes`` bytes of the held-out ``shlex.py`` (the running Python's
     standard library; the demo model's card says which files it never saw), fed in passes of
@@ -44,10 +47,10 @@ from k3core.run.request import EngineRequest, build
 
 ROOT = Path(__file__).resolve().parent.parent
 DECODE_PROMPT = ROOT / "demo-model" / "prompt.txt"
-#: the demo model's held-out files (demo-model/MODEL_CARD.md)
+#: the demo model's held-out standard library modules (demo-model/MODEL_CARD.md)
 HELD_OUT = ("bisect", "calendar", "colorsys", "fnmatch", "graphlib", "heapq", "netrc", "queue",
             "sched", "shlex", "stat", "textwrap")
-PATTERNS = ("decode", "prefill", "batch4", "batch16")
+PATTERNS = ("decode", "prompt", "prefill", "batch4", "batch16")
 
 
 def held_out(name: str) -> bytes:
@@ -88,6 +91,9 @@ def record(args: argparse.Namespace, pattern: str) -> tuple[int, float]:
         if pattern == "decode":
             engine.generate(DECODE_PROMPT.read_text(encoding="utf-8"),
                             max_tokens=args.decode_tokens, **greedy)
+        elif pattern == "prompt":
+            text = held_out("shlex")[: args.prompt_bytes].decode("utf-8", errors="ignore")
+            engine.generate(text, max_tokens=args.prompt_tokens, **greedy)
         elif pattern == "prefill":
             text = held_out("shlex")[: args.prefill_bytes].decode("utf-8", errors="ignore")
             engine.generate(text, max_tokens=0, **greedy)
@@ -109,6 +115,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tok", type=Path)
     ap.add_argument("--patterns", default=",".join(PATTERNS))
     ap.add_argument("--decode-tokens", type=int, default=512)
+    ap.add_argument("--prompt-bytes", type=int, default=2400)
+    ap.add_argument("--prompt-tokens", type=int, default=32)
     ap.add_argument("--prefill-bytes", type=int, default=12000)
     ap.add_argument("--prefill-chunk", type=int, default=256)
     ap.add_argument("--batch-prompt-bytes", type=int, default=200)

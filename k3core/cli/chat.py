@@ -72,7 +72,7 @@ def chat(
     model_dir: Path = typer.Argument(..., help="Directory with the safetensors shards (and the tokenizer)."),
     system: str = typer.Option(None, "--system", help="A system message to open the conversation with.", rich_help_panel=_C),
     chat_format: str = typer.Option("auto", "--chat-format", help="auto (XTML when the tokenizer has its tokens), xtml or plain.", rich_help_panel=_C),
-    think: bool = typer.Option(None, "--think/--no-think", help="Let the model think before it answers (XTML). Default: on, off for a model without chat training (the demo model).", rich_help_panel=_C, show_default=False),
+    think: bool = typer.Option(None, "--think/--no-think", help="Let the model think before it answers (XTML). Default: on, off for a model trained to answer without thinking (the demo model).", rich_help_panel=_C, show_default=False),
     thinking_effort: str = typer.Option("max", "--thinking-effort", help="low, high or max.", rich_help_panel=_C),
     load: Path = typer.Option(None, "--load", help="Resume the conversation saved in this file (/save).", rich_help_panel=_C),
     context: int = typer.Option(DEFAULT_CONTEXT, "--context", help="Tokens the conversation may hold.", rich_help_panel=_C),
@@ -104,7 +104,7 @@ def chat(
     try:
         if engine.tokenizer is None:
             raise UsageError(f"k3 chat needs a tokenizer: none in {model_dir}; pass --tok DIR")
-        if think is None:  # the model says (the demo model was not trained on conversations)
+        if think is None:  # the model says (the demo model answers without thinking)
             think = default_thinking(engine.cfg.source)
         fmt = chat_format_for(engine.tokenizer, chat_format, thinking=think, effort=thinking_effort)
         conv = Conversation(engine.session(), fmt, system, context)

@@ -121,7 +121,7 @@ def serve(
     timeout_idle: float = typer.Option(30.0, "--timeout-idle", help="Seconds a keep-alive connection may idle between requests.", rich_help_panel=_S),
     cors_origin: list[str] = typer.Option([], "--cors-origin", help="Let pages from ORIGIN (scheme://host[:port], or *) call this server from a browser; repeatable. Off by default.", rich_help_panel=_S, show_default=False),
     chat_format: str = typer.Option("auto", "--chat-format", help="auto, xtml or plain.", rich_help_panel=_S),
-    think: bool = typer.Option(None, "--think/--no-think", help="Chat replies think first (XTML); reasoning_effort overrides. Default: on, off for a model without chat training (the demo model).", rich_help_panel=_S, show_default=False),
+    think: bool = typer.Option(None, "--think/--no-think", help="Chat replies think first (XTML); reasoning_effort overrides. Default: on, off for a model trained to answer without thinking (the demo model).", rich_help_panel=_S, show_default=False),
     thinking_effort: str = typer.Option("max", "--thinking-effort", help="low, high or max.", rich_help_panel=_S),
     *,
     flags: EngineFlags,
@@ -182,7 +182,7 @@ def serve(
     engine = open_engine(request.model_copy(update={"slots": max_batch}))
     try:
         assert engine.tokenizer is not None  # the request requires one
-        if think is None:  # the model says (the demo model was not trained on conversations)
+        if think is None:  # the model says (the demo model answers without thinking)
             think = default_thinking(engine.cfg.source)
         spill = (PrefixSpill(prefix_cache_dir, engine, disk_bytes)
                  if prefix_cache_dir is not None else None)

@@ -9,8 +9,8 @@ conversation's state from one turn to the next).
 Whether chat replies think first unless told (``--think/--no-think``, a request's
 ``reasoning_effort``) is the model's to say, through :func:`default_thinking`: yes for Kimi
 K3 and any other model, no for a model k3's own trainer exported (its ``config.json`` holds
-a ``k3_demo`` section: the demo model, trained on Python source and never on
-conversations, would spend a whole reply in the thinking channel).
+a ``k3_demo`` section: the demo model, whose chat transcripts were all without thinking,
+never learned to close a thinking channel).
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ DEMO_SECTION = "k3_demo"
 
 def default_thinking(config: str | Path) -> bool:
     """Whether chat replies on the model of ``config`` (its ``config.json``) think unless
-    told: False for a model without chat training (module docstring), True otherwise (a
+    told: False for a model trained to answer without thinking (module docstring), True otherwise (a
     config that cannot be read here was read to open the engine: True)."""
     try:
         doc = parse_json(read_capped(Path(config), MAX_CONFIG_BYTES))

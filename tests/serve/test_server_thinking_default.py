@@ -1,5 +1,5 @@
-"""A model without chat training (the demo model) answers without thinking unless asked;
-any other model thinks by default; ``--think``/``--no-think`` and ``reasoning_effort`` win.
+"""A model trained to answer without thinking (the demo model) answers that way unless
+asked; any other model thinks by default; ``--think``/``--no-think`` and ``reasoning_effort`` win.
 ``k3 serve`` and ``k3 chat`` alike."""
 
 from __future__ import annotations
