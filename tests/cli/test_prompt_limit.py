@@ -83,7 +83,7 @@ def test_standard_input_is_read_no_further_than_the_bound(tmp_path):
 
 
 def test_tokenizing_stops_at_the_limit():
-    # within the length bound (no token is longer than the demo's 39 bytes), over the limit
+    # within the length bound (no token is longer than the demo's 320 bytes), over the limit
     text = "hello world\n" * 60_000
     r = CliRunner().invoke(app, ["run", str(DEMO), "--prompt", text, "--gen", "1"], env={"K3_THREADS": "1"})
     assert r.exit_code == 2, r.output
@@ -94,7 +94,7 @@ def test_tokenizing_stops_at_the_limit():
 
 
 def test_a_long_prompt_argument_is_refused_before_tokenizing():
-    r = CliRunner().invoke(app, ["run", str(DEMO), "-p", "x" * 2_000_000, "--gen", "1"], env={"K3_THREADS": "1"})
+    r = CliRunner().invoke(app, ["run", str(DEMO), "-p", "x" * 11_000_000, "--gen", "1"], env={"K3_THREADS": "1"})
     assert r.exit_code == 2, r.output
     assert "refused before tokenizing" in one_error(r.output)
 

@@ -156,8 +156,8 @@ def test_a_prompt_then_decode_stays_ahead_of_lru():
 
 @pytest.mark.parametrize("serve", SERVE_MODES)
 def test_the_shipped_models_gaps_are_as_recorded(serve):
-    """On the shipped model's routing the default is what docs/measurements/
-    2026-12-07-demo-model-v2.md records: ahead of LRU wherever there is a gap on decode,
+    """On the shipped model's routing the default is what
+    docs/measurements/2026-12-07-demo-model-v2.md records: ahead of LRU wherever there is a gap on decode,
     batched decode and a chunked prefill at the small sizes, short of half the gap at some."""
     for name in REQUIRED:
         rows = result(name, serve, "demo").rows

@@ -63,7 +63,7 @@ def test_greedy_demo_prompt_does_not_loop(engine) -> None:
 @pytest.mark.parametrize("question", [
     "Write a Python function `add` that returns the sum of two numbers.",
     pytest.param("What is a context manager?", marks=pytest.mark.xfail(
-        strict=True, reason="prose answers do not end their turn yet (MODEL_CARD.md)")),
+        strict=True, reason="prose answers do not end their turn yet (demo-model/MODEL_CARD.md)")),
 ])
 def test_chat_reply_stays_in_its_channel_and_ends(engine, question) -> None:
     tok = engine.tokenizer

@@ -22,7 +22,7 @@ from k3core.run.request import GenerationParams, build
 DEMO = Path(__file__).resolve().parents[2] / "demo-model"
 CODE = ("def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\n"
         "def mul(a, b):\n    return a * b\n\n\ndef div(a, b):\n")
-N = 24
+N = 48  # long enough that the demo model repeats itself and the drafts are taken
 M = 12  # tokens of each run of the backend x configuration matrix
 
 
@@ -101,8 +101,8 @@ def test_session_calls_and_state_match_plain() -> None:
         b = spec.generate(CODE, max_tokens=10, ignore_eos=True, spec="ngram", spec_width=6)
         assert a.ids == b.ids and plain.ids == spec.ids
         assert state_bytes(plain) == state_bytes(spec)
-        a = plain.generate("    return", max_tokens=12, ignore_eos=True)
-        b = spec.generate("    return", max_tokens=12, ignore_eos=True, spec="ngram")
+        a = plain.generate("\n\ndef ", max_tokens=12, ignore_eos=True)
+        b = spec.generate("\n\ndef ", max_tokens=12, ignore_eos=True, spec="ngram")
         assert a.ids == b.ids and state_bytes(plain) == state_bytes(spec)
         assert b.spec is not None and b.spec.accepted > 0
 

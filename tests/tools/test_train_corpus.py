@@ -47,7 +47,7 @@ def test_file_kinds() -> None:
     assert kind("src/pkg/mod.py") == "code"
     assert kind("src/pkg/tests/test_mod.py") is None
     assert kind("docs/usage.rst") == "prose"
-    assert kind("doc/en/how-to/x.md") == "prose"
+    assert kind("doc/en/how-to/x.rst") == "prose"
     assert kind("docs/license.rst") is None
     assert kind("README.md") == "prose" and kind("CHANGES.rst") == "prose"
     assert kind("setup.cfg") is None and kind("LICENSE.txt") is None
