@@ -36,7 +36,7 @@ demo: setup
 	$(K3) run $(DEMO_DIR) --prompt-file $(DEMO_DIR)/prompt.txt --gen 64 --temperature 0.6 --top-k 10 --seed 2
 
 .PHONY: train
-## train: reproduce demo-model/ (CPU, about an hour alone on 2 cores; needs the [train] extra
+## train: reproduce demo-model/ (CPU, about 85 minutes alone on 2 cores; needs the [train] extra
 ## and, once, the package index for the corpus's source archives); Ctrl-C saves, run it
 ## again to resume; TRAIN_ARGS passes options to tools/train/train.py
 TRAIN_ARGS ?=
