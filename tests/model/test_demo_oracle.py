@@ -74,9 +74,11 @@ def test_backends_give_the_same_logit_bytes(oracle):
     ids = np.array(oracle["ids"])
     seen = {}
     for backend in BACKENDS:
-        with open_engine(EngineRequest(model_dir=DEMO, backend=backend, threads=2)) as eng:
-            out = eng.model.forward(ids, SequenceState(eng.cfg, len(ids)), all_logits=True)
-            seen[backend] = np.ascontiguousarray(out).tobytes()
+        for threads in (1, 2):
+            with open_engine(EngineRequest(model_dir=DEMO, backend=backend,
+                                           threads=threads)) as eng:
+                out = eng.model.forward(ids, SequenceState(eng.cfg, len(ids)), all_logits=True)
+                seen[backend, threads] = np.ascontiguousarray(out).tobytes()
     assert len(set(seen.values())) == 1, {b: hash(v) for b, v in seen.items()}
 
 

@@ -183,7 +183,10 @@ def fetch(sources_dir: Path, dist: str, version: str) -> Path:
           file=sys.stderr, flush=True)
     subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary",
                     ":all:", "-d", str(sources_dir), f"{dist}=={version}"], check=True)
-    return fetch(sources_dir, dist, version)
+    found = [p for p in sources_dir.glob("*.tar.gz") if _norm(p.name) == want]
+    if not found:
+        raise SystemExit(f"corpus: pip fetched no {dist}-{version}.tar.gz into {sources_dir}")
+    return found[0]
 
 
 def sha256(data: bytes) -> str:

@@ -75,11 +75,6 @@ def demo_config(size: str = DEFAULT_SIZE) -> ModelConfig:
     return ModelConfig.from_json_dict(flat, source=f"demo_config({size})")
 
 
-def windows(ids: np.ndarray, T: int, stride: int) -> np.ndarray:
-    starts = np.arange(0, len(ids) - T - 1, stride)
-    return np.stack([ids[s : s + T + 1] for s in starts])
-
-
 def spread_windows(ids: np.ndarray, T: int, n: int) -> np.ndarray:
     """``n`` windows of ``T + 1`` ids spread evenly over ``ids`` (the held-out evaluation)."""
     starts = np.linspace(0, len(ids) - T - 2, n).astype(np.int64)
