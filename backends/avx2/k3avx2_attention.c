@@ -487,33 +487,17 @@ typedef struct {
  * over positions are outermost: each cache row, read once from memory, serves every head of
  * the group (one token's heads in a claim), where head by head every head had read the whole
  * cache twice (at 32K positions, 25 MB a layer, twelve heads read 600 MB a layer from
- * DRAM). The score dot takes the query widened once (its products, float32 by float32, are
- * exact in float64, so the FMA is the separate multiply and add); the softmax's exponentials
- * run eight lanes at a time (v_exp_d: k3_exp_d operation for operation); the weighted sum
- * of the latent rows goes in column blocks of LATENT_CB so every head's lanes of a block
- * stay in L2 (each column's lanes are the same sums whichever block holds them). */
+ * DRAM). The score dot takes the query widened once and each row widened once for all heads
+ * (latent_scores512); the softmax's exponentials run eight lanes at a time (v_exp_d:
+ * k3_exp_d operation for operation); the weighted sum of the latent rows keeps each lane in
+ * registers over all of its positions (latent_wsum512: a lane's terms are the positions
+ * s = l, l + 32, ..., so it runs down them in order and is stored once, where adding row by
+ * row loaded and stored every lane at every position). Its lanes go in column blocks of
+ * LATENT_CB before they are folded (each column's lanes are the same sums whichever block
+ * holds them). The cache is read on huge pages where the kernel gives them
+ * (k3core/model/state.py): down a lane the rows are 32 apart, a page each on small pages. */
 #define LATENT_CB 128  /* latent columns a colsum pass keeps (32 lanes x 128 doubles a head) */
 #define LATENT_GROUP 16 /* heads at most in one group */
-
-/* lsum_i a[i] * b[i] over n columns as k3_dot_f32 sums it (lane i % 32, +0.0 terms past n),
- * its 32 lanes in four zmm registers folded by fold512 (k3avx2_matmul512.c); a already
- * widened (ad: n padded to a multiple of 32 with +0.0), b's tail loaded under a mask. */
-K3_AVX512 static double dot512_df(const double *ad, const float *b, int64_t n) {
-    __m512d L[4] = {_mm512_setzero_pd(), _mm512_setzero_pd(), _mm512_setzero_pd(),
-                    _mm512_setzero_pd()};
-    int64_t i = 0;
-    for (; i + 32 <= n; i += 32)
-        for (int k = 0; k < 4; ++k)
-            L[k] = _mm512_fmadd_pd(_mm512_loadu_pd(ad + i + 8 * k),
-                                   _mm512_cvtps_pd(_mm256_loadu_ps(b + i + 8 * k)), L[k]);
-    for (int k = 0; i < n && k < 4; ++k) {
-        const int64_t left = n - i - 8 * k;
-        const __mmask8 m = left >= 8 ? 0xFF : left <= 0 ? 0 : (__mmask8)((1u << left) - 1u);
-        L[k] = _mm512_fmadd_pd(_mm512_loadu_pd(ad + i + 8 * k),
-                               _mm512_cvtps_pd(_mm256_maskz_loadu_ps(m, b + i + 8 * k)), L[k]);
-    }
-    return fold512(L[0], L[1], L[2], L[3]);
-}
 
 /* softmax_f32 with the exponentials eight at a time (the same values). */
 K3_AVX512 static void softmax512(const float *score, int64_t n, double *e, float *p) {
@@ -525,6 +509,140 @@ K3_AVX512 static void softmax512(const float *score, int64_t n, double *e, float
     for (; s < n; ++s) e[s] = k3_exp_d((double)score[s] - (double)m);
     double z = k3_lsum_d(e, n);
     for (s = 0; s < n; ++s) p[s] = (float)(e[s] / z);
+}
+
+/* The scores of heads [0, k) at position s with the cache row in registers: the row's
+ * 32-column blocks b0 .. b0 + NB - 1 are widened once into R (the last block of the row,
+ * nb - 1, loaded under `tm`'s masks), then each head's four lane registers L (zero at
+ * b0 == 0, else its saved `Ls`) add the blocks in order. The sum is k3_dot_f32's: lane i % 32
+ * of the widened query (padded with +0.0 to whole blocks) times the widened row (+0.0 past
+ * cr), one FMA a term (the products of two floats are exact in float64), the lanes folded by
+ * fold512 after the row's last block. */
+K3_INLINE512 void score_chunk(const double *qd, int64_t crp, int64_t k, const float *row,
+                              int64_t b0, const int NB, int64_t nb, const __mmask8 *tm,
+                              double *Ls, float *sc, int64_t npos, double scale) {
+    __m512d R[24];
+#pragma GCC unroll 6
+    for (int b = 0; b < NB; ++b) {
+        const float *at = row + 32 * (b0 + b);
+        if (b0 + b == nb - 1)
+            for (int kk = 0; kk < 4; ++kk)
+                R[4 * b + kk] = _mm512_cvtps_pd(_mm256_maskz_loadu_ps(tm[kk], at + 8 * kk));
+        else
+            for (int kk = 0; kk < 4; ++kk)
+                R[4 * b + kk] = _mm512_cvtps_pd(_mm256_loadu_ps(at + 8 * kk));
+    }
+    const int first = b0 == 0, last = b0 + NB == nb;
+    for (int64_t i = 0; i < k; ++i) {
+        const double *q = qd + i * crp + 32 * b0;
+        double *ls = Ls + 32 * i;
+        __m512d L0, L1, L2, L3;
+        if (first) {
+            L0 = L1 = L2 = L3 = _mm512_setzero_pd();
+        } else {
+            L0 = _mm512_loadu_pd(ls); L1 = _mm512_loadu_pd(ls + 8);
+            L2 = _mm512_loadu_pd(ls + 16); L3 = _mm512_loadu_pd(ls + 24);
+        }
+#pragma GCC unroll 6
+        for (int b = 0; b < NB; ++b) {
+            L0 = _mm512_fmadd_pd(_mm512_loadu_pd(q + 32 * b), R[4 * b], L0);
+            L1 = _mm512_fmadd_pd(_mm512_loadu_pd(q + 32 * b + 8), R[4 * b + 1], L1);
+            L2 = _mm512_fmadd_pd(_mm512_loadu_pd(q + 32 * b + 16), R[4 * b + 2], L2);
+            L3 = _mm512_fmadd_pd(_mm512_loadu_pd(q + 32 * b + 24), R[4 * b + 3], L3);
+        }
+        if (last) {
+            sc[i * npos] = (float)(fold512(L0, L1, L2, L3) * scale);
+        } else {
+            _mm512_storeu_pd(ls, L0); _mm512_storeu_pd(ls + 8, L1);
+            _mm512_storeu_pd(ls + 16, L2); _mm512_storeu_pd(ls + 24, L3);
+        }
+    }
+}
+
+/* score[i * npos + s] for heads [0, k) and positions [0, len), each cache row read and
+ * widened once for every head (up to six 32-column blocks a pass in registers). Head by head
+ * the row was widened again for every head, and the lanes' latency chains ran one head at a
+ * time. */
+K3_AVX512 static void latent_scores512(const double *qd, int64_t crp, int64_t k,
+                                       const float *cache, int64_t cr, int64_t len,
+                                       double scale, float *score, int64_t npos, double *Ls) {
+    const int64_t nb = (cr + 31) / 32;
+    __mmask8 tm[4];
+    for (int kk = 0; kk < 4; ++kk) {
+        const int64_t left = cr - 32 * (nb - 1) - 8 * kk;
+        tm[kk] = left >= 8 ? 0xFF : left <= 0 ? 0 : (__mmask8)((1u << left) - 1u);
+    }
+    for (int64_t s = 0; s < len; ++s) {
+        const float *row = cache + s * cr;
+        for (int64_t b0 = 0; b0 < nb; b0 += 6) {
+            switch (nb - b0 < 6 ? nb - b0 : 6) {
+            case 1: score_chunk(qd, crp, k, row, b0, 1, nb, tm, Ls, score + s, npos, scale); break;
+            case 2: score_chunk(qd, crp, k, row, b0, 2, nb, tm, Ls, score + s, npos, scale); break;
+            case 3: score_chunk(qd, crp, k, row, b0, 3, nb, tm, Ls, score + s, npos, scale); break;
+            case 4: score_chunk(qd, crp, k, row, b0, 4, nb, tm, Ls, score + s, npos, scale); break;
+            case 5: score_chunk(qd, crp, k, row, b0, 5, nb, tm, Ls, score + s, npos, scale); break;
+            default: score_chunk(qd, crp, k, row, b0, 6, nb, tm, Ls, score + s, npos, scale); break;
+            }
+        }
+    }
+}
+
+/* Heads i0 .. i0 + KB - 1, sixteen latent columns [c, c + w) (w <= 16; masks m0, m1): lane
+ * l of each head is colsum_add512's lane l (its terms p[s] * latent[s, c + j], multiply then
+ * add, s = l, l + 32, ... in increasing order, from +0.0) kept in registers over all of its
+ * positions and stored once into the head's lanes (`acc`, row stride m, column `coff`).
+ * p is pd[s * k + i]: the probabilities widened, position-major. */
+#define WSUM_AHEAD 8 /* a lane's positions ahead its rows are prefetched (32 rows apart) */
+K3_INLINE512 void wsum_heads(const double *pd, int64_t k, int64_t i0, const int KB,
+                             const float *cache, int64_t cr, int64_t len, int64_t c,
+                             __mmask8 m0, __mmask8 m1, double *acc, int64_t m, int64_t coff) {
+    const int64_t lanes = colsum_lanes(len);
+    for (int64_t l = 0; l < lanes; ++l) {
+        __m512d A[12][2];
+#pragma GCC unroll 12
+        for (int h = 0; h < KB; ++h) A[h][0] = A[h][1] = _mm512_setzero_pd();
+        for (int64_t s = l; s < len; s += 32) {
+            const float *row = cache + s * cr + c;
+            _mm_prefetch((const char *)(row + 32 * WSUM_AHEAD * cr), _MM_HINT_T0);
+            const __m512d r0 = _mm512_cvtps_pd(_mm256_maskz_loadu_ps(m0, row));
+            const __m512d r1 = _mm512_cvtps_pd(_mm256_maskz_loadu_ps(m1, row + 8));
+            const double *p = pd + s * k + i0;
+#pragma GCC unroll 12
+            for (int h = 0; h < KB; ++h) {
+                const __m512d pv = _mm512_set1_pd(p[h]);
+                A[h][0] = _mm512_add_pd(A[h][0], _mm512_mul_pd(pv, r0));
+                A[h][1] = _mm512_add_pd(A[h][1], _mm512_mul_pd(pv, r1));
+            }
+        }
+#pragma GCC unroll 12
+        for (int h = 0; h < KB; ++h) {
+            double *to = acc + (i0 + h) * 32 * LATENT_CB + l * m + coff;
+            _mm512_mask_storeu_pd(to, m0, A[h][0]);
+            _mm512_mask_storeu_pd(to + 8, m1, A[h][1]);
+        }
+    }
+}
+
+/* o_lat's lanes of every head for the latent columns [c0, c0 + m) (m <= LATENT_CB), into
+ * acc (head i at i * 32 * LATENT_CB, lane l at l * m): heads twelve at most a pass. */
+K3_AVX512 static void latent_wsum512(const double *pd, int64_t k, const float *cache,
+                                     int64_t cr, int64_t len, int64_t c0, int64_t m,
+                                     double *acc) {
+    for (int64_t coff = 0; coff < m; coff += 16) {
+        const int64_t w = m - coff < 16 ? m - coff : 16;
+        const __mmask8 m0 = w >= 8 ? 0xFF : (__mmask8)((1u << w) - 1u);
+        const __mmask8 m1 = w >= 16 ? 0xFF : w <= 8 ? 0 : (__mmask8)((1u << (w - 8)) - 1u);
+        for (int64_t i0 = 0; i0 < k; i0 += 12) {
+            const int64_t c = c0 + coff;
+            switch (k - i0 < 12 ? k - i0 : 12) {
+#define WSUM_CASE(n) case n: wsum_heads(pd, k, i0, n, cache, cr, len, c, m0, m1, acc, m, coff); break;
+            WSUM_CASE(1) WSUM_CASE(2) WSUM_CASE(3) WSUM_CASE(4) WSUM_CASE(5) WSUM_CASE(6)
+            WSUM_CASE(7) WSUM_CASE(8) WSUM_CASE(9) WSUM_CASE(10) WSUM_CASE(11)
+            default: wsum_heads(pd, k, i0, 12, cache, cr, len, c, m0, m1, acc, m, coff); break;
+#undef WSUM_CASE
+            }
+        }
+    }
 }
 
 /* Heads h0 .. h0 + k - 1 of token t; `sc` scratch of latent_scratch512's size. */
@@ -543,6 +661,7 @@ K3_AVX512 static void latent_heads512(const latent_job *j, int64_t t, int64_t h0
     float *pr = score + k * npos;                   /* k x npos */
     float *qq = pr + k * npos;                      /* C: one head's q_lat */
     float *olat = qq + C;                           /* k x C */
+    double *pd = (double *)(((uintptr_t)(olat + k * C) + 63) & ~(uintptr_t)63); /* npos x k */
     for (int64_t i = 0; i < k; ++i) { /* q_lat of each head, widened with its rope part */
         const float *qv = j->q + (t * H + h0 + i) * qh;
         const char *wh = (const char *)j->w + (size_t)((h0 + i) * hw) * (size_t)C * esz;
@@ -554,20 +673,15 @@ K3_AVX512 static void latent_heads512(const latent_job *j, int64_t t, int64_t h0
         for (int64_t c = 0; c < crp; ++c)
             q[c] = c < C ? (double)qq[c] : c < cr ? (double)qv[n + c - C] : 0.0;
     }
-    for (int64_t s = 0; s < len; ++s) { /* scores: each row once for every head */
-        const float *row = j->cache + s * cr;
-        for (int64_t i = 0; i < k; ++i)
-            score[i * npos + s] = (float)(dot512_df(qd + i * crp, row, cr) * j->scale);
-    }
+    /* scores: each row read and widened once for every head (its lanes kept in `acc`
+     * between the row's passes of six blocks) */
+    latent_scores512(qd, crp, k, j->cache, cr, len, j->scale, score, npos, acc);
     for (int64_t i = 0; i < k; ++i) softmax512(score + i * npos, len, e, pr + i * npos);
+    for (int64_t s = 0; s < len; ++s) /* the probabilities widened, position-major */
+        for (int64_t i = 0; i < k; ++i) pd[s * k + i] = (double)pr[i * npos + s];
     for (int64_t c0 = 0; c0 < C; c0 += LATENT_CB) { /* o_lat, a column block at a time */
         const int64_t m = C - c0 < LATENT_CB ? C - c0 : LATENT_CB;
-        for (int64_t i = 0; i < k; ++i) colsum_begin(acc + i * 32 * LATENT_CB, m, len);
-        for (int64_t s = 0; s < len; ++s) {
-            const float *row = j->cache + s * cr + c0;
-            for (int64_t i = 0; i < k; ++i)
-                colsum_add512(acc + i * 32 * LATENT_CB, m, s, pr[i * npos + s], row, K3_W_F32);
-        }
+        latent_wsum512(pd, k, j->cache, cr, len, c0, m, acc);
         for (int64_t i = 0; i < k; ++i)
             colsum_end512(acc + i * 32 * LATENT_CB, m, olat + i * C + c0, len);
     }
@@ -586,7 +700,8 @@ K3_AVX512 static void latent_heads512(const latent_job *j, int64_t t, int64_t h0
 static size_t latent_scratch512(int64_t k, int64_t C, int64_t r, int64_t npos) {
     const int64_t crp = (C + r + 31) & ~(int64_t)31, cpad = (C + 31) & ~(int64_t)31;
     return (size_t)(k * crp + k * 32 * LATENT_CB + npos + cpad + 32 * C) * sizeof(double)
-           + (size_t)(2 * k * npos + C + k * C) * sizeof(float);
+           + (size_t)(2 * k * npos + C + k * C) * sizeof(float) + 64
+           + (size_t)(npos * k) * sizeof(double);
 }
 
 /* (token, head) pairs [i0, i1): with AVX-512 each token's heads in the claim together

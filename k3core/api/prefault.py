@@ -75,6 +75,25 @@ def hugepage_buffer(nbytes: int) -> np.ndarray:
     return buf
 
 
+def hugepage_zeros(shape: tuple[int, ...], dtype: np.dtype | type = np.float32) -> np.ndarray:
+    """A zeroed array, from HUGE_PAGE bytes on HUGE_PAGE-aligned with MADV_HUGEPAGE over its
+    whole huge pages, advised before anything touches them, so its pages come as huge pages
+    on first touch (zero pages are mapped lazily, as ``np.zeros`` maps them: nothing is
+    faulted in here). For arrays read down strides much larger than a page: the latent KV
+    cache (``k3core/model/state.py``), whose attention reads rows 32 apart, one small page
+    each."""
+    dt = np.dtype(dtype)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+    if nbytes < HUGE_PAGE:
+        return np.zeros(shape, dtype=dt)
+    raw = np.zeros(nbytes + HUGE_PAGE, dtype=np.uint8)
+    start = (-raw.ctypes.data) % HUGE_PAGE
+    buf = raw[start : start + nbytes]
+    advise_hugepages(buf[: nbytes // HUGE_PAGE * HUGE_PAGE])
+    out: np.ndarray = buf.view(dt).reshape(shape)
+    return out
+
+
 def _touch(buf: np.ndarray) -> None:
     """Write each page's first byte (and the last byte) back to itself."""
     if buf.size:

@@ -20,6 +20,7 @@ import numpy as np
 
 from k3core.api.errors import K3Error
 from k3core.api.kernels import KernelBackend
+from k3core.api.prefault import hugepage_zeros
 from k3core.model.config import ModelConfig
 
 
@@ -102,7 +103,7 @@ class SequenceState:
         if kv is None:
             c = self.cfg
             cap = self.capacity
-            kv = KVCache(np.zeros((cap, c.kv_lora + c.qk_rope), dtype=np.float32), c.kv_lora)
+            kv = KVCache(hugepage_zeros((cap, c.kv_lora + c.qk_rope), np.float32), c.kv_lora)
             self.kv[layer] = kv
         return kv
 

@@ -581,12 +581,13 @@ class KernelConformance:
         target[0][target[1]] = value
         compare(kb, "mla_latent_attention", q, cache, w, pos0, 0.3, what=f"mla latent {where}={value}")
 
-    @pytest.mark.parametrize("H,threads", [(12, 2), (7, 3), (5, 1)])
+    @pytest.mark.parametrize("H,threads", [(12, 2), (7, 3), (5, 1), (16, 1)])
     def test_mla_latent_attention_long_cache(self, backend: KernelBackend, H: int,
                                              threads: int) -> None:
         """A decode step over a thousand positions at the medium model's widths (two
         column blocks of the latent, every lane of the position sums used many times), its
-        heads in groups of a thread's share and one by one (forced)."""
+        heads in groups of a thread's share (sixteen on one thread: more than a backend may
+        keep in registers at once) and one by one (forced)."""
         rng = _rng("mla-latent-long", H, threads)
         T, n, r, dv, C, pos0 = 1, 128, 64, 128, 203, 1100
         q = activations(rng, (T, H, n + r), mild=True)
