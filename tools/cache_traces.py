@@ -35,6 +35,7 @@ docs/expert-cache.md ("Routing patterns") has what the traces give.
 from __future__ import annotations
 
 import argparse
+import json
 import sysconfig
 import time
 from pathlib import Path
@@ -47,9 +48,11 @@ from k3core.run.request import EngineRequest, build
 
 ROOT = Path(__file__).resolve().parent.parent
 DECODE_PROMPT = ROOT / "demo-model" / "prompt.txt"
-#: the demo model's held-out standard library modules (demo-model/MODEL_CARD.md)
-HELD_OUT = ("bisect", "calendar", "colorsys", "fnmatch", "graphlib", "heapq", "netrc", "queue",
-            "sched", "shlex", "stat", "textwrap")
+#: the demo model's held-out standard library modules, in name order (the corpus manifest's
+#: list, demo-model/MODEL_CARD.md)
+HELD_OUT = tuple(sorted(
+    name.removesuffix(".py") for name in json.loads(
+        (ROOT / "tools" / "train" / "corpus_manifest.json").read_text())["held_out"]["stdlib"]))
 PATTERNS = ("decode", "prompt", "prefill", "batch4", "batch16")
 
 

@@ -37,7 +37,7 @@ from k3_caches.lru import LRUPolicy
 
 from k3core.api.cache_policy import CachePolicy
 from k3core.experts.locator import pool_shape
-from k3core.experts.simulator import BELADY, simulate
+from k3core.experts.simulator import BELADY, TraceView, simulate
 from k3core.experts.trace import read_trace
 
 
@@ -137,15 +137,11 @@ class LRFU(_Scored):
 
 
 def visit_counts(pairs: Any) -> Counter[int]:
-    """Per key, the layer visits that ask for it (a visit: a run of one layer's requests)."""
+    """Per key, the layer visits that ask for it (``TraceView``'s visits)."""
+    view = TraceView.of(pairs)
     out: Counter[int] = Counter()
-    prev, seen = -1, set[int]()
-    for layer, expert in pairs.tolist():
-        if layer != prev:
-            out.update(seen)
-            prev, seen = layer, set()
-        seen.add(layer << 20 | expert)
-    out.update(seen)
+    for start, end, _, _ in view.visits:
+        out.update(set(view.keys[start:end]))
     return out
 
 
