@@ -41,7 +41,8 @@ JSON_KEYS = {
     "batch", "aggregate_tokens_per_s", "aggregate_tokens_per_s_runs", "s_per_step",
     "s_per_step_runs", "trunk_bytes_per_token", "expert_bytes_per_token",
     "batch_calls_per_token", "batch_most", "rows_per_pass", "batch_device_busy_share",
-    "batch_device_rate", "batch_device_busy_per_step", "batch_plan_bytes", "batch_peak_rss_bytes",
+    "batch_device_rate", "batch_device_busy_per_step", "batch_trunk_wait_per_step",
+    "batch_expert_wait_per_step", "batch_kernel_per_step", "batch_plan_bytes", "batch_peak_rss_bytes",
     "batch_prompts",
     "baseline_tokens_per_s", "baseline_tokens_per_s_runs", "batch_speedup",
     "batch_macs_per_step", "batch_decoded_per_step", "batch_compute_floor_per_step",
@@ -236,6 +237,9 @@ def test_batch_decodes_rows_together_each_checked_alone(model) -> None:
     if Path("/proc/self/clear_refs").exists():
         assert doc["batch_peak_rss_bytes"] > 0
     assert doc["expert_bytes_per_token"] >= 0
+    # where a step's time went: the waits and the kernel ops of the batched window
+    assert 0 < doc["batch_kernel_per_step"] and doc["batch_trunk_wait_per_step"] == 0
+    assert 0 <= doc["batch_expert_wait_per_step"] < doc["s_per_step"]
     # the floors of a batched step and of one sequence, where the machine's ceilings could
     # be measured (the avx2 backend's probes)
     if doc["fma_peak_gmacs"] > 0 and doc["decode_peak_gweights"] > 0:

@@ -361,6 +361,11 @@ class BatchRun:
     #: the weight products' multiply-adds in the window, and the MXFP4 weights they decoded
     macs: int = 0
     decoded: int = 0
+    #: seconds in the window the compute waited for trunk parts and for routed experts, and
+    #: seconds inside kernel ops
+    trunk_wait: float = 0.0
+    expert_wait: float = 0.0
+    kernel_seconds: float = 0.0
 
     @property
     def tokens_per_s(self) -> float:
@@ -452,7 +457,10 @@ def _batch_run(request: EngineRequest, prompts: list[list[int]], gen: int, incre
         disk_bytes=d1.bytes_read - d0.bytes_read if d0 and d1 else 0,
         disk_busy=d1.busy_seconds - d0.busy_seconds if d0 and d1 else 0.0,
         plan_bytes=memory.total if memory is not None else 0, peak_rss=peak,
-        macs=int(c1["macs"] - c0["macs"]), decoded=int(c1["decoded"] - c0["decoded"]))
+        macs=int(c1["macs"] - c0["macs"]), decoded=int(c1["decoded"] - c0["decoded"]),
+        trunk_wait=c1["trunk_wait"] - c0["trunk_wait"],
+        expert_wait=(c1["wait_seconds"] - c1["trunk_wait"]) - (c0["wait_seconds"] - c0["trunk_wait"]),
+        kernel_seconds=c1["kernel_seconds"] - c0["kernel_seconds"])
 
 
 def _batch_prompts(ids: list[int], batch: int, vocab: int, seed: int) -> list[list[int]]:
@@ -913,6 +921,7 @@ def _batch_figures(plan: _Plan, runs: list[RunFigures], steady: list[RunFigures]
     agg = [b.tokens_per_s for b in bruns]
     steps = [_median(b.step_seconds) for b in bruns]
     per = [max(1, b.tokens) for b in bruns]
+    nsteps = [max(1, len(b.step_seconds)) for b in bruns]
     return BatchFigures(
         batch=len(plan.prompts), aggregate_tokens_per_s=_median(agg),
         aggregate_tokens_per_s_runs=agg, s_per_step=_median(steps), s_per_step_runs=steps,
@@ -928,6 +937,11 @@ def _batch_figures(plan: _Plan, runs: list[RunFigures], steady: list[RunFigures]
         if all(b.disk_busy > 0 for b in bruns) else None,
         batch_device_busy_per_step=_median([b.disk_busy / max(1, len(b.step_seconds)) for b in bruns])
         if all(b.disk_busy > 0 for b in bruns) else None,
+        batch_trunk_wait_per_step=_median([b.trunk_wait / n for b, n in zip(bruns, nsteps, strict=True)]),
+        batch_expert_wait_per_step=_median([b.expert_wait / n for b, n in zip(bruns, nsteps,
+                                                                               strict=True)]),
+        batch_kernel_per_step=_median([b.kernel_seconds / n for b, n in zip(bruns, nsteps,
+                                                                             strict=True)]),
         batch_plan_bytes=max(b.plan_bytes for b in bruns),
         batch_peak_rss_bytes=max(b.peak_rss for b in bruns),
         batch_prompts=plan.prompts, baseline_tokens_per_s=_median(single),

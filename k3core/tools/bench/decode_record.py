@@ -150,6 +150,11 @@ class BatchFigures:
     batch_device_busy_share: float | None = None
     batch_device_rate: float | None = None
     batch_device_busy_per_step: float | None = None
+    #: a batched step's seconds (window totals over its steps, median of the runs) the
+    #: compute waited for trunk parts, waited for routed experts, and spent inside kernel ops
+    batch_trunk_wait_per_step: float = 0.0
+    batch_expert_wait_per_step: float = 0.0
+    batch_kernel_per_step: float = 0.0
     #: the batched engine's memory plan (B slots) and the peak RSS of the batched runs
     #: (0: unknown)
     batch_plan_bytes: int = 0
@@ -358,6 +363,14 @@ def _batch_lines(b: DecodeBench) -> list[str]:
             f"{100 * (x.batch_device_busy_share or 0.0):.0f} % of the batched window and read "
             f"{x.batch_device_rate / 1e9:.2f} GB/s while busy: {x.batch_device_busy_per_step:.4f} s of "
             f"reads a step, the step is {x.s_per_step / x.batch_device_busy_per_step:.2f}x that")
+    if x.batch_kernel_per_step > 0:
+        rest = max(0.0, x.s_per_step - x.batch_trunk_wait_per_step - x.batch_expert_wait_per_step
+                   - x.batch_kernel_per_step)
+        lines.append(
+            f"batch waits : a step {x.s_per_step:.4f} s: waiting for trunk parts "
+            f"{x.batch_trunk_wait_per_step:.4f} s, for routed experts "
+            f"{x.batch_expert_wait_per_step:.4f} s; inside kernel ops "
+            f"{x.batch_kernel_per_step:.4f} s; the rest {rest:.4f} s (the engine's own work)")
     if x.batch_floor_per_step > 0:
         f = b.floors
         lines.append(
