@@ -86,9 +86,7 @@ def hugepage_zeros(shape: tuple[int, ...], dtype: np.dtype | type = np.float32) 
     nbytes = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
     if nbytes < HUGE_PAGE:
         return np.zeros(shape, dtype=dt)
-    raw = np.zeros(nbytes + HUGE_PAGE, dtype=np.uint8)
-    start = (-raw.ctypes.data) % HUGE_PAGE
-    buf = raw[start : start + nbytes]
+    buf = aligned_empty(nbytes, HUGE_PAGE, zeroed=True)
     advise_hugepages(buf[: nbytes // HUGE_PAGE * HUGE_PAGE])
     out: np.ndarray = buf.view(dt).reshape(shape)
     return out

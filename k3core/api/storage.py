@@ -251,9 +251,10 @@ class StorageBackend(ABC):
         return IOTimer(self.stats)
 
 
-def aligned_empty(nbytes: int, align: int = ALIGN) -> np.ndarray:
-    """A ``uint8`` array of ``nbytes`` whose data pointer is a multiple of ``align``."""
-    raw = np.empty(nbytes + align, dtype=np.uint8)
+def aligned_empty(nbytes: int, align: int = ALIGN, zeroed: bool = False) -> np.ndarray:
+    """A ``uint8`` array of ``nbytes`` whose data pointer is a multiple of ``align``; with
+    ``zeroed`` its bytes are zero (``np.zeros``: zero pages mapped lazily, nothing touched)."""
+    raw = (np.zeros if zeroed else np.empty)(nbytes + align, dtype=np.uint8)
     start = (-raw.ctypes.data) % align
     return raw[start : start + nbytes]
 

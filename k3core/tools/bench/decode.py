@@ -458,8 +458,8 @@ def _batch_run(request: EngineRequest, prompts: list[list[int]], gen: int, incre
         disk_busy=d1.busy_seconds - d0.busy_seconds if d0 and d1 else 0.0,
         plan_bytes=memory.total if memory is not None else 0, peak_rss=peak,
         macs=int(c1["macs"] - c0["macs"]), decoded=int(c1["decoded"] - c0["decoded"]),
-        trunk_wait=c1["trunk_wait"] - c0["trunk_wait"],
-        expert_wait=(c1["wait_seconds"] - c1["trunk_wait"]) - (c0["wait_seconds"] - c0["trunk_wait"]),
+        trunk_wait=c1["trunk_wait"] - c0["trunk_wait"],  # wait_seconds: experts' and trunk's
+        expert_wait=c1["wait_seconds"] - c0["wait_seconds"] - (c1["trunk_wait"] - c0["trunk_wait"]),
         kernel_seconds=c1["kernel_seconds"] - c0["kernel_seconds"])
 
 
@@ -935,7 +935,7 @@ def _batch_figures(plan: _Plan, runs: list[RunFigures], steady: list[RunFigures]
         if all(b.disk_busy > 0 and b.seconds > 0 for b in bruns) else None,
         batch_device_rate=_median([b.disk_bytes / b.disk_busy for b in bruns])
         if all(b.disk_busy > 0 for b in bruns) else None,
-        batch_device_busy_per_step=_median([b.disk_busy / max(1, len(b.step_seconds)) for b in bruns])
+        batch_device_busy_per_step=_median([b.disk_busy / n for b, n in zip(bruns, nsteps, strict=True)])
         if all(b.disk_busy > 0 for b in bruns) else None,
         batch_trunk_wait_per_step=_median([b.trunk_wait / n for b, n in zip(bruns, nsteps, strict=True)]),
         batch_expert_wait_per_step=_median([b.expert_wait / n for b, n in zip(bruns, nsteps,
