@@ -32,6 +32,8 @@ from numpy.typing import NDArray
 from k3.plugin import (
     F32,
     U16,
+    KdaSeq,
+    KdaWeights,
     KernelBackend,
     KernelBackendSpec,
     Mxfp4,
@@ -116,6 +118,7 @@ class Avx2Backend(KernelBackend):
         self._lib = mod.lib
         self._forced = force_parallel_from_env() if force_parallel is None else bool(force_parallel)
         self._wmemo: dict[int, tuple[Any, ...]] = {}  # id(weight) -> what _winfo found
+        self._kdamemo: dict[int, tuple[Any, ...]] = {}  # id(KdaWeights) -> what _kda_plan found
         self.set_threads(default_threads() if threads is None else threads)
 
     # --- threads -----------------------------------------------------------------------
@@ -616,6 +619,132 @@ class Avx2Backend(KernelBackend):
             )
             self._check(rc, "router")
         return idx, w
+
+    # --- fused layer parts ---------------------------------------------------------------------
+    def attn_res_norm(self, sources: F32, fold: F32, w: F32, eps: float) -> F32:
+        op = "attn_res_norm"
+        sources, fold = _f32(op, "sources", sources), _f32(op, "fold", fold)
+        w = _f32(op, "w", w)
+        _need(sources.ndim == 3 and sources.shape[0] >= 1 and sources.shape[2] >= 1,
+              f"{op}: expected sources[S,T,E] with S, E >= 1; got {sources.shape}")
+        S, T, E = sources.shape
+        _need(fold.shape == (E,) and w.shape == (E,),
+              f"{op}: fold {fold.shape} and gain {w.shape} must both be ({E},)")
+        out = np.empty((T, E), dtype=np.float32)
+        if out.size:
+            self._sync_threads()
+            rc = self._lib.k3_attn_res_norm(self._p("float[]", sources), S, T, E,
+                                            self._p("float[]", fold), self._p("float[]", w),
+                                            float(eps), self._out("float[]", out))
+            self._check(rc, op)
+        return out
+
+    def _kda_plan(self, w: KdaWeights) -> tuple[Any, ...] | None:
+        """What :meth:`kda_mix` hands C for ``w`` (its checks passed), or None where the
+        separate ops must run (matrices of mixed kinds, unexpected shapes); remembered
+        while ``w`` lives, as ``_winfo`` remembers a weight."""
+        key = id(w)
+        hit = self._kdamemo.get(key)
+        if hit is not None and hit[0]() is w:
+            return hit[1]
+        plan = self._kda_check(w)
+        self._kdamemo[key] = (weakref.ref(w, lambda _r, k=key, m=self._kdamemo: m.pop(k, None)),
+                              plan)
+        return plan
+
+    def _kda_check(self, w: KdaWeights) -> tuple[Any, ...] | None:
+        mats = [*w.proj, w.f_b, w.o_proj]
+        infos = [self._winfo(m) for m in mats]
+        kinds = {i[0] for i in infos}
+        if len(kinds) != 1 or None in kinds:
+            return None
+        vecs = [w.dt_bias, w.a_log, w.o_norm, *w.conv]
+        if not all(isinstance(v, np.ndarray) and v.dtype == np.float32 and v.flags.c_contiguous
+                   for v in vecs):
+            return None
+        (P, E), (_, E_k), (_, E_v), (H, E_b), (R, E_a), (Pg, E_g) = (i[3] for i in infos[:6])
+        fb, op = infos[6][3], infos[7][3]
+        H = int(H)
+        if H < 1 or P % H or len({E, E_k, E_v, E_b, E_a, E_g}) != 1 or Pg != P:
+            return None
+        D = P // H
+        K = int(w.conv[0].shape[1]) if w.conv[0].ndim == 2 else 0
+        if (infos[1][3][0] != P or infos[2][3][0] != P or fb != (P, R) or op[1] != P
+                or w.dt_bias.shape != (P,) or w.a_log.shape != (H,) or w.o_norm.shape != (D,)
+                or K < 1 or any(c.shape != (P, K) for c in w.conv) or min(E, R, op[0]) < 1):
+            return None
+        ffi = self._ffi
+        kind = kinds.pop()
+        proj = ffi.new("void *[]", [i[1] for i in infos[:6]])
+        proj_s = ffi.new("uint8_t *[]", [i[2] for i in infos[:6]]) if kind == 2 else ffi.NULL
+        conv = ffi.new("float *[]", [self._addr("float *", c) for c in w.conv])
+        keep = (mats, vecs)  # the arrays behind the casts live as long as the plan
+        return (kind, proj, proj_s, infos[6][1], infos[6][2], infos[7][1], infos[7][2],
+                self._addr("float *", w.dt_bias), self._addr("float *", w.a_log),
+                conv, K, self._addr("float *", w.o_norm), E, H, D, R, op[0], keep)
+
+    def kda_mix(self, x: F32, w: KdaWeights, seqs: Sequence[KdaSeq]) -> F32:
+        plan = self._kda_plan(w)
+        T = int(x.shape[0]) if isinstance(x, np.ndarray) and x.ndim == 2 else -1
+        if plan is None or T < 1 or not seqs:
+            return super().kda_mix(x, w, seqs)
+        (kind, proj, proj_s, fb, fb_s, op, op_s, dt, al, conv, K, on, E, H, D, R, rows,
+         _keep) = plan
+        P = H * D
+        x = self._matmul_x(x, E)
+        if sum(s.rows for s in seqs) != T:
+            raise ValueError(f"kda_mix: the sequences' rows do not add up to the {T} input rows")
+        hist, state = [], []
+        for s in seqs:
+            for j, h in enumerate(s.hist):
+                h = _inplace("kda_mix", f"hist[{j}]", h)
+                _need(h.shape == (P, K - 1), f"kda_mix: a history has shape {h.shape}, "
+                      f"expected ({P}, {K - 1})")
+                hist.append(self._out("float[]", h))
+            st = _inplace("kda_mix", "state", s.state)
+            _need(st.shape == (H, D, D), f"kda_mix: a state has shape {st.shape}, "
+                  f"expected ({H}, {D}, {D})")
+            state.append(self._out("float[]", st))
+        ffi = self._ffi
+        out = np.empty((T, rows), dtype=np.float32)
+        self._sync_threads()
+        rc = self._lib.k3_kda_mix(
+            kind, proj, proj_s, fb, fb_s, op, op_s, dt, al, float(w.lower_bound), conv, K, on,
+            float(w.eps), float(np.float32(w.q_scale)), E, H, D, R, rows,
+            self._p("float[]", x), T, len(seqs), ffi.new("int64_t[]", [s.rows for s in seqs]),
+            ffi.new("float *[]", hist), ffi.new("float *[]", state), self._out("float[]", out))
+        self._check(rc, "kda_mix")
+        return out
+
+    def moe_combine(self, w: F32, outs: F32, norm: F32 | None, eps: float,
+                    up: U16 | F32 | Mxfp4, shared: F32 | None) -> F32:
+        op = "moe_combine"
+        kind, up_p, up_s, (E, lat_up) = self._winfo(up)
+        w, outs = _f32(op, "w", w), _f32(op, "outs", outs)
+        if kind is None or outs.ndim != 3 or w.shape != outs.shape[:2] or lat_up != outs.shape[2]:
+            return super().moe_combine(w, outs, norm, eps, up, shared)
+        T, k, lat = outs.shape
+        np_ = self._ffi.NULL
+        if norm is not None:
+            norm = _f32(op, "norm", norm)
+            _need(norm.shape == (lat,), f"{op}: norm has shape {norm.shape}, expected ({lat},)")
+            np_ = self._p("float[]", norm)
+        sp = self._ffi.NULL
+        if shared is not None:
+            shared = _f32(op, "shared", shared)
+            _need(shared.shape == (T, E), f"{op}: shared has shape {shared.shape}, expected "
+                  f"({T}, {E})")
+            sp = self._p("float[]", shared)
+        out = np.empty((T, E), dtype=np.float32)
+        if out.size and lat:
+            self._sync_threads()
+            rc = self._lib.k3_moe_combine(self._p("float[]", w), self._p("float[]", outs), T, k,
+                                          lat, np_, float(eps), kind, up_p, up_s, E, sp,
+                                          self._out("float[]", out))
+            self._check(rc, op)
+            return out
+        return super().moe_combine(w, outs, norm, eps, up, shared)
+
 
 
 @hookimpl

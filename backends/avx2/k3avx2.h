@@ -75,3 +75,26 @@ int k3_attn_res(const float *src, int64_t S, int64_t T, int64_t E, const float *
                 double eps, float *out);
 int k3_router(const float *logits, int64_t T, int64_t N, const float *bias, int64_t k,
                int64_t kk, int renorm, double scale, int64_t *idx, float *w);
+
+/* ---- fused layer parts: exactly the separate calls' bits, one foreign call ----------- */
+/* y[T, E] = rmsnorm(attn_res(src, fold, eps), w, eps) */
+int k3_attn_res_norm(const float *src, int64_t S, int64_t T, int64_t E, const float *fold,
+                     const float *w, double eps, float *y);
+/* A KDA layer's token mixer (k3core/api/kernels.py KernelBackend.kda_mix): every matrix of
+ * one kind (0 bf16, 1 f32, 2 MXFP4; scales NULL unless MXFP4). proj: q, k, v [P, E], the
+ * beta logits [H, E], the gate's down-projection [R, E], the output gate [P, E] (P = H * D);
+ * f_b [P, R]; o_proj [out_rows, P]; conv: q, k, v kernels [P, K]. nseq sequences split the
+ * T rows (seq_rows), each with its q/k/v histories [P, K-1] and state [H, D, D], updated
+ * in place. y[T, out_rows]. */
+int k3_kda_mix(int kind, void **proj, uint8_t **proj_s, const void *f_b, const uint8_t *f_b_s,
+               const void *o_proj, const uint8_t *o_proj_s, const float *dt_bias,
+               const float *a_log, double lower_bound, const float **conv, int64_t K,
+               const float *o_norm, double eps, float q_scale, int64_t E, int64_t H,
+               int64_t D, int64_t R, int64_t out_rows, const float *x, int64_t T, int nseq,
+               const int64_t *seq_rows, float **hist, float **state, float *y);
+/* A LatentMoE block's output (KernelBackend.moe_combine): acc[T, lat] = sum over the k
+ * slots of f32(w[t, j] * outs[t, j, :]) from +0.0; rmsnorm(acc, norm, eps) when norm is not
+ * NULL; y[T, E] = up . acc (+ shared[T, E] when not NULL). */
+int k3_moe_combine(const float *w, const float *outs, int64_t T, int64_t k, int64_t lat,
+                   const float *norm, double eps, int kind, const void *up,
+                   const uint8_t *up_s, int64_t E, const float *shared, float *y);

@@ -15,3 +15,4 @@
 #include "k3avx2_elementwise.c"
 #include "k3avx2_attention.c"
 #include "k3avx2_router.c"
+#include "k3avx2_fused.c"

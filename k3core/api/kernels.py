@@ -145,6 +145,41 @@ class Mxfp4:
         return (int(self.packed.shape[0]), int(self.packed.shape[1]) * 2)
 
 
+W = U16 | F32 | Mxfp4
+
+
+@dataclass(frozen=True)
+class KdaWeights:
+    """One KDA layer's weights, as :meth:`KernelBackend.kda_mix` takes them (``docs/model.md``
+    §5.4): ``proj`` the six projections of the layer's input (q, k, v, the beta logits, the
+    gate's down-projection, the output gate), ``f_b`` the gate's up-projection, ``conv`` the
+    q/k/v short-convolution kernels ``[H*D, K]``, ``o_norm`` the per-head output norm's gain
+    ``[D]``, ``o_proj`` the output projection; ``lower_bound`` the gate bound, ``q_scale``
+    the float32 query scale, ``eps`` the norm's epsilon."""
+
+    proj: tuple[W, W, W, W, W, W]
+    f_b: W
+    dt_bias: F32
+    a_log: F32
+    conv: tuple[F32, F32, F32]
+    o_norm: F32
+    o_proj: W
+    lower_bound: float
+    q_scale: float
+    eps: float
+
+
+@dataclass(frozen=True)
+class KdaSeq:
+    """One sequence's share of a :meth:`KernelBackend.kda_mix` call: its ``rows`` of the
+    input (the sequences' rows follow one another) and its state, updated in place: the
+    q/k/v short-convolution histories ``[H*D, K-1]`` and the recurrent state ``[H, D, D]``."""
+
+    rows: int
+    hist: tuple[F32, F32, F32]
+    state: F32
+
+
 class KernelBackend(ABC):
     """Interface every kernel backend implements; see the module docstring for the contract.
 
@@ -281,6 +316,59 @@ class KernelBackend(ABC):
         if len(mlps) != len(xs):
             raise ValueError(f"situ_mlp_many: {len(mlps)} MLPs but {len(xs)} inputs")
         return [self.situ_mlp(w1, w3, w2, x, b1, b2) for (w1, w3, w2), x in zip(mlps, xs, strict=True)]
+
+    # --- fused layer parts: defaults are the separate ops (a backend may do them in one call) --
+    def attn_res_norm(self, sources: F32, fold: F32, w: F32, eps: float) -> F32:
+        """``rmsnorm(attn_res(sources, fold, eps), w, eps)``: a layer part's input (the block
+        attention residual, then the part's norm) in one call, with exactly those bits."""
+        return self.rmsnorm(self.attn_res(sources, fold, eps), w, eps)
+
+    def kda_mix(self, x: F32, w: KdaWeights, seqs: Sequence[KdaSeq]) -> F32:
+        """A KDA layer's token mixer over ``x[T, E]`` (``docs/model.md`` §5.4): the six
+        projections, the gate, each sequence's short convolutions and recurrence on its own
+        state (``seqs`` split the rows in order and are updated in place), the per-head
+        output norm, the output gate and the output projection, with exactly the bits of
+        these separate ops, which this default runs. ``[T, E]`` out."""
+        T = x.shape[0]
+        if sum(s.rows for s in seqs) != T or not seqs:
+            raise ValueError(f"kda_mix: the sequences' rows do not add up to the {T} input rows")
+        H, D = int(seqs[0].state.shape[0]), int(seqs[0].state.shape[1])
+        rq, rk, rv, rb, fa, rg = self.matmul_many(list(w.proj), x)
+        beta = self.sigmoid(rb)
+        alpha = self.kda_gate(self.matmul(w.f_b, fa), w.dt_bias, w.a_log, w.lower_bound)
+        alpha = alpha.reshape(T, H, D)
+        cuts = np.cumsum([0] + [s.rows for s in seqs])
+        convs: list[list[F32]] = [[], [], []]
+        for s, a, b in zip(seqs, cuts[:-1], cuts[1:], strict=True):
+            for j, r in enumerate((rq, rk, rv)):
+                convs[j].append(self.shortconv(r[a:b], w.conv[j], s.hist[j]))
+        qc, kc, vc = (c[0] if len(c) == 1 else np.concatenate(c) for c in convs)
+        q = self.l2norm(qc.reshape(T, H, D)) * np.float32(w.q_scale)
+        kk = self.l2norm(kc.reshape(T, H, D))
+        v = vc.reshape(T, H, D)
+        outs = [self.kda_recurrent(q[a:b], kk[a:b], v[a:b], alpha[a:b], beta[a:b], s.state)
+                for s, a, b in zip(seqs, cuts[:-1], cuts[1:], strict=True)]
+        o = outs[0] if len(outs) == 1 else np.concatenate(outs)
+        o = self.rmsnorm(o, w.o_norm, w.eps).reshape(T, H * D)
+        return self.matmul(w.o_proj, o * self.sigmoid(rg))
+
+    def moe_combine(self, w: F32, outs: F32, norm: F32 | None, eps: float, up: W,
+                    shared: F32 | None) -> F32:
+        """A LatentMoE block's output from its routed experts' latent outputs
+        ``outs[T, k, latent]`` and router weights ``w[T, k]`` (``docs/model.md`` §5.7): the
+        weighted sum slot by slot from +0.0 (each float32 product rounded, then added),
+        the latent norm (``norm``, when the model has one), the up-projection ``up``, plus
+        the shared experts' output ``shared`` (float32), with exactly these bits."""
+        T, k, lat = outs.shape
+        acc = np.zeros((T, lat), dtype=np.float32)
+        term = np.empty_like(acc)
+        for j in range(k):
+            np.multiply(w[:, j : j + 1], outs[:, j], out=term)
+            acc += term
+        if norm is not None:
+            acc = self.rmsnorm(acc, norm, eps)
+        y = self.matmul(up, acc)
+        return y if shared is None else y + shared
 
     # --- dispatch helper ----------------------------------------------------------------------
     def matmul(self, w: U16 | F32 | Mxfp4, x: F32) -> F32:

@@ -19,7 +19,7 @@ import numpy as np
 
 from k3core.api.errors import UsageError
 from k3core.api.experts import ExpertExecutor, ExpertSource
-from k3core.api.kernels import F32, U16, KernelBackend, Mxfp4
+from k3core.api.kernels import F32, U16, KdaSeq, KdaWeights, KernelBackend, Mxfp4
 from k3core.model.config import ModelConfig
 from k3core.model.layer_params import LayerParams
 from k3core.model.local_experts import LocalExperts
@@ -159,13 +159,15 @@ class Model:
         states take them all) and the rest only over each sequence's asked rows, ``blocks``
         cut to the same rows: every op after the attention is per row, so those rows' bits
         are the full layer's. The output then has only those rows."""
-        eps = self.cfg.rms_eps
+        eps, k = self.cfg.rms_eps, self.k
         pref: np.ndarray | None = h
-        x_a = self.k.attn_res(blocks.sources(h), p["fold_attn"], eps) if len(blocks) else h
+        if len(blocks):  # the block attention residual and the norm in one call
+            xn = k.attn_res_norm(blocks.sources(h), p["fold_attn"], p["input_layernorm.weight"], eps)
+        else:
+            xn = k.rmsnorm(h, p["input_layernorm.weight"], eps)
         if p.layer % self.cfg.attn_res_block == 0:
             blocks.append(h)
             pref = None
-        xn = self.k.rmsnorm(x_a, p["input_layernorm.weight"], eps)
         T = xn.shape[0]
         keep = segs.kept_index() if last else None
         a = self.mla(p, xn, segs, keep) if p.mla else self.kda(p, xn, segs)
@@ -178,9 +180,14 @@ class Model:
             if not keep.size:  # no row asked (a chunk before the last): nothing reads it
                 return a
         pref = a if pref is None else pref + a
-        x_m = self.k.attn_res(blocks.sources(pref), p["fold_mlp"], eps)
-        early = self.guess(p.layer + 1, x_m) if self.lookahead == "attn" else None
-        xn = self.k.rmsnorm(x_m, p["post_attention_layernorm.weight"], eps)
+        early = None
+        if self.lookahead == "attn":  # the guess reads the residual before the norm
+            x_m = k.attn_res(blocks.sources(pref), p["fold_mlp"], eps)
+            early = self.guess(p.layer + 1, x_m)
+            xn = k.rmsnorm(x_m, p["post_attention_layernorm.weight"], eps)
+        else:
+            xn = k.attn_res_norm(blocks.sources(pref), p["fold_mlp"],
+                                 p["post_attention_layernorm.weight"], eps)
         if p.dense:
             m = self.dense_mlp(p, xn)
             if early is not None:
@@ -239,6 +246,14 @@ class Model:
         call, the short convolutions and the recurrence run per sequence on its own state."""
         c, k = self.cfg, self.k
         T, H, D = x.shape[0], c.kda_heads, c.kda_head_dim
+        spans = list(segs.spans())
+        if all(st.trail is None for _, _, st in spans):  # the whole mixer in one call
+            seqs = []
+            for a, b, st in spans:
+                s = st.kda_state(p.layer)
+                seqs.append(KdaSeq(b - a, (s.conv["q"], s.conv["k"], s.conv["v"]), s.S))
+            return k.kda_mix(x, self.kda_weights(p), seqs)
+        # a speculative pass records what a rollback needs (model/rollback.py): op by op
         # every projection of x in one call (q, k, v, beta, the gate's down-projection, g)
         names = ("q_proj", "k_proj", "v_proj", "b_proj", "f_a_proj", "g_proj")
         rq, rk, rv, rb, fa, rg = k.matmul_many([p[f"self_attn.{n}.weight"] for n in names], x)
@@ -246,12 +261,10 @@ class Model:
         z = k.matmul(p["self_attn.f_b_proj.weight"], fa)
         alpha = k.kda_gate(z, p["self_attn.dt_bias"], p["self_attn.A_log"], c.gate_lb)
         alpha = alpha.reshape(T, H, D)
-        spans = list(segs.spans())
         convs: dict[str, list[np.ndarray]] = {n: [] for n in "qkv"}
         hists = []
         for a, b, st in spans:  # the short convolutions per sequence, on its own history
             s = st.kda_state(p.layer)
-            # a speculative pass records what a rollback needs (model/rollback.py)
             hists.append({n: h.copy() for n, h in s.conv.items()} if st.trail is not None else None)
             for n, r in zip("qkv", (rq, rk, rv), strict=True):
                 convs[n].append(k.shortconv(r[a:b], p[f"self_attn.{n}_conv1d.weight"], s.conv[n]))
@@ -272,6 +285,21 @@ class Model:
         o = k.rmsnorm(o, p["self_attn.o_norm.weight"], c.rms_eps).reshape(T, H * D)
         o = o * k.sigmoid(rg)
         return k.matmul(p["self_attn.o_proj.weight"], o)
+
+    def kda_weights(self, p: LayerParams) -> KdaWeights:
+        """A KDA layer's weights as :meth:`KernelBackend.kda_mix` takes them (made once per
+        binding of the layer)."""
+        w = p.memo.get("kda")
+        if w is None:
+            c, a = self.cfg, "self_attn."
+            w = p.memo["kda"] = KdaWeights(
+                proj=tuple(p[f"{a}{n}.weight"] for n in ("q_proj", "k_proj", "v_proj", "b_proj",
+                                                          "f_a_proj", "g_proj")),
+                f_b=p[a + "f_b_proj.weight"], dt_bias=p[a + "dt_bias"], a_log=p[a + "A_log"],
+                conv=(p[a + "q_conv1d.weight"], p[a + "k_conv1d.weight"], p[a + "v_conv1d.weight"]),
+                o_norm=p[a + "o_norm.weight"], o_proj=p[a + "o_proj.weight"],
+                lower_bound=c.gate_lb, q_scale=float(self.q_scale), eps=c.rms_eps)
+        return w
 
     # ---- gated MLA, NoPE (docs/model.md §5.5) ---------------------------------------------------
     def mla(self, p: LayerParams, x: np.ndarray, segs: Segments,
@@ -347,13 +375,7 @@ class Model:
 
         outs, shared = self.executor.run(p.layer, idx, z,
                                          shared_experts if c.n_shared > 0 else None, guess)
-        T = x.shape[0]
-        acc = np.zeros((T, c.latent), dtype=np.float32)
-        term = np.empty_like(acc)
-        for j in range(c.topk):  # slot by slot from +0.0, each float32 term rounded first
-            np.multiply(w[:, j : j + 1], outs[:, j], out=term)
-            acc += term
-        if c.latent_norm:
-            acc = k.rmsnorm(acc, p[pre + "routed_expert_norm.weight"], c.rms_eps)
-        y = k.matmul(p[pre + "routed_expert_up_proj.weight"], acc)
-        return y if shared is None else y + shared
+        # slot by slot from +0.0, the latent norm, the up-projection, the shared experts
+        norm = p[pre + "routed_expert_norm.weight"] if c.latent_norm else None
+        return k.moe_combine(w, outs, norm, c.rms_eps, p[pre + "routed_expert_up_proj.weight"],
+                             shared)

@@ -127,6 +127,9 @@ class LayerParams:
         self.mla = mla
         self.dense = dense
         self.t = tensors
+        #: what the graph derives from the tensors once per binding (``Model.kda``'s
+        #: weights bundle), dropped with the binding
+        self.memo: dict[str, Any] = {}
 
     def __getitem__(self, key: str) -> Any:
         return self.t[key]

@@ -25,8 +25,9 @@ at 1, 2 and 3 threads with every parallel path forced (``KernelBackend.set_force
 since the small models would otherwise stay below every backend's threading threshold.
 Nothing is read from disk: the suite runs the same from a wheel-installed k3.
 
-The fused products (``matmul_many``, ``situ_mlp``, ``situ_mlp_many``) are compared with the
-reference's single ops (a backend that does not fuse them inherits exactly those), and the
+The fused products (``matmul_many``, ``situ_mlp``, ``situ_mlp_many``) and layer parts
+(``attn_res_norm``, ``kda_mix``, ``moe_combine``) are compared with the reference's single
+ops (a backend that does not fuse them inherits exactly those), and the
 released-layout model once more with its prompt fed in chunks (``Model.prefill_chunk``).
 
 Subclasses may override :attr:`KernelConformance.THREADS` and ``FORCED_THREADS``.
@@ -432,6 +433,121 @@ class KernelConformance:
         mlps, xs = self._situ_many_case("f32", (2, 3))
         with pytest.raises(ValueError, match="situ_mlp_many"):
             backend.situ_mlp_many(mlps, xs[:1], 4.0, 25.0)
+
+    # --- fused layer parts (defaults compose the single ops; a backend may fuse them) ---------
+    @pytest.mark.parametrize("S,T,E", [(1, 1, 33), (3, 3, 45), (9, 2, 4097)])
+    def test_attn_res_norm(self, kb: KernelBackend, S: int, T: int, E: int) -> None:
+        """``attn_res_norm`` is ``rmsnorm(attn_res(...))`` of the reference's single ops."""
+        rng = _rng("ares-norm", S, T, E)
+        src = activations(rng, (S, T, E), scale=2.0)
+        fold, w = activations(rng, (E,)), activations(rng, (E,))
+        with np.errstate(all="ignore"):
+            got = kb.attn_res_norm(src, fold, w, 1e-5)
+            r = reference()
+            want = r.rmsnorm(r.attn_res(src, fold, 1e-5), w, 1e-5)
+        assert_same_bits(got, want, "attn_res_norm")
+
+    @staticmethod
+    def _kda_case(kind: str, H: int, D: int, rows: Sequence[int]) -> tuple[Any, Any, Any]:
+        """A KDA layer's weights of ``kind`` (or ``mixed``: the projections bf16, the rest
+        float32), an input of ``sum(rows)`` rows and one state per sequence."""
+        from k3core.api.kernels import KdaSeq, KdaWeights
+
+        rng = _rng("kda-mix", kind, H, D, *rows)
+        E, K, P = 45, 4, H * D
+
+        def w(r: int, c: int, main: bool = True) -> Any:
+            if kind == "bf16" or (kind == "mixed" and main):
+                return bf16_bits(rng, (r, c), finite=True) & np.uint16(0xBFFF)  # |w| < 2
+            return activations(rng, (r, c), scale=0.3, mild=True)
+
+        wts = KdaWeights(
+            proj=(w(P, E), w(P, E), w(P, E), w(H, E), w(D, E), w(P, E)), f_b=w(P, D, False),
+            dt_bias=activations(rng, (P,), mild=True), a_log=activations(rng, (H,), mild=True),
+            conv=tuple(activations(rng, (P, K), mild=True) for _ in range(3)),  # type: ignore[arg-type]
+            o_norm=activations(rng, (D,), mild=True), o_proj=w(E, P, False), lower_bound=-5.0,
+            q_scale=float(np.float32(1 / np.sqrt(D))), eps=1e-5)
+        x = activations(rng, (sum(rows), E), mild=True)
+        seqs = [KdaSeq(n, tuple(activations(rng, (P, K - 1), mild=True) for _ in range(3)),  # type: ignore[arg-type]
+                       activations(rng, (H, D, D), scale=0.2, mild=True)) for n in rows]
+        return wts, x, seqs
+
+    @pytest.mark.parametrize("kind", ["bf16", "f32", "mixed"])
+    @pytest.mark.parametrize("H,D,rows", [(2, 3, (1,)), (4, 16, (3,)), (4, 16, (1, 2, 1)),
+                                          (3, 33, (2, 1))])
+    def test_kda_mix(self, kb: KernelBackend, kind: str, H: int, D: int,
+                     rows: tuple[int, ...]) -> None:
+        """``kda_mix`` (a KDA layer's mixer over several sequences) equals the reference's
+        single ops bit for bit, output and every sequence's histories and state, over two
+        steps that carry the state; the weights and the input are left untouched."""
+        import copy
+
+        wts, _, seqs = self._kda_case(kind, H, D, rows)
+        mine, theirs = copy.deepcopy(seqs), copy.deepcopy(seqs)
+        for step in range(2):
+            x = self._kda_case(kind, H, D, rows)[1] * np.float32(step + 1)
+            before = _snapshot(x, *wts.proj, wts.f_b, wts.o_proj, *wts.conv)
+            with np.errstate(all="ignore"):
+                got = kb.kda_mix(x, wts, mine)
+                want = reference().kda_mix(x, wts, theirs)
+            _check_unchanged(before, [x, *wts.proj, wts.f_b, wts.o_proj, *wts.conv], "kda_mix")
+            assert_same_bits(got, want, f"kda_mix {kind} step {step}")
+            for i, (a, b) in enumerate(zip(mine, theirs, strict=True)):
+                assert_same_bits(a.state, b.state, f"kda_mix {kind} step {step} state {i}")
+                for j in range(3):
+                    assert_same_bits(a.hist[j], b.hist[j], f"kda_mix {kind} step {step} "
+                                     f"history {'qkv'[j]} of sequence {i}")
+
+    def test_kda_mix_refuses_rows_that_do_not_add_up(self, backend: KernelBackend) -> None:
+        wts, x, seqs = self._kda_case("bf16", 2, 3, (2, 1))
+        with pytest.raises(ValueError, match="kda_mix"):
+            backend.kda_mix(x, wts, seqs[:1])
+
+    @pytest.mark.parametrize("kind", ["bf16", "f32", "mxfp4"])
+    @pytest.mark.parametrize("T,k", [(1, 1), (1, 8), (3, 5)])
+    @pytest.mark.parametrize("norm,shared", [(True, True), (False, False), (True, False)])
+    def test_moe_combine(self, kb: KernelBackend, kind: str, T: int, k: int, norm: bool,
+                         shared: bool) -> None:
+        """``moe_combine`` (the routed sum, the latent norm, the up-projection, the shared
+        experts added) equals the reference's slot-by-slot sum and single ops bit for bit."""
+        rng = _rng("moe-combine", kind, T, k, norm, shared)
+        lat, E = 64, 45
+        up: Any = (self._mx(rng, E, lat) if kind == "mxfp4" else
+                   bf16_bits(rng, (E, lat), finite=True) if kind == "bf16" else
+                   activations(rng, (E, lat), scale=0.3))
+        w = activations(rng, (T, k), mild=True)
+        outs = activations(rng, (T, k, lat), scale=2.0)
+        g = activations(rng, (lat,)) if norm else None
+        sh = activations(rng, (T, E)) if shared else None
+        with np.errstate(all="ignore"):
+            got = kb.moe_combine(w, outs, g, 1e-5, up, sh)
+            r = reference()
+            acc = np.zeros((T, lat), dtype=np.float32)
+            for j in range(k):
+                acc += w[:, j : j + 1] * outs[:, j]
+            if g is not None:
+                acc = r.rmsnorm(acc, g, 1e-5)
+            want = r.matmul(up, acc)
+            if sh is not None:
+                want = want + sh
+        assert_same_bits(got, want, f"moe_combine {kind}")
+
+    @pytest.mark.parametrize("threads", [1, 2, 3], ids=lambda n: f"threads{n}")
+    def test_fused_parts_parallel_forced(self, backend: KernelBackend, threads: int) -> None:
+        """The fused layer parts with every parallel path taken, at 1, 2 and 3 threads."""
+        if threads not in self.FORCED_THREADS:
+            pytest.skip(f"thread count {threads} not in {type(self).__name__}.FORCED_THREADS")
+        backend.set_threads(threads)
+        if backend.threads < threads:
+            pytest.skip(f"{backend.name} runs at most {backend.threads} threads in this process")
+        backend.set_force_parallel(True)
+        try:
+            self.test_kda_mix(backend, "bf16", 4, 16, (1, 2, 1))
+            self.test_moe_combine(backend, "mxfp4", 3, 5, True, True)
+            self.test_attn_res_norm(backend, 9, 2, 4097)
+        finally:
+            backend.set_force_parallel(False)
+            backend.set_threads(1)
 
     # --- normalisation and activations ------------------------------------------------------
     @pytest.mark.parametrize("m", WIDTHS + [7168])

@@ -11,7 +11,7 @@ import pytest
 from k3core.api.experts import ExpertWeights, InMemoryExperts
 from k3core.model.config import ModelConfig
 from k3core.model.forward import Model
-from k3core.model.layer_params import prepare_layer
+from k3core.model.layer_params import LayerParams, prepare_layer
 from k3core.model.residuals import BlockStack
 from k3core.model.segments import Feed, Segments
 from k3core.model.state import SequenceState
@@ -120,15 +120,9 @@ def test_kda_layer(fixtures, manifest, numpy_backend, name):
     for c in "qkv":
         t[f"self_attn.{c}_conv1d.weight"] = A(f[f"{c}_conv"]).reshape(-1, f["conv_k"])
 
-    class P:
-        layer = 1
-
-        def __getitem__(self, k):
-            return t[k]
-
     m = model_for(cfg, numpy_backend)
     st = SequenceState(cfg, f["T"])
-    out = m.kda(P(), A(f["in"])[0], one_sequence(st, f["T"]))
+    out = m.kda(LayerParams(1, False, False, t), A(f["in"])[0], one_sequence(st, f["T"]))
     close(out, A(f["out"])[0], manifest)
     close(st.kda[1].S, A(f["state_out"])[0], manifest)
 

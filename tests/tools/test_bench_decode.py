@@ -136,6 +136,16 @@ def test_product_macs_counts_each_matrix_of_a_call_once() -> None:
     assert product_macs("situ_mlp", (w1, w1, w2, x3, 4.0, 25.0)) == (2 * 40 + 40) * 3
     assert product_macs("situ_mlp_many", ([(w1, w1, w2)] * 2, [x3, x1], 4.0, 25.0)) == 120 * 4
     assert product_macs("rmsnorm", (x3, None, 1e-5)) == 0
+    # the fused layer parts: a KDA mixer's eight matrices, a MoE block's up-projection
+    from k3core.api.kernels import KdaWeights
+
+    kda = KdaWeights(proj=(w, w, w, w[:2], w[:4], w), f_b=np.zeros((6, 4), np.uint16),
+                     dt_bias=x1, a_log=x1, conv=(x1, x1, x1), o_norm=x1,
+                     o_proj=np.zeros((8, 6), np.uint16), lower_bound=-5.0, q_scale=1.0, eps=1e-5)
+    assert product_macs("kda_mix", (x3, kda, [])) == (4 * 48 + 16 + 32 + 24 + 48) * 3
+    outs = np.zeros((3, 2, 6), np.float32)
+    up = np.zeros((8, 6), np.uint16)
+    assert product_macs("moe_combine", (x3[:, :2], outs, None, 1e-5, up, None)) == 48 * 3
 
     class Ops:
         def matmul_bf16(self, w: object, x: object) -> int:
@@ -323,6 +333,8 @@ def test_decoded_weights_count_each_mxfp4_matrix_once_a_call() -> None:
     xs = [x3, x0, np.zeros((1, 64), np.float32)]
     assert decoded_weights("situ_mlp_many", (experts, xs)) == 2 * 3 * 16 * 64
     assert decoded_weights("situ_mlp", (bf, bf, bf, x3)) == 0
+    outs = np.zeros((3, 4, 64), np.float32)
+    assert decoded_weights("moe_combine", (x3[:, :4], outs, None, 1e-5, mx(8, 64), None)) == 8 * 64
     assert decoded_weights("rmsnorm", (x3,)) == 0
 
 

@@ -131,7 +131,19 @@ def _mlp_macs(w1: Any, w2: Any, x: Any) -> int:
 
 #: the weight-product ops: the only ones with multiply-adds or decoded weights to count
 PRODUCT_OPS = frozenset({"matmul_bf16", "matmul_f32", "matmul_mxfp4", "matmul_many", "situ_mlp",
-                         "situ_mlp_many"})
+                         "situ_mlp_many", "kda_mix", "moe_combine"})
+
+
+def _matrices(op: str, args: tuple[Any, ...]) -> tuple[list[Any], Any] | None:
+    """The weight matrices a fused layer part multiplies and the input whose rows they take
+    (``kda_mix``: its eight, the gate's up-projection over the gate's low-rank rows, of as
+    many rows as ``x``; ``moe_combine``: its up-projection over the summed latent rows)."""
+    if op == "kda_mix" and len(args) >= 2:
+        w = args[1]
+        return [*w.proj, w.f_b, w.o_proj], args[0]
+    if op == "moe_combine" and len(args) >= 5:
+        return [args[4]], args[1][:, 0] if getattr(args[1], "ndim", 0) == 3 else args[1]
+    return None
 
 
 def product_macs(op: str, args: tuple[Any, ...]) -> int:
@@ -146,6 +158,9 @@ def product_macs(op: str, args: tuple[Any, ...]) -> int:
         return _mlp_macs(args[0], args[2], args[3])
     if op == "situ_mlp_many" and len(args) >= 2:
         return sum(_mlp_macs(m[0], m[2], x) for m, x in zip(args[0], args[1], strict=False))
+    parts = _matrices(op, args)
+    if parts is not None:
+        return sum(w.shape[0] * w.shape[1] for w in parts[0]) * _tokens(parts[1])
     return 0
 
 
@@ -166,6 +181,9 @@ def decoded_weights(op: str, args: tuple[Any, ...]) -> int:
     if op == "situ_mlp_many" and len(args) >= 2:
         return sum(sum(_mx(w) for w in m[:3]) for m, x in zip(args[0], args[1], strict=False)
                    if _tokens(x))
+    parts = _matrices(op, args)
+    if parts is not None:
+        return sum(_mx(w) for w in parts[0]) if _tokens(parts[1]) else 0
     return 0
 
 
