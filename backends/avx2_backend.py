@@ -716,6 +716,36 @@ class Avx2Backend(KernelBackend):
         self._check(rc, "kda_mix")
         return out
 
+    def moe_route(self, sources: F32, fold: F32, norm: F32, eps: float,
+                  gate: U16 | F32 | Mxfp4, down: U16 | F32 | Mxfp4, bias: F32, k: int,
+                  renorm: bool, scale: float) -> tuple[F32, NDArray[np.int64], F32, F32]:
+        op = "moe_route"
+        g_kind, g_p, g_s, (N, E_g) = self._winfo(gate)
+        d_kind, d_p, d_s, (lat, E_d) = self._winfo(down)
+        sources, fold = _f32(op, "sources", sources), _f32(op, "fold", fold)
+        norm, bias = _f32(op, "norm", norm), _f32(op, "bias", bias)
+        k = int(k)
+        if (g_kind is None or g_kind != d_kind or sources.ndim != 3 or k < 0
+                or not sources.shape[0] or not sources.shape[1] or not N or not lat
+                or E_g != sources.shape[2] or E_d != E_g or fold.shape != (E_g,)
+                or norm.shape != (E_g,) or bias.shape != (N,)):
+            return super().moe_route(sources, fold, norm, eps, gate, down, bias, k, renorm, scale)
+        S, T, E = sources.shape
+        kk = min(k, N)
+        xn = np.empty((T, E), dtype=np.float32)
+        idx = np.empty((T, kk), dtype=np.int64)
+        w = np.empty((T, kk), dtype=np.float32)
+        z = np.empty((T, lat), dtype=np.float32)
+        self._sync_threads()
+        rc = self._lib.k3_moe_route(
+            self._p("float[]", sources), S, T, E, self._p("float[]", fold),
+            self._p("float[]", norm), float(eps), g_kind, g_p, g_s, d_p, d_s, N, lat,
+            self._p("float[]", bias), k, kk, 1 if renorm else 0, float(scale),
+            self._out("float[]", xn), self._out("int64_t[]", idx) if idx.size else self._ffi.NULL,
+            self._out("float[]", w) if w.size else self._ffi.NULL, self._out("float[]", z))
+        self._check(rc, op)
+        return xn, idx, w, z
+
     def moe_combine(self, w: F32, outs: F32, norm: F32 | None, eps: float,
                     up: U16 | F32 | Mxfp4, shared: F32 | None) -> F32:
         op = "moe_combine"

@@ -98,3 +98,11 @@ int k3_kda_mix(int kind, void **proj, uint8_t **proj_s, const void *f_b, const u
 int k3_moe_combine(const float *w, const float *outs, int64_t T, int64_t k, int64_t lat,
                    const float *norm, double eps, int kind, const void *up,
                    const uint8_t *up_s, int64_t E, const float *shared, float *y);
+/* A LatentMoE block's way in (KernelBackend.moe_route): xn[T, E] = rmsnorm(attn_res(src,
+ * fold, eps), norm, eps); logits = gate . xn ([N, E], kind), z[T, lat] = down . xn (same
+ * kind); idx[T, kk], w[T, kk] = router(logits, bias, k, renorm, scale). */
+int k3_moe_route(const float *src, int64_t S, int64_t T, int64_t E, const float *fold,
+                 const float *norm, double eps, int kind, void *gate, uint8_t *gate_s,
+                 void *down, uint8_t *down_s, int64_t N, int64_t lat, const float *bias,
+                 int64_t k, int64_t kk, int renorm, double scale, float *xn, int64_t *idx,
+                 float *w, float *z);

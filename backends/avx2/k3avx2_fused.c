@@ -109,3 +109,22 @@ int k3_moe_combine(const float *w, const float *outs, int64_t T, int64_t k, int6
     k3__free(acc);
     return rc;
 }
+
+int k3_moe_route(const float *src, int64_t S, int64_t T, int64_t E, const float *fold,
+                 const float *norm, double eps, int kind, void *gate, uint8_t *gate_s,
+                 void *down, uint8_t *down_s, int64_t N, int64_t lat, const float *bias,
+                 int64_t k, int64_t kk, int renorm, double scale, float *xn, int64_t *idx,
+                 float *w, float *z) {
+    int rc = k3_attn_res_norm(src, S, T, E, fold, norm, eps, xn);
+    if (rc) return rc;
+    float *logits = (float *)k3__alloc((size_t)(T * N) * sizeof(float));
+    if (!logits) return K3_ENOMEM;
+    void *ws[2] = {gate, down};
+    uint8_t *ss[2] = {gate_s, down_s};
+    const int64_t rows[2] = {N, lat};
+    float *ys[2] = {logits, z};
+    rc = k3_matmul_many(kind, 2, ws, kind == 2 ? ss : NULL, rows, E, xn, T, ys);
+    if (rc == 0 && kk > 0) rc = k3_router(logits, T, N, bias, k, kk, renorm, scale, idx, w);
+    k3__free(logits);
+    return rc;
+}

@@ -352,6 +352,19 @@ class KernelBackend(ABC):
         o = self.rmsnorm(o, w.o_norm, w.eps).reshape(T, H * D)
         return self.matmul(w.o_proj, o * self.sigmoid(rg))
 
+    def moe_route(self, sources: F32, fold: F32, norm: F32, eps: float, gate: W, down: W,
+                  bias: F32, k: int, renorm: bool, scale: float,
+                  ) -> tuple[F32, NDArray[np.int64], F32, F32]:
+        """A LatentMoE block's way in (``docs/model.md`` §5.7): its input
+        ``xn = attn_res_norm(sources, fold, norm, eps)``, the router's logits and the
+        latent down-projection ``z`` of ``xn`` (``matmul_many([gate, down], xn)``), the
+        router's choice ``idx, w = router(logits, bias, k, renorm, scale)``; returns
+        ``(xn, idx, w, z)`` with exactly those ops' bits."""
+        xn = self.attn_res_norm(sources, fold, norm, eps)
+        logits, z = self.matmul_many([gate, down], xn)
+        idx, w = self.router(logits, bias, k, renorm, scale)
+        return xn, idx, w, z
+
     def moe_combine(self, w: F32, outs: F32, norm: F32 | None, eps: float, up: W,
                     shared: F32 | None) -> F32:
         """A LatentMoE block's output from its routed experts' latent outputs

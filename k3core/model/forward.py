@@ -180,20 +180,28 @@ class Model:
             if not keep.size:  # no row asked (a chunk before the last): nothing reads it
                 return a
         pref = a if pref is None else pref + a
-        early = None
+        early: tuple[int, list[int]] | None = None
+        route: list[np.ndarray] | None = None
+        norm = p["post_attention_layernorm.weight"]
         if self.lookahead == "attn":  # the guess reads the residual before the norm
             x_m = k.attn_res(blocks.sources(pref), p["fold_mlp"], eps)
             early = self.guess(p.layer + 1, x_m)
-            xn = k.rmsnorm(x_m, p["post_attention_layernorm.weight"], eps)
-        else:
-            xn = k.attn_res_norm(blocks.sources(pref), p["fold_mlp"],
-                                 p["post_attention_layernorm.weight"], eps)
+            xn = k.rmsnorm(x_m, norm, eps)
+        elif p.dense:
+            xn = k.attn_res_norm(blocks.sources(pref), p["fold_mlp"], norm, eps)
+        else:  # the MoE block's input, its router and its latent down-projection in one call
+            c, pre = self.cfg, "block_sparse_moe."
+            xn, idx, w_r, z = k.moe_route(
+                blocks.sources(pref), p["fold_mlp"], norm, eps, p[pre + "gate.weight"],
+                p[pre + "routed_expert_down_proj.weight"], p[pre + "gate.e_score_correction_bias"],
+                c.topk, c.moe_renorm, c.routed_scale)
+            route = [idx, w_r, z]
         if p.dense:
             m = self.dense_mlp(p, xn)
             if early is not None:
                 self.executor.lookahead(*early)
         else:
-            m = self.moe(p, xn, early)  # handed on behind the layer's own reads
+            m = self.moe(p, xn, early, route)  # handed on behind the layer's own reads
         out = pref + m
         if self.lookahead == "out":
             late = self.guess(p.layer + 1, out, blocks)
@@ -355,15 +363,20 @@ class Model:
     def dense_mlp(self, p: LayerParams, x: np.ndarray) -> np.ndarray:
         return self.situ_mlp(p["mlp.gate_proj.weight"], p["mlp.up_proj.weight"], p["mlp.down_proj.weight"], x)
 
-    def moe(self, p: LayerParams, x: np.ndarray,
-            guess: tuple[int, list[int]] | None = None) -> np.ndarray:
-        """The MoE block; the routed experts come from :attr:`executor` (computed while the
-        shared experts run), ``guess`` (router lookahead) goes to it too."""
+    def moe(self, p: LayerParams, x: np.ndarray, guess: tuple[int, list[int]] | None = None,
+            route: Sequence[np.ndarray] | None = None) -> np.ndarray:
+        """The MoE block over its input ``x``; the routed experts come from :attr:`executor`
+        (computed while the shared experts run), ``guess`` (router lookahead) goes to it too.
+        ``route``: the router's ``(idx, w)`` and the latent ``z`` of ``x`` when the caller
+        has them (``KernelBackend.moe_route``)."""
         c, k = self.cfg, self.k
         pre = "block_sparse_moe."
-        # router gate and the latent down-projection read the same x: one call
-        logits, z = k.matmul_many([p[pre + "gate.weight"], p[pre + "routed_expert_down_proj.weight"]], x)
-        idx, w = k.router(logits, p[pre + "gate.e_score_correction_bias"], c.topk, c.moe_renorm, c.routed_scale)
+        if route is None:  # router gate and the latent down-projection read the same x: one call
+            logits, z = k.matmul_many([p[pre + "gate.weight"], p[pre + "routed_expert_down_proj.weight"]], x)
+            idx, w = k.router(logits, p[pre + "gate.e_score_correction_bias"], c.topk,
+                              c.moe_renorm, c.routed_scale)
+        else:
+            idx, w, z = route
 
         def shared_experts() -> np.ndarray:
             return self.situ_mlp(

@@ -26,7 +26,7 @@ since the small models would otherwise stay below every backend's threading thre
 Nothing is read from disk: the suite runs the same from a wheel-installed k3.
 
 The fused products (``matmul_many``, ``situ_mlp``, ``situ_mlp_many``) and layer parts
-(``attn_res_norm``, ``kda_mix``, ``moe_combine``) are compared with the reference's single
+(``attn_res_norm``, ``kda_mix``, ``moe_route``, ``moe_combine``) are compared with the reference's single
 ops (a backend that does not fuse them inherits exactly those), and the
 released-layout model once more with its prompt fed in chunks (``Model.prefill_chunk``).
 
@@ -532,6 +532,37 @@ class KernelConformance:
                 want = want + sh
         assert_same_bits(got, want, f"moe_combine {kind}")
 
+    @pytest.mark.parametrize("kind", ["bf16", "f32", "mxfp4", "mixed"])
+    @pytest.mark.parametrize("S,T,N,k", [(1, 1, 8, 2), (3, 3, 64, 8), (2, 2, 5, 5), (2, 1, 7, 9)])
+    def test_moe_route(self, kb: KernelBackend, kind: str, S: int, T: int, N: int, k: int) -> None:
+        """``moe_route`` (the block's input, the router's logits and latent down-projection in
+        one product, the router's choice) equals the reference's single ops: ids exactly,
+        every float by bits; ``mixed`` (a bf16 gate, a float32 down-projection) too."""
+        rng = _rng("moe-route", kind, S, T, N, k)
+        E, lat = 64, 40
+
+        def w(rows: int, kd: str) -> Any:
+            if kd == "mxfp4":
+                return self._mx(rng, rows, E)
+            if kd == "bf16":
+                return bf16_bits(rng, (rows, E), finite=True)
+            return activations(rng, (rows, E), scale=0.3)
+
+        gate = w(N, "bf16" if kind == "mixed" else kind)
+        down = w(lat, "f32" if kind == "mixed" else kind)
+        src = activations(rng, (S, T, E), scale=2.0)
+        fold, norm, bias = (activations(rng, (E,)), activations(rng, (E,)),
+                            activations(rng, (N,), scale=0.1))
+        with np.errstate(all="ignore"):
+            got = kb.moe_route(src, fold, norm, 1e-5, gate, down, bias, k, True, 2.5)
+            r = reference()
+            xn = r.rmsnorm(r.attn_res(src, fold, 1e-5), norm, 1e-5)
+            idx, ww = r.router(r.matmul(gate, xn), bias, k, True, 2.5)
+            want = (xn, idx, ww, r.matmul(down, xn))
+        assert len(got) == 4, f"moe_route returned {len(got)} results, not (xn, idx, w, z)"
+        for name, g, x in zip(("xn", "idx", "w", "z"), got, want, strict=True):
+            assert_same_bits(g, x, f"moe_route {kind} {name}")
+
     @pytest.mark.parametrize("threads", [1, 2, 3], ids=lambda n: f"threads{n}")
     def test_fused_parts_parallel_forced(self, backend: KernelBackend, threads: int) -> None:
         """The fused layer parts with every parallel path taken, at 1, 2 and 3 threads."""
@@ -545,6 +576,7 @@ class KernelConformance:
             self.test_kda_mix(backend, "bf16", 4, 16, (1, 2, 1))
             self.test_moe_combine(backend, "mxfp4", 3, 5, True, True)
             self.test_attn_res_norm(backend, 9, 2, 4097)
+            self.test_moe_route(backend, "bf16", 3, 3, 64, 8)
         finally:
             backend.set_force_parallel(False)
             backend.set_threads(1)

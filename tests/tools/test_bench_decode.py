@@ -146,6 +146,8 @@ def test_product_macs_counts_each_matrix_of_a_call_once() -> None:
     outs = np.zeros((3, 2, 6), np.float32)
     up = np.zeros((8, 6), np.uint16)
     assert product_macs("moe_combine", (x3[:, :2], outs, None, 1e-5, up, None)) == 48 * 3
+    src = np.zeros((2, 3, 8), np.float32)
+    assert product_macs("moe_route", (src, x1, x1, 1e-5, w, w[:2], x1, 2, True, 1.0)) == 64 * 3
 
     class Ops:
         def matmul_bf16(self, w: object, x: object) -> int:

@@ -131,16 +131,19 @@ def _mlp_macs(w1: Any, w2: Any, x: Any) -> int:
 
 #: the weight-product ops: the only ones with multiply-adds or decoded weights to count
 PRODUCT_OPS = frozenset({"matmul_bf16", "matmul_f32", "matmul_mxfp4", "matmul_many", "situ_mlp",
-                         "situ_mlp_many", "kda_mix", "moe_combine"})
+                         "situ_mlp_many", "kda_mix", "moe_combine", "moe_route"})
 
 
 def _matrices(op: str, args: tuple[Any, ...]) -> tuple[list[Any], Any] | None:
     """The weight matrices a fused layer part multiplies and the input whose rows they take
     (``kda_mix``: its eight, the gate's up-projection over the gate's low-rank rows, of as
-    many rows as ``x``; ``moe_combine``: its up-projection over the summed latent rows)."""
+    many rows as ``x``; ``moe_route``: the router's gate and the latent down-projection over
+    the block's input rows; ``moe_combine``: its up-projection over the summed latent rows)."""
     if op == "kda_mix" and len(args) >= 2:
         w = args[1]
         return [*w.proj, w.f_b, w.o_proj], args[0]
+    if op == "moe_route" and len(args) >= 6:  # the gate and the down-projection over xn
+        return [args[4], args[5]], args[0][0] if getattr(args[0], "ndim", 0) == 3 else args[0]
     if op == "moe_combine" and len(args) >= 5:
         return [args[4]], args[1][:, 0] if getattr(args[1], "ndim", 0) == 3 else args[1]
     return None
