@@ -36,6 +36,8 @@ from k3.plugin import (
     KdaWeights,
     KernelBackend,
     KernelBackendSpec,
+    MlaSeq,
+    MlaWeights,
     Mxfp4,
     PluginError,
     force_parallel_from_env,
@@ -119,6 +121,7 @@ class Avx2Backend(KernelBackend):
         self._forced = force_parallel_from_env() if force_parallel is None else bool(force_parallel)
         self._wmemo: dict[int, tuple[Any, ...]] = {}  # id(weight) -> what _winfo found
         self._kdamemo: dict[int, tuple[Any, ...]] = {}  # id(KdaWeights) -> what _kda_plan found
+        self._mlamemo: dict[int, tuple[Any, ...]] = {}  # id(MlaWeights) -> what _mla_plan found
         self.set_threads(default_threads() if threads is None else threads)
 
     # --- threads -----------------------------------------------------------------------
@@ -714,6 +717,81 @@ class Avx2Backend(KernelBackend):
             self._p("float[]", x), T, len(seqs), ffi.new("int64_t[]", [s.rows for s in seqs]),
             ffi.new("float *[]", hist), ffi.new("float *[]", state), self._out("float[]", out))
         self._check(rc, "kda_mix")
+        return out
+
+    def _mla_plan(self, w: MlaWeights) -> tuple[Any, ...] | None:
+        """What :meth:`mla_mix` hands C for ``w`` (checked), or None where the separate ops
+        must run; remembered while ``w`` lives (as ``_kda_plan``)."""
+        key = id(w)
+        hit = self._mlamemo.get(key)
+        if hit is not None and hit[0]() is w:
+            return hit[1]
+        plan = self._mla_check(w)
+        self._mlamemo[key] = (weakref.ref(w, lambda _r, k=key, m=self._mlamemo: m.pop(k, None)),
+                              plan)
+        return plan
+
+    def _mla_check(self, w: MlaWeights) -> tuple[Any, ...] | None:
+        mats = [w.q_a, w.kv_a, w.q_b, w.o_proj] + ([w.gate] if w.gate is not None else [])
+        infos = [self._winfo(m) for m in mats]
+        kinds = {i[0] for i in infos}
+        kvb = w.kv_b
+        if (len(kinds) != 1 or None in kinds or not isinstance(kvb, np.ndarray)
+                or kvb.dtype not in (np.uint16, np.float32) or kvb.ndim != 2
+                or not kvb.flags.c_contiguous):
+            return None
+        if not all(isinstance(v, np.ndarray) and v.dtype == np.float32 and v.flags.c_contiguous
+                   for v in (w.q_a_norm, w.kv_a_norm)):
+            return None
+        (QL, E), (W, E_kv), (qw, QL_b), (out_rows, HDv) = (i[3] for i in infos[:4])
+        H, C = int(w.heads), int(w.kv_lora)
+        r = W - C
+        if H < 1 or qw % H or kvb.shape[0] % H or kvb.shape[1] != C:
+            return None
+        n = qw // H - r
+        dv = kvb.shape[0] // H - n
+        if (E_kv != E or QL_b != QL or HDv != H * dv or min(E, QL, C, n, dv, out_rows) < 1
+                or r < 0 or w.q_a_norm.shape != (QL,) or w.kv_a_norm.shape != (C,)
+                or (w.gate is not None and infos[4][3] != (H * dv, E))):
+            return None
+        gate = infos[4] if w.gate is not None else (None, self._ffi.NULL, self._ffi.NULL, None)
+        kv_p = self._addr("void *", kvb)
+        keep = (mats, kvb, w.q_a_norm, w.kv_a_norm)
+        return (kinds.pop(), infos[0][1:3], infos[1][1:3], gate[1:3],
+                self._addr("float *", w.q_a_norm), self._addr("float *", w.kv_a_norm),
+                infos[2][1:3], kv_p, 0 if kvb.dtype == np.uint16 else 1, infos[3][1:3],
+                E, QL, C, r, H, n, dv, out_rows, keep)
+
+    def mla_mix(self, x: F32, w: MlaWeights, seqs: Sequence[MlaSeq]) -> F32:
+        plan = self._mla_plan(w)
+        T = int(x.shape[0]) if isinstance(x, np.ndarray) and x.ndim == 2 else -1
+        if plan is None or T < 1 or not seqs:
+            return super().mla_mix(x, w, seqs)
+        (kind, qa, kva, gate, qan, kvan, qb, kvb, kv_kind, op, E, QL, C, r, H, n, dv, rows,
+         _keep) = plan
+        x = self._matmul_x(x, E)
+        if sum(s.rows for s in seqs) != T:
+            raise ValueError(f"mla_mix: the sequences' rows do not add up to the {T} input rows")
+        caches = []
+        for s in seqs:
+            c = _inplace("mla_mix", "cache", s.cache)
+            _need(c.ndim == 2 and c.shape[1] == C + r and 0 <= s.pos
+                  and s.pos + s.rows <= c.shape[0] and 0 <= s.attend <= s.rows,
+                  f"mla_mix: a cache of shape {c.shape} cannot take {s.rows} rows at position "
+                  f"{s.pos} ({s.attend} attending; {C + r} columns expected)")
+            caches.append(self._out("float[]", c))
+        ffi = self._ffi
+        Q = sum(s.attend for s in seqs)
+        out = np.empty((Q, rows), dtype=np.float32)
+        self._sync_threads()
+        rc = self._lib.k3_mla_mix(
+            kind, *qa, *kva, *gate, qan, kvan, *qb, kvb, kv_kind, *op, E, QL, C, r, H, n, dv,
+            rows, float(w.scale), float(w.eps), self._p("float[]", x), T, len(seqs),
+            ffi.new("int64_t[]", [s.rows for s in seqs]), ffi.new("float *[]", caches),
+            ffi.new("int64_t[]", [s.pos for s in seqs]),
+            ffi.new("int64_t[]", [s.attend for s in seqs]),
+            self._out("float[]", out) if out.size else ffi.NULL)
+        self._check(rc, "mla_mix")
         return out
 
     def moe_route(self, sources: F32, fold: F32, norm: F32, eps: float,

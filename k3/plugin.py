@@ -59,6 +59,8 @@ from k3core.api.kernels import (
     KdaSeq,
     KdaWeights,
     KernelBackend,
+    MlaSeq,
+    MlaWeights,
     Mxfp4,
     force_parallel_from_env,
     latent_shapes,
@@ -93,7 +95,7 @@ if TYPE_CHECKING:  # imported on first use: the reference backend itself imports
 __all__ = [
     "ALIGN", "EXPERT_MASK", "F32", "KEY_SHIFT", "LANES", "MODEL_SIZES", "U8", "U16",
     "Availability", "Buffer", "CachePolicy", "CachePolicySpec", "IOStats", "IOTimer", "K3Error",
-    "KdaSeq", "KdaWeights", "KernelBackend", "KernelBackendSpec", "Kind", "Mxfp4", "NumpyBackend", "PluginError",
+    "KdaSeq", "KdaWeights", "KernelBackend", "MlaSeq", "MlaWeights", "KernelBackendSpec", "Kind", "Mxfp4", "NumpyBackend", "PluginError",
     "PluginSpec", "StorageBackend", "StorageBackendSpec", "StorageError", "StorageFile",
     "UsageError",
     "align_up", "aligned_empty", "available", "byte_view", "checked_destination", "contract",

@@ -106,3 +106,16 @@ int k3_moe_route(const float *src, int64_t S, int64_t T, int64_t E, const float 
                  void *down, uint8_t *down_s, int64_t N, int64_t lat, const float *bias,
                  int64_t k, int64_t kk, int renorm, double scale, float *xn, int64_t *idx,
                  float *w, float *z);
+/* A gated MLA layer's attention (KernelBackend.mla_mix): q_a [QL, E], kv_a [C + r, E], gate
+ * [H * dv, E] (NULL: none), q_b [H * (n + r), QL], o_proj [out_rows, H * dv], all of `kind`;
+ * kv_b bf16 (kv_kind 0) or f32 (1) [H * (n + dv), C]. nseq sequences split the T rows of
+ * x: seq_rows, their caches [*, C + r] (rows pos .. pos + rows written), positions before,
+ * and the rows that attend (each sequence's last attend[s]); y[sum(attend), out_rows]. */
+int k3_mla_mix(int kind, const void *q_a, const uint8_t *q_a_s, const void *kv_a,
+               const uint8_t *kv_a_s, const void *gate, const uint8_t *gate_s,
+               const float *q_a_norm, const float *kv_a_norm, const void *q_b,
+               const uint8_t *q_b_s, const void *kv_b, int kv_kind, const void *o_proj,
+               const uint8_t *o_proj_s, int64_t E, int64_t QL, int64_t C, int64_t r,
+               int64_t H, int64_t n, int64_t dv, int64_t out_rows, double scale, double eps,
+               const float *x, int64_t T, int nseq, const int64_t *seq_rows, float **cache,
+               const int64_t *pos, const int64_t *attend, float *y);

@@ -128,3 +128,83 @@ int k3_moe_route(const float *src, int64_t S, int64_t T, int64_t E, const float 
     k3__free(logits);
     return rc;
 }
+
+int k3_mla_mix(int kind, const void *q_a, const uint8_t *q_a_s, const void *kv_a,
+               const uint8_t *kv_a_s, const void *gate, const uint8_t *gate_s,
+               const float *q_a_norm, const float *kv_a_norm, const void *q_b,
+               const uint8_t *q_b_s, const void *kv_b, int kv_kind, const void *o_proj,
+               const uint8_t *o_proj_s, int64_t E, int64_t QL, int64_t C, int64_t r,
+               int64_t H, int64_t n, int64_t dv, int64_t out_rows, double scale, double eps,
+               const float *x, int64_t T, int nseq, const int64_t *seq_rows, float **cache,
+               const int64_t *pos, const int64_t *attend, float *y) {
+    int64_t Q = 0;
+    for (int s = 0; s < nseq; s++) Q += attend[s];
+    const int part = Q < T;
+    const int64_t G = gate ? H * dv : 0, W = C + r, qw = H * (n + r);
+    /* ckv [T, W], lat_in and lat [T, C], xk [Q, E], qa and cq [Q, QL], g [Q, G], q [Q, qw],
+     * o [Q, H * dv] */
+    const size_t nf = (size_t)T * (size_t)(W + 2 * C) +
+                      (size_t)Q * (size_t)((part ? E : 0) + 2 * QL + G + qw + H * dv);
+    float *buf = (float *)k3__alloc(nf * sizeof(float));
+    if (!buf) return K3_ENOMEM;
+    float *ckv = buf, *lat_in = ckv + T * W, *lat = lat_in + T * C, *xk = lat + T * C;
+    float *qa = xk + (part ? Q * E : 0), *cq = qa + Q * QL, *g = cq + Q * QL, *q = g + Q * G;
+    float *o = q + Q * qw;
+    int rc;
+    void *w3[3] = {(void *)q_a, (void *)kv_a, (void *)gate};
+    uint8_t *s3[3] = {(uint8_t *)q_a_s, (uint8_t *)kv_a_s, (uint8_t *)gate_s};
+    if (!part) {  /* every row attends: the down-projections (and the gate) in one call */
+        const int64_t rows3[3] = {QL, W, G};
+        float *y3[3] = {qa, ckv, g};
+        rc = k3_matmul_many(kind, gate ? 3 : 2, w3, kind == 2 ? s3 : NULL, rows3, E, x, T, y3);
+    } else {
+        rc = fused_mm(kind, kv_a, kv_a_s, W, E, x, T, ckv);
+    }
+    if (rc) goto done;
+    for (int64_t t = 0; t < T; t++) memcpy(lat_in + t * C, ckv + t * W, (size_t)C * sizeof(float));
+    k3_rmsnorm(lat_in, T, C, kv_a_norm, eps, lat);
+    int64_t a = 0, j = 0;
+    for (int s = 0; s < nseq; s++) {  /* every row's latent and rope key to its cache */
+        for (int64_t t = 0; t < seq_rows[s]; t++) {
+            float *row = cache[s] + (pos[s] + t) * W;
+            memcpy(row, lat + (a + t) * C, (size_t)C * sizeof(float));
+            memcpy(row + C, ckv + (a + t) * W + C, (size_t)r * sizeof(float));
+        }
+        if (part)  /* the rows that attend, gathered for their projections */
+            for (int64_t t = seq_rows[s] - attend[s]; t < seq_rows[s]; t++, j++)
+                memcpy(xk + j * E, x + (a + t) * E, (size_t)E * sizeof(float));
+        a += seq_rows[s];
+    }
+    if (Q == 0) goto done;
+    if (part) {
+        void *w2[2] = {(void *)q_a, (void *)gate};
+        uint8_t *s2[2] = {(uint8_t *)q_a_s, (uint8_t *)gate_s};
+        const int64_t rows2[2] = {QL, G};
+        float *y2[2] = {qa, g};
+        rc = k3_matmul_many(kind, gate ? 2 : 1, w2, kind == 2 ? s2 : NULL, rows2, E, xk, Q, y2);
+        if (rc) goto done;
+    }
+    k3_rmsnorm(qa, Q, QL, q_a_norm, eps, cq);
+    rc = fused_mm(kind, q_b, q_b_s, qw, QL, cq, Q, q);
+    if (rc) goto done;
+    a = 0;
+    j = 0;
+    for (int s = 0; s < nseq; s++) {  /* each sequence's attending rows over its own cache */
+        const int64_t m = attend[s];
+        if (m > 0) {
+            rc = k3_mla_latent_attention(q + j * qw, cache[s], kv_b, kv_kind, m, H, n, C, r, dv,
+                                         pos[s] + seq_rows[s] - m, scale, o + j * H * dv);
+            if (rc) goto done;
+        }
+        j += m;
+        a += seq_rows[s];
+    }
+    if (gate) {
+        k3_sigmoid(g, Q * G, g);
+        for (int64_t i = 0; i < Q * G; i++) o[i] = o[i] * g[i];
+    }
+    rc = fused_mm(kind, o_proj, o_proj_s, out_rows, H * dv, o, Q, y);
+done:
+    k3__free(buf);
+    return rc;
+}

@@ -180,6 +180,42 @@ class KdaSeq:
     state: F32
 
 
+@dataclass(frozen=True)
+class MlaWeights:
+    """One gated MLA layer's weights, as :meth:`KernelBackend.mla_mix` takes them
+    (``docs/model.md`` §5.5): ``q_a`` and ``kv_a`` the down-projections of the layer's input
+    (``kv_a`` gives the latent's ``kv_lora`` columns, then the rope key), ``gate`` the output
+    gate (None for an ungated model), their norms' gains, ``q_b`` the query up-projection,
+    ``kv_b`` the key/value up-projection the attention absorbs, ``o_proj``; ``heads`` the
+    attention heads, ``scale`` the scores' float64 scale, ``eps`` the norms' epsilon."""
+
+    q_a: W
+    kv_a: W
+    gate: W | None
+    q_a_norm: F32
+    kv_a_norm: F32
+    q_b: W
+    kv_b: U16 | F32
+    o_proj: W
+    kv_lora: int
+    heads: int
+    scale: float
+    eps: float
+
+
+@dataclass(frozen=True)
+class MlaSeq:
+    """One sequence's share of a :meth:`KernelBackend.mla_mix` call: its ``rows`` of the
+    input, its KV ``cache`` ``[capacity, kv_lora + rope]`` (rows ``pos .. pos + rows`` are
+    written in place), the positions ``pos`` before them, and how many of its last rows
+    ``attend`` (all of them, or a pass's last layer's asked rows)."""
+
+    rows: int
+    cache: F32
+    pos: int
+    attend: int
+
+
 class KernelBackend(ABC):
     """Interface every kernel backend implements; see the module docstring for the contract.
 
@@ -351,6 +387,53 @@ class KernelBackend(ABC):
         o = outs[0] if len(outs) == 1 else np.concatenate(outs)
         o = self.rmsnorm(o, w.o_norm, w.eps).reshape(T, H * D)
         return self.matmul(w.o_proj, o * self.sigmoid(rg))
+
+    def mla_mix(self, x: F32, w: MlaWeights, seqs: Sequence[MlaSeq]) -> F32:
+        """A gated MLA layer's attention over ``x[T, E]`` (``docs/model.md`` §5.5): every row's
+        latent (``rmsnorm`` of ``kv_a``'s first ``kv_lora`` columns) and rope key written to
+        its sequence's cache; the rows that attend (each sequence's last ``attend``) take
+        ``q_a``, its norm, ``q_b``, ``mla_latent_attention`` over their own cache, the
+        output gate and ``o_proj``; the down-projections of a pass where every row attends
+        in one ``matmul_many``. Exactly the bits of these separate ops, which this default
+        runs. ``[sum(attend), E]`` out."""
+        T = x.shape[0]
+        if not seqs or sum(s.rows for s in seqs) != T:
+            raise ValueError(f"mla_mix: the sequences' rows do not add up to the {T} input rows")
+        if any(not 0 <= s.attend <= s.rows for s in seqs):
+            raise ValueError("mla_mix: a sequence attends with more rows than it has")
+        C, H = w.kv_lora, w.heads
+        part = any(s.attend < s.rows for s in seqs)
+        ws = [w.q_a, w.kv_a] + ([w.gate] if w.gate is not None else [])
+        if not part:
+            qa, ckv, *gate = self.matmul_many(ws, x)
+        else:
+            ckv = self.matmul(w.kv_a, x)
+        latent = self.rmsnorm(np.ascontiguousarray(ckv[:, :C]), w.kv_a_norm, w.eps)
+        ends = np.cumsum([s.rows for s in seqs])
+        for s, b in zip(seqs, ends, strict=True):
+            a = b - s.rows
+            s.cache[s.pos : s.pos + s.rows, :C] = latent[a:b]
+            s.cache[s.pos : s.pos + s.rows, C:] = ckv[a:b, C:]
+        if part:
+            keep = np.concatenate([np.arange(b - s.attend, b, dtype=np.int64)
+                                   for s, b in zip(seqs, ends, strict=True)])
+            if not keep.size:
+                return np.empty((0, w.o_proj.shape[0]), dtype=np.float32)
+            qa, *gate = self.matmul_many([ws[0], *ws[2:]], np.ascontiguousarray(x[keep]))
+        cq = self.rmsnorm(qa, w.q_a_norm, w.eps)
+        Q = cq.shape[0]
+        q = self.matmul(w.q_b, cq).reshape(Q, H, -1)
+        outs, j = [], 0
+        for s in seqs:
+            if s.attend:  # its last rows attend, from position pos + rows - attend
+                outs.append(self.mla_latent_attention(
+                    np.ascontiguousarray(q[j : j + s.attend]), s.cache[: s.pos + s.rows], w.kv_b,
+                    s.pos + s.rows - s.attend, w.scale))
+                j += s.attend
+        o = (outs[0] if len(outs) == 1 else np.concatenate(outs)).reshape(Q, -1)
+        if w.gate is not None:
+            o = o * self.sigmoid(gate[0])
+        return self.matmul(w.o_proj, o)
 
     def moe_route(self, sources: F32, fold: F32, norm: F32, eps: float, gate: W, down: W,
                   bias: F32, k: int, renorm: bool, scale: float,

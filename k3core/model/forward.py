@@ -19,7 +19,16 @@ import numpy as np
 
 from k3core.api.errors import UsageError
 from k3core.api.experts import ExpertExecutor, ExpertSource
-from k3core.api.kernels import F32, U16, KdaSeq, KdaWeights, KernelBackend, Mxfp4
+from k3core.api.kernels import (
+    F32,
+    U16,
+    KdaSeq,
+    KdaWeights,
+    KernelBackend,
+    MlaSeq,
+    MlaWeights,
+    Mxfp4,
+)
 from k3core.model.config import ModelConfig
 from k3core.model.layer_params import LayerParams
 from k3core.model.local_experts import LocalExperts
@@ -316,44 +325,28 @@ class Model:
         whose logits are asked, each sequence's last ones), every row's latent still goes to
         its sequence's KV cache but only the ``keep`` rows attend, and the output has those
         rows (each row's bits are the full pass's: attention is per query row over its own
-        cache up to its position). The projections take all rows in one call."""
-        c, k = self.cfg, self.k
-        T, H, n, r, dv = x.shape[0], c.n_heads, c.qk_nope, c.qk_rope, c.v_head
-        part = keep is not None and keep.size < T
-        ws = [p["self_attn.q_a_proj.weight"], p["self_attn.kv_a_proj_with_mqa.weight"]]
-        if c.mla_out_gate:
-            ws.append(p["self_attn.g_proj.weight"])
-        if not part:  # the projections of x in one call: q down, kv down (+ rope key), gate
-            qa, ckv, *gate = k.matmul_many(ws, x)
-        else:  # the latent of every row here; q and the gate below, of the rows that attend
-            ckv = k.matmul(ws[1], x)
-        # the cache holds the latent and the rope key; attention absorbs kv_b_proj (§5.5)
-        latent = k.rmsnorm(np.ascontiguousarray(ckv[:, : c.kv_lora]), p["self_attn.kv_a_layernorm.weight"], c.rms_eps)
-        for a, b, st in segs.spans():
-            cache = st.kv_cache(p.layer)
-            cache.rows[st.pos : st.pos + b - a, : c.kv_lora] = latent[a:b]
-            cache.rows[st.pos : st.pos + b - a, c.kv_lora :] = ckv[a:b, c.kv_lora :]
-        if part:
-            assert keep is not None
-            if not keep.size:  # no row attends (a chunk before the one whose logits are asked)
-                return np.empty((0, c.hidden), dtype=np.float32)
-            qa, *gate = k.matmul_many([ws[0], *ws[2:]], np.ascontiguousarray(x[keep]))
-        cq = k.rmsnorm(qa, p["self_attn.q_a_layernorm.weight"], c.rms_eps)
-        Q = cq.shape[0]
-        q = k.matmul(p["self_attn.q_b_proj.weight"], cq).reshape(Q, H, n + r)
-        w_kvb = p["self_attn.kv_b_proj.weight"]
-        outs, j = [], 0
-        for (a, b, st), m in zip(segs.spans(), segs.attending(part), strict=True):
-            if m:  # this sequence's last m rows attend, from position pos + (b - a - m)
-                q0 = st.pos + (b - a - m)
-                outs.append(k.mla_latent_attention(np.ascontiguousarray(q[j : j + m]),
-                                                   st.kv_cache(p.layer).rows[: st.pos + b - a],
-                                                   w_kvb, q0, self.mla_scale))
-                j += m
-        o = (outs[0] if len(outs) == 1 else np.concatenate(outs)).reshape(Q, H * dv)
-        if c.mla_out_gate:
-            o = o * k.sigmoid(gate[0])
-        return k.matmul(p["self_attn.o_proj.weight"], o)
+        cache up to its position). One :meth:`KernelBackend.mla_mix` call for every
+        sequence of the pass."""
+        part = keep is not None and keep.size < x.shape[0]
+        seqs = [MlaSeq(b - a, st.kv_cache(p.layer).rows, st.pos, m)
+                for (a, b, st), m in zip(segs.spans(), segs.attending(part), strict=True)]
+        return self.k.mla_mix(x, self.mla_weights(p), seqs)
+
+    def mla_weights(self, p: LayerParams) -> MlaWeights:
+        """An MLA layer's weights as :meth:`KernelBackend.mla_mix` takes them (made once per
+        binding of the layer); the cache holds the latent and the rope key, and attention
+        absorbs ``kv_b_proj`` (§5.5)."""
+        w = p.memo.get("mla")
+        if w is None:
+            c, a = self.cfg, "self_attn."
+            w = p.memo["mla"] = MlaWeights(
+                q_a=p[a + "q_a_proj.weight"], kv_a=p[a + "kv_a_proj_with_mqa.weight"],
+                gate=p[a + "g_proj.weight"] if c.mla_out_gate else None,
+                q_a_norm=p[a + "q_a_layernorm.weight"], kv_a_norm=p[a + "kv_a_layernorm.weight"],
+                q_b=p[a + "q_b_proj.weight"], kv_b=p[a + "kv_b_proj.weight"],
+                o_proj=p[a + "o_proj.weight"], kv_lora=c.kv_lora, heads=c.n_heads,
+                scale=self.mla_scale, eps=c.rms_eps)
+        return w
 
     # ---- MLPs (docs/model.md §5.6-5.7, SiTU §4.5) ---------------------------------------------------
     def situ_mlp(self, gate_w: U16 | F32 | Mxfp4, up_w: U16 | F32 | Mxfp4,

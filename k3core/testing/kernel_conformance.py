@@ -26,7 +26,7 @@ since the small models would otherwise stay below every backend's threading thre
 Nothing is read from disk: the suite runs the same from a wheel-installed k3.
 
 The fused products (``matmul_many``, ``situ_mlp``, ``situ_mlp_many``) and layer parts
-(``attn_res_norm``, ``kda_mix``, ``moe_route``, ``moe_combine``) are compared with the reference's single
+(``attn_res_norm``, ``kda_mix``, ``mla_mix``, ``moe_route``, ``moe_combine``) are compared with the reference's single
 ops (a backend that does not fuse them inherits exactly those), and the
 released-layout model once more with its prompt fed in chunks (``Model.prefill_chunk``).
 
@@ -532,6 +532,62 @@ class KernelConformance:
                 want = want + sh
         assert_same_bits(got, want, f"moe_combine {kind}")
 
+    #: (rows, positions before, rows attending) of each sequence of an ``mla_mix`` call: one
+    #: decode row, a prompt, a batched step, a pass's last layer (only the asked rows attend),
+    #: a chunk before it (none attend)
+    MLA_SEQS: Sequence[Sequence[tuple[int, int, int]]] = (
+        ((1, 5, 1),), ((3, 0, 3),), ((1, 4, 1), (2, 0, 2), (1, 9, 1)), ((3, 2, 1), (2, 0, 1)),
+        ((2, 0, 0),))
+
+    @staticmethod
+    def _mla_case(kind: str, gated: bool, seqs: Sequence[tuple[int, int, int]]
+                  ) -> tuple[Any, Any, list[Any]]:
+        from k3core.api.kernels import MlaSeq, MlaWeights
+
+        rng = _rng("mla-mix", kind, gated, *seqs)
+        E, QL, C, r, H, n, dv = 45, 24, 32, 8, 3, 16, 12
+
+        def w(rows: int, c: int) -> Any:
+            if kind == "bf16":
+                return bf16_bits(rng, (rows, c), finite=True) & np.uint16(0xBFFF)
+            return activations(rng, (rows, c), scale=0.3, mild=True)
+
+        wts = MlaWeights(q_a=w(QL, E), kv_a=w(C + r, E), gate=w(H * dv, E) if gated else None,
+                         q_a_norm=activations(rng, (QL,), mild=True),
+                         kv_a_norm=activations(rng, (C,), mild=True), q_b=w(H * (n + r), QL),
+                         kv_b=w(H * (n + dv), C), o_proj=w(E, H * dv), kv_lora=C, heads=H,
+                         scale=1 / np.sqrt(n + r), eps=1e-5)
+        x = activations(rng, (sum(s[0] for s in seqs), E), mild=True)
+        out = [MlaSeq(rows, activations(rng, (pos + rows + 2, C + r), mild=True), pos, att)
+               for rows, pos, att in seqs]
+        return wts, x, out
+
+    @pytest.mark.parametrize("kind", ["bf16", "f32"])
+    @pytest.mark.parametrize("gated", [True, False], ids=["gated", "ungated"])
+    @pytest.mark.parametrize("case", range(5), ids=lambda i: f"case{i}")
+    def test_mla_mix(self, kb: KernelBackend, kind: str, gated: bool, case: int) -> None:
+        """``mla_mix`` (an MLA layer over several sequences: every row's latent to its cache,
+        the attending rows' queries, attention, gate and output) equals the reference's
+        single ops bit for bit, output and caches; the weights and input are untouched."""
+        import copy
+
+        wts, x, seqs = self._mla_case(kind, gated, self.MLA_SEQS[case])
+        mine, theirs = copy.deepcopy(seqs), copy.deepcopy(seqs)
+        mats = [wts.q_a, wts.kv_a, wts.q_b, wts.kv_b, wts.o_proj] + ([wts.gate] if gated else [])
+        before = _snapshot(x, *mats)
+        with np.errstate(all="ignore"):
+            got = kb.mla_mix(x, wts, mine)
+            want = reference().mla_mix(x, wts, theirs)
+        _check_unchanged(before, [x, *mats], "mla_mix")
+        assert_same_bits(got, want, f"mla_mix {kind} case {case}")
+        for i, (a, b) in enumerate(zip(mine, theirs, strict=True)):
+            assert_same_bits(a.cache, b.cache, f"mla_mix {kind} case {case} cache {i}")
+
+    def test_mla_mix_refuses_rows_that_do_not_add_up(self, backend: KernelBackend) -> None:
+        wts, x, seqs = self._mla_case("f32", True, self.MLA_SEQS[2])
+        with pytest.raises(ValueError, match="mla_mix"):
+            backend.mla_mix(x, wts, seqs[:1])
+
     @pytest.mark.parametrize("kind", ["bf16", "f32", "mxfp4", "mixed"])
     @pytest.mark.parametrize("S,T,N,k", [(1, 1, 8, 2), (3, 3, 64, 8), (2, 2, 5, 5), (2, 1, 7, 9)])
     def test_moe_route(self, kb: KernelBackend, kind: str, S: int, T: int, N: int, k: int) -> None:
@@ -577,6 +633,8 @@ class KernelConformance:
             self.test_moe_combine(backend, "mxfp4", 3, 5, True, True)
             self.test_attn_res_norm(backend, 9, 2, 4097)
             self.test_moe_route(backend, "bf16", 3, 3, 64, 8)
+            for case in range(len(self.MLA_SEQS)):
+                self.test_mla_mix(backend, "bf16", True, case)
         finally:
             backend.set_force_parallel(False)
             backend.set_threads(1)

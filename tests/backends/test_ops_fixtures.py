@@ -149,15 +149,9 @@ def test_mla_scale_and_shared_rope(fixtures, manifest, numpy_backend):
     assert math.isclose(1 / math.sqrt(cfg.qk_nope + cfg.qk_rope), f["scale"])
     t = {f"self_attn.{k[:-7]}.weight": A(v) for k, v in f.items() if k.endswith("_weight")}
 
-    class P:
-        layer = 3
-
-        def __getitem__(self, k):
-            return t[k]
-
     x = A(f["in"])[0]
     st = SequenceState(cfg, x.shape[0])
-    out = model_for(cfg, numpy_backend).mla(P(), x, one_sequence(st, x.shape[0]))
+    out = model_for(cfg, numpy_backend).mla(LayerParams(3, True, False, t), x, one_sequence(st, x.shape[0]))
     close(out, A(f["out"])[0], manifest)
     close(st.kv[3].k_rope, A(f["k_rope"])[0], manifest)
 

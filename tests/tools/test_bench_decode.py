@@ -146,6 +146,13 @@ def test_product_macs_counts_each_matrix_of_a_call_once() -> None:
     outs = np.zeros((3, 2, 6), np.float32)
     up = np.zeros((8, 6), np.uint16)
     assert product_macs("moe_combine", (x3[:, :2], outs, None, 1e-5, up, None)) == 48 * 3
+    from k3core.api.kernels import MlaSeq, MlaWeights
+
+    mla = MlaWeights(q_a=w[:4], kv_a=w, gate=w[:3], q_a_norm=x1, kv_a_norm=x1,
+                     q_b=np.zeros((6, 4), np.uint16), kv_b=w, o_proj=np.zeros((8, 3), np.uint16),
+                     kv_lora=4, heads=1, scale=1.0, eps=1e-5)
+    seqs = [MlaSeq(2, x3, 0, 1), MlaSeq(1, x3, 0, 0)]  # three rows, one of them attending
+    assert product_macs("mla_mix", (x3, mla, seqs)) == 48 * 3 + (32 + 24 + 24 + 24) * 1
     src = np.zeros((2, 3, 8), np.float32)
     assert product_macs("moe_route", (src, x1, x1, 1e-5, w, w[:2], x1, 2, True, 1.0)) == 64 * 3
 
@@ -280,7 +287,7 @@ def test_context_runs_decode_at_built_contexts_checked_against_numpy(model) -> N
     if "cannot run here" in res.output or "unavailable" in res.output:
         pytest.skip("the avx2 backend cannot run here")
     assert res.exit_code == 0, res.output
-    for text in ("context     : 12 positions", "40 positions", "latent attention",
+    for text in ("context     : 12 positions", "40 positions", "MLA layers",
                  "a position of context (12 -> 40)",
                  "every context's ids identical to the same context's on --backend numpy"):
         assert text in res.output, text

@@ -131,21 +131,28 @@ def _mlp_macs(w1: Any, w2: Any, x: Any) -> int:
 
 #: the weight-product ops: the only ones with multiply-adds or decoded weights to count
 PRODUCT_OPS = frozenset({"matmul_bf16", "matmul_f32", "matmul_mxfp4", "matmul_many", "situ_mlp",
-                         "situ_mlp_many", "kda_mix", "moe_combine", "moe_route"})
+                         "situ_mlp_many", "kda_mix", "mla_mix", "moe_combine", "moe_route"})
 
 
-def _matrices(op: str, args: tuple[Any, ...]) -> tuple[list[Any], Any] | None:
-    """The weight matrices a fused layer part multiplies and the input whose rows they take
-    (``kda_mix``: its eight, the gate's up-projection over the gate's low-rank rows, of as
-    many rows as ``x``; ``moe_route``: the router's gate and the latent down-projection over
+def _matrices(op: str, args: tuple[Any, ...]) -> list[tuple[list[Any], int]] | None:
+    """The weight matrices a fused layer part multiplies, in groups with the rows each group
+    takes (``kda_mix``: its eight matrices over ``x``'s rows; ``mla_mix``: the latent's
+    down-projection over every row, the query's, the gate's, ``q_b`` and ``o_proj`` over the
+    attending rows; ``moe_route``: the router's gate and the latent down-projection over
     the block's input rows; ``moe_combine``: its up-projection over the summed latent rows)."""
     if op == "kda_mix" and len(args) >= 2:
         w = args[1]
-        return [*w.proj, w.f_b, w.o_proj], args[0]
-    if op == "moe_route" and len(args) >= 6:  # the gate and the down-projection over xn
-        return [args[4], args[5]], args[0][0] if getattr(args[0], "ndim", 0) == 3 else args[0]
+        return [([*w.proj, w.f_b, w.o_proj], _tokens(args[0]))]
+    if op == "mla_mix" and len(args) >= 3:
+        w, seqs = args[1], args[2]
+        rest = [w.q_a, w.q_b, w.o_proj] + ([w.gate] if w.gate is not None else [])
+        return [([w.kv_a], _tokens(args[0])), (rest, sum(s.attend for s in seqs))]
+    if op == "moe_route" and len(args) >= 6:
+        src = args[0]
+        return [([args[4], args[5]], int(src.shape[1]) if getattr(src, "ndim", 0) == 3 else 1)]
     if op == "moe_combine" and len(args) >= 5:
-        return [args[4]], args[1][:, 0] if getattr(args[1], "ndim", 0) == 3 else args[1]
+        outs = args[1]
+        return [([args[4]], int(outs.shape[0]) if getattr(outs, "ndim", 0) == 3 else 1)]
     return None
 
 
@@ -161,9 +168,9 @@ def product_macs(op: str, args: tuple[Any, ...]) -> int:
         return _mlp_macs(args[0], args[2], args[3])
     if op == "situ_mlp_many" and len(args) >= 2:
         return sum(_mlp_macs(m[0], m[2], x) for m, x in zip(args[0], args[1], strict=False))
-    parts = _matrices(op, args)
-    if parts is not None:
-        return sum(w.shape[0] * w.shape[1] for w in parts[0]) * _tokens(parts[1])
+    groups = _matrices(op, args)
+    if groups is not None:
+        return sum(sum(w.shape[0] * w.shape[1] for w in ws) * t for ws, t in groups)
     return 0
 
 
@@ -184,9 +191,9 @@ def decoded_weights(op: str, args: tuple[Any, ...]) -> int:
     if op == "situ_mlp_many" and len(args) >= 2:
         return sum(sum(_mx(w) for w in m[:3]) for m, x in zip(args[0], args[1], strict=False)
                    if _tokens(x))
-    parts = _matrices(op, args)
-    if parts is not None:
-        return sum(_mx(w) for w in parts[0]) if _tokens(parts[1]) else 0
+    groups = _matrices(op, args)
+    if groups is not None:
+        return sum(sum(_mx(w) for w in ws) for ws, t in groups if t)
     return 0
 
 

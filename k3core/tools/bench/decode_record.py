@@ -189,7 +189,7 @@ class ContextFigures:
     context.py); empty lists without it."""
 
     #: the contexts, in the order given; per context the median over the runs of each run's
-    #: median steady s/token, the runs' own, and the latent attention op's seconds per token
+    #: median steady s/token, the runs' own, and the MLA layers' seconds per token (``mla_mix``)
     context_positions: list[int] = field(default_factory=list)
     context_seconds_per_token: list[float] = field(default_factory=list)
     context_seconds_per_token_runs: list[list[float]] = field(default_factory=list)
@@ -402,7 +402,7 @@ def _context_lines(b: DecodeBench) -> list[str]:
     """The ``--context`` lines."""
     x, f, c = b.context, b.floors, b.check
     lines = ["context     : " + "; ".join(
-        f"{n} positions {t:.4f} s/token (latent attention {a:.4f}, the rest {t - a:.4f})"
+        f"{n} positions {t:.4f} s/token (MLA layers {a:.4f}, the rest {t - a:.4f})"
         for n, t, a in zip(x.context_positions, x.context_seconds_per_token,
                            x.context_attention_seconds_per_token, strict=True))
         + f" (medians of {b.setup.repeat} runs; each context built from a {x.context_seed_ids}-id"
