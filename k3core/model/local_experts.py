@@ -130,9 +130,14 @@ def _expert_rows(idx: np.ndarray) -> dict[int, tuple[np.ndarray, np.ndarray]]:
     flat = idx.reshape(-1)
     if not flat.size:
         return {}
+    ids1 = flat.tolist()
+    if idx.shape[0] == 1 and len(set(ids1)) == len(ids1):  # a decode row: each id once
+        row = np.zeros(1, dtype=np.int64)
+        return {e: (row, np.array([j], dtype=np.int64))
+                for e, j in sorted(zip(ids1, range(len(ids1)), strict=True))}
     order = np.argsort(flat, kind="stable")
     ids = flat[order]
-    cut = np.flatnonzero(ids[1:] != ids[:-1]) + 1
+    cut = (np.flatnonzero(ids[1:] != ids[:-1]) + 1).tolist()
     rows, slots = np.divmod(order, idx.shape[1])
     return {int(ids[a]): (rows[a:b], slots[a:b])
-            for a, b in zip(np.r_[0, cut], np.r_[cut, flat.size], strict=True)}
+            for a, b in zip([0, *cut], [*cut, flat.size], strict=True)}
