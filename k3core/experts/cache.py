@@ -62,7 +62,9 @@ def _skew(ref: ExpertRef) -> int:
 class _Member:
     expert: int
     ref: ExpertRef
-    buf: np.ndarray
+    #: where its bytes are read to; None for a resident expert served as it is (its slot's
+    #: bytes, ``ExpertCache._slot_buf``, taken only if its views must be built again)
+    buf: np.ndarray | None
     slot: int | None  # None: transient (not retained)
     future: Future[float] | None = None  # a read in flight for this batch
     #: a transient expert's buffer (``buf`` lies in it at the expert's offset modulo ALIGN),
@@ -229,6 +231,7 @@ class ExpertCache(ExpertSource):
         if misses:
             self.await_arena()  # no read may land in the arena while it is being faulted in
         for m in sorted(misses, key=lambda m: (str(m.ref.path), m.ref.offset)):
+            assert m.buf is not None  # a miss always has its destination
             m.future = _submit_demand(self._pool, self._read, m.ref, m.buf, m.blocks)
 
     def _walk(self, v: _Visit, misses: list[_Member]) -> None:
@@ -263,8 +266,7 @@ class ExpertCache(ExpertSource):
                     self.stats.hits += 1
                 else:
                     self.stats.extra["reuse"] += 1
-                ref = self.locator.ref(v.layer, e)
-                batch[key] = _Member(e, ref, self._slot_buf(slot, ref), slot)
+                batch[key] = _Member(e, self.locator.ref(v.layer, e), None, slot)
                 protected.add(key)
                 continue
             self.stats.misses += 1
@@ -409,11 +411,12 @@ class ExpertCache(ExpertSource):
     def _weights(self, key: int, m: _Member) -> ExpertWeights:
         """The expert's weights over its bytes: built once per key and slot."""
         if m.slot is None:  # a transient buffer: never served again
+            assert m.buf is not None
             return self.locator.views(m.ref, m.buf)
         got = self._slot_views[m.slot]
         if got is not None and got[0] == key:
             return got[1]
-        w = self.locator.views(m.ref, m.buf)
+        w = self.locator.views(m.ref, m.buf if m.buf is not None else self._slot_buf(m.slot, m.ref))
         self._slot_views[m.slot] = (key, w)
         return w
 
