@@ -120,8 +120,7 @@ class Avx2Backend(KernelBackend):
         self._lib = mod.lib
         self._forced = force_parallel_from_env() if force_parallel is None else bool(force_parallel)
         self._wmemo: dict[int, tuple[Any, ...]] = {}  # id(weight) -> what _winfo found
-        self._kdamemo: dict[int, tuple[Any, ...]] = {}  # id(KdaWeights) -> what _kda_plan found
-        self._mlamemo: dict[int, tuple[Any, ...]] = {}  # id(MlaWeights) -> what _mla_plan found
+        self._plans: dict[int, tuple[Any, ...]] = {}  # id(layer weights) -> what _plan found
         self.set_threads(default_threads() if threads is None else threads)
 
     # --- threads -----------------------------------------------------------------------
@@ -642,17 +641,16 @@ class Avx2Backend(KernelBackend):
             self._check(rc, op)
         return out
 
-    def _kda_plan(self, w: KdaWeights) -> tuple[Any, ...] | None:
-        """What :meth:`kda_mix` hands C for ``w`` (its checks passed), or None where the
-        separate ops must run (matrices of mixed kinds, unexpected shapes); remembered
-        while ``w`` lives, as ``_winfo`` remembers a weight."""
+    def _plan(self, w: Any, check: Any) -> tuple[Any, ...] | None:
+        """What a fused layer part hands C for the layer weights ``w`` (``check(w)``: its
+        checks passed), or None where the separate ops must run (matrices of mixed kinds,
+        unexpected shapes); remembered while ``w`` lives, as ``_winfo`` remembers a weight."""
         key = id(w)
-        hit = self._kdamemo.get(key)
+        hit = self._plans.get(key)
         if hit is not None and hit[0]() is w:
             return hit[1]
-        plan = self._kda_check(w)
-        self._kdamemo[key] = (weakref.ref(w, lambda _r, k=key, m=self._kdamemo: m.pop(k, None)),
-                              plan)
+        plan = check(w)
+        self._plans[key] = (weakref.ref(w, lambda _r, k=key, m=self._plans: m.pop(k, None)), plan)
         return plan
 
     def _kda_check(self, w: KdaWeights) -> tuple[Any, ...] | None:
@@ -687,7 +685,7 @@ class Avx2Backend(KernelBackend):
                 conv, K, self._addr("float *", w.o_norm), E, H, D, R, op[0], keep)
 
     def kda_mix(self, x: F32, w: KdaWeights, seqs: Sequence[KdaSeq]) -> F32:
-        plan = self._kda_plan(w)
+        plan = self._plan(w, self._kda_check)
         T = int(x.shape[0]) if isinstance(x, np.ndarray) and x.ndim == 2 else -1
         if plan is None or T < 1 or not seqs:
             return super().kda_mix(x, w, seqs)
@@ -718,18 +716,6 @@ class Avx2Backend(KernelBackend):
             ffi.new("float *[]", hist), ffi.new("float *[]", state), self._out("float[]", out))
         self._check(rc, "kda_mix")
         return out
-
-    def _mla_plan(self, w: MlaWeights) -> tuple[Any, ...] | None:
-        """What :meth:`mla_mix` hands C for ``w`` (checked), or None where the separate ops
-        must run; remembered while ``w`` lives (as ``_kda_plan``)."""
-        key = id(w)
-        hit = self._mlamemo.get(key)
-        if hit is not None and hit[0]() is w:
-            return hit[1]
-        plan = self._mla_check(w)
-        self._mlamemo[key] = (weakref.ref(w, lambda _r, k=key, m=self._mlamemo: m.pop(k, None)),
-                              plan)
-        return plan
 
     def _mla_check(self, w: MlaWeights) -> tuple[Any, ...] | None:
         mats = [w.q_a, w.kv_a, w.q_b, w.o_proj] + ([w.gate] if w.gate is not None else [])
@@ -763,7 +749,7 @@ class Avx2Backend(KernelBackend):
                 E, QL, C, r, H, n, dv, out_rows, keep)
 
     def mla_mix(self, x: F32, w: MlaWeights, seqs: Sequence[MlaSeq]) -> F32:
-        plan = self._mla_plan(w)
+        plan = self._plan(w, self._mla_check)
         T = int(x.shape[0]) if isinstance(x, np.ndarray) and x.ndim == 2 else -1
         if plan is None or T < 1 or not seqs:
             return super().mla_mix(x, w, seqs)

@@ -98,7 +98,7 @@ from __future__ import annotations
 
 import os
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import cast
 
@@ -364,29 +364,8 @@ class KernelBackend(ABC):
         projections, the gate, each sequence's short convolutions and recurrence on its own
         state (``seqs`` split the rows in order and are updated in place), the per-head
         output norm, the output gate and the output projection, with exactly the bits of
-        these separate ops, which this default runs. ``[T, E]`` out."""
-        T = x.shape[0]
-        if sum(s.rows for s in seqs) != T or not seqs:
-            raise ValueError(f"kda_mix: the sequences' rows do not add up to the {T} input rows")
-        H, D = int(seqs[0].state.shape[0]), int(seqs[0].state.shape[1])
-        rq, rk, rv, rb, fa, rg = self.matmul_many(list(w.proj), x)
-        beta = self.sigmoid(rb)
-        alpha = self.kda_gate(self.matmul(w.f_b, fa), w.dt_bias, w.a_log, w.lower_bound)
-        alpha = alpha.reshape(T, H, D)
-        cuts = np.cumsum([0] + [s.rows for s in seqs])
-        convs: list[list[F32]] = [[], [], []]
-        for s, a, b in zip(seqs, cuts[:-1], cuts[1:], strict=True):
-            for j, r in enumerate((rq, rk, rv)):
-                convs[j].append(self.shortconv(r[a:b], w.conv[j], s.hist[j]))
-        qc, kc, vc = (c[0] if len(c) == 1 else np.concatenate(c) for c in convs)
-        q = self.l2norm(qc.reshape(T, H, D)) * np.float32(w.q_scale)
-        kk = self.l2norm(kc.reshape(T, H, D))
-        v = vc.reshape(T, H, D)
-        outs = [self.kda_recurrent(q[a:b], kk[a:b], v[a:b], alpha[a:b], beta[a:b], s.state)
-                for s, a, b in zip(seqs, cuts[:-1], cuts[1:], strict=True)]
-        o = outs[0] if len(outs) == 1 else np.concatenate(outs)
-        o = self.rmsnorm(o, w.o_norm, w.eps).reshape(T, H * D)
-        return self.matmul(w.o_proj, o * self.sigmoid(rg))
+        these separate ops, which this default runs (:func:`kda_mix_ops`). ``[T, E]`` out."""
+        return kda_mix_ops(self, x, w, seqs)
 
     def mla_mix(self, x: F32, w: MlaWeights, seqs: Sequence[MlaSeq]) -> F32:
         """A gated MLA layer's attention over ``x[T, E]`` (``docs/model.md`` §5.5): every row's
@@ -476,6 +455,43 @@ class KernelBackend(ABC):
         if w.dtype == np.float32:
             return self.matmul_f32(cast(F32, w), x)
         raise TypeError(f"unsupported weight dtype {w.dtype}")
+
+
+#: a sequence's recurrence in :func:`kda_mix_ops`: ``(sequence index, its raw q/k/v
+#: projections, q, k, v, alpha, beta) -> its output rows``
+KdaRecurrence = Callable[[int, tuple[F32, F32, F32], F32, F32, F32, F32, F32], F32]
+
+
+def kda_mix_ops(kb: KernelBackend, x: F32, w: KdaWeights, seqs: Sequence[KdaSeq],
+                recur: KdaRecurrence | None = None) -> F32:
+    """:meth:`KernelBackend.kda_mix` as its separate ops on ``kb`` (its default). ``recur``
+    takes the place of each sequence's ``kda_recurrent`` on its own state (a speculative
+    verify pass records its rollback trail there, ``k3core/model/rollback.py``)."""
+    T = x.shape[0]
+    if sum(s.rows for s in seqs) != T or not seqs:
+        raise ValueError(f"kda_mix: the sequences' rows do not add up to the {T} input rows")
+    H, D = int(seqs[0].state.shape[0]), int(seqs[0].state.shape[1])
+    rq, rk, rv, rb, fa, rg = kb.matmul_many(list(w.proj), x)
+    beta = kb.sigmoid(rb)
+    alpha = kb.kda_gate(kb.matmul(w.f_b, fa), w.dt_bias, w.a_log, w.lower_bound)
+    alpha = alpha.reshape(T, H, D)
+    cuts = np.cumsum([0] + [s.rows for s in seqs])
+    spans = list(zip(seqs, cuts[:-1], cuts[1:], strict=True))
+    convs: list[list[F32]] = [[], [], []]
+    for s, a, b in spans:
+        for j, r in enumerate((rq, rk, rv)):
+            convs[j].append(kb.shortconv(r[a:b], w.conv[j], s.hist[j]))
+    qc, kc, vc = (c[0] if len(c) == 1 else np.concatenate(c) for c in convs)
+    q = kb.l2norm(qc.reshape(T, H, D)) * np.float32(w.q_scale)
+    kk = kb.l2norm(kc.reshape(T, H, D))
+    v = vc.reshape(T, H, D)
+    outs = [kb.kda_recurrent(q[a:b], kk[a:b], v[a:b], alpha[a:b], beta[a:b], s.state)
+            if recur is None else
+            recur(i, (rq[a:b], rk[a:b], rv[a:b]), q[a:b], kk[a:b], v[a:b], alpha[a:b], beta[a:b])
+            for i, (s, a, b) in enumerate(spans)]
+    o = outs[0] if len(outs) == 1 else np.concatenate(outs)
+    o = kb.rmsnorm(o, w.o_norm, w.eps).reshape(T, H * D)
+    return kb.matmul(w.o_proj, o * kb.sigmoid(rg))
 
 
 def latent_shapes(

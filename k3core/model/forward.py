@@ -28,6 +28,7 @@ from k3core.api.kernels import (
     MlaSeq,
     MlaWeights,
     Mxfp4,
+    kda_mix_ops,
 )
 from k3core.model.config import ModelConfig
 from k3core.model.layer_params import LayerParams
@@ -259,49 +260,29 @@ class Model:
 
     # ---- KDA (docs/model.md §5.4) ---------------------------------------------------------------
     def kda(self, p: LayerParams, x: np.ndarray, segs: Segments) -> np.ndarray:
-        """KDA over every row of ``x``: the projections and the gate take all rows in one
-        call, the short convolutions and the recurrence run per sequence on its own state."""
-        c, k = self.cfg, self.k
-        T, H, D = x.shape[0], c.kda_heads, c.kda_head_dim
+        """KDA over every row of ``x`` in one :meth:`KernelBackend.kda_mix` call: the
+        projections and the gate take all rows, the short convolutions and the recurrence
+        run per sequence on its own state. A speculative verify pass runs the same ops one
+        by one (:func:`kda_mix_ops`) so that its sequences record what a rollback needs
+        (``k3core/model/rollback.py``)."""
+        k = self.k
         spans = list(segs.spans())
-        if all(st.trail is None for _, _, st in spans):  # the whole mixer in one call
-            seqs = []
-            for a, b, st in spans:
-                s = st.kda_state(p.layer)
-                seqs.append(KdaSeq(b - a, (s.conv["q"], s.conv["k"], s.conv["v"]), s.S))
+        states = [st.kda_state(p.layer) for _, _, st in spans]
+        seqs = [KdaSeq(b - a, (s.conv["q"], s.conv["k"], s.conv["v"]), s.S)
+                for (a, b, _), s in zip(spans, states, strict=True)]
+        if all(st.trail is None for _, _, st in spans):
             return k.kda_mix(x, self.kda_weights(p), seqs)
-        # a speculative pass records what a rollback needs (model/rollback.py): op by op
-        # every projection of x in one call (q, k, v, beta, the gate's down-projection, g)
-        names = ("q_proj", "k_proj", "v_proj", "b_proj", "f_a_proj", "g_proj")
-        rq, rk, rv, rb, fa, rg = k.matmul_many([p[f"self_attn.{n}.weight"] for n in names], x)
-        beta = k.sigmoid(rb)
-        z = k.matmul(p["self_attn.f_b_proj.weight"], fa)
-        alpha = k.kda_gate(z, p["self_attn.dt_bias"], p["self_attn.A_log"], c.gate_lb)
-        alpha = alpha.reshape(T, H, D)
-        convs: dict[str, list[np.ndarray]] = {n: [] for n in "qkv"}
-        hists = []
-        for a, b, st in spans:  # the short convolutions per sequence, on its own history
-            s = st.kda_state(p.layer)
-            hists.append({n: h.copy() for n, h in s.conv.items()} if st.trail is not None else None)
-            for n, r in zip("qkv", (rq, rk, rv), strict=True):
-                convs[n].append(k.shortconv(r[a:b], p[f"self_attn.{n}_conv1d.weight"], s.conv[n]))
-        qc, kc, vc = (xs[0] if len(xs) == 1 else np.concatenate(xs) for xs in convs.values())
-        q = k.l2norm(qc.reshape(T, H, D)) * self.q_scale  # per row: every sequence at once
-        kk = k.l2norm(kc.reshape(T, H, D))
-        v = vc.reshape(T, H, D)
-        outs = []
-        for (a, b, st), hist0 in zip(spans, hists, strict=True):
-            s = st.kda_state(p.layer)
-            if st.trail is None:
-                outs.append(k.kda_recurrent(q[a:b], kk[a:b], v[a:b], alpha[a:b], beta[a:b], s.S))
-            else:
-                assert hist0 is not None
-                outs.append(st.trail.kda(k, p.layer, s, hist0, (rq[a:b], rk[a:b], rv[a:b]),
-                                         q[a:b], kk[a:b], v[a:b], alpha[a:b], beta[a:b]))
-        o = outs[0] if len(outs) == 1 else np.concatenate(outs)
-        o = k.rmsnorm(o, p["self_attn.o_norm.weight"], c.rms_eps).reshape(T, H * D)
-        o = o * k.sigmoid(rg)
-        return k.matmul(p["self_attn.o_proj.weight"], o)
+        hists = [{n: h.copy() for n, h in s.conv.items()} for s in states]  # before the convs
+
+        def recur(i: int, raw: tuple[np.ndarray, np.ndarray, np.ndarray], q: np.ndarray,
+                  kk: np.ndarray, v: np.ndarray, alpha: np.ndarray, beta: np.ndarray
+                  ) -> np.ndarray:
+            trail, s = spans[i][2].trail, states[i]
+            if trail is None:
+                return k.kda_recurrent(q, kk, v, alpha, beta, s.S)
+            return trail.kda(k, p.layer, s, hists[i], raw, q, kk, v, alpha, beta)
+
+        return kda_mix_ops(k, x, self.kda_weights(p), seqs, recur)
 
     def kda_weights(self, p: LayerParams) -> KdaWeights:
         """A KDA layer's weights as :meth:`KernelBackend.kda_mix` takes them (made once per

@@ -82,14 +82,13 @@ class LocalExperts(ExpertExecutor):
             side.result()
         outs = np.empty((T, idx.shape[1], z.shape[1]), dtype=np.float32)
         where = _expert_rows(idx)
-        one = ({e: int(slots[0]) for e, (_, slots) in where.items()}
-               if T == 1 and all(len(slots) == 1 for _, slots in where.values()) else None)
 
         def put(e: int, y: np.ndarray) -> None:
-            if one is not None:  # a decode row: its slot, without the fancy index
-                outs[0, one[e]] = y[0]
+            rows, slots = where[e]
+            if len(rows) == 1:  # one place (every expert of a decode row): no fancy index
+                outs[rows[0], slots[0]] = y[0]
             else:
-                outs[where[e]] = y
+                outs[rows, slots] = y
 
         serve_experts(self.source, self.k, self.situ, layer, requests,
                       {e: rows for e, (rows, _) in where.items()}, z, put)

@@ -35,6 +35,7 @@ Subclasses may override :attr:`KernelConformance.THREADS` and ``FORCED_THREADS``
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import zlib
 from collections.abc import Iterator, Sequence
@@ -243,6 +244,23 @@ class KernelConformance:
         backend.set_threads(n)
         return backend
 
+    @contextlib.contextmanager
+    def _forced(self, backend: KernelBackend, threads: int) -> Iterator[None]:
+        """``backend`` at ``threads`` threads with every parallel path taken (skipped where
+        the count is not in :attr:`FORCED_THREADS` or the backend cannot run that many), put
+        back to one thread, unforced, afterwards."""
+        if threads not in self.FORCED_THREADS:
+            pytest.skip(f"thread count {threads} not in {type(self).__name__}.FORCED_THREADS")
+        backend.set_threads(threads)
+        if backend.threads < threads:
+            pytest.skip(f"{backend.name} runs at most {backend.threads} threads in this process")
+        backend.set_force_parallel(True)
+        try:
+            yield
+        finally:
+            backend.set_force_parallel(False)
+            backend.set_threads(1)
+
     # --- interface ---------------------------------------------------------------------
     def test_is_a_kernel_backend(self, backend: KernelBackend) -> None:
         assert isinstance(backend, KernelBackend), (
@@ -417,17 +435,9 @@ class KernelConformance:
     def test_situ_mlp_many_parallel_forced(self, backend: KernelBackend, threads: int,
                                            kind: str) -> None:
         """The grouped experts with every parallel path taken, at 1, 2 and 3 threads."""
-        if threads not in self.FORCED_THREADS:
-            pytest.skip(f"thread count {threads} not in {type(self).__name__}.FORCED_THREADS")
-        backend.set_threads(threads)
-        if backend.threads < threads:
-            pytest.skip(f"{backend.name} runs at most {backend.threads} threads in this process")
-        backend.set_force_parallel(True)
-        try:
+        with self._forced(backend, threads):
             for Ts in self.SITU_MANY_TOKENS:
                 self._check_situ_many(backend, kind, Ts)
-        finally:
-            backend.set_force_parallel(False)
 
     def test_situ_mlp_many_refuses_mismatched_inputs(self, backend: KernelBackend) -> None:
         mlps, xs = self._situ_many_case("f32", (2, 3))
@@ -622,22 +632,13 @@ class KernelConformance:
     @pytest.mark.parametrize("threads", [1, 2, 3], ids=lambda n: f"threads{n}")
     def test_fused_parts_parallel_forced(self, backend: KernelBackend, threads: int) -> None:
         """The fused layer parts with every parallel path taken, at 1, 2 and 3 threads."""
-        if threads not in self.FORCED_THREADS:
-            pytest.skip(f"thread count {threads} not in {type(self).__name__}.FORCED_THREADS")
-        backend.set_threads(threads)
-        if backend.threads < threads:
-            pytest.skip(f"{backend.name} runs at most {backend.threads} threads in this process")
-        backend.set_force_parallel(True)
-        try:
+        with self._forced(backend, threads):
             self.test_kda_mix(backend, "bf16", 4, 16, (1, 2, 1))
             self.test_moe_combine(backend, "mxfp4", 3, 5, True, True)
             self.test_attn_res_norm(backend, 9, 2, 4097)
             self.test_moe_route(backend, "bf16", 3, 3, 64, 8)
             for case in range(len(self.MLA_SEQS)):
                 self.test_mla_mix(backend, "bf16", True, case)
-        finally:
-            backend.set_force_parallel(False)
-            backend.set_threads(1)
 
     # --- normalisation and activations ------------------------------------------------------
     @pytest.mark.parametrize("m", WIDTHS + [7168])
@@ -896,18 +897,10 @@ class KernelConformance:
         """The whole models again with every parallel path taken (``set_force_parallel``):
         the small test models stay below every work threshold, so without it the
         multi-threaded code would never run here. Same bytes at 1, 2 and 3 threads."""
-        if threads not in self.FORCED_THREADS:
-            pytest.skip(f"thread count {threads} not in {type(self).__name__}.FORCED_THREADS")
-        backend.set_threads(threads)
-        if backend.threads < threads:
-            pytest.skip(f"{backend.name} runs at most {backend.threads} threads in this process")
         want = _reference_logits(model, incremental)
-        backend.set_force_parallel(True)
-        try:
+        with self._forced(backend, threads):
             net, prompt = _build_model(model, backend)
             got = _decode_logits(net, prompt, incremental)
-        finally:
-            backend.set_force_parallel(False)
         mode = "incremental" if incremental else "full recompute"
         assert len(got) == len(want), f"{model} ({mode}): {len(got)} steps of logits, the reference {len(want)}"
         for step, (g, w) in enumerate(zip(got, want, strict=True)):
@@ -923,14 +916,8 @@ class KernelConformance:
         """The released-layout model with its prompt fed in chunks of ``chunk`` ids
         (``Model.prefill_chunk``), every parallel path forced: the logits of every step are
         the unchunked reference's bytes, and every position's logits too."""
-        if threads not in self.FORCED_THREADS:
-            pytest.skip(f"thread count {threads} not in {type(self).__name__}.FORCED_THREADS")
-        backend.set_threads(threads)
-        if backend.threads < threads:
-            pytest.skip(f"{backend.name} runs at most {backend.threads} threads in this process")
         want = _reference_logits("released", incremental)
-        backend.set_force_parallel(True)
-        try:
+        with self._forced(backend, threads):
             net, prompt = _build_model("released", backend)
             net.prefill_chunk = chunk
             got = _decode_logits(net, prompt, incremental)
@@ -938,8 +925,6 @@ class KernelConformance:
             every = _all_logits(net, prompt)
             assert net.chunks_last == -(-len(prompt) // chunk), (
                 f"prefill_chunk={chunk}: {len(prompt)} ids fed in {net.chunks_last} chunks")
-        finally:
-            backend.set_force_parallel(False)
         mode = "incremental" if incremental else "full recompute"
         for step, (g, w) in enumerate(zip(got, want, strict=True)):
             assert_same_bits(g, w, f"logits ({mode}, chunks of {chunk}, {threads} threads) step {step}")
