@@ -11,19 +11,30 @@ is created, so ``k3 backends`` can report "numba is not installed" instead of fa
 the plugin. Compiled kernels are cached on disk (``cache=True``): the first process pays the
 compilation, later ones load machine code.
 
-Threads: unless ``NUMBA_THREADING_LAYER`` says otherwise, the backend selects Numba's
-``workqueue`` layer. With the OpenMP layer every parallel region had to wake a sleeping
-worker, and on a machine whose other cores were busy that cost milliseconds per region:
-two-thread decoding of a synthetic model ran 8x slower than one thread, while with
-``workqueue`` it ran as fast or faster. ``workqueue`` must not be entered from two threads at
-once, so every kernel launch of this backend goes through one lock (kernels release the
-GIL; the lock only serialises this backend's own parallel launches). A kernel given a single
-thread runs its serial build on the calling thread and never touches the threading layer.
+Threads: unless ``NUMBA_THREADING_LAYER`` says otherwise, the backend asks Numba for its
+OpenMP layer on Linux, where Numba's wheels use GNU OpenMP, and for its ``workqueue`` layer
+where OpenMP cannot load and on other systems. The choice is the launch cost: a decode step
+of medium makes about 500 parallel launches, and ``workqueue`` wakes its sleeping workers
+for each one (50-100 us a launch on a Zen 4 guest, against 2 us for OpenMP, whose workers
+spin a while after a region before they sleep): numba's resident decode took 0.19 s/token
+with ``workqueue`` and 0.11 with OpenMP (docs/measurements/2026-12-07-numba-openmp-zen4.md).
+OpenMP's spin is bounded: unless ``GOMP_SPINCOUNT`` or ``OMP_WAIT_POLICY`` is set, the
+backend sets ``GOMP_SPINCOUNT`` to :data:`GOMP_SPIN` before OpenMP loads. GNU OpenMP's own
+default (300,000 spins) is what made OpenMP the slow choice once: with both cores busy with
+other work, its spinning workers took the cores from the threads doing the work, and a
+two-thread decode ran 0.82 s/token against ``workqueue``'s 0.37; at 30,000 spins it ran
+0.31. Every kernel launch goes through one lock (``workqueue`` must not be entered from two
+threads at once; kernels release the GIL, and the lock only serialises this backend's own
+parallel launches). A kernel given a single thread runs its serial build on the calling
+thread and never touches the threading layer. GNU OpenMP is not fork-safe: a process that
+forks without exec must not launch parallel kernels in the child (k3 never does; its
+workers are started with exec).
 """
 
 from __future__ import annotations
 
 import os
+import sys
 import threading
 from collections.abc import Sequence
 from types import SimpleNamespace
@@ -49,14 +60,31 @@ _INSTALL_HINT = "pip install numba"
 PARALLEL_GRAIN = 1 << 20
 #: Serialises kernel launches (the workqueue threading layer is not re-entrant).
 _LAUNCH = threading.Lock()
+#: GNU OpenMP's spins after a parallel region before a worker sleeps (``GOMP_SPINCOUNT``),
+#: unless the environment chooses (see the module docstring).
+GOMP_SPIN = 30000
+
+
+def _choose_threading_layer(numba: Any) -> None:
+    """OpenMP first on Linux (``workqueue`` when it cannot load), ``workqueue`` elsewhere,
+    unless ``NUMBA_THREADING_LAYER`` or the caller's ``numba.config`` chose; OpenMP's spin
+    bounded unless the environment sets it (see the module docstring)."""
+    if os.environ.get("NUMBA_THREADING_LAYER") or numba.config.THREADING_LAYER != "default":
+        return
+    if not sys.platform.startswith("linux"):
+        numba.config.THREADING_LAYER = "workqueue"
+        return
+    if not (os.environ.get("GOMP_SPINCOUNT") or os.environ.get("OMP_WAIT_POLICY")):
+        os.environ["GOMP_SPINCOUNT"] = str(GOMP_SPIN)  # read when libgomp loads
+    # Numba takes only a permutation of all three; workqueue always loads, so tbb is never reached
+    numba.config.THREADING_LAYER_PRIORITY = ["omp", "workqueue", "tbb"]
 
 
 def _kernels() -> SimpleNamespace:
     """Import Numba and the kernel modules (loads cached machine code, or compiles lazily)."""
     import numba
 
-    if not os.environ.get("NUMBA_THREADING_LAYER") and numba.config.THREADING_LAYER == "default":
-        numba.config.THREADING_LAYER = "workqueue"  # see the module docstring
+    _choose_threading_layer(numba)
     from k3_backends.numba_kernels import (
         attention,
         bits,
@@ -73,8 +101,6 @@ def _kernels() -> SimpleNamespace:
     modules = (attention, bits, exact, experts, matmul, pointwise, recurrent, router)
     cache.drop_stale(obj for m in modules for obj in vars(m).values())
     if cache.cold(obj for m in modules for obj in vars(m).values()):
-        import sys
-
         print("note: numba has no compiled k3 kernels cached yet: the first step compiles "
               "them (several seconds, once; later runs load them from the cache)",
               file=sys.stderr, flush=True)

@@ -87,14 +87,39 @@ def test_serial_and_parallel_builds_are_distinct_in_the_cache():
     assert par.targetoptions.get("parallel") and not ser.targetoptions.get("parallel")
 
 
-def test_workqueue_threading_layer_unless_chosen():
+def test_openmp_threading_layer_on_linux_unless_chosen():
+    """The layer the module docstring describes: OpenMP on Linux where it loads (``workqueue``
+    where it does not), ``workqueue`` elsewhere, the environment's choice when it makes one;
+    and OpenMP's spin bounded unless the environment sets it."""
     import numba
 
     numba_backend.NumbaBackend(threads=2, parallel_grain=0).matmul_bf16(
         np.ones((4, 8), dtype=np.uint16), np.ones((1, 8), dtype=np.float32)
     )
-    if not os.environ.get("NUMBA_THREADING_LAYER"):
+    if os.environ.get("NUMBA_THREADING_LAYER"):
+        return
+    if not sys.platform.startswith("linux"):
         assert numba.threading_layer() == "workqueue"
+        return
+    try:
+        from numba.np.ufunc import omppool  # noqa: F401
+    except ImportError:
+        assert numba.threading_layer() == "workqueue"
+        return
+    assert numba.threading_layer() == "omp"
+    if not os.environ.get("OMP_WAIT_POLICY"):
+        assert os.environ.get("GOMP_SPINCOUNT")
+
+
+def test_threading_layer_left_to_the_environment(monkeypatch):
+    import numba
+
+    monkeypatch.setenv("NUMBA_THREADING_LAYER", "workqueue")
+    monkeypatch.setattr(numba.config, "THREADING_LAYER_PRIORITY", ["tbb", "omp", "workqueue"])
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    numba_backend._choose_threading_layer(numba)
+    assert numba.config.THREADING_LAYER_PRIORITY == ["tbb", "omp", "workqueue"]
+    assert "GOMP_SPINCOUNT" not in os.environ
 
 
 def _fake_dispatcher(path):
