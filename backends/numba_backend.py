@@ -56,8 +56,19 @@ from k3.plugin import (
 )
 
 _INSTALL_HINT = "pip install numba"
-#: Bytes of weights (or equivalent work) per thread below which extra threads are not woken.
+#: Bytes of weights (or equivalent work) per thread below which extra threads are not woken,
+#: under ``workqueue`` (whose launch wakes a sleeping worker: 50-100 us on a Zen 4 guest).
 PARALLEL_GRAIN = 1 << 20
+#: The same under OpenMP, whose launch costs about 2 us while its workers spin: a 15-row
+#: expert product of [672 x 768] MXFP4 (2 MB of work by this measure) ran 0.69 ms on one
+#: thread and 0.35 ms on two, and at 1 MB it had stayed on one.
+OMP_GRAIN = 1 << 18
+#: Weight bytes of one task of the several-token dense products (``matmul.py``'s
+#: ``_dense_t4``): its row tiles stay in the core's L2 while every token quad passes them.
+TILE_BYTES = 1 << 17
+#: Work of one SiTU element, in the grain's bytes (about 170 cycles, as 1.5 KB of a bf16
+#: product at 30 GB/s).
+SITU_WORK = 1536
 #: Serialises kernel launches (the workqueue threading layer is not re-entrant).
 _LAUNCH = threading.Lock()
 #: GNU OpenMP's spins after a parallel region before a worker sleeps (``GOMP_SPINCOUNT``),
@@ -174,7 +185,8 @@ class NumbaBackend(KernelBackend):
     """The kernel contract in Numba; ``threads`` defaults to every core Numba may use.
 
     ``parallel_grain``: bytes of work per thread below which a kernel runs on fewer threads
-    (0 splits every kernel across all ``threads``; the tests use it to exercise the split).
+    (0 splits every kernel across all ``threads``; the tests use it to exercise the split;
+    default :data:`OMP_GRAIN` under OpenMP, :data:`PARALLEL_GRAIN` under any other layer).
     ``force_parallel`` (default: ``K3_FORCE_PARALLEL``) is the same as a grain of 0 while it
     is on (:meth:`set_force_parallel`).
     """
@@ -184,10 +196,14 @@ class NumbaBackend(KernelBackend):
     def __init__(
         self,
         threads: int | None = None,
-        parallel_grain: int = PARALLEL_GRAIN,
+        parallel_grain: int | None = None,
         force_parallel: bool | None = None,
     ) -> None:
         self._k = _kernels()
+        if parallel_grain is None:
+            self._k.numba.get_num_threads()  # loads the threading layer, so it can be named
+            omp = self._k.numba.threading_layer() == "omp"
+            parallel_grain = OMP_GRAIN if omp else PARALLEL_GRAIN
         self._grain = max(0, int(parallel_grain))
         self._forced = force_parallel_from_env() if force_parallel is None else bool(force_parallel)
         if not self._k.bits.subnormals_honoured():
@@ -260,7 +276,9 @@ class NumbaBackend(KernelBackend):
         elif T == 1:
             self._run(mm.dense_t1, work, w, _ro(x[0].astype(np.float64)), out[0])
         else:
-            self._run(mm.dense_t4, work, w, _ro(_widen_padded(x)), out)
+            ntile = -(-rows // 4)
+            tiles = max(1, min(TILE_BYTES // (4 * cols * w.itemsize), ntile // (2 * self._threads)))
+            self._run(mm.dense_t4, work, w, _ro(_widen_padded(x)), out, tiles)
         return out
 
     def matmul_bf16(self, w: U16, x: F32) -> F32:
@@ -379,7 +397,7 @@ class NumbaBackend(KernelBackend):
         if g.size:
             self._run(
                 self._k.pointwise.situ_glu_flat,
-                0,
+                g.size * SITU_WORK,
                 g.reshape(-1),
                 u.reshape(-1),
                 float(b1),

@@ -143,7 +143,7 @@ def _bf16_t1_pairs(wp, xe0, xo0, out0):
         out0[o2] = np.float32(_fold_split(e2, d2))
 
 
-def _dense_t4(w, xd, out):
+def _dense_t4(w, xd, out, tiles):
     """Several tokens: lane-pass tiles of four rows by four tokens.
 
     ``xd`` is float64 ``[T4, cols]`` with ``T4`` a multiple of 4 (rows past ``out.shape[0]``
@@ -157,50 +157,66 @@ def _dense_t4(w, xd, out):
     and writes nothing. One Zen 4 thread, bf16 [1536 x 1536] x 120 tokens: 15.3 GMAC/s
     against 9.9 for four tokens a row with all 32 lanes; in the backend 9.6 -> 13.4-13.9
     (docs/measurements/2026-12-07-numba-decode-zen4.md).
+
+    A task is ``tiles`` row tiles (the caller sizes them so their weights stay in the core's
+    L2), taken one token quad at a time over all of its tiles: the quad's activations are
+    read from L1/L2 by every tile of the task, where a task of one tile streamed the whole
+    ``xd`` (1.5 MB at 128 tokens of 1536 columns) from L3 once per four rows.
     """
     rows, cols = w.shape
     T = out.shape[0]
     full = cols // LANES
-    for rt in prange((rows + 3) // 4):
-        r0 = rt * 4
+    ntile = (rows + 3) // 4
+    for task in prange((ntile + tiles - 1) // tiles):
         lanes = carray(stack_f64(512), 512)  # 4 rows x 4 tokens x 32 lanes
         acc = carray(stack_f64(128), 128)  # 4 rows x 4 tokens x 8 lanes of one pass
         for t0 in range(0, xd.shape[0], 4):
-            for k in range(4):
-                for i in range(128):
-                    acc[i] = 0.0
-                for c in range(full):
-                    b = c * LANES + 8 * k
-                    for j in range(8):
-                        col = b + j
-                        x0 = xd[t0, col]
-                        x1 = xd[t0 + 1, col]
-                        x2 = xd[t0 + 2, col]
-                        x3 = xd[t0 + 3, col]
-                        for r in range(4):
-                            rr = r0 + r
-                            wv = widen(w[rr, col]) if rr < rows else 0.0
-                            acc[(r * 4 + 0) * 8 + j] += x0 * wv
-                            acc[(r * 4 + 1) * 8 + j] += x1 * wv
-                            acc[(r * 4 + 2) * 8 + j] += x2 * wv
-                            acc[(r * 4 + 3) * 8 + j] += x3 * wv
-                for col in range(full * LANES + 8 * k, min(cols, full * LANES + 8 * k + 8)):
-                    j = col - full * LANES - 8 * k  # the tail chunk's columns of this pass
-                    for r in range(4):
-                        rr = r0 + r
-                        wv = widen(w[rr, col]) if rr < rows else 0.0
+            for rt in range(task * tiles, min(ntile, task * tiles + tiles)):
+                r0 = rt * 4
+                _dense_tile(w, xd, t0, r0, rows, cols, full, acc, lanes)
+                for r in range(4):
+                    rr = r0 + r
+                    if rr < rows:
                         for t in range(4):
-                            acc[(r * 4 + t) * 8 + j] += xd[t0 + t, col] * wv
-                for i in range(16):
-                    for j in range(8):
-                        lanes[i * 32 + 8 * k + j] = acc[i * 8 + j]
+                            if t0 + t < T:
+                                q = (r * 4 + t) * 32
+                                out[t0 + t, rr] = np.float32(fold(lanes[q : q + 32]))
+
+
+@njit(inline="always", **JIT)
+def _dense_tile(w, xd, t0, r0, rows, cols, full, acc, lanes):
+    """The 32-lane sums of rows ``r0 .. r0 + 3`` by tokens ``t0 .. t0 + 3`` into ``lanes``
+    (``[row * 4 + token][32]``), four passes of eight lanes through ``acc`` (see
+    :func:`_dense_t4`). Inlined, so the stack slots are the caller's and its lane sums take
+    the caller's ``contract`` flag."""
+    for k in range(4):
+        for i in range(128):
+            acc[i] = 0.0
+        for c in range(full):
+            b = c * LANES + 8 * k
+            for j in range(8):
+                col = b + j
+                x0 = xd[t0, col]
+                x1 = xd[t0 + 1, col]
+                x2 = xd[t0 + 2, col]
+                x3 = xd[t0 + 3, col]
+                for r in range(4):
+                    rr = r0 + r
+                    wv = widen(w[rr, col]) if rr < rows else 0.0
+                    acc[(r * 4 + 0) * 8 + j] += x0 * wv
+                    acc[(r * 4 + 1) * 8 + j] += x1 * wv
+                    acc[(r * 4 + 2) * 8 + j] += x2 * wv
+                    acc[(r * 4 + 3) * 8 + j] += x3 * wv
+        for col in range(full * LANES + 8 * k, min(cols, full * LANES + 8 * k + 8)):
+            j = col - full * LANES - 8 * k  # the tail chunk's columns of this pass
             for r in range(4):
                 rr = r0 + r
-                if rr < rows:
-                    for t in range(4):
-                        if t0 + t < T:
-                            q = (r * 4 + t) * 32
-                            out[t0 + t, rr] = np.float32(fold(lanes[q : q + 32]))
+                wv = widen(w[rr, col]) if rr < rows else 0.0
+                for t in range(4):
+                    acc[(r * 4 + t) * 8 + j] += xd[t0 + t, col] * wv
+        for i in range(16):
+            for j in range(8):
+                lanes[i * 32 + 8 * k + j] = acc[i * 8 + j]
 
 
 assert LANES == 32  # the stack slots below

@@ -20,11 +20,13 @@ from k3_backends.numba_kernels.exact import (
     sumsq_f32,
     tanh_d,
 )
-from k3_backends.numba_kernels.jit import JIT
-from numba import njit
+from k3_backends.numba_kernels.jit import JIT, twins
+from numba import njit, prange
 
 #: Elements per parallel task in the element-wise kernels.
 BLOCK = 4096
+#: Elements per parallel task of the SiTU (dearer per element: smaller tasks balance).
+SITU_BLOCK = 512
 
 
 @njit(**JIT)
@@ -77,17 +79,21 @@ def exp_flat(x, out):
             out[i] = np.float32(exp_d(np.float64(x[i])))
 
 
-@njit(**JIT)
-def situ_glu_flat(g, u, b1, b2, out):
-    """``f32((b1 * tanh_d(g/b1) * sig_d(g)) * (b2 * tanh_d(u/b2)))``, all float64."""
+def _situ_glu_flat(g, u, b1, b2, out):
+    """``f32((b1 * tanh_d(g/b1) * sig_d(g)) * (b2 * tanh_d(u/b2)))``, all float64; blocks of
+    :data:`SITU_BLOCK` elements split over threads (about 170 cycles an element: a SiTU of
+    the 10,080 elements of a 15-row prefill expert took 0.49 ms on one Zen 4 thread)."""
     n = g.shape[0]
-    for blk in range((n + BLOCK - 1) // BLOCK):
-        for i in range(blk * BLOCK, min(n, (blk + 1) * BLOCK)):
+    for blk in prange((n + SITU_BLOCK - 1) // SITU_BLOCK):
+        for i in range(blk * SITU_BLOCK, min(n, (blk + 1) * SITU_BLOCK)):
             gd = np.float64(g[i])
             ud = np.float64(u[i])
             a = b1 * tanh_d(gd / b1) * sig_d(gd)
             c = b2 * tanh_d(ud / b2)
             out[i] = np.float32(a * c)
+
+
+situ_glu_flat = twins(_situ_glu_flat)
 
 
 @njit(**JIT)
