@@ -136,6 +136,21 @@ def _u32_as_f32(typingctx, bits):
     return sig, codegen
 
 
+@intrinsic
+def pow2_d(typingctx, n):
+    """``2.0 ** n`` for an int64 ``n`` in ``[-1022, 1023]`` (a normal float64), built from its
+    bits: ``(n + 1023) << 52``. Outside that range the result is meaningless; callers select
+    it away."""
+    sig = types.float64(types.int64)
+
+    def codegen(context, builder, signature, args):
+        i64 = ir.IntType(64)
+        bits = builder.shl(builder.add(args[0], ir.Constant(i64, 1023)), ir.Constant(i64, 52))
+        return builder.bitcast(bits, _F64)
+
+    return sig, codegen
+
+
 @njit(cache=True, nogil=True)
 def subnormals_honoured() -> bool:
     """True when the smallest float32 subnormal survives widening (no DAZ/FTZ in effect)."""

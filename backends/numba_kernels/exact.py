@@ -11,7 +11,13 @@ versions here branch first, which gives the same value for every input:
 * ``expm1_d``: the series only when ``|x| < EXPM1_SERIES_MAX`` (NaN takes the other branch);
 * ``tanh_d``: saturated to 1 beyond ``TANH_SAT``, sign restored with ``copysign``.
 
-Kernels call these as ordinary jitted functions; LLVM inlines them into the loops.
+``exp_d``, ``expm1_d`` and ``tanh_d`` compute every branch and select, as the NumPy versions
+do, so that LLVM vectorises the element-wise loops that use them.
+
+Kernels call these as ordinary jitted functions; LLVM inlines them into the loops. The
+element-wise ones (``exp_d``, ``expm1_d``, ``tanh_d``, ``sig_d``, ``silu_f``) are inlined by
+Numba itself (``inline="always"``): called, they stayed calls, and no loop using them was
+vectorised.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+from k3_backends.numba_kernels.bits import pow2_d
 from k3_backends.numba_kernels.jit import JIT
 from numba import njit
 
@@ -38,17 +45,21 @@ ROUTER_EPS = C.ROUTER_EPS
 (M1, M2, M3, M4, M5, M6, M7, M8, M9, M10, M11, M12, M13, M14, M15, M16, M17) = C.EXPM1_COEF
 
 
-@njit(**JIT)
+@njit(inline="always", **JIT)
 def exp_d(x):
-    """The contract's exp in float64 (range reduction + degree-13 Taylor, Horner from top)."""
-    if x != x:
-        return np.nan
-    if x > EXP_HI:
-        return np.inf
-    if x < EXP_LO:
-        return 0.0
-    n = np.floor(x * LOG2E + 0.5)
-    r = (x - n * LN2_HI) - n * LN2_LO
+    """The contract's exp in float64 (range reduction + degree-13 Taylor, Horner from top).
+
+    Written without a branch or a call, so that LLVM vectorises the loops that inline it
+    (the SiTU, the gates, the sigmoids): the reduction runs on ``x`` clamped into
+    ``[EXP_LO, EXP_HI]`` and the special cases are selected at the end. ``2**n`` is built
+    from its bits: inside the range ``n`` is in ``[-1021, 1023]`` and ``p`` in about
+    ``[0.70, 1.42]`` (0.914 at ``n = 1023``), so ``p * 2**n`` is a normal number, exact, and
+    equal to ``ldexp(p, n)``.
+    """
+    xc = x if x > EXP_LO else EXP_LO  # NaN takes EXP_LO; it is replaced below
+    xc = xc if xc < EXP_HI else EXP_HI
+    n = np.floor(xc * LOG2E + 0.5)
+    r = (xc - n * LN2_HI) - n * LN2_LO
     p = E13
     p = p * r + E12
     p = p * r + E11
@@ -63,53 +74,56 @@ def exp_d(x):
     p = p * r + E2
     p = p * r + E1
     p = p * r + E0
-    return math.ldexp(p, int(n))
+    v = p * pow2_d(np.int64(n))
+    v = 0.0 if x < EXP_LO else v
+    v = np.inf if x > EXP_HI else v
+    return np.nan if x != x else v
 
 
-@njit(**JIT)
+@njit(inline="always", **JIT)
 def expm1_d(x):
-    """exp(x) - 1: Taylor series (1/1! .. 1/17!) for |x| < 0.5, else exp_d(x) - 1."""
-    if abs(x) < EXPM1_SERIES_MAX:
-        q = M17
-        q = q * x + M16
-        q = q * x + M15
-        q = q * x + M14
-        q = q * x + M13
-        q = q * x + M12
-        q = q * x + M11
-        q = q * x + M10
-        q = q * x + M9
-        q = q * x + M8
-        q = q * x + M7
-        q = q * x + M6
-        q = q * x + M5
-        q = q * x + M4
-        q = q * x + M3
-        q = q * x + M2
-        q = q * x + M1
-        return q * x
-    return exp_d(x) - 1.0
+    """exp(x) - 1: Taylor series (1/1! .. 1/17!) for |x| < 0.5, else exp_d(x) - 1 (both
+    computed, one selected: no branch, see :func:`exp_d`)."""
+    q = M17
+    q = q * x + M16
+    q = q * x + M15
+    q = q * x + M14
+    q = q * x + M13
+    q = q * x + M12
+    q = q * x + M11
+    q = q * x + M10
+    q = q * x + M9
+    q = q * x + M8
+    q = q * x + M7
+    q = q * x + M6
+    q = q * x + M5
+    q = q * x + M4
+    q = q * x + M3
+    q = q * x + M2
+    q = q * x + M1
+    series = q * x
+    other = exp_d(x) - 1.0
+    return series if abs(x) < EXPM1_SERIES_MAX else other
 
 
-@njit(**JIT)
+@njit(inline="always", **JIT)
 def tanh_d(x):
-    """tanh as e / (e + 2), e = expm1_d(2|x|); +-1 beyond TANH_SAT; sign via copysign."""
+    """tanh as e / (e + 2), e = expm1_d(2|x|); +-1 beyond TANH_SAT; sign via copysign
+    (no branch, see :func:`exp_d`)."""
     a = abs(x)
-    if a > TANH_SAT:
-        t = 1.0
-    else:
-        e = expm1_d(a * 2.0)
-        t = e / (e + 2.0)
+    e = expm1_d(a * 2.0)
+    t = e / (e + 2.0)
+    t = 1.0 if a > TANH_SAT else t
     return math.copysign(t, x)
 
 
-@njit(**JIT)
+@njit(inline="always", **JIT)
 def sig_d(x):
     """Logistic sigmoid in float64: 1 / (1 + exp_d(-x))."""
     return 1.0 / (1.0 + exp_d(-x))
 
 
-@njit(**JIT)
+@njit(inline="always", **JIT)
 def silu_f(x):
     """float32 -> float32 SiLU: f32(d(x) * sig_d(d(x)))."""
     xd = np.float64(x)
