@@ -173,7 +173,10 @@ def _dense_t4(w, xd, out, tiles):
         for t0 in range(0, xd.shape[0], 4):
             for rt in range(task * tiles, min(ntile, task * tiles + tiles)):
                 r0 = rt * 4
-                _dense_tile(w, xd, t0, r0, rows, cols, full, acc, lanes)
+                if r0 + 4 <= rows:
+                    _dense_tile(w, xd, t0, r0, rows, cols, full, acc, lanes, True)
+                else:
+                    _dense_tile(w, xd, t0, r0, rows, cols, full, acc, lanes, False)
                 for r in range(4):
                     rr = r0 + r
                     if rr < rows:
@@ -184,11 +187,12 @@ def _dense_t4(w, xd, out, tiles):
 
 
 @njit(inline="always", **JIT)
-def _dense_tile(w, xd, t0, r0, rows, cols, full, acc, lanes):
+def _dense_tile(w, xd, t0, r0, rows, cols, full, acc, lanes, whole):
     """The 32-lane sums of rows ``r0 .. r0 + 3`` by tokens ``t0 .. t0 + 3`` into ``lanes``
     (``[row * 4 + token][32]``), four passes of eight lanes through ``acc`` (see
     :func:`_dense_t4`). Inlined, so the stack slots are the caller's and its lane sums take
-    the caller's ``contract`` flag."""
+    the caller's ``contract`` flag. ``whole`` (a constant at each call): all four rows exist,
+    and the inner loop checks none of them (checked, every row was a branch of its own)."""
     for k in range(4):
         for i in range(128):
             acc[i] = 0.0
@@ -202,7 +206,7 @@ def _dense_tile(w, xd, t0, r0, rows, cols, full, acc, lanes):
                 x3 = xd[t0 + 3, col]
                 for r in range(4):
                     rr = r0 + r
-                    wv = widen(w[rr, col]) if rr < rows else 0.0
+                    wv = widen(w[rr, col]) if whole or rr < rows else 0.0
                     acc[(r * 4 + 0) * 8 + j] += x0 * wv
                     acc[(r * 4 + 1) * 8 + j] += x1 * wv
                     acc[(r * 4 + 2) * 8 + j] += x2 * wv
