@@ -292,65 +292,74 @@ def mx_row_t1(pr, sr, xe0, xo0):
 
 
 def _mxfp4_t4(packed, scales, xe, xo, out):
-    """Several tokens, four per pass: each group is decoded once for four tokens.
+    """Several tokens, four per pass, two rows per task: each group is decoded once for four
+    tokens, and each activation loaded once for both rows.
 
     ``xe``/``xo`` are float64 ``[T4, cols/2]``, ``T4`` a multiple of 4 (zero padding past
-    ``out.shape[0]``, results dropped).
+    ``out.shape[0]``, results dropped). A pass keeps one lane half (the even lanes, then the
+    odd ones) of two rows by four tokens: eight 16-lane accumulators, the registers a whole
+    32-lane pass of one row took, with half the activation loads per multiply-add. One Zen 4
+    thread, [672 x 768] x 16 tokens (a prefill's routed expert): 11.6 against 13.0 GMAC/s
+    for one row a task. With an odd row count the last task computes the last row twice and
+    writes the same bits twice.
     """
     rows = packed.shape[0]
     groups = scales.shape[1]
     T = out.shape[0]
-    for o in prange(rows):
-        pr = packed[o]
-        sr = scales[o]
-        e0 = carray(stack_f64(16), 16)
-        e1 = carray(stack_f64(16), 16)
-        e2 = carray(stack_f64(16), 16)
-        e3 = carray(stack_f64(16), 16)
-        d0 = carray(stack_f64(16), 16)
-        d1 = carray(stack_f64(16), 16)
-        d2 = carray(stack_f64(16), 16)
-        d3 = carray(stack_f64(16), 16)
+    for task in prange((rows + 1) // 2):
+        oa = 2 * task
+        ob = min(oa + 1, rows - 1)
+        ev = carray(stack_f64(128), 128)  # [row * 4 + token][16 even lanes]
+        od = carray(stack_f64(128), 128)  # the same for the odd lanes
         for t0 in range(0, xe.shape[0], 4):
-            for k in range(HALF):
-                e0[k] = 0.0
-                e1[k] = 0.0
-                e2[k] = 0.0
-                e3[k] = 0.0
-                d0[k] = 0.0
-                d1[k] = 0.0
-                d2[k] = 0.0
-                d3[k] = 0.0
-            xe0 = xe[t0]
-            xe1 = xe[t0 + 1]
-            xe2 = xe[t0 + 2]
-            xe3 = xe[t0 + 3]
-            xo0 = xo[t0]
-            xo1 = xo[t0 + 1]
-            xo2 = xo[t0 + 2]
-            xo3 = xo[t0 + 3]
-            for g in range(groups):
-                sc = MX_SCALE[sr[g]]
-                pb = g * HALF
-                for k in range(HALF):
-                    b = pr[pb + k]
-                    ve = e2m1_lo_d(b) * sc
-                    vo = e2m1_hi_d(b) * sc
-                    e0[k] += xe0[pb + k] * ve
-                    e1[k] += xe1[pb + k] * ve
-                    e2[k] += xe2[pb + k] * ve
-                    e3[k] += xe3[pb + k] * ve
-                    d0[k] += xo0[pb + k] * vo
-                    d1[k] += xo1[pb + k] * vo
-                    d2[k] += xo2[pb + k] * vo
-                    d3[k] += xo3[pb + k] * vo
-            out[t0, o] = np.float32(_fold_split(e0, d0))
-            if t0 + 1 < T:
-                out[t0 + 1, o] = np.float32(_fold_split(e1, d1))
-            if t0 + 2 < T:
-                out[t0 + 2, o] = np.float32(_fold_split(e2, d2))
-            if t0 + 3 < T:
-                out[t0 + 3, o] = np.float32(_fold_split(e3, d3))
+            _mx_half_pass(packed[oa], packed[ob], scales[oa], scales[ob], xe, t0, groups,
+                          False, ev)
+            _mx_half_pass(packed[oa], packed[ob], scales[oa], scales[ob], xo, t0, groups,
+                          True, od)
+            for t in range(4):
+                if t0 + t < T:
+                    q = t * HALF
+                    out[t0 + t, oa] = np.float32(_fold_split(ev[q : q + HALF], od[q : q + HALF]))
+                    q = 4 * HALF + t * HALF
+                    out[t0 + t, ob] = np.float32(_fold_split(ev[q : q + HALF], od[q : q + HALF]))
+
+
+@njit(inline="always", **JIT)
+def _mx_half_pass(pa, pb, sa, sb, xq, t0, groups, high, acc):
+    """``acc[(row * 4 + token) * 16 + k]``: lane ``2k`` (``high`` False: the low nibbles,
+    ``xq`` the even columns) or ``2k + 1`` (``high``: the high nibbles, ``xq`` the odd
+    columns) of rows ``pa``/``pb`` by tokens ``t0 .. t0 + 3``, from +0.0, columns in
+    increasing order. Inlined: ``high`` is a constant at each call, and the stack slots and
+    the ``contract`` flag are the caller's."""
+    for i in range(8 * HALF):
+        acc[i] = 0.0
+    x0 = xq[t0]
+    x1 = xq[t0 + 1]
+    x2 = xq[t0 + 2]
+    x3 = xq[t0 + 3]
+    for g in range(groups):
+        sca = MX_SCALE[sa[g]]
+        scb = MX_SCALE[sb[g]]
+        c0 = g * HALF
+        for k in range(HALF):
+            if high:
+                va = e2m1_hi_d(pa[c0 + k]) * sca
+                vb = e2m1_hi_d(pb[c0 + k]) * scb
+            else:
+                va = e2m1_lo_d(pa[c0 + k]) * sca
+                vb = e2m1_lo_d(pb[c0 + k]) * scb
+            a0 = x0[c0 + k]
+            a1 = x1[c0 + k]
+            a2 = x2[c0 + k]
+            a3 = x3[c0 + k]
+            acc[0 * HALF + k] += a0 * va
+            acc[1 * HALF + k] += a1 * va
+            acc[2 * HALF + k] += a2 * va
+            acc[3 * HALF + k] += a3 * va
+            acc[4 * HALF + k] += a0 * vb
+            acc[5 * HALF + k] += a1 * vb
+            acc[6 * HALF + k] += a2 * vb
+            acc[7 * HALF + k] += a3 * vb
 
 
 dense_t1 = twins(_dense_t1, **LANE_SUM)
