@@ -162,11 +162,11 @@ def _rows(x: np.ndarray) -> np.ndarray:
     return x.reshape(-1, x.shape[-1]) if x.ndim else x.reshape(1, 1)
 
 
-def _one_token_mxfp4(mlps: Sequence[tuple[Any, Any, Any]],
-                     xs: Sequence[Any]) -> tuple[int, int, int] | None:
+def _grouped_mxfp4(mlps: Sequence[tuple[Any, Any, Any]],
+                   xs: Sequence[Any]) -> tuple[int, int, int] | None:
     """``(inter, cols, out_rows)`` where at least two experts are all MXFP4 of one shape
     (W1 and W3 ``[inter x cols]``, W2 ``[out_rows x inter]``, whole 32-column groups) and
-    every input is one float32 row of ``cols``; else None."""
+    every input is float32 ``[T, cols]`` with ``T >= 1``; else None."""
     if len(mlps) < 2 or not all(isinstance(w, Mxfp4) for m in mlps for w in m):
         return None
     (inter, cols), (out_rows, inner) = mlps[0][0].shape, mlps[0][2].shape
@@ -175,12 +175,38 @@ def _one_token_mxfp4(mlps: Sequence[tuple[Any, Any, Any]],
     for (w1, w3, w2), x in zip(mlps, xs, strict=True):
         if w1.shape != (inter, cols) or w3.shape != (inter, cols) or w2.shape != (out_rows, inter):
             return None
-        if not (isinstance(x, np.ndarray) and x.dtype == np.float32 and x.shape == (1, cols)):
+        if not (isinstance(x, np.ndarray) and x.dtype == np.float32 and x.ndim == 2
+                and x.shape[0] >= 1 and x.shape[1] == cols):
             return None
         for w in (w1, w3, w2):
             if w.scales.shape != (w.shape[0], w.shape[1] // 32):
                 return None
     return inter, cols, out_rows
+
+
+def _padded_blocks(blocks: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """``blocks`` (float32 ``[T_i, cols]``) widened to float64 into one array, each block
+    padded with zero rows to a multiple of four; and each block's first row in it."""
+    sizes = [-(-b.shape[0] // 4) * 4 for b in blocks]
+    starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+    xd = np.zeros((int(starts[-1]), blocks[0].shape[1]), dtype=np.float64)
+    for b, s in zip(blocks, starts[:-1].tolist(), strict=True):
+        xd[s : s + b.shape[0]] = b
+    return xd, starts[:-1]
+
+
+def _addresses(ws: Sequence[Any]) -> tuple[np.ndarray, list[np.ndarray], int]:
+    """Each MXFP4 matrix's packed and scale bytes' addresses (``[M, 2]`` int64), the arrays
+    (the caller keeps them referenced while a kernel reads them) and their packed bytes."""
+    keep = []
+    rows = []
+    for w in ws:
+        p = np.ascontiguousarray(w.packed, dtype=np.uint8)
+        q = np.ascontiguousarray(w.scales, dtype=np.uint8)
+        keep += [p, q]
+        rows.append((p.ctypes.data, q.ctypes.data))
+    return (np.array(rows, dtype=np.int64).reshape(-1, 2), keep,
+            sum(k.nbytes for k in keep[0::2]))
 
 
 class NumbaBackend(KernelBackend):
@@ -321,38 +347,66 @@ class NumbaBackend(KernelBackend):
         self, mlps: Sequence[tuple[U16 | F32 | Mxfp4, U16 | F32 | Mxfp4, U16 | F32 | Mxfp4]],
         xs: Sequence[F32], b1: float, b2: float,
     ) -> list[F32]:
-        """The routed experts of a layer. Where every expert is MXFP4 of one shape and has
-        one token (a decode step), each stage's rows of every expert run in one parallel
-        region (``numba_kernels/experts.py``: the W1 and W3 rows, one SiTU over all of them,
-        the W2 rows), each row the one-token kernel's; anything else takes the separate
-        calls. The bits are the separate calls' either way."""
+        """The routed experts of a layer. Where every expert is MXFP4 of one shape (and has
+        at least one token), each stage's rows of every expert run in one parallel region
+        (``numba_kernels/experts.py``: the W1 and W3 rows, one SiTU over all of them, the W2
+        rows), each row the one-token kernel's when every expert has one token (a decode
+        step) and the several-token kernel's pass otherwise (a prefill chunk, a batched
+        step); anything else takes the separate calls. The bits are the separate calls'
+        either way."""
         if len(mlps) != len(xs):
             raise ValueError(f"situ_mlp_many: {len(mlps)} MLPs but {len(xs)} inputs")
-        one = _one_token_mxfp4(mlps, xs)
-        if one is None:
+        shape = _grouped_mxfp4(mlps, xs)
+        if shape is None:
             return super().situ_mlp_many(mlps, xs, b1, b2)
-        inter, cols, out_rows = one
+        inter, cols, out_rows = shape
         n = len(mlps)
-        xd = np.concatenate([self._x(x, cols) for x in xs]).astype(np.float64)
         up = [w for w1, w3, _ in mlps for w in (w1, w3)]  # expert e's W1 at 2e, W3 at 2e + 1
-        h = self._mx_rows(up, np.repeat(xd, 2, axis=0), inter, cols)
-        a = self.situ_glu(np.ascontiguousarray(h[0::2]), np.ascontiguousarray(h[1::2]), b1, b2)
-        y = self._mx_rows([w2 for _, _, w2 in mlps], a.astype(np.float64), out_rows, inter)
-        return [y[e : e + 1] for e in range(n)]
+        if all(x.shape[0] == 1 for x in xs):
+            xd = np.concatenate([self._x(x, cols) for x in xs]).astype(np.float64)
+            h = self._mx_rows(up, np.repeat(xd, 2, axis=0), inter, cols)
+            a = self.situ_glu(np.ascontiguousarray(h[0::2]), np.ascontiguousarray(h[1::2]),
+                              b1, b2)
+            y = self._mx_rows([w2 for _, _, w2 in mlps], a.astype(np.float64), out_rows, inter)
+            return [y[e : e + 1] for e in range(n)]
+        counts = np.array([x.shape[0] for x in xs], dtype=np.int64)
+        ooff = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+        xd, xoff = _padded_blocks([self._x(x, cols) for x in xs])
+        hs = self._mx_tokens(up, xd, np.repeat(xoff, 2), np.repeat(counts, 2),
+                             np.tile(np.array([0, 1], dtype=np.int64), n), np.repeat(ooff, 2),
+                             (2, int(counts.sum()), inter), inter, cols)
+        a = self.situ_glu(hs[0], hs[1], b1, b2)
+        ad, aoff = _padded_blocks([a[o : o + c] for o, c in zip(ooff.tolist(), counts.tolist(),
+                                                                 strict=True)])
+        y = self._mx_tokens([w2 for _, _, w2 in mlps], ad, aoff, counts,
+                            np.zeros(n, dtype=np.int64), ooff, (1, int(counts.sum()), out_rows),
+                            out_rows, inter)[0]
+        return [y[o : o + c] for o, c in zip(ooff.tolist(), counts.tolist(), strict=True)]
 
     def _mx_rows(self, ws: list[Any], xd: np.ndarray, rows: int, cols: int) -> F32:
         """Row ``m`` of the result: MXFP4 matrix ``ws[m]`` ([rows x cols]) against token
         ``xd[m]`` (float64), every matrix's rows in one region."""
-        packed = [np.ascontiguousarray(w.packed, dtype=np.uint8) for w in ws]
-        scales = [np.ascontiguousarray(w.scales, dtype=np.uint8) for w in ws]
-        addrs = np.array([(p.ctypes.data, s.ctypes.data) for p, s in zip(packed, scales,
-                                                                       strict=True)],
-                         dtype=np.int64).reshape(-1, 2)
+        addrs, keep, nbytes = _addresses(ws)
         out = np.empty((len(ws), rows), dtype=np.float32)
-        work = 2 * sum(p.nbytes for p in packed)
-        # packed and scales stay referenced here until the kernel returns
-        self._run(self._k.experts.mxfp4_t1_many, work, _ro(addrs), rows, cols, *_even_odd(xd),
-                  out)
+        # ``keep`` holds the packed and scale arrays until the kernel returns
+        self._run(self._k.experts.mxfp4_t1_many, 2 * nbytes, _ro(addrs), rows, cols,
+                  *_even_odd(xd), out)
+        del keep
+        return out
+
+    def _mx_tokens(self, ws: list[Any], xd: np.ndarray, xoff: np.ndarray, counts: np.ndarray,
+                   which: np.ndarray, ooff: np.ndarray, shape: tuple[int, int, int], rows: int,
+                   cols: int) -> F32:
+        """``out[which[m], ooff[m] + t]``: MXFP4 matrix ``ws[m]`` ([rows x cols]) against its
+        ``counts[m]`` tokens at rows ``xoff[m] ..`` of ``xd`` (float64, each matrix's tokens
+        padded to a multiple of four), every matrix's rows in one region."""
+        addrs, keep, _ = _addresses(ws)
+        out = np.empty(shape, dtype=np.float32)
+        work = sum(2 * k.nbytes * -(-int(c) // 4) for k, c in zip(keep[0::2], counts.tolist(),
+                                                                 strict=True))
+        self._run(self._k.experts.mxfp4_t4_many, work, _ro(addrs), rows, cols, *_even_odd(xd),
+                  _ro(xoff), _ro(counts), _ro(which), _ro(ooff), out)
+        del keep
         return out
 
     # --- normalisation and activations ------------------------------------------------------

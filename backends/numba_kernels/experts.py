@@ -1,5 +1,5 @@
-"""The one-token MXFP4 products of many matrices in one parallel region (the routed experts
-of a decode step).
+"""The MXFP4 products of many matrices in one parallel region (the routed experts of a
+decode step, one token each, or of a prefill chunk or a batched step, several each).
 
 One token decoded alone sends each routed expert of a layer through three matrix products
 and a SiTU, each a call of its own: on two threads the launches cost more than they share
@@ -7,14 +7,18 @@ and a SiTU, each a call of its own: on two threads the launches cost more than t
 every matrix of a stage are one ``prange``: the kernel reaches each matrix by the address
 of its packed bytes and scale bytes (the caller keeps the arrays alive), and each row is
 :func:`~k3_backends.numba_kernels.matmul.mx_row_t1`, the one-token kernel's own row, so
-every output has the bits of the separate calls.
+every output has the bits of the separate calls. Several tokens an expert go the same way
+(:func:`_mxfp4_t4_many`): each matrix's rows two at a time against its own tokens, four at a
+time, with the several-token kernel's own pass (``matmul.py``'s ``_mx_half_pass``), so a
+prefill layer's 64 experts are three parallel regions instead of about 200 calls.
 """
 
 from __future__ import annotations
 
 import numpy as np
 from k3_backends.numba_kernels.jit import LANE_SUM, twins
-from k3_backends.numba_kernels.matmul import mx_row_t1
+from k3_backends.numba_kernels.matmul import HALF, _fold_split, _mx_half_pass, mx_row_t1
+from k3_backends.numba_kernels.scratch import stack_f64
 from llvmlite import ir
 from numba import carray, prange, types
 from numba.extending import intrinsic
@@ -44,4 +48,39 @@ def _mxfp4_t1_many(addrs, rows, cols, xe, xo, out):
         out[m, o] = np.float32(mx_row_t1(pr, sr, xe[m], xo[m]))
 
 
+def _mxfp4_t4_many(addrs, rows, cols, xe, xo, xoff, tcount, which, ooff, out):
+    """``out[which[m], ooff[m] + t, o]``: row ``o`` of matrix ``m`` (``rows x cols`` MXFP4 at
+    ``addrs[m]``, as :func:`_mxfp4_t1_many`) against its token ``t < tcount[m]``, whose even
+    and odd columns (float64) are row ``xoff[m] + t`` of ``xe``/``xo``; each matrix's tokens
+    are padded with zero rows to a multiple of four there."""
+    half, groups = cols // 2, cols // 32
+    pairs = (rows + 1) // 2
+    for i in prange(addrs.shape[0] * pairs):
+        m = i // pairs
+        oa = 2 * (i - m * pairs)
+        ob = min(oa + 1, rows - 1)
+        pa = carray(u8_at(addrs[m, 0] + oa * half), half)
+        pb = carray(u8_at(addrs[m, 0] + ob * half), half)
+        sa = carray(u8_at(addrs[m, 1] + oa * groups), groups)
+        sb = carray(u8_at(addrs[m, 1] + ob * groups), groups)
+        ev = carray(stack_f64(128), 128)
+        od = carray(stack_f64(128), 128)
+        T = tcount[m]
+        x0 = xoff[m]
+        w = which[m]
+        o0 = ooff[m]
+        for t0 in range(0, T, 4):
+            _mx_half_pass(pa, pb, sa, sb, xe, x0 + t0, groups, False, ev)
+            _mx_half_pass(pa, pb, sa, sb, xo, x0 + t0, groups, True, od)
+            for t in range(4):
+                if t0 + t < T:
+                    q = t * HALF
+                    out[w, o0 + t0 + t, oa] = np.float32(_fold_split(ev[q : q + HALF],
+                                                                     od[q : q + HALF]))
+                    q = 4 * HALF + t * HALF
+                    out[w, o0 + t0 + t, ob] = np.float32(_fold_split(ev[q : q + HALF],
+                                                                     od[q : q + HALF]))
+
+
 mxfp4_t1_many = twins(_mxfp4_t1_many, **LANE_SUM)
+mxfp4_t4_many = twins(_mxfp4_t4_many, **LANE_SUM)

@@ -190,32 +190,36 @@ def _mx(rng, rows, cols):
 
 
 @pytest.mark.parametrize("threads,grain", [(1, numba_backend.PARALLEL_GRAIN), (2, 0), (3, 0)])
-def test_one_token_experts_grouped_give_the_separate_calls_bits(threads, grain):
-    """A decode step's routed experts (every one MXFP4, one token each) go through one
-    parallel region per stage (numba_kernels/experts.py), with the bits of one situ_mlp per
-    expert; anything else (an expert with two tokens, a bf16 expert) keeps the separate
+@pytest.mark.parametrize("counts", [(1, 1, 1, 1, 1), (2, 1, 7, 4, 9), (5, 5, 5, 5, 5)])
+def test_grouped_experts_give_the_separate_calls_bits(threads, grain, counts):
+    """A layer's routed experts (every one MXFP4 of one shape) go through one parallel region
+    per stage (numba_kernels/experts.py): one token each (a decode step) by the one-token
+    rows, several (a prefill chunk, a batched step; counts not a multiple of four, an odd row
+    count) by the several-token pass, with the bits of one situ_mlp per expert either way;
+    anything else (an expert with no rows, a bf16 expert, a lone expert) keeps the separate
     calls."""
     from k3core.testing.reference import reference
 
     b = numba_backend.NumbaBackend(threads=threads, parallel_grain=grain)
     rng = np.random.default_rng(7)
-    mlps = [(_mx(rng, 64, 96), _mx(rng, 64, 96), _mx(rng, 96, 64)) for _ in range(5)]
-    xs = [(rng.standard_normal((1, 96)) * 3).astype(np.float32) for _ in mlps]
+    # W1/W3 [64 x 96], W2 [95 x 64]: an odd row count (the last pair is one row twice)
+    mlps = [(_mx(rng, 64, 96), _mx(rng, 64, 96), _mx(rng, 95, 64)) for _ in range(5)]
+    xs = [(rng.standard_normal((c, 96)) * 3).astype(np.float32) for c in counts]
     xs[2][0, ::7] = (np.inf, -0.0, 3e38, 1e-45, -1e-45, 7.0, -2.5, 0.0, 1.0, -1.0, 2.0, 4.0,
                      -4.0, 0.5)
-    assert numba_backend._one_token_mxfp4(mlps, xs) == (64, 96, 96)
+    assert numba_backend._grouped_mxfp4(mlps, xs) == (64, 96, 95)
     with np.errstate(all="ignore"):
         got = b.situ_mlp_many(mlps, xs, 4.0, 25.0)
         want = [reference().situ_mlp(w1, w3, w2, x, 4.0, 25.0)
                 for (w1, w3, w2), x in zip(mlps, xs, strict=True)]
     for g, w in zip(got, want, strict=True):
         assert g.shape == w.shape and g.tobytes() == w.tobytes()
-    two = [*xs[:4], np.concatenate([xs[4], xs[4]])]
-    assert numba_backend._one_token_mxfp4(mlps, two) is None
-    assert numba_backend._one_token_mxfp4(mlps[:1], xs[:1]) is None
+    none = [*xs[:4], xs[4][:0]]
+    assert numba_backend._grouped_mxfp4(mlps, none) is None
+    assert numba_backend._grouped_mxfp4(mlps[:1], xs[:1]) is None
     bf16 = [(rng.integers(0, 1 << 15, (64, 96), dtype=np.uint16),) * 2
             + (rng.integers(0, 1 << 15, (96, 64), dtype=np.uint16),)] * 2
-    assert numba_backend._one_token_mxfp4(bf16, xs[:2]) is None
+    assert numba_backend._grouped_mxfp4(bf16, xs[:2]) is None
 
 
 @pytest.mark.parametrize("offset", [0, 1])
