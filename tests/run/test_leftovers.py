@@ -39,8 +39,12 @@ posix = pytest.mark.skipif(os.name != "posix", reason="POSIX signals")
 pytestmark = posix
 
 # a pack-trunk (or any command) with the test-only `faulty` storage backend registered
+# The writer starts with SIGHUP's default action, as from a terminal: a run under ``nohup``
+# hands its children SIGHUP ignored, and k3 rightly leaves an ignored signal ignored.
 HELD = """
-import sys
+import signal, sys
+if hasattr(signal, "SIGHUP"):
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
 from k3core.testing.faulty_backend import register_faulty
 register_faulty()
 from k3core.cli.__main__ import main
