@@ -80,16 +80,21 @@ GOMP_SPIN = 30000
 
 def _choose_threading_layer(numba: Any) -> None:
     """OpenMP first on Linux (``workqueue`` when it cannot load), ``workqueue`` elsewhere,
-    unless ``NUMBA_THREADING_LAYER`` or the caller's ``numba.config`` chose; OpenMP's spin
+    unless ``NUMBA_THREADING_LAYER``, ``NUMBA_THREADING_LAYER_PRIORITY`` or the caller's
+    ``numba.config`` chose; OpenMP's spin
     bounded unless the environment sets it (see the module docstring)."""
-    if os.environ.get("NUMBA_THREADING_LAYER") or numba.config.THREADING_LAYER != "default":
+    if (os.environ.get("NUMBA_THREADING_LAYER") or os.environ.get("NUMBA_THREADING_LAYER_PRIORITY")
+            or numba.config.THREADING_LAYER != "default"):
         return
     if not sys.platform.startswith("linux"):
         numba.config.THREADING_LAYER = "workqueue"
         return
     if not (os.environ.get("GOMP_SPINCOUNT") or os.environ.get("OMP_WAIT_POLICY")):
         os.environ["GOMP_SPINCOUNT"] = str(GOMP_SPIN)  # read when libgomp loads
-    # Numba takes only a permutation of all three; workqueue always loads, so tbb is never reached
+    # Numba takes only a permutation of all three; workqueue always loads, so tbb is never
+    # reached. Said in the environment too: Numba re-reads its config from the NUMBA_*
+    # variables whenever one changes, and would put its own order back.
+    os.environ["NUMBA_THREADING_LAYER_PRIORITY"] = "omp workqueue tbb"
     numba.config.THREADING_LAYER_PRIORITY = ["omp", "workqueue", "tbb"]
 
 

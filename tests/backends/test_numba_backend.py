@@ -114,12 +114,16 @@ def test_openmp_threading_layer_on_linux_unless_chosen():
 def test_threading_layer_left_to_the_environment(monkeypatch):
     import numba
 
-    monkeypatch.setenv("NUMBA_THREADING_LAYER", "workqueue")
     monkeypatch.setattr(numba.config, "THREADING_LAYER_PRIORITY", ["tbb", "omp", "workqueue"])
     monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
-    numba_backend._choose_threading_layer(numba)
-    assert numba.config.THREADING_LAYER_PRIORITY == ["tbb", "omp", "workqueue"]
-    assert "GOMP_SPINCOUNT" not in os.environ
+    for chosen in ("NUMBA_THREADING_LAYER", "NUMBA_THREADING_LAYER_PRIORITY"):
+        monkeypatch.delenv("NUMBA_THREADING_LAYER", raising=False)
+        monkeypatch.delenv("NUMBA_THREADING_LAYER_PRIORITY", raising=False)
+        monkeypatch.setenv(chosen, "workqueue" if chosen == "NUMBA_THREADING_LAYER"
+                           else "tbb omp workqueue")
+        numba_backend._choose_threading_layer(numba)
+        assert numba.config.THREADING_LAYER_PRIORITY == ["tbb", "omp", "workqueue"]
+        assert "GOMP_SPINCOUNT" not in os.environ
 
 
 def _fake_dispatcher(path):
