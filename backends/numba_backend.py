@@ -396,7 +396,6 @@ class NumbaBackend(KernelBackend):
         # ``keep`` holds the packed and scale arrays until the kernel returns
         self._run(self._k.experts.mxfp4_t1_many, 2 * nbytes, _ro(addrs), rows, cols,
                   *_even_odd(xd), out)
-        del keep
         return out
 
     def _mx_tokens(self, ws: list[Any], xd: np.ndarray, xoff: np.ndarray, counts: np.ndarray,
@@ -406,12 +405,11 @@ class NumbaBackend(KernelBackend):
         ``counts[m]`` tokens at rows ``xoff[m] ..`` of ``xd`` (float64, each matrix's tokens
         padded to a multiple of four), every matrix's rows in one region."""
         addrs, keep, _ = _addresses(ws)
-        out = np.empty(shape, dtype=np.float32)
+        out = np.empty(shape, dtype=np.float32)  # ``keep`` is read by the kernel, as above
         work = sum(2 * k.nbytes * -(-int(c) // 4) for k, c in zip(keep[0::2], counts.tolist(),
                                                                  strict=True))
         self._run(self._k.experts.mxfp4_t4_many, work, _ro(addrs), rows, cols, *_even_odd(xd),
                   _ro(xoff), _ro(counts), _ro(which), _ro(ooff), out)
-        del keep
         return out
 
     # --- normalisation and activations ------------------------------------------------------

@@ -3,16 +3,14 @@
 These reproduce :mod:`k3_backends.exact_numpy` value by value: the same constants from
 :mod:`k3core.api.contract`, the same operation order, each float64 or float32 operation rounded
 on its own (``fastmath=False``: LLVM neither contracts ``a*b+c`` into an FMA nor reorders).
-The vectorised NumPy versions compute every branch and select with ``np.where``; the scalar
-versions here branch first, which gives the same value for every input:
+Like the vectorised NumPy versions, ``exp_d``, ``expm1_d`` and ``tanh_d`` compute every
+branch and select (so that LLVM vectorises the element-wise loops that use them), which
+gives the same value for every input:
 
 * ``exp_d``: NaN -> NaN, ``x > EXP_HI`` -> +inf, ``x < EXP_LO`` -> +0.0, else the reduction
   (inside ``[EXP_LO, EXP_HI]``, ``n`` is far inside the reference's ``[-1100, 1100]`` clip);
 * ``expm1_d``: the series only when ``|x| < EXPM1_SERIES_MAX`` (NaN takes the other branch);
 * ``tanh_d``: saturated to 1 beyond ``TANH_SAT``, sign restored with ``copysign``.
-
-``exp_d``, ``expm1_d`` and ``tanh_d`` compute every branch and select, as the NumPy versions
-do, so that LLVM vectorises the element-wise loops that use them.
 
 Kernels call these as ordinary jitted functions; LLVM inlines them into the loops. The
 element-wise ones (``exp_d``, ``expm1_d``, ``tanh_d``, ``sig_d``, ``silu_f``) are inlined by

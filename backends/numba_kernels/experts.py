@@ -9,7 +9,7 @@ of its packed bytes and scale bytes (the caller keeps the arrays alive), and eac
 :func:`~k3_backends.numba_kernels.matmul.mx_row_t1`, the one-token kernel's own row, so
 every output has the bits of the separate calls. Several tokens an expert go the same way
 (:func:`_mxfp4_t4_many`): each matrix's rows two at a time against its own tokens, four at a
-time, with the several-token kernel's own pass (``matmul.py``'s ``_mx_half_pass``), so a
+time, with the several-token kernel's own row pair (``matmul.py``'s ``mx_pair_tokens``), so a
 prefill layer's 64 experts are three parallel regions instead of about 200 calls.
 """
 
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 from k3_backends.numba_kernels.jit import LANE_SUM, twins
-from k3_backends.numba_kernels.matmul import HALF, _fold_split, _mx_half_pass, mx_row_t1
+from k3_backends.numba_kernels.matmul import mx_pair_tokens, mx_row_t1
 from k3_backends.numba_kernels.scratch import stack_f64
 from llvmlite import ir
 from numba import carray, prange, types
@@ -65,21 +65,8 @@ def _mxfp4_t4_many(addrs, rows, cols, xe, xo, xoff, tcount, which, ooff, out):
         sb = carray(u8_at(addrs[m, 1] + ob * groups), groups)
         ev = carray(stack_f64(128), 128)
         od = carray(stack_f64(128), 128)
-        T = tcount[m]
-        x0 = xoff[m]
-        w = which[m]
-        o0 = ooff[m]
-        for t0 in range(0, T, 4):
-            _mx_half_pass(pa, pb, sa, sb, xe, x0 + t0, groups, False, ev)
-            _mx_half_pass(pa, pb, sa, sb, xo, x0 + t0, groups, True, od)
-            for t in range(4):
-                if t0 + t < T:
-                    q = t * HALF
-                    out[w, o0 + t0 + t, oa] = np.float32(_fold_split(ev[q : q + HALF],
-                                                                     od[q : q + HALF]))
-                    q = 4 * HALF + t * HALF
-                    out[w, o0 + t0 + t, ob] = np.float32(_fold_split(ev[q : q + HALF],
-                                                                     od[q : q + HALF]))
+        mx_pair_tokens(pa, pb, sa, sb, xe, xo, xoff[m], tcount[m], groups, ev, od,
+                       out[which[m], ooff[m] :], oa, ob)
 
 
 mxfp4_t1_many = twins(_mxfp4_t1_many, **LANE_SUM)

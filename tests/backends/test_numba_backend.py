@@ -96,7 +96,8 @@ def test_openmp_threading_layer_on_linux_unless_chosen():
     numba_backend.NumbaBackend(threads=2, parallel_grain=0).matmul_bf16(
         np.ones((4, 8), dtype=np.uint16), np.ones((1, 8), dtype=np.float32)
     )
-    if os.environ.get("NUMBA_THREADING_LAYER"):
+    if os.environ.get("NUMBA_THREADING_LAYER") or os.environ.get(
+            "NUMBA_THREADING_LAYER_PRIORITY", "omp workqueue tbb") != "omp workqueue tbb":
         return
     if not sys.platform.startswith("linux"):
         assert numba.threading_layer() == "workqueue"
